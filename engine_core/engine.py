@@ -1,0 +1,151 @@
+"""The colocated engine: one process, one KV pool, continuous batching.
+
+    step():  schedule -> run the model -> update requests -> detokenize and emit
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from engine_core.config import CacheConfig, SchedulerConfig, dtype_name, resolve_dtype
+from engine_core.kv_cache.layout import KVLayout
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.model_files import resolve_model
+from engine_core.model_loader import load_model
+from engine_core.model_runner import ModelRunner
+from engine_core.output_processor import RequestTextState, build_output
+from engine_core.outputs import RequestOutput
+from engine_core.request import Request, RequestStatus
+from engine_core.sampling_params import SamplingParams
+from engine_core.scheduler import Scheduler
+from engine_core.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        load_tokenizer_: bool = True,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.source = resolve_model(model)
+        self.model, self.model_config = load_model(self.source, self.dtype, self.device)
+        cfg = self.model_config
+        self.tokenizer: Tokenizer | None = (
+            load_tokenizer(self.source, cfg.eos_token_ids) if load_tokenizer_ else None
+        )
+        self.eos_token_ids = (
+            self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids
+        )
+        cache_config = cache_config or CacheConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self.max_model_len = min(
+            scheduler_config.max_model_len or cfg.max_position_embeddings,
+            cfg.max_position_embeddings,
+        )
+        self.layout = KVLayout(
+            model=self.source.name, dtype=dtype_name(self.dtype),
+            block_size=cache_config.block_size, num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        )
+        num_blocks = cache_config.num_blocks or int(
+            cache_config.kv_cache_memory_gb * 2**30
+            // (self.layout.block_nbytes * cfg.num_layers)
+        )
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.layout, num_blocks,
+                                  scheduler_config.max_num_seqs, self.max_model_len,
+                                  self.device, self.eos_token_ids)
+        self.text_states: dict[str, RequestTextState] = {}
+        self._ids = itertools.count()
+        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,
+                    self.dtype, num_blocks, cache_config.block_size)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        req_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {ids}")
+        req_id = req_id if req_id is not None else str(next(self._ids))
+        req = Request(req_id, ids, params, self.eos_token_ids)
+        self.scheduler.add_request(req)
+        self.text_states[req_id] = RequestTextState(req, self.tokenizer, text)
+        return req_id
+
+    def abort_request(self, req_ids: str | list[str]) -> None:
+        ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in ids:
+            self.text_states.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for req in out.reqs:
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+        block_ids = [self.kv.block_ids(r.req_id) for r in out.reqs]
+        sampled, sampler_out = self.runner.execute(out, block_ids)
+        if sampler_out is not None and sampler_out[1].sampled_logprobs is not None:
+            self._record_logprobs(out, *sampler_out)
+        advanced = self.scheduler.update_from_output(out, sampled.tolist())
+        now = time.monotonic()
+        outputs = []
+        for req in advanced:
+            if req.times.first_token is None:
+                req.times.first_token = now
+            state = self.text_states[req.req_id]
+            if state.push(req.output_token_ids[-1:]) and not req.is_finished:
+                self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
+            finished = req.is_finished
+            if finished:
+                req.times.finished = now
+                del self.text_states[req.req_id]
+            outputs.append(build_output(req, state, finished))
+        return outputs
+
+    def _record_logprobs(self, out, rows: list[int], so) -> None:
+        ids = so.sampled_token_ids.tolist()
+        lps = so.sampled_logprobs.tolist()
+        top_ids = so.topk_token_ids.tolist() if so.topk_token_ids is not None else None
+        top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+        for j, i in enumerate(rows):
+            req = out.reqs[i]
+            n = req.sampling_params.logprobs
+            if n is None:
+                continue
+            entry = {ids[j]: lps[j]}
+            if top_ids is not None and n > 0:
+                entry.update(zip(top_ids[j][:n], top_lps[j][:n], strict=True))
+            req.output_logprobs.append(entry)

@@ -1,0 +1,96 @@
+"""The offline API, shaped like vLLM's `LLM`: the colocated baseline in one process.
+
+    llm = LLM()                                     # the default model, bfloat16
+    llm.generate(["Hello"], SamplingParams(max_tokens=32))[0].outputs[0].text
+    llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm import tqdm
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.engine import LLMEngine
+from engine_core.outputs import RequestOutput
+from engine_core.sampling_params import SamplingParams
+
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.engine = LLMEngine(
+            model=model,
+            dtype=dtype,
+            device=device,
+            cache_config=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                                     kv_cache_memory_gb=kv_cache_memory_gb,
+                                     enable_prefix_caching=enable_prefix_caching),
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=max_num_batched_tokens,
+                                             max_model_len=max_model_len),
+        )
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); results in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params must be one or one per prompt ({len(prompts)}), "
+                f"got {len(params)}"
+            )
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template and generate a reply per conversation."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        params = sampling_params or SamplingParams(max_tokens=256, temperature=0.0)
+        prompts = [self.engine.tokenizer.apply_chat_template(c) for c in convs]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(req_ids)
+        with tqdm(total=len(req_ids), disable=not use_tqdm, desc="generating") as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[r] for r in req_ids]

@@ -1,0 +1,57 @@
+"""Paged attention as the model sees it: store this step's K/V, then attend over the cache.
+
+A step's tokens are flattened into one batch, decode sequences first:
+
+    tokens: [ d0 d1 d2 | p0 p0 p0 p0 p1 p1 ]   num_decode_tokens = 3
+              one per     prefill chunks (varlen),
+              decode seq  each after its cached prefix
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV slot of each new token
+    num_decode_tokens: int  # the first num_decode_tokens tokens are decodes, one per sequence
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decodes] int32, KV length incl. the new token
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets after decodes
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
+
+    @property
+    def num_prefills(self) -> int:
+        return self.prefill_seq_lens.shape[0]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
+    nd = meta.num_decode_tokens
+    if meta.num_prefills == 0:
+        return kernels.paged_decode_attention(
+            q, kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    prefill_out = kernels.paged_prefill_attention(
+        q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
+        meta.prefill_seq_lens, scale,
+    )
+    if nd == 0:
+        return prefill_out
+    decode_out = kernels.paged_decode_attention(
+        q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
+    return torch.cat([decode_out, prefill_out], dim=0)

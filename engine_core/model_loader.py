@@ -1,0 +1,39 @@
+"""Build the model on the meta device, materialize it, then load real weights into it."""
+
+from __future__ import annotations
+
+import time
+import logging
+
+import torch
+
+from engine_core.config import ModelConfig
+from engine_core.model.llama import LlamaForCausalLM
+from engine_core.model_files import ModelSource
+from engine_core.weights.gguf_loader import GGUFFile
+from engine_core.weights.safetensors_loader import iter_safetensors, load_hf_config
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    t0 = time.perf_counter()
+    if source.kind == "gguf":
+        gguf = GGUFFile(source.path)
+        config = gguf.model_config()
+        weights = gguf.weights(config)
+    else:
+        config = load_hf_config(source.path)
+        weights = iter_safetensors(source.path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty gives each module its own tensor; share them again
+    model.load_weights(weights)
+    model.init_rope(device)
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
+                time.perf_counter() - t0)
+    return model, config

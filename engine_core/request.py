@@ -1,0 +1,100 @@
+"""A request's state, shared by the scheduler, the KV cache manager and the model runner.
+
+One token-counting model for every phase: `num_computed_tokens` catches up to `num_tokens`
+(prompt + output so far). A fresh prompt, a chunked prefill, a decode step and a recompute
+after preemption are all "compute the tokens in between".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least 1 token, got 0")
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = () if sampling_params.ignore_eos else tuple(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | frozenset(
+            self.eos_token_ids
+        )
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first schedule
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.times = RequestTimes()
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Finish status after the latest token, or None to keep going (stop strings are
+        checked on text, by the output processor)."""
+        p = self.sampling_params
+        if self.num_output_tokens >= p.min_tokens and self.output_token_ids[-1] in (
+            self.stop_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

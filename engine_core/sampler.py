@@ -1,0 +1,352 @@
+"""Batched sampling: one step's logits [B, V] in, one token per request out.
+
+Pipeline, in order (each stage is skipped when no request in the batch needs it):
+
+    raw logprobs   log_softmax of the logits as given (only if some request wants logprobs)
+    penalties      repetition (prompt + output), frequency and presence (output only)
+    blocked ids    (row, token) pairs set to -inf, e.g. EOS before min_tokens
+    greedy         rows with temperature < eps take the argmax here
+    temperature    logits / T
+    top-k, top-p   one sort per batch (top-k alone: a partial topk, no sort)
+    min-p          drop tokens with prob < min_p * max prob
+    sample         exponential race: argmax(probs / q), q ~ Exponential(1)
+
+Reproducibility: the exponential race needs one noise tensor per row. Rows with their own
+`torch.Generator` (seeded requests) draw their row from it; all other rows share one batch
+draw from torch's default generator. A seeded request therefore gets the same tokens whatever
+else is in the batch, provided the runner keeps the request's generator across steps (its state
+advances by one row draw per random step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine_core.sampling_params import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request generator for `SamplingParams.seed`; None for unseeded requests.
+
+    Create it once when the request is admitted and pass the same object every step.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def min_tokens_blocked_ids(
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int],
+    eos_token_ids: Iterable[int],
+) -> list[tuple[int, int]]:
+    """(row, token) pairs to block this step: the stop tokens of every request that has
+    generated fewer than `min_tokens` tokens (EOS unless `ignore_eos`, plus `stop_token_ids`)."""
+    eos_token_ids = tuple(eos_token_ids)
+    blocked = []
+    for row, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True)):
+        if num_out < p.min_tokens:
+            blocked.extend((row, t) for t in sorted(p.all_stop_token_ids(eos_token_ids)))
+    return blocked
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling parameters of one step's running requests, as tensors (row i = request i).
+
+    Build it with `from_requests`, which also sets the `no_*`/`all_*` flags that let the
+    sampler skip stages; the flags must agree with the tensors.
+    """
+
+    temperature: Tensor  # [B] float32 as requested (greedy rows: < eps)
+    is_greedy: Tensor  # [B] bool
+    top_p: Tensor  # [B] float32; 1.0 = disabled
+    top_k: Tensor  # [B] int64; 0 = disabled (-1 and k >= vocab_size normalised to 0)
+    min_p: Tensor  # [B] float32; 0.0 = disabled
+    repetition_penalty: Tensor  # [B] float32; 1.0 = disabled
+    presence_penalty: Tensor  # [B] float32; 0.0 = disabled
+    frequency_penalty: Tensor  # [B] float32; 0.0 = disabled
+    # Per row; None for unseeded rows and for greedy rows (they never draw noise).
+    generators: list[torch.Generator | None]
+    # [B, L] int64, padded with vocab_size. None when no_penalties. Rows that do not need
+    # them (no repetition penalty for the prompt; no penalty at all for the output) are padding.
+    prompt_token_ids: Tensor | None
+    output_token_ids: Tensor | None
+    # [2, N] int64: row indices, token ids. None = nothing blocked. From a dense [B, V] bool
+    # mask: `mask.nonzero().T`.
+    blocked_token_ids: Tensor | None
+    max_num_logprobs: int | None  # max over rows of SamplingParams.logprobs; None = no logprobs
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        *,
+        eos_token_ids: Iterable[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Batch the running requests' parameters (row i = request i).
+
+        `output_ids` are the tokens generated so far; their count also drives min_tokens
+        blocking of `eos_token_ids` and `stop_token_ids` (see `min_tokens_blocked_ids`).
+        `generators[i]` must come from `make_generator(params[i].seed)` and live as long as
+        the request.
+        """
+        num_reqs = len(params)
+        assert len(prompt_ids) == len(output_ids) == len(generators) == num_reqs
+        greedy = [p.is_greedy for p in params]
+        # Greedy rows ignore every filter; disabling them keeps the no_* flags honest.
+        top_k = [
+            0 if g or p.top_k >= vocab_size else max(p.top_k, 0)
+            for p, g in zip(params, greedy, strict=True)
+        ]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
+        no_penalties = not any(p.has_penalties for p in params)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+        def floats(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        prompt_tensor = output_tensor = None
+        if not no_penalties:
+            # Only rows that use them: the prompt for repetition, the output for any penalty.
+            prompt_tensor = _pad_rows(
+                [
+                    ids if p.repetition_penalty != 1.0 else ()
+                    for p, ids in zip(params, prompt_ids, strict=True)
+                ],
+                vocab_size,
+                device,
+            )
+            output_tensor = _pad_rows(
+                [ids if p.has_penalties else () for p, ids in zip(params, output_ids, strict=True)],
+                vocab_size,
+                device,
+            )
+        blocked = min_tokens_blocked_ids(params, [len(ids) for ids in output_ids], eos_token_ids)
+        assert all(t < vocab_size for _, t in blocked), "stop/eos token id >= vocab_size"
+        return cls(
+            temperature=floats([p.temperature for p in params]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_p=floats(top_p),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            min_p=floats(min_p),
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            presence_penalty=floats([p.presence_penalty for p in params]),
+            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            generators=[None if g else gen for gen, g in zip(generators, greedy, strict=True)],
+            prompt_token_ids=prompt_tensor,
+            output_token_ids=output_tensor,
+            blocked_token_ids=(
+                torch.tensor(blocked, dtype=torch.int64, device=device).T if blocked else None
+            ),
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            vocab_size=vocab_size,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_penalties=no_penalties,
+            no_top_k=all(k == 0 for k in top_k),
+            no_top_p=all(p == 1.0 for p in top_p),
+            no_min_p=all(p == 0.0 for p in min_p),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result. Logprobs are *raw*: log_softmax of the logits the model produced,
+    before penalties, blocking, temperature and filtering (vLLM's default "raw_logprobs")."""
+
+    sampled_token_ids: Tensor  # [B] int64
+    # All three None when no row asked for logprobs; n = SamplingBatch.max_num_logprobs (rows
+    # asking for fewer take a prefix).
+    sampled_logprobs: Tensor | None  # [B] float32: logprob of the sampled token
+    topk_token_ids: Tensor | None  # [B, n] int64, by descending logprob
+    topk_logprobs: Tensor | None  # [B, n] float32, descending
+
+
+class Sampler:
+    """Picks one token per row of a [B, V] logits tensor; see the module docstring."""
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """`logits` [B, V] are consumed: the sampler may modify them in place."""
+        assert logits.dim() == 2 and logits.shape[1] == batch.vocab_size, logits.shape
+        assert logits.shape[0] == batch.temperature.shape[0], (logits.shape, batch.temperature)
+        raw_logprobs = None
+        if batch.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # [B, V]
+        logits = logits.to(torch.float32)
+
+        if not batch.no_penalties:
+            assert batch.prompt_token_ids is not None and batch.output_token_ids is not None
+            logits = apply_penalties(
+                logits,
+                batch.prompt_token_ids,
+                batch.output_token_ids,
+                batch.repetition_penalty,
+                batch.presence_penalty,
+                batch.frequency_penalty,
+            )
+        if batch.blocked_token_ids is not None:
+            apply_blocked_tokens(logits, batch.blocked_token_ids)
+        sampled = self._sample(logits, batch)  # [B]
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        assert batch.max_num_logprobs is not None
+        sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [B]
+        topk_logprobs, topk_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)  # [B, n]
+        return SamplerOutput(sampled, sampled_logprobs, topk_ids, topk_logprobs)
+
+    @staticmethod
+    def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        greedy_ids = None if batch.all_random else logits.argmax(dim=-1)  # [B]
+        if batch.all_greedy:
+            assert greedy_ids is not None
+            return greedy_ids
+
+        # Greedy rows get T = 1 so the division stays finite; their row result is discarded.
+        temperature = batch.temperature
+        if not batch.all_random:
+            temperature = temperature.masked_fill(batch.is_greedy, 1.0)
+        logits.div_(temperature.unsqueeze(1))
+        if not (batch.no_top_k and batch.no_top_p):
+            logits = apply_top_k_top_p(
+                logits,
+                None if batch.no_top_k else batch.top_k,
+                None if batch.no_top_p else batch.top_p,
+            )
+        if not batch.no_min_p:
+            apply_min_p(logits, batch.min_p)
+        random_ids = exponential_race(logits.softmax(dim=-1), batch.generators)
+
+        if greedy_ids is None:
+            return random_ids
+        return torch.where(batch.is_greedy, greedy_ids, random_ids)
+
+
+def apply_penalties(
+    logits: Tensor,  # [B, V] float32
+    prompt_token_ids: Tensor,  # [B, Lp] int64, padded with V
+    output_token_ids: Tensor,  # [B, Lo] int64, padded with V
+    repetition_penalty: Tensor,  # [B]
+    presence_penalty: Tensor,  # [B]
+    frequency_penalty: Tensor,  # [B]
+) -> Tensor:
+    """Return penalised logits (a new tensor).
+
+    For each token that occurs in the prompt or the output, a positive logit is divided by
+    `repetition_penalty` and a negative one multiplied by it (HF/vLLM). Then, over output
+    tokens only (OpenAI): `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
+    Neutral values (1, 0, 0) leave a row bit-for-bit unchanged.
+    """
+    num_rows, vocab_size = logits.shape
+    # One extra column catches the padding id, then is dropped.
+    output_counts = logits.new_zeros(num_rows, vocab_size + 1)  # [B, V + 1]
+    output_counts.scatter_add_(
+        1, output_token_ids, torch.ones_like(output_token_ids, dtype=logits.dtype)
+    )
+    output_counts = output_counts[:, :vocab_size]  # [B, V]
+    in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    in_prompt.scatter_(1, prompt_token_ids, True)
+    in_output = output_counts > 0  # [B, V]
+    seen = in_prompt[:, :vocab_size] | in_output  # [B, V]
+
+    rep = repetition_penalty.unsqueeze(1)  # [B, 1]
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, repeated, logits)
+    logits -= frequency_penalty.unsqueeze(1) * output_counts
+    logits -= presence_penalty.unsqueeze(1) * in_output
+    return logits
+
+
+def apply_blocked_tokens(logits: Tensor, blocked_token_ids: Tensor) -> None:
+    """Set logits[row, token] = -inf in place for each column (row, token) of [2, N] pairs."""
+    logits[blocked_token_ids[0], blocked_token_ids[1]] = float("-inf")
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and then its top-p nucleus.
+
+    top_k [B] int64 (0 = keep all): keep tokens whose logit is >= the k-th largest (ties at the
+    boundary are kept). top_p [B] in (0, 1]: keep the smallest set of most likely tokens whose
+    probability (renormalised after top-k) sums to >= p; the most likely token always stays.
+    One stable ascending sort serves both; top-k alone needs only a partial `topk`.
+    Returns the masked logits (possibly `logits` itself, modified in place).
+    """
+    vocab_size = logits.shape[1]
+    if top_p is None:
+        assert top_k is not None
+        return _apply_top_k_only(logits, top_k)
+    sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)  # [B, V]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)  # [B]
+        kth_largest = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))  # [B, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V], ascending
+    # Drop the least likely tokens while their total mass stays <= 1 - p.
+    drop = cum_probs <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_top_k_only(logits: Tensor, top_k: Tensor) -> Tensor:
+    """Top-k without a full sort: the k-th largest logit from `topk(max k)`, in place."""
+    disabled = top_k <= 0  # [B]
+    k = top_k.masked_fill(disabled, 1).clamp(max=logits.shape[1])  # [B]
+    top_values = logits.topk(int(k.max()), dim=-1).values  # [B, max_k], descending
+    kth_largest = top_values.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
+    kth_largest.masked_fill_(disabled.unsqueeze(1), float("-inf"))
+    return logits.masked_fill_(logits < kth_largest, float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
+    """In place: mask tokens whose probability is below min_p [B] times the row's max."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """Sample one token per row of probs [B, V] as argmax(probs / q), q ~ Exponential(1).
+
+    This equals sampling from `probs` (the first of V exponential clocks with rates p_i to
+    ring), and lets each seeded row draw its q from its own generator.
+    """
+    seeded = [(row, g) for row, g in enumerate(generators) if g is not None]
+    q = torch.empty_like(probs)  # [B, V]
+    if len(seeded) < probs.shape[0]:
+        q.exponential_()  # unseeded rows: one draw from the default generator
+    for row, generator in seeded:
+        q[row].exponential_(generator=generator)
+    # q == 0 is possible; clamping keeps 0 / q at 0 instead of NaN (which argmax would pick).
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _pad_rows(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> Tensor:
+    """[len(rows), max_len] int64 tensor of the rows, right-padded with pad_id."""
+    max_len = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max_len), pad_id, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(device)

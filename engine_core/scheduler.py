@@ -1,0 +1,170 @@
+"""The colocated engine's scheduler: a pure state machine (no torch, no I/O).
+
+Each step it gives every running request the tokens it lacks (`num_tokens -
+num_computed_tokens`: one for a decode, a chunk for a prefill) under a token budget, then admits
+waiting requests while blocks and the budget last. When the pool runs dry, the most recently
+admitted running request is preempted: its blocks are freed and it is recomputed later, so no
+request is lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine_core.config import SchedulerConfig
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: requests in order, decodes (one token each) first."""
+
+    reqs: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    finished_req_ids: list[str] = field(default_factory=list)  # since the previous step
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # -- requests in and out --------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        total = req.num_prompt_tokens + req.sampling_params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                f"({req.sampling_params.max_tokens}) must be <= max_model_len "
+                f"({self.max_model_len}), got {total}"
+            )
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish (stop string, abort) requests wherever they are; unknown ids are ignored."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req.req_id)
+        del self.requests[req.req_id]
+        self._finished_since_step.append(req.req_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_step)
+        self._finished_since_step = []
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, req.num_computed_tokens + n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.req_id)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hit_blocks, num_hit = (
+                self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            )
+            n = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        decodes = [(r, n) for r, n in scheduled if n == 1]
+        others = [(r, n) for r, n in scheduled if n != 1]
+        for r, n in decodes + others:
+            out.reqs.append(r)
+            out.num_scheduled_tokens.append(n)
+        out.num_decodes = len(decodes)
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.req_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[int]
+    ) -> list[Request]:
+        """Advance the scheduled requests by their tokens; append the sampled token where the
+        request is now caught up. Returns the requests that got a new token (finished ones
+        included, with their status set)."""
+        advanced = []
+        for req, n, token in zip(out.reqs, out.num_scheduled_tokens, sampled, strict=True):
+            req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: its sampled token is meaningless
+            req.append_output_token(token)
+            advanced.append(req)
+            status = req.check_stop()
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+        return advanced

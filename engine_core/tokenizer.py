@@ -1,0 +1,94 @@
+"""Tokenizer, chat template and incremental detokenization, through transformers/tokenizers.
+
+For a GGUF model, transformers builds a fast tokenizer from the file's BPE vocabulary and
+merges (slow: ~10 s); we save it once as tokenizer.json under $PDSERVE_HOME and load that
+afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine_core.model_files import ModelSource, pdserve_home
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """A thin, narrow face over a Hugging Face fast tokenizer."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int] = ()) -> None:
+        self.hf = hf
+        ids = list(eos_token_ids)
+        if hf.eos_token_id is not None:
+            ids.append(hf.eos_token_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+        self.vocab_size = len(hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(list(ids))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        text = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        # the template already wrote every special token it wants
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    if source.kind == "hf":
+        return Tokenizer(AutoTokenizer.from_pretrained(str(source.path)), eos_token_ids)
+    stat = source.path.stat()
+    cache = pdserve_home() / "tokenizers" / f"{source.path.stem}-{stat.st_size}"
+    if (cache / "tokenizer.json").exists():
+        return Tokenizer(AutoTokenizer.from_pretrained(str(cache)), eos_token_ids)
+    logger.info("building the tokenizer from %s (once; cached in %s)", source.path, cache)
+    hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + ".tmp")
+    hf.save_pretrained(str(tmp))
+    for f in Path(tmp).iterdir():
+        f.replace(cache / f.name)
+    Path(tmp).rmdir()
+    return Tokenizer(hf, eos_token_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character.
+
+    Invariant: `prefix_offset <= read_offset <= len(ids)`; text of ids[:read_offset] has been
+    emitted. A few tokens before read_offset are re-decoded with the new ones so that byte-level
+    BPE pieces and leading-space rules come out as in a full decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""  # an incomplete UTF-8 sequence (or nothing visible) so far
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]

@@ -1,0 +1,147 @@
+"""Read a GGUF file: the model's hyperparameters and its weights under Hugging Face names.
+
+Weights are dequantized to float32 with the `gguf` package. llama.cpp's converter permutes the
+rows of Q and K so that its interleaved RoPE works; we undo it, because our model (like
+Hugging Face's) rotates the two halves of each head (`rotate_half`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from engine_core.config import ModelConfig
+
+SUPPORTED_TYPES = {
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+}
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unknown GGUF tensor name {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved pairs -> two halves per head)."""
+    out_dim = w.shape[0]
+    head_dim = out_dim // n_heads
+    # rows are [head, head_dim/2, 2] in GGUF; Hugging Face wants [head, 2, head_dim/2]
+    return (
+        w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
+
+
+class GGUFFile:
+    """One open GGUF file: metadata, config and weights."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.reader = GGUFReader(str(self.path))
+        self.arch = str(self.field("general.architecture"))
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"GGUF architecture {self.arch!r} is not supported (supported: {SUPPORTED_ARCHS})"
+            )
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def model_config(self) -> ModelConfig:
+        a = self.arch
+        names = {t.name for t in self.reader.tensors}
+        num_heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = self.field(f"{a}.vocab_size") or (len(tokens.data) if tokens else None)
+        scaling = None
+        scaling_type = self.field(f"{a}.rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            scaling = {
+                "rope_type": scaling_type,
+                "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0)),
+            }
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        eot = self.field("tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+        return ModelConfig(
+            name=str(self.field("general.name", self.path.stem)),
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            num_layers=int(self.field(f"{a}.block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
+            head_dim=int(self.field(f"{a}.rope.dimension_count", hidden // num_heads)),
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, float32 tensor) for every tensor in the file."""
+        for t in self.reader.tensors:
+            qtype = GGMLQuantizationType(t.tensor_type)
+            if qtype not in SUPPORTED_TYPES:
+                raise ValueError(
+                    f"tensor {t.name!r} has GGUF type {qtype.name}, which is not supported "
+                    f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
+                )
+            array = dequantize(t.data, qtype)
+            # GGUF lists dims innermost-first; numpy wants them outermost-first
+            shape = tuple(int(d) for d in reversed(t.shape))
+            w = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)  # a copy
+            name = hf_name(t.name)
+            if self.arch == "llama" and name.endswith("q_proj.weight"):
+                w = unpermute_qk(w, config.num_heads)
+            elif self.arch == "llama" and name.endswith("k_proj.weight"):
+                w = unpermute_qk(w, config.num_kv_heads)
+            yield name, w
+
+    def chat_template(self) -> str | None:
+        return self.field("tokenizer.chat_template")
