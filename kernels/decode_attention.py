@@ -1,0 +1,154 @@
+"""Triton paged decode attention: one query token per sequence over its cached K/V.
+
+Grid: (num_seqs, num_kv_heads). A program owns one KV head of one sequence and all GROUP_SIZE
+query heads that share it (GQA), so every K/V tile is loaded once per group. It walks the
+context in tiles of BLOCK_N positions; each position finds its cache row through the block
+table (positions may span several cache blocks per tile, so any BLOCK_SIZE works):
+
+    position p -> block_tables[seq, p // BLOCK_SIZE], slot p % BLOCK_SIZE
+
+with an online softmax (running max m, running sum l, fp32 accumulator).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_decode_args
+from kernels.triton_utils import block_dim, compute_dtype, is_interpreted, launchable
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,
+    query_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    scale,
+    stride_query_seq,
+    stride_query_head,
+    stride_query_dim,
+    stride_out_seq,
+    stride_out_head,
+    stride_out_dim,
+    stride_kv_block,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_kv_dim,
+    stride_table_seq,
+    stride_table_block,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    context_len = tl.load(context_lens_ptr + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP_SIZE
+    mask_d = offs_d < HEAD_DIM
+    q_heads = kv_head * GROUP_SIZE + offs_g  # [BLOCK_G]
+
+    q_mask = mask_g[:, None] & mask_d[None, :]  # [BLOCK_G, BLOCK_D]
+    q = tl.load(
+        query_ptr
+        + seq * stride_query_seq
+        + q_heads[:, None] * stride_query_head
+        + offs_d[None, :] * stride_query_dim,
+        mask=q_mask,
+        other=0.0,
+    ).to(COMPUTE_DTYPE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = block_tables_ptr + seq * stride_table_seq
+    for start in range(0, context_len, BLOCK_N):
+        positions = start + offs_n  # [BLOCK_N]
+        mask_n = positions < context_len
+        blocks = tl.load(
+            table_row + (positions // BLOCK_SIZE) * stride_table_block, mask=mask_n, other=0
+        ).to(tl.int64)
+        rows = (
+            blocks * stride_kv_block
+            + (positions % BLOCK_SIZE) * stride_kv_slot
+            + kv_head * stride_kv_head
+        )  # [BLOCK_N] offsets of each position's K row
+        kv_offsets = rows[:, None] + offs_d[None, :] * stride_kv_dim  # [BLOCK_N, BLOCK_D]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(kv_ptr + kv_offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(kv_ptr + stride_kv_kv + kv_offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, N]
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        # Position `start` is always < context_len, so every row has a finite max here.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])  # [BLOCK_G, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]  # [BLOCK_G, BLOCK_D]
+    tl.store(
+        out_ptr
+        + seq * stride_out_seq
+        + q_heads[:, None] * stride_out_head
+        + offs_d[None, :] * stride_out_dim,
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile."""
+    check_decode_args(query, kv_layer, block_tables, context_lens, scale)
+    num_seqs, num_q_heads, head_dim = query.shape
+    num_kv_heads = kv_layer.shape[3]
+    group_size = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)  # [num_seqs, num_q_heads, head_dim]
+    if num_seqs == 0:
+        return out
+    kernel = launchable(_paged_decode_kernel, query.device)
+    tile_dtype, precision = compute_dtype(query.dtype, is_interpreted(kernel))
+    kernel[(num_seqs, num_kv_heads)](
+        out,
+        query,
+        kv_layer,
+        block_tables,
+        context_lens,
+        float(scale),
+        *query.stride(),
+        *out.stride(),
+        *kv_layer.stride(),
+        *block_tables.stride(),
+        GROUP_SIZE=group_size,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=kv_layer.shape[2],
+        BLOCK_G=block_dim(group_size),
+        BLOCK_D=block_dim(head_dim),
+        BLOCK_N=max(16, triton.next_power_of_2(block_n)),
+        COMPUTE_DTYPE=tile_dtype,
+        DOT_PRECISION=precision,
+    )
+    return out
