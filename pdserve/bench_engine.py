@@ -1,0 +1,136 @@
+"""Offline throughput of the engine against transformers `generate`, same model, same run.
+
+    pdserve bench-engine --concurrency 1 8 32 --prompt-len 128 --output-len 128
+
+transformers runs requests one at a time (what `generate` behind a server does); the engine
+runs `c` requests at once with continuous batching. Both get prompts of the same length and
+produce exactly `output_len` tokens (EOS is ignored), prefix caching off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+SEED_TEXT = (
+    "The history of computing is a story of people building tools to think faster. Early "
+    "mechanical calculators gave way to electronic machines, then to personal computers and "
+    "phones, and each step changed how we write, trade, learn and talk to one another. "
+)
+
+
+def make_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
+    base = tokenizer.encode(SEED_TEXT * (prompt_len // 20 + 2), add_special_tokens=False)
+    prompts = []
+    for i in range(n):
+        head = tokenizer.encode(f"Request {i}: ", add_special_tokens=False)
+        prompts.append((head + base)[:prompt_len])  # distinct heads: no shared prefix blocks
+    return prompts
+
+
+def bench_hf(model_path, dtype, prompts, output_len) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=dtype
+    ).eval()
+    start = time.perf_counter()
+    for ids in tqdm(prompts, desc="transformers generate (one at a time)"):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=output_len,
+                           min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    return {"requests": len(prompts), "seconds": elapsed,
+            "output_tokens_per_s": len(prompts) * output_len / elapsed}
+
+
+def bench_engine(llm, prompts, output_len) -> dict:
+    from engine_core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    eng = llm.engine
+    start = time.perf_counter()
+    for ids in prompts:
+        eng.add_request(ids, params)
+    first_token = None
+    steps = 0
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        steps += 1
+        if first_token is None and outs:
+            first_token = time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    n = len(prompts)
+    decode_time = elapsed - (first_token or 0.0)
+    return {"concurrency": n, "seconds": elapsed, "steps": steps,
+            "output_tokens_per_s": n * output_len / elapsed,
+            "time_to_first_batch_s": first_token,
+            "decode_ms_per_step": 1000 * decode_time / max(1, output_len - 1)}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values = [], []
+    if results.get("transformers"):
+        labels.append("transformers\n(1 at a time)")
+        values.append(results["transformers"]["output_tokens_per_s"])
+    for r in results["engine"]:
+        labels.append(f"pdserve engine\n{r['concurrency']} concurrent")
+        values.append(r["output_tokens_per_s"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bars = ax.bar(labels, values, color=["#888"] + ["#2a7"] * (len(values) - 1))
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"Offline throughput, {results['model']} ({results['dtype']}), "
+                 f"{results['prompt_len']}+{results['output_len']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine_core.llm import LLM
+
+    torch.manual_seed(0)
+    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
+              max_num_seqs=max(args.concurrency), kv_cache_memory_gb=1.0)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"model": llm.engine.source.name, "dtype": args.dtype,
+               "prompt_len": args.prompt_len, "output_len": args.output_len,
+               "torch_threads": torch.get_num_threads(), "machine": platform.processor(),
+               "engine": [], "transformers": None}
+    # one warm-up request so one-time costs (allocation, first kernels) are not measured
+    bench_engine(llm, make_prompts(llm.tokenizer, 1, args.prompt_len), 4)
+    for c in tqdm(args.concurrency, desc="engine concurrency sweep"):
+        results["engine"].append(
+            bench_engine(llm, make_prompts(llm.tokenizer, c, args.prompt_len), args.output_len)
+        )
+    if not args.skip_hf:
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+        prompts = make_prompts(llm.tokenizer, args.hf_requests, args.prompt_len)
+        results["transformers"] = bench_hf(llm.engine.source.path, dtype, prompts,
+                                           args.output_len)
+    base = results["transformers"]["output_tokens_per_s"] if results["transformers"] else None
+    print(f"\n{'system':<34}{'tok/s':>10}{'x transformers':>16}")
+    if base:
+        print(f"{'transformers generate, 1 at a time':<34}{base:>10.1f}{1.0:>16.1f}")
+    for r in results["engine"]:
+        ratio = f"{r['output_tokens_per_s'] / base:>16.1f}" if base else ""
+        r["ratio_vs_transformers"] = r["output_tokens_per_s"] / base if base else None
+        print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<34}"
+              f"{r['output_tokens_per_s']:>10.1f}{ratio}")
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    plot(results, out_dir / "throughput.png")
+    print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'throughput.png'}")
+    return 0

@@ -1,0 +1,102 @@
+"""`pdserve` command line: one entry point, one sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from engine_core.model_files import DEFAULT_MODEL, pull_default_model, resolve_model
+
+    if args.model_cmd == "pull":
+        path = pull_default_model(progress=True)
+        print(f"{DEFAULT_MODEL}: {path}")
+        return 0
+    source = resolve_model(args.model)
+    if source.kind == "gguf":
+        from engine_core.weights.gguf_loader import GGUFFile
+
+        config = GGUFFile(source.path).model_config()
+    else:
+        from engine_core.weights.safetensors_loader import load_hf_config
+
+        config = load_hf_config(source.path)
+    print(json.dumps({"kind": source.kind, "path": str(source.path), **config.__dict__},
+                     indent=2, default=str))
+    return 0
+
+
+def _cmd_offline(args: argparse.Namespace) -> int:
+    from engine_core.llm import LLM
+    from engine_core.sampling_params import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate(args.prompt, params)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from pdserve.bench_engine import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    p.add_argument("--log-level", default="WARNING")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("model", help="fetch or inspect models")
+    msub = m.add_subparsers(dest="model_cmd", required=True)
+    msub.add_parser("pull", help="download the default model (SmolLM2-135M-Instruct GGUF)")
+    info = msub.add_parser("info", help="print a model's configuration")
+    info.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
+    m.set_defaults(func=_cmd_model)
+
+    o = sub.add_parser("offline", help="generate in this process (the colocated engine)")
+    o.add_argument("prompt")
+    o.add_argument("--model", default=None)
+    o.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    o.add_argument("--chat", action="store_true", help="apply the chat template")
+    o.add_argument("--max-tokens", type=int, default=128)
+    o.add_argument("--temperature", type=float, default=0.0)
+    o.add_argument("--top-p", type=float, default=1.0)
+    o.add_argument("--seed", type=int, default=None)
+    o.set_defaults(func=_cmd_offline)
+
+    b = sub.add_parser("bench-engine",
+                       help="offline throughput: engine vs transformers generate, same run")
+    b.add_argument("--model", default=None)
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    b.add_argument("--hf-requests", type=int, default=2,
+                   help="requests run one at a time through transformers generate")
+    b.add_argument("--skip-hf", action="store_true")
+    b.add_argument("--out", default="bench_results/engine")
+    b.set_defaults(func=_cmd_bench_engine)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
