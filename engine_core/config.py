@@ -10,9 +10,25 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX).
+
+    Without it torch emulates bf16 matmuls: measured on a 2-core AVX2 EPYC, 0.2 GFLOP/s against
+    68 GFLOP/s in fp32, so bf16 there would be a 300x slowdown, not a speedup.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """`None`/"auto" means bfloat16 (CPU matrix units and GPUs both run it fast)."""
+    """`None`/"auto": bfloat16 on GPUs and on CPUs with native bf16 matmuls, else float32."""
     if dtype is None or dtype == "auto":
+        if device.type == "cpu" and not cpu_has_fast_bf16():
+            return torch.float32
         return torch.bfloat16
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():

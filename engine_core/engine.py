@@ -36,11 +36,18 @@ class LLMEngine:
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         load_tokenizer_: bool = True,
+        quantize_decode: bool | None = None,
     ) -> None:
+        """quantize_decode: decode tokens use weight-only 4/8-bit matmuls (model/decode_quant.py);
+        None means on for CPU. Pass False for exact dense math in every row."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.source = resolve_model(model)
-        self.model, self.model_config = load_model(self.source, self.dtype, self.device)
+        if quantize_decode is None:
+            quantize_decode = self.device.type == "cpu"
+        self.model, self.model_config, decode_rows = load_model(
+            self.source, self.dtype, self.device, quantize_decode
+        )
         cfg = self.model_config
         self.tokenizer: Tokenizer | None = (
             load_tokenizer(self.source, cfg.eos_token_ids) if load_tokenizer_ else None
@@ -68,7 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.layout, num_blocks,
                                   scheduler_config.max_num_seqs, self.max_model_len,
-                                  self.device, self.eos_token_ids)
+                                  self.device, self.eos_token_ids, decode_rows)
         self.text_states: dict[str, RequestTextState] = {}
         self._ids = itertools.count()
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,

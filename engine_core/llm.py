@@ -1,6 +1,6 @@
 """The offline API, shaped like vLLM's `LLM`: the colocated baseline in one process.
 
-    llm = LLM()                                     # the default model, bfloat16
+    llm = LLM()          # the default model; bf16 where the CPU/GPU has native bf16, else fp32
     llm.generate(["Hello"], SamplingParams(max_tokens=32))[0].outputs[0].text
     llm.chat([{"role": "user", "content": "What is the capital of France?"}])
 """
@@ -33,11 +33,13 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        quantize_decode: bool | None = None,
     ) -> None:
         self.engine = LLMEngine(
             model=model,
             dtype=dtype,
             device=device,
+            quantize_decode=quantize_decode,
             cache_config=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                      kv_cache_memory_gb=kv_cache_memory_gb,
                                      enable_prefix_caching=enable_prefix_caching),

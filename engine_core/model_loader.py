@@ -8,6 +8,7 @@ import time
 import torch
 
 from engine_core.config import ModelConfig
+from engine_core.model.decode_quant import DecodeRows, quantize_for_decode
 from engine_core.model.llama import LlamaForCausalLM
 from engine_core.model_files import ModelSource
 from engine_core.weights.gguf_loader import GGUFFile
@@ -17,9 +18,12 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+    source: ModelSource, dtype: torch.dtype, device: torch.device, quantize_decode: bool = False
+) -> tuple[LlamaForCausalLM, ModelConfig, DecodeRows | None]:
+    """The model with real weights; with quantize_decode (CPU only), decode rows of every
+    matmul use weight-only 4/8-bit weights (see decode_quant.py) and the DecodeRows to set."""
     t0 = time.perf_counter()
+    gguf = None
     if source.kind == "gguf":
         gguf = GGUFFile(source.path)
         config = gguf.model_config()
@@ -34,6 +38,11 @@ def load_model(
     model.load_weights(weights)
     model.init_rope(device)
     model.eval().requires_grad_(False)
+    rows = None
+    if quantize_decode:
+        if device.type != "cpu":
+            raise ValueError(f"quantize_decode is a CPU path, device is {device}")
+        rows = quantize_for_decode(model, dict(gguf.q4_weights(config)) if gguf else None)
     logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
                 time.perf_counter() - t0)
-    return model, config
+    return model, config, rows

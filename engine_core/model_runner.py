@@ -12,6 +12,7 @@ import torch
 
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.model.attention import AttentionMetadata
+from engine_core.model.decode_quant import DecodeRows
 from engine_core.model.llama import LlamaForCausalLM
 from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_core.scheduler import SchedulerOutput
@@ -55,7 +56,7 @@ class InputBatch:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, layout: KVLayout, num_blocks: int,
                  max_num_seqs: int, max_model_len: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], decode_rows: DecodeRows | None = None) -> None:
         self.model = model
         self.layout = layout
         self.device = device
@@ -66,6 +67,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model.config.vocab_size
+        self.decode_rows = decode_rows  # set per step when decode rows run quantized matmuls
 
     def prepare(
         self, out: SchedulerOutput, block_ids: list[list[int]]
@@ -118,14 +120,19 @@ class ModelRunner:
         """Run one step. Returns the sampled token of every scheduled request (-1 for prefill
         chunks that are not done) and the sampler's output for the rows that sampled."""
         input_ids, positions, meta, logits_indices = self.prepare(out, block_ids)
+        if self.decode_rows is not None:
+            self.decode_rows.n = out.num_decodes
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         # only requests caught up after this step sample; a prefill chunk's token would be
         # thrown away, and drawing it would advance a seeded request's generator
-        complete = [i for i, (r, n) in enumerate(zip(out.reqs, out.num_scheduled_tokens))
+        complete = [i for i, (r, n) in enumerate(zip(out.reqs, out.num_scheduled_tokens,
+                                                     strict=True))
                     if r.num_computed_tokens + n == r.num_tokens]
         sampled = torch.full((len(out.reqs),), -1, dtype=torch.int64)
         if not complete:
             return sampled, None
+        if self.decode_rows is not None:  # decodes lead `complete` as they lead the step
+            self.decode_rows.n = sum(i < out.num_decodes for i in complete)
         logits = self.model.compute_logits(hidden[logits_indices[complete]])  # [n, vocab]
         reqs = [out.reqs[i] for i in complete]
         batch = SamplingBatch.from_requests(

@@ -44,48 +44,77 @@ def _flat_rows(kv_layer: torch.Tensor) -> torch.Tensor | None:
 
 
 def store_kv_torch(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    step_cache: dict | None = None,
 ) -> None:
-    """Torch path of `kernels.store_kv`: two `index_copy_` into the cache's row view."""
+    """Torch path of `kernels.store_kv`: two `index_copy_` into the cache's row view.
+
+    step_cache: a dict that lives for one model step; index arithmetic that is the same in every
+    layer is done in the first layer and reused from it.
+    """
     check_store_kv_args(key, value, kv_layer, slot_mapping)
-    is_real = slot_mapping >= 0  # [num_tokens]; -1 marks padding
-    if not bool(is_real.all()):
-        key, value, slot_mapping = key[is_real], value[is_real], slot_mapping[is_real]
-    block_size = kv_layer.shape[2]
-    slots = slot_mapping.long()
-    blocks, offsets = slots // block_size, slots % block_size  # [num_real_tokens]
     flat = _flat_rows(kv_layer)
+    cached = step_cache.get("store") if step_cache is not None else None
+    if cached is None:
+        is_real = slot_mapping >= 0  # [num_tokens]; -1 marks padding
+        real = None if bool(is_real.all()) else is_real
+        if real is not None:
+            slot_mapping = slot_mapping[real]
+        block_size = kv_layer.shape[2]
+        slots = slot_mapping.long()
+        blocks, offsets = slots // block_size, slots % block_size  # [num_real_tokens]
+        key_rows = blocks * (2 * block_size) + offsets  # [num_real_tokens]
+        cached = (real, blocks, offsets, key_rows, key_rows + block_size)
+        if step_cache is not None:
+            step_cache["store"] = cached
+    real, blocks, offsets, key_rows, value_rows = cached
+    if real is not None:
+        key, value = key[real], value[real]
     if flat is None:
         kv_layer[:, 0][blocks, offsets] = key  # index_put_ through views writes the cache
         kv_layer[:, 1][blocks, offsets] = value
         return
-    key_rows = blocks * (2 * block_size) + offsets  # [num_real_tokens]
     flat.index_copy_(0, key_rows, key)
-    flat.index_copy_(0, key_rows + block_size, value)
+    flat.index_copy_(0, value_rows, value)
 
 
 def gather_kv(
-    kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    rows_cache: dict | None = None,
+    cache_key: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions 0..max_len-1 of every sequence, each [num_seqs, H, max_len, D].
 
     Positions at or past seq_lens[s] read row 0 (block table tails may hold any value); the
-    caller masks them.
+    caller masks them. rows_cache[cache_key] keeps the row indices for the next layer.
     """
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads, head_dim = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
+    flat = _flat_rows(kv_layer)
+    rows = rows_cache.get(cache_key) if rows_cache is not None and flat is not None else None
+    if rows is not None:
+        kv = flat.index_select(0, rows)  # [2 * num_seqs * max_len, H, D]
+        kv = kv.view(2, num_seqs, max_len, num_kv_heads, head_dim)
+        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
     positions = torch.arange(max_len, device=kv_layer.device)  # [max_len]
     blocks = block_tables[:, positions // block_size].long()  # [num_seqs, max_len]
     blocks = torch.where(positions < seq_lens[:, None], blocks, 0)  # [num_seqs, max_len]
     offsets = positions % block_size  # [max_len]
-    flat = _flat_rows(kv_layer)
     if flat is None:
         key = kv_layer[:, 0][blocks, offsets]  # [num_seqs, max_len, H, D]
         value = kv_layer[:, 1][blocks, offsets]  # [num_seqs, max_len, H, D]
         return key.transpose(1, 2), value.transpose(1, 2)
     key_rows = blocks * (2 * block_size) + offsets  # [num_seqs, max_len]
-    rows = torch.stack((key_rows, key_rows + block_size))  # [2, num_seqs, max_len]
-    kv = flat.index_select(0, rows.view(-1))  # [2 * num_seqs * max_len, H, D]
+    rows = torch.stack((key_rows, key_rows + block_size)).view(-1)  # [2 * num_seqs * max_len]
+    if rows_cache is not None:
+        rows_cache[cache_key] = rows
+    kv = flat.index_select(0, rows)  # [2 * num_seqs * max_len, H, D]
     kv = kv.view(2, num_seqs, max_len, num_kv_heads, head_dim)  # [2, num_seqs, max_len, H, D]
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [num_seqs, H, max_len, D] each
 
@@ -107,19 +136,28 @@ def paged_decode_attention_torch(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
-    """Torch path of `kernels.paged_decode_attention` (see `_decode` for the method)."""
+    """Torch path of `kernels.paged_decode_attention` (see `_decode` for the method).
+
+    step_cache: see `store_kv_torch`; the gather rows and mask are computed once per step.
+    """
     check_decode_args(query, kv_layer, block_tables, context_lens, scale)
     num_seqs = query.shape[0]
     if num_seqs == 0:
         return torch.empty_like(query)
-    chunks = sequence_chunks(num_seqs, _gather_bytes(kv_layer, int(context_lens.max())))
+    chunks = step_cache.get("decode_chunks") if step_cache is not None else None
+    if chunks is None:
+        chunks = sequence_chunks(num_seqs, _gather_bytes(kv_layer, int(context_lens.max())))
+        if step_cache is not None:
+            step_cache["decode_chunks"] = chunks
     if len(chunks) == 1:
-        return _decode(query, kv_layer, block_tables, context_lens, scale)
+        return _decode(query, kv_layer, block_tables, context_lens, scale, step_cache, 0)
     out = torch.empty_like(query)  # [num_seqs, num_q_heads, head_dim]
     for start, end in chunks:
         out[start:end] = _decode(
-            query[start:end], kv_layer, block_tables[start:end], context_lens[start:end], scale
+            query[start:end], kv_layer, block_tables[start:end], context_lens[start:end], scale,
+            step_cache, start,
         )
     return out
 
@@ -130,6 +168,8 @@ def _decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    step_cache: dict | None = None,
+    group_start: int = 0,
 ) -> torch.Tensor:
     """Decode attention of a group of sequences with one gather and one SDPA.
 
@@ -139,12 +179,19 @@ def _decode(
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
     group = num_q_heads // num_kv_heads
-    max_len = int(context_lens.max())
-    key, value = gather_kv(kv_layer, block_tables, context_lens, max_len)  # [S, H, L, D]
-    mask = None
-    if not bool((context_lens == max_len).all()):
-        positions = torch.arange(max_len, device=query.device)  # [L]
-        mask = (positions < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+    plan = step_cache.get(("decode", group_start)) if step_cache is not None else None
+    if plan is None:
+        max_len = int(context_lens.max())
+        mask = None
+        if not bool((context_lens == max_len).all()):
+            positions = torch.arange(max_len, device=query.device)  # [L]
+            mask = (positions < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+        plan = (max_len, mask)
+        if step_cache is not None:
+            step_cache[("decode", group_start)] = plan
+    max_len, mask = plan
+    key, value = gather_kv(kv_layer, block_tables, context_lens, max_len,
+                           step_cache, ("decode_rows", group_start))  # [S, H, L, D] each
     q = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, H, group, D]
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_q_heads, head_dim)  # [S, num_q_heads, D]

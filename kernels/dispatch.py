@@ -1,6 +1,6 @@
 """The public kernel API: picks the backend per call and forwards.
 
-    CUDA tensors -> Triton kernels            (kernels/store_kv.py, *_attention.py)
+    CUDA tensors -> Triton kernels            (kernels/store_kv_triton.py, *_attention.py)
     CPU tensors  -> the fast torch path       (kernels/cpu_attention.py)
 
 PDSERVE_ATTN_BACKEND=triton|torch forces one (read on every call). The tests use
@@ -31,21 +31,26 @@ def select_backend(device: torch.device) -> str:
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    step_cache: dict | None = None,
 ) -> None:
     """Write new tokens' K/V into one layer of the paged cache, in place.
 
     key, value: [num_tokens, num_kv_heads, head_dim]; kv_layer: [num_blocks, 2, block_size,
     num_kv_heads, head_dim]; slot_mapping: [num_tokens] flat slot ids
     (block * block_size + offset), -1 = padding token, skipped. Slots must be unique and
-    < num_blocks * block_size.
+    < num_blocks * block_size. step_cache: an empty dict per model step, shared by the layers'
+    calls, lets the torch path compute its index arithmetic once per step (Triton ignores it).
     """
     if select_backend(kv_layer.device) == "triton":
-        from kernels.store_kv import store_kv_triton
+        from kernels.store_kv_triton import store_kv_triton
 
         store_kv_triton(key, value, kv_layer, slot_mapping)
     else:
-        cpu_attention.store_kv_torch(key, value, kv_layer, slot_mapping)
+        cpu_attention.store_kv_torch(key, value, kv_layer, slot_mapping, step_cache)
 
 
 def paged_decode_attention(
@@ -54,6 +59,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached K/V (its own K/V included).
 
@@ -61,14 +67,14 @@ def paged_decode_attention(
     [num_seqs, max_blocks_per_seq] int32 (entries past a sequence's blocks may hold anything);
     context_lens: [num_seqs] int32, ≥ 1, KV tokens to attend to. GQA: query head h reads KV
     head h // (num_q_heads // num_kv_heads). Softmax in fp32. Returns
-    [num_seqs, num_q_heads, head_dim] in query's dtype.
+    [num_seqs, num_q_heads, head_dim] in query's dtype. step_cache: as in `store_kv`.
     """
     if select_backend(query.device) == "triton":
         from kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(query, kv_layer, block_tables, context_lens, scale)
     return cpu_attention.paged_decode_attention_torch(
-        query, kv_layer, block_tables, context_lens, scale
+        query, kv_layer, block_tables, context_lens, scale, step_cache
     )
 
 

@@ -27,7 +27,7 @@ def model_path():
 def llm_fp32(model_path):
     from engine_core.llm import LLM
 
-    return LLM(str(model_path), dtype="float32", kv_cache_memory_gb=0.25)
+    return LLM(str(model_path), dtype="float32", kv_cache_memory_gb=0.25, quantize_decode=False)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ A step's tokens are flattened into one batch, decode sequences first:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets after decodes
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
+    # index arithmetic the CPU kernels share between layers; lives for one step
+    kernel_cache: dict = field(default_factory=dict)
 
     @property
     def num_prefills(self) -> int:
@@ -39,11 +41,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    kernels.store_kv(k, v, kv_layer, meta.slot_mapping)
+    kernels.store_kv(k, v, kv_layer, meta.slot_mapping, meta.kernel_cache)
     nd = meta.num_decode_tokens
     if meta.num_prefills == 0:
         return kernels.paged_decode_attention(
-            q, kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale
+            q, kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
+            meta.kernel_cache,
         )
     prefill_out = kernels.paged_prefill_attention(
         q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
@@ -52,6 +55,7 @@ def paged_attention(
     if nd == 0:
         return prefill_out
     decode_out = kernels.paged_decode_attention(
-        q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale
+        q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
+        meta.kernel_cache,
     )
     return torch.cat([decode_out, prefill_out], dim=0)

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine_core.config import ModelConfig
+from engine_core.weights.gguf_q4 import Q4_TYPES, Q4Weight, unpack_q4
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32,
@@ -141,6 +142,21 @@ class GGUFFile:
                 w = unpermute_qk(w, config.num_heads)
             elif self.arch == "llama" and name.endswith("k_proj.weight"):
                 w = unpermute_qk(w, config.num_kv_heads)
+            yield name, w
+
+    def q4_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q4Weight]]:
+        """Yield (Hugging Face name, 4-bit weight) for every Q4_0/Q4_1 tensor, rows in the
+        same order as `weights` gives them (Q/K unpermuted)."""
+        for t in self.reader.tensors:
+            qtype = GGMLQuantizationType(t.tensor_type)
+            if qtype not in Q4_TYPES:
+                continue
+            w = unpack_q4(t.data, qtype)
+            name = hf_name(t.name)
+            heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
+            for suffix, n in heads.items():
+                if self.arch == "llama" and name.endswith(suffix):
+                    w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
             yield name, w
 
     def chat_template(self) -> str | None:

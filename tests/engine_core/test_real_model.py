@@ -70,13 +70,17 @@ def test_greedy_matches_transformers(llm_fp32, hf_reference):
 
 
 def test_batched_with_arrivals_equals_one_at_a_time(llm_fp32):
+    assert_batched_equals_solo(llm_fp32)
+
+
+def assert_batched_equals_solo(llm) -> None:
     """Requests join while others decode; each must get exactly its solo tokens."""
     prompts = [p * k for k, p in zip((1, 3, 2, 5, 1), PROMPTS, strict=True)]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in (24, 9, 17, 30, 12)]
-    solo = [llm_fp32.generate(p, sp)[0].outputs[0].token_ids
+    solo = [llm.generate(p, sp)[0].outputs[0].token_ids
             for p, sp in zip(prompts, params, strict=True)]
-    eng = llm_fp32.engine
+    eng = llm.engine
     eng.kv.pool.reset_prefix_cache()  # no help from the solo runs' cached blocks
     results: dict[str, list[int]] = {}
     pending = list(zip(prompts, params, strict=True))
@@ -121,7 +125,8 @@ def test_chunked_prefill_and_preemption_keep_tokens(model_path, llm_fp32):
     # a 16-token budget chunks every prompt; 14 blocks cannot hold all five sequences,
     # so running requests get preempted and recomputed
     small = LLM(str(model_path), dtype="float32", num_kv_blocks=14,
-                max_num_batched_tokens=16, enable_prefix_caching=False)
+                max_num_batched_tokens=16, enable_prefix_caching=False,
+                quantize_decode=False)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
     assert small.engine.scheduler.num_preemptions > 0
     assert got == expected

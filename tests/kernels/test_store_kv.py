@@ -74,7 +74,7 @@ def test_store_kv_torch_matches_reference(block_size: int, dtype: torch.dtype) -
 def test_store_kv_triton_matches_reference(
     block_size: int, dtype: torch.dtype, triton_device: torch.device
 ) -> None:
-    from kernels.store_kv import store_kv_triton
+    from kernels.store_kv_triton import store_kv_triton
 
     _check_store(store_kv_triton, block_size, dtype, triton_device, seed=block_size + 1)
 

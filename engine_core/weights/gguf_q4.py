@@ -1,0 +1,63 @@
+"""The 4-bit GGUF tensors (Q4_0, Q4_1) as integers plus per-group scale and zero.
+
+llama.cpp stores 32 weights per block, each block a header and 16 bytes of nibbles:
+
+    Q4_0: [d: f16][qs: 16 x u8]           w = d * (q - 8)
+    Q4_1: [d: f16][m: f16][qs: 16 x u8]   w = d * q + m
+    qs[j] & 0xF is weight j of the block, qs[j] >> 4 is weight j + 16.
+
+Both are returned in one form, w = (q - 8) * scale + zero with q in 0..15, which is what
+torch's CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`) computes, so the packed weights
+are exactly the file's (up to the scales' rounding to the activation dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+GROUP_SIZE = 32
+Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+
+@dataclass
+class Q4Weight:
+    """A [out_features, in_features] weight as 4-bit integers and per-group scale/zero."""
+
+    q: torch.Tensor  # [N, K] uint8, values 0..15
+    scale: torch.Tensor  # [N, K // 32] float32
+    zero: torch.Tensor  # [N, K // 32] float32
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        scale = self.scale.repeat_interleave(GROUP_SIZE, dim=1)
+        zero = self.zero.repeat_interleave(GROUP_SIZE, dim=1)
+        return (self.q.float() - 8) * scale + zero
+
+    def permute_rows(self, index: torch.Tensor) -> Q4Weight:
+        return Q4Weight(self.q[index], self.scale[index], self.zero[index])
+
+    @staticmethod
+    def cat(parts: list[Q4Weight]) -> Q4Weight:
+        """Stack weights along the output dimension (fused q/k/v or gate/up projections)."""
+        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale",
+                                                                                "zero")))
+
+
+def unpack_q4(data: np.ndarray, qtype: GGMLQuantizationType) -> Q4Weight:
+    """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them."""
+    rows = data.shape[0]
+    header = 2 if qtype == GGMLQuantizationType.Q4_0 else 4  # bytes before the nibbles
+    blocks = data.reshape(rows, -1, header + 16)  # [N, K / 32, header + 16]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K / 32]
+    nibbles = blocks[..., header:]  # [N, K / 32, 16]
+    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1)  # [N, K / 32, 32]
+    if qtype == GGMLQuantizationType.Q4_0:
+        zero = np.zeros_like(d)
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d  # d * q + m == d * (q - 8) + (m + 8 d)
+    return Q4Weight(torch.from_numpy(q.reshape(rows, -1)), torch.from_numpy(d),
+                    torch.from_numpy(zero))
