@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 import logging
 import time
 
@@ -37,9 +38,12 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         load_tokenizer_: bool = True,
         quantize_decode: bool | None = None,
+        kv_allocator: Callable[[KVLayout, int], torch.Tensor] | None = None,
     ) -> None:
         """quantize_decode: decode tokens use weight-only 4/8-bit matmuls (model/decode_quant.py);
-        None means on for CPU. Pass False for exact dense math in every row."""
+        None means on for CPU. Pass False for exact dense math in every row.
+        kv_allocator(layout, num_blocks): where the KV cache tensor lives (default: a plain
+        zeroed tensor; the decode worker passes a shared-memory pool)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.source = resolve_model(model)
@@ -75,7 +79,8 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.layout, num_blocks,
                                   scheduler_config.max_num_seqs, self.max_model_len,
-                                  self.device, self.eos_token_ids, decode_rows)
+                                  self.device, self.eos_token_ids, decode_rows,
+                                  kv_allocator(self.layout, num_blocks) if kv_allocator else None)
         self.text_states: dict[str, RequestTextState] = {}
         self._ids = itertools.count()
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,
@@ -88,6 +93,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         req_id: str | None = None,
     ) -> str:
+        req, text = self._new_request(prompt, params, req_id)
+        self.scheduler.add_request(req)
+        self.text_states[req.req_id] = RequestTextState(req, self.tokenizer, text)
+        return req.req_id
+
+    def _new_request(
+        self, prompt: str | list[int], params: SamplingParams | None, req_id: str | None
+    ) -> tuple[Request, str | None]:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -99,10 +112,33 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {ids}")
         req_id = req_id if req_id is not None else str(next(self._ids))
-        req = Request(req_id, ids, params, self.eos_token_ids)
-        self.scheduler.add_request(req)
-        self.text_states[req_id] = RequestTextState(req, self.tokenizer, text)
-        return req_id
+        return Request(req_id, ids, params, self.eos_token_ids), text
+
+    # -- disaggregated decode: prompt KV written by a prefill worker ------------------------
+    def reserve(
+        self, prompt_token_ids: list[int], params: SamplingParams, req_id: str
+    ) -> tuple[list[int], int] | None:
+        """Reserve blocks for a request whose prompt KV a prefill worker will write. Returns
+        (all its block ids, number of prompt tokens already cached here) or None if full."""
+        req, _ = self._new_request(list(prompt_token_ids), params, req_id)
+        blocks = self.scheduler.reserve(req)
+        if blocks is None:
+            return None
+        self.text_states[req_id] = RequestTextState(req, self.tokenizer, None)
+        return list(blocks), req.num_cached_tokens
+
+    def admit_prefilled(
+        self, req_id: str, first_token: int, first_logprobs: dict[int, float] | None = None
+    ) -> RequestOutput:
+        """The reserved request's KV is verified: it joins the batch with its first token
+        (sampled by the prefill worker), which this returns as the request's first output."""
+        req = self.scheduler.reserved[req_id]
+        if first_logprobs is not None:
+            req.output_logprobs.append(first_logprobs)
+        now = time.monotonic()
+        req.times.first_scheduled = req.times.first_scheduled or now
+        self.scheduler.admit_prefilled(req_id, first_token)
+        return self._emit([req], now)[0]
 
     def abort_request(self, req_ids: str | list[str]) -> None:
         ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
@@ -113,21 +149,34 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_work(self) -> bool:
+        """Whether `step` would compute anything (reserved requests wait for their KV)."""
+        return self.scheduler.has_work()
+
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out.is_empty:  # the runner hears of finished requests only with a step: tell it now
+            for req_id in out.finished_req_ids + out.preempted_req_ids:
+                self.runner.batch.remove(req_id)
             return []
         now = time.monotonic()
         for req in out.reqs:
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
         block_ids = [self.kv.block_ids(r.req_id) for r in out.reqs]
+        self._on_scheduled(out, block_ids)
         sampled, sampler_out = self.runner.execute(out, block_ids)
         if sampler_out is not None and sampler_out[1].sampled_logprobs is not None:
             self._record_logprobs(out, *sampler_out)
         advanced = self.scheduler.update_from_output(out, sampled.tolist())
-        now = time.monotonic()
+        return self._emit(advanced, time.monotonic())
+
+    def _on_scheduled(self, out, block_ids: list[list[int]]) -> None:
+        """Called with each step's work before the model runs (the prefill worker hooks in)."""
+
+    def _emit(self, advanced: list[Request], now: float) -> list[RequestOutput]:
+        """Detokenize the requests' new tokens, apply stop strings, build their outputs."""
         outputs = []
         for req in advanced:
             if req.times.first_token is None:

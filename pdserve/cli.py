@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from gateway.cli import add_gateway_arguments, add_generate_arguments, run_gateway, run_generate
+
 
 def _cmd_model(args: argparse.Namespace) -> int:
     from engine_core.model_files import DEFAULT_MODEL, pull_default_model, resolve_model
@@ -50,6 +52,18 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_prefill(args: argparse.Namespace) -> int:
+    from prefill_service.server import run
+
+    return run(args)
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from decode_service.server import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     p.add_argument("--log-level", default="WARNING")
@@ -72,6 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--top-p", type=float, default=1.0)
     o.add_argument("--seed", type=int, default=None)
     o.set_defaults(func=_cmd_offline)
+
+    gw = sub.add_parser("gateway", help="serve the public gRPC API and the OpenAI HTTP API")
+    add_gateway_arguments(gw)
+    gw.set_defaults(func=run_gateway)
+
+    g = sub.add_parser("generate", help="generate through a running gateway (gRPC client)")
+    add_generate_arguments(g)
+    g.set_defaults(func=run_generate)
+
+    from pdserve.worker_args import add_decode_arguments, add_worker_arguments
+
+    pf = sub.add_parser("prefill", help="run one prefill worker (gRPC)")
+    add_worker_arguments(pf, default_port=50061)
+    pf.set_defaults(func=_cmd_prefill)
+
+    dc = sub.add_parser("decode", help="run one decode worker (gRPC, receives KV)")
+    add_worker_arguments(dc, default_port=50071)
+    add_decode_arguments(dc)
+    dc.set_defaults(func=_cmd_decode)
 
     b = sub.add_parser("bench-engine",
                        help="offline throughput: engine vs transformers generate, same run")

@@ -1,0 +1,1 @@
+"""The public front door: gRPC + OpenAI HTTP APIs over a Backend (colocated or disaggregated)."""

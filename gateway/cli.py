@@ -1,0 +1,54 @@
+"""The flags of `pdserve gateway` and `pdserve generate`, kept free of heavy imports so that
+the CLI starts fast; the commands import their modules when they run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `pdserve gateway`. The disaggregated mode adds its own (--prefill ADDR...,
+    --decode ADDR...) next to --colocated."""
+    mode = p.add_argument_group("backend")
+    mode.add_argument("--colocated", action="store_true",
+                      help="run the engine in this process (prefill and decode together)")
+    mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
+    mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    mode.add_argument("--max-num-seqs", type=int, default=64)
+    mode.add_argument("--max-model-len", type=int, default=None)
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in containers")
+    net.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    net.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free port)")
+    net.add_argument("--grace", type=float, default=10.0,
+                     help="seconds in-flight requests may take to finish on shutdown")
+    net.add_argument("--shutdown-delay", type=float, default=0.0,
+                     help="seconds between reporting NOT_SERVING and closing the listeners")
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--gateway", default="127.0.0.1:50051", help="the gateway's gRPC HOST:PORT")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--model", default="", help="model name (default: the served model)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--timing", action="store_true",
+                   help="print usage and the timing breakdown to stderr")
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from gateway.server import run_gateway as run
+
+    return run(args)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from gateway.client import run_generate as run
+
+    return run(args)

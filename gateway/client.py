@@ -1,0 +1,55 @@
+"""`pdserve generate`: a gRPC client of the public API that prints the generated text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+import grpc
+
+from protos.pdserve.v1 import generate_pb2 as pb
+from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    sampling = pb.SamplingParameters(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = pb.GenerateRequest(model=args.model, sampling=sampling)
+    if args.chat:
+        req.chat.messages.add(role="user", content=args.prompt)
+    else:
+        req.text = args.prompt
+    return req
+
+
+def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout,
+                 err: TextIO = sys.stderr) -> int:
+    with grpc.insecure_channel(args.gateway) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        texts: list[str] = []
+        final = pb.GenerateResponse()
+        try:
+            for msg in stub.Generate(build_request(args), timeout=args.timeout):
+                texts.append(msg.text)
+                if args.stream:
+                    out.write(msg.text)
+                    out.flush()
+                final = msg
+        except grpc.RpcError as e:
+            if args.stream:
+                out.write("\n")
+            print(f"pdserve: error: {e.code().name}: {e.details()}", file=err)
+            return 1
+    out.write(("" if args.stream else "".join(texts)) + "\n")
+    if args.timing:
+        t, u = final.timing, final.usage
+        print(f"finish={pb.FinishReason.Name(final.finish_reason)} "
+              f"prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+              f"ttft={t.ttft_s:.3f}s queue={t.queue_s:.3f}s prefill={t.prefill_s:.3f}s "
+              f"kv_transfer={t.kv_transfer_s:.3f}s first_decode_step="
+              f"{t.first_decode_step_s:.3f}s total={t.total_s:.3f}s", file=err)
+    return 0

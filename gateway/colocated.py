@@ -1,0 +1,297 @@
+"""The colocated backend: one `LLMEngine` in this process, the baseline disaggregation is
+measured against.
+
+    event loop (gateway)                           engine thread
+    generate(): register stream, submit add  ---->  inbox -> engine.add_request
+                                                    engine.step() while work remains
+    stream.queue <--- call_soon_threadsafe(dispatch(outputs of one step))
+    abort / cancel: submit abort             ---->  inbox -> engine.abort_request
+
+engine_core has no asyncio and is not thread-safe, so exactly one thread touches the engine:
+every add, abort and status query goes through the inbox and runs between two steps. The
+thread sleeps on a condition while there is nothing to do (no busy-waiting) and posts each
+step's outputs to the event loop with one `call_soon_threadsafe`, whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine_core.engine import LLMEngine
+from engine_core.outputs import RequestOutput
+from gateway.backend import (
+    BackendUnavailable,
+    DeadlineExceeded,
+    DuplicateRequestError,
+    GenerateChunk,
+    GenerateInput,
+    ModelInfo,
+    Timing,
+)
+
+logger = logging.getLogger(__name__)
+
+_ABORTED = "aborted"  # queue sentinels
+_DEADLINE = "deadline"
+
+
+class _Stream:
+    """The event-loop side of one request. `t_add` is written by the engine thread before any
+    output of the request is posted, so the loop reads it after that write."""
+
+    def __init__(self, inp: GenerateInput) -> None:
+        self.inp = inp
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.t_add = inp.arrival  # when the engine accepted it (time.monotonic())
+        self.t_scheduled: float | None = None
+        self.t_first_token: float | None = None
+        self.t_second_token: float | None = None
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+
+
+class ColocatedBackend:
+    """A Backend (gateway/backend.py) over an LLMEngine; create it inside the running loop."""
+
+    def __init__(self, engine: LLMEngine, model_name: str | None = None) -> None:
+        if engine.tokenizer is None:
+            raise ValueError("the colocated backend needs an engine with a tokenizer")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        # one request must fit in the KV pool, or the scheduler could never admit it
+        pool_tokens = engine.kv.pool.num_blocks * engine.kv.block_size
+        self.model = ModelInfo(model_name or engine.source.name,
+                               min(engine.max_model_len, pool_tokens),
+                               engine.model_config.vocab_size)
+        self._loop = asyncio.get_running_loop()
+        self._streams: dict[str, _Stream] = {}  # loop side only
+        self._cv = threading.Condition()
+        self._inbox: list[Callable[[], None]] = []  # guarded by _cv, run by the engine thread
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- the Backend interface (event loop) -----------------------------------------------
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        if inp.req_id in self._streams:
+            raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
+        stream = _Stream(inp)
+        self._streams[inp.req_id] = stream
+        if not self._submit(lambda: self._add(stream)):
+            del self._streams[inp.req_id]
+            raise self._unavailable()
+        timer = None
+        if inp.deadline is not None:
+            timer = self._loop.call_later(max(0.0, inp.deadline - time.monotonic()),
+                                          stream.queue.put_nowait, _DEADLINE)
+        is_done = False
+        try:
+            while not is_done:
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():  # a slow consumer gets one merged chunk
+                    items.append(stream.queue.get_nowait())
+                chunk = self._merge(stream, items)
+                is_done = chunk.is_last
+                yield chunk
+        finally:
+            if timer is not None:
+                timer.cancel()
+            del self._streams[inp.req_id]
+            if not is_done:  # cancelled, closed early, deadline, or an error
+                self._submit(lambda: self.engine.abort_request(inp.req_id))
+
+    async def abort(self, req_id: str) -> bool:
+        stream = self._streams.get(req_id)
+        if stream is None:
+            return False
+        self._submit(lambda: self.engine.abort_request(req_id))
+        stream.queue.put_nowait(_ABORTED)
+        return True
+
+    async def status(self) -> dict[str, Any]:
+        def snapshot() -> dict[str, Any]:
+            sched, kv = self.engine.scheduler, self.engine.kv
+            integrity = "not checked (busy)"  # the check walks every block: only at idle
+            if not self.engine.has_unfinished_requests():
+                try:
+                    kv.check_integrity()
+                    integrity = "ok"
+                except (AssertionError, ValueError) as e:
+                    integrity = f"broken: {e}"
+            return {"mode": "colocated", "num_running": sched.num_running,
+                    "num_waiting": sched.num_waiting, "num_free_blocks": kv.num_free_blocks,
+                    "num_blocks": kv.pool.num_blocks, "num_preemptions": sched.num_preemptions,
+                    "kv_integrity": integrity}
+
+        result = await self._call(snapshot)
+        result["num_streams"] = len(self._streams)
+        return result
+
+    async def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify()
+        for stream in self._streams.values():
+            stream.queue.put_nowait(BackendUnavailable("the backend is shutting down"))
+        await asyncio.to_thread(self._thread.join)
+
+    # -- event loop helpers ------------------------------------------------------------------
+    def _merge(self, stream: _Stream, items: list[Any]) -> GenerateChunk:
+        """Fold queued items (engine outputs, sentinels, errors) into one chunk."""
+        token_ids: list[int] = []
+        texts: list[str] = []
+        logprobs: list[dict[int, float]] | None = None
+        last: RequestOutput | None = None
+        finish_reason = None
+        for item in items:
+            if item is _ABORTED:
+                finish_reason = "abort"
+                break
+            if item is _DEADLINE:
+                raise DeadlineExceeded(f"request {stream.inp.req_id!r} passed its deadline")
+            if isinstance(item, BaseException):
+                raise item
+            out, t_step = item
+            completion = out.outputs[0]
+            if stream.t_first_token is None:
+                stream.t_scheduled = stream.t_add + out.metrics["first_scheduled"]
+                stream.t_first_token = stream.t_add + out.metrics["first_token"]
+                stream.num_cached_tokens = out.num_cached_tokens
+            elif stream.t_second_token is None and out.delta_token_ids:
+                stream.t_second_token = t_step
+            # the engine thread keeps appending to the logprobs list: slice by this step's count
+            num_out = len(completion.token_ids)
+            if completion.logprobs is not None:
+                start = num_out - len(out.delta_token_ids)
+                logprobs = (logprobs or []) + completion.logprobs[start:num_out]
+            stream.num_output_tokens = num_out
+            token_ids += out.delta_token_ids
+            texts.append(out.delta_text)
+            last = out
+            finish_reason = completion.finish_reason
+        chunk = GenerateChunk(token_ids, "".join(texts), logprobs, finish_reason,
+                              len(stream.inp.prompt_token_ids), stream.num_output_tokens,
+                              stream.num_cached_tokens)
+        if finish_reason is not None:
+            finished = last.metrics.get("finished") if last is not None else None
+            t_end = time.monotonic() if finished is None else stream.t_add + finished
+            chunk.timing = _timing(stream, t_end)
+        return chunk
+
+    def _dispatch(self, outputs: list[RequestOutput], t_step: float) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # else: aborted or closed since the step began
+                stream.queue.put_nowait((out, t_step))
+
+    def _post_error(self, req_id: str, error: BaseException) -> None:
+        stream = self._streams.get(req_id)
+        if stream is not None:
+            stream.queue.put_nowait(error)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+
+    def _unavailable(self) -> BackendUnavailable:
+        if self._failure is not None:
+            return BackendUnavailable(f"the engine failed: {self._failure!r}")
+        return BackendUnavailable("the backend is shut down")
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn in the engine thread between two steps; its result or exception."""
+        fut = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as e:  # handed to the caller
+                result, error = None, e
+            self._loop.call_soon_threadsafe(_settle, fut, result, error)
+
+        if not self._submit(run):
+            raise self._unavailable()
+        return await fut
+
+    def _submit(self, command: Callable[[], None]) -> bool:
+        """Queue a command for the engine thread; False once it no longer takes any."""
+        with self._cv:
+            if self._closed or self._failure is not None:
+                return False
+            self._inbox.append(command)
+            self._cv.notify()
+            return True
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _add(self, stream: _Stream) -> None:
+        inp = stream.inp
+        stream.t_add = time.monotonic()
+        try:
+            self.engine.add_request(inp.prompt_token_ids, inp.params, req_id=inp.req_id)
+        except ValueError as e:
+            self._loop.call_soon_threadsafe(self._post_error, inp.req_id, e)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not (self._inbox or self._closed or engine.has_unfinished_requests()):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                is_closed = self._closed
+            try:
+                for command in inbox:
+                    command()
+                if is_closed:  # streams were told; what still runs is dropped
+                    engine.abort_request(list(engine.scheduler.requests))
+                    return
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+            except Exception as e:  # the model or scheduler broke: fail everything, stop
+                self._fail(e)
+                return
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
+            elif engine.has_unfinished_requests() and engine.scheduler.num_running == 0:
+                # waiting requests that cannot be admitted yet (ModelInfo.max_model_len keeps a
+                # single request within the pool): nap instead of spinning
+                with self._cv:
+                    self._cv.wait(0.01)
+
+    def _fail(self, error: Exception) -> None:
+        logger.exception("the engine failed; failing every request")
+        with self._cv:
+            self._failure = error
+            inbox, self._inbox = self._inbox, []
+        for command in inbox:  # settle pending status calls; adds are failed below anyway
+            try:
+                command()
+            except Exception:
+                logger.debug("command after engine failure raised", exc_info=True)
+        self._loop.call_soon_threadsafe(self._fail_streams, self._unavailable())
+
+
+def _timing(stream: _Stream, t_end: float) -> Timing:
+    arrival = stream.inp.arrival
+    t_sched, t_first, t_second = stream.t_scheduled, stream.t_first_token, stream.t_second_token
+    if t_sched is None or t_first is None:  # ended before its first token
+        return Timing(t_end - arrival, 0.0, 0.0, 0.0, 0.0, t_end - arrival)
+    return Timing(queue_s=t_sched - arrival, prefill_s=t_first - t_sched, kv_transfer_s=0.0,
+                  first_decode_step_s=0.0 if t_second is None else t_second - t_first,
+                  ttft_s=t_first - arrival, total_s=t_end - arrival)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

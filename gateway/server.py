@@ -1,0 +1,185 @@
+"""`pdserve gateway`: the public gRPC API and the OpenAI HTTP API in one process, on one uvloop
+event loop, over one Backend.
+
+Lifecycle:
+    load the backend -> start gRPC + HTTP -> health SERVING -> print the addresses
+    SIGTERM / Ctrl-C -> health NOT_SERVING (gRPC health, HTTP /health 503)
+                     -> `--shutdown-delay` seconds still serving (load balancers notice)
+                     -> stop accepting; in-flight streams get `--grace` seconds to finish,
+                        then are cancelled (which aborts them in the backend)
+                     -> backend.close() -> exit 0
+A second signal skips the grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
+
+import uvicorn
+import uvloop
+from grpc_health.v1 import health, health_pb2
+
+from gateway import grpc_server
+from gateway.backend import Backend, BackendUnavailable
+from gateway.http_api import build_app
+
+logger = logging.getLogger(__name__)
+
+BackendFactory = Callable[[], Awaitable[Backend]]  # called inside the event loop
+HEALTH_PROBE_INTERVAL_S = 2.0  # how often health asks the backend for its status
+HEALTH_PROBE_TIMEOUT_S = 30.0  # a status slower than this is logged (health unchanged)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051  # 0: pick a free port (printed)
+    http_port: int = 8000  # 0: pick a free port (printed)
+    grace_s: float = 10.0  # how long in-flight requests may finish on shutdown
+    # NOT_SERVING -> still serving for this long (load balancers notice) -> stop accepting
+    shutdown_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        for name in ("grace_s", "shutdown_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(host=args.host, grpc_port=args.port, http_port=args.http_port,
+                         grace_s=args.grace, shutdown_delay_s=args.shutdown_delay)
+
+
+def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
+    """Loads the engine now (before the event loop exists), wraps it inside the loop."""
+    from engine_core.config import CacheConfig, SchedulerConfig
+    from engine_core.engine import LLMEngine
+    from gateway.colocated import ColocatedBackend
+
+    engine = LLMEngine(
+        model=args.model, dtype=args.dtype,
+        cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
+        scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                         max_model_len=args.max_model_len),
+    )
+
+    async def create() -> Backend:
+        return ColocatedBackend(engine)
+
+    return create
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    """`pdserve gateway` (flags: gateway/cli.py)."""
+    if not args.colocated:
+        raise ValueError("choose a backend: --colocated (the disaggregated mode comes next)")
+    config = gateway_config(args)
+    factory = colocated_backend_factory(args)
+    uvloop.run(serve(config, factory))
+    return 0
+
+
+class _HTTPServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the gateway owns SIGINT/SIGTERM and stops uvicorn itself
+
+
+class _Health:
+    """What gRPC health checking and HTTP /health report."""
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.is_serving = False
+
+    async def set(self, is_serving: bool) -> None:
+        self.is_serving = is_serving
+        status = health_pb2.HealthCheckResponse.SERVING if is_serving else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", grpc_server.SERVICE_NAME):
+            await self.servicer.set(name, status)
+
+    async def shut_down(self) -> None:
+        self.is_serving = False
+        await self.servicer.enter_graceful_shutdown()  # NOT_SERVING for good
+
+
+async def serve(config: GatewayConfig, make_backend: BackendFactory,
+                on_ready: Callable[[str, str], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain and return."""
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal skips the grace period
+        loop.add_signal_handler(sig, lambda: (force if stop.is_set() else stop).set())
+
+    backend = await make_backend()
+    health_ = _Health()
+    grpc, grpc_port = grpc_server.create_server(backend, f"{config.host}:{config.grpc_port}",
+                                                health_.servicer)
+    await grpc.start()
+    http = _HTTPServer(uvicorn.Config(
+        build_app(backend, lambda: health_.is_serving), host=config.host,
+        port=config.http_port, lifespan="off", access_log=False, log_level="warning",
+        timeout_graceful_shutdown=max(1, round(config.grace_s))))
+    http_task = asyncio.create_task(http.serve())
+    while not http.started:
+        if http_task.done():  # could not bind: uvicorn gives up
+            await grpc.stop(0)
+            await backend.close()
+            raise RuntimeError(f"the HTTP server could not start on "
+                               f"{config.host}:{config.http_port}")
+        await asyncio.sleep(0.02)
+    http_port = http.servers[0].sockets[0].getsockname()[1]
+    await health_.set(True)
+    watchdog = asyncio.create_task(_watch_backend(backend, health_))
+    (on_ready or _print_ready)(f"{config.host}:{grpc_port}", f"http://{config.host}:{http_port}")
+
+    await stop.wait()
+    watchdog.cancel()
+    await health_.shut_down()
+    force_wait = asyncio.create_task(force.wait())
+    if config.shutdown_delay_s > 0:
+        logger.warning("shutting down: NOT_SERVING, accepting for %.1f s more",
+                       config.shutdown_delay_s)
+        await asyncio.wait({force_wait}, timeout=config.shutdown_delay_s)
+    logger.warning("shutting down: draining for up to %.1f s", config.grace_s)
+    http.should_exit = True
+    drain = asyncio.gather(grpc.stop(config.grace_s), http_task, return_exceptions=True)
+    await asyncio.wait({drain, force_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():  # a second signal: cancel what is left now
+        http.force_exit = True
+        await grpc.stop(0)
+        await drain
+    force_wait.cancel()
+    await backend.close()
+
+
+async def _watch_backend(backend: Backend, health_: _Health) -> None:
+    """Health follows the backend: NOT_SERVING while it cannot serve (engine failure, no worker
+    left), SERVING again when it can."""
+    while True:
+        try:
+            await asyncio.wait_for(backend.status(), HEALTH_PROBE_TIMEOUT_S)
+            is_ok = True
+        except BackendUnavailable:
+            is_ok = False
+        except asyncio.TimeoutError:  # busy (a long prefill step on CPU) is not unavailable
+            logger.warning("backend status took over %.0f s", HEALTH_PROBE_TIMEOUT_S)
+            is_ok = health_.is_serving
+        if is_ok != health_.is_serving:
+            logger.warning("backend %s", "available again" if is_ok else "unavailable")
+            await health_.set(is_ok)
+        await asyncio.sleep(HEALTH_PROBE_INTERVAL_S)
+
+
+def _print_ready(grpc_addr: str, http_addr: str) -> None:
+    print(f"pdserve gateway: gRPC {grpc_addr}  HTTP {http_addr}  (Ctrl-C stops)", flush=True)

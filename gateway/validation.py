@@ -1,0 +1,177 @@
+"""Turns a public request (gRPC GenerateRequest or OpenAI JSON) into a `GenerateInput`.
+
+Checks what the model decides (context length, vocabulary, served model name, chat template)
+and leaves the rest to `SamplingParams`, whose `ValueError` already names the field and its
+bound: it is caught and re-raised as `ValidationError(field, message)`. Front ends map a
+`ValidationError` to INVALID_ARGUMENT / HTTP 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+
+from engine_core.sampling_params import SamplingParams
+from gateway.backend import Backend, GenerateInput
+from protos.pdserve.v1 import generate_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 16  # gRPC and /v1/completions when max_tokens is unset (OpenAI's default)
+MAX_REQUEST_ID_LEN = 128
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# texts longer than this are tokenized in a worker thread, not on the event loop
+MAX_INLINE_TOKENIZE_CHARS = 4096
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_LEN}}}")  # printable ASCII, no space
+
+
+class ValidationError(ValueError):
+    """A request the server refuses: `field` is the offending field as the API names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class UnknownModelError(ValidationError):
+    """The request names a model this server does not serve (HTTP 404, like OpenAI)."""
+
+
+# -- pieces shared by both APIs ------------------------------------------------------------
+def check_model(model: str | None, backend: Backend) -> None:
+    if model and model != backend.model.name:
+        raise UnknownModelError(
+            "model", f"model {model!r} is not served here; the served model is "
+            f"{backend.model.name!r}")
+
+
+def request_id(client_id: str | None, prefix: str = "req-") -> str:
+    """The client's id after checking it, else a fresh one."""
+    if not client_id:
+        return prefix + uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(client_id):
+        raise ValidationError(
+            "request_id", f"request_id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII "
+            f"characters without spaces, got {client_id[:MAX_REQUEST_ID_LEN + 1]!r}")
+    return client_id
+
+
+def sampling_params(field_prefix: str = "", **kwargs: Any) -> SamplingParams:
+    """SamplingParams(**kwargs), its ValueError turned into a ValidationError on the field its
+    message starts with ("top_p must be in (0, 1], got 1.5" -> top_p)."""
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        first = str(e).split(" ", 1)[0]
+        field = first if first in _SAMPLING_FIELDS else "sampling"
+        raise ValidationError(field_prefix + field, str(e)) from None
+
+
+async def encode_text(backend: Backend, text: str, field: str) -> list[int]:
+    if not text:
+        raise ValidationError(field, f"{field} must not be empty")
+    if len(text) <= MAX_INLINE_TOKENIZE_CHARS:
+        ids = backend.tokenizer.encode(text)
+    else:
+        ids = await asyncio.to_thread(backend.tokenizer.encode, text)
+    if not ids:
+        raise ValidationError(field, f"{field} must produce at least 1 token, got 0")
+    return ids
+
+
+async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
+                      field: str) -> list[int]:
+    if not messages:
+        raise ValidationError(field, f"{field} must contain at least 1 message, got 0")
+    for i, m in enumerate(messages):
+        if m.get("role") not in CHAT_ROLES:
+            raise ValidationError(f"{field}[{i}].role",
+                                  f"{field}[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                  f"got {m.get('role')!r}")
+    tokenizer = backend.tokenizer
+    try:
+        if sum(len(m["content"]) for m in messages) <= MAX_INLINE_TOKENIZE_CHARS:
+            return tokenizer.apply_chat_template(list(messages))
+        return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages))
+    except (ValueError, jinja2.TemplateError) as e:  # no template, or the template refuses
+        raise ValidationError(field, f"{field}: the chat template refused them: {e}") from None
+
+
+def check_token_ids(ids: Sequence[int], field: str, vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise ValidationError(f"{field}[{i}]",
+                                  f"{field}[{i}] must be in [0, {vocab_size}), got {t}")
+
+
+def check_lengths(backend: Backend, num_prompt_tokens: int, params: SamplingParams,
+                  prompt_field: str, field_prefix: str = "") -> None:
+    """The checks SamplingParams cannot make: they need the model."""
+    max_len = backend.model.max_model_len
+    max_tokens_field = field_prefix + "max_tokens"
+    if num_prompt_tokens > max_len - 1:
+        raise ValidationError(
+            prompt_field, f"{prompt_field} is {num_prompt_tokens} tokens; at most "
+            f"max_model_len - 1 = {max_len - 1} (room for 1 generated token)")
+    if params.max_tokens > max_len:
+        raise ValidationError(max_tokens_field, f"{max_tokens_field} must be <= max_model_len "
+                              f"({max_len}), got {params.max_tokens}")
+    if num_prompt_tokens + params.max_tokens > max_len:
+        raise ValidationError(
+            max_tokens_field, f"prompt ({num_prompt_tokens} tokens) + {max_tokens_field} "
+            f"({params.max_tokens}) must be <= max_model_len ({max_len}), got "
+            f"{num_prompt_tokens + params.max_tokens}")
+    check_token_ids(params.stop_token_ids, field_prefix + "stop_token_ids",
+                    backend.model.vocab_size)
+
+
+# -- gRPC ------------------------------------------------------------------------------------
+async def from_proto(req: pb.GenerateRequest, backend: Backend,
+                     deadline: float | None = None) -> GenerateInput:
+    """A gRPC GenerateRequest as a GenerateInput (raises ValidationError)."""
+    arrival = time.monotonic()
+    check_model(req.model, backend)
+    req_id = request_id(req.request_id)
+    kind = req.WhichOneof("prompt")
+    text = None
+    if kind == "text":
+        text = req.text
+        ids = await encode_text(backend, text, "text")
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        if not ids:
+            raise ValidationError("token_ids", "token_ids must contain at least 1 token, got 0")
+        check_token_ids(ids, "token_ids.ids", backend.model.vocab_size)
+    elif kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        ids = await encode_chat(backend, messages, "chat.messages")
+    else:
+        raise ValidationError("prompt", "prompt must be set: one of text, token_ids or chat")
+    params = sampling_params("sampling.", **proto_sampling_kwargs(req.sampling))
+    check_lengths(backend, len(ids), params, kind or "prompt", "sampling.")
+    return GenerateInput(req_id, ids, params, text, deadline, arrival)
+
+
+def proto_sampling_kwargs(s: pb.SamplingParameters) -> dict[str, Any]:
+    """SamplingParams keyword arguments; unset `optional` fields take their documented
+    defaults."""
+
+    def opt(name: str, default: Any) -> Any:
+        return getattr(s, name) if s.HasField(name) else default
+
+    return dict(
+        max_tokens=opt("max_tokens", DEFAULT_MAX_TOKENS), min_tokens=s.min_tokens,
+        temperature=opt("temperature", 1.0), top_p=opt("top_p", 1.0), top_k=s.top_k,
+        min_p=s.min_p, repetition_penalty=opt("repetition_penalty", 1.0),
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        seed=opt("seed", None), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, logprobs=opt("logprobs", None),
+        skip_special_tokens=opt("skip_special_tokens", True),
+    )

@@ -1,0 +1,205 @@
+"""ColocatedBackend over a fake engine (no model, milliseconds): streaming, cancellation,
+deadlines, abort by id, engine failure, and an idle engine thread that does not spin."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from engine_core.outputs import CompletionOutput, RequestOutput
+from engine_core.sampling_params import SamplingParams
+from gateway.backend import (
+    BackendUnavailable,
+    DeadlineExceeded,
+    DuplicateRequestError,
+    GenerateInput,
+)
+from gateway.colocated import ColocatedBackend
+
+
+class FakeEngine:
+    """One token per step for every request (token i is i); finishes at max_tokens."""
+
+    def __init__(self, step_s: float = 0.002) -> None:
+        self.tokenizer = object()
+        self.source = SimpleNamespace(name="fake")
+        self.max_model_len = 64
+        self.model_config = SimpleNamespace(vocab_size=100)
+        self.kv = SimpleNamespace(pool=SimpleNamespace(num_blocks=8), block_size=16,
+                                  num_free_blocks=8, check_integrity=lambda: None)
+        self.scheduler = SimpleNamespace(requests={}, num_running=0, num_waiting=0,
+                                         num_preemptions=0)
+        self.step_s = step_s
+        self.num_steps = 0
+        self.aborted: list[str] = []
+        self.fail = False
+
+    def add_request(self, prompt, params, req_id):
+        self.scheduler.requests[req_id] = [params, prompt, [], time.monotonic()]
+        self.scheduler.num_running = len(self.scheduler.requests)
+
+    def abort_request(self, req_ids):
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            if self.scheduler.requests.pop(req_id, None) is not None:
+                self.aborted.append(req_id)
+        self.scheduler.num_running = len(self.scheduler.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        if self.fail:
+            raise RuntimeError("boom")
+        time.sleep(self.step_s)
+        outputs = []
+        for req_id, (params, prompt, out, arrival) in list(self.scheduler.requests.items()):
+            out.append(len(out) + 1)
+            done = len(out) == params.max_tokens
+            since = time.monotonic() - arrival
+            metrics = {"first_scheduled": 0.0, "first_token": since}
+            if done:
+                metrics["finished"] = since
+                del self.scheduler.requests[req_id]
+            outputs.append(RequestOutput(
+                req_id, None, prompt, [CompletionOutput(0, "", list(out),
+                                                        "length" if done else None)],
+                done, metrics=metrics, delta_text=f"t{out[-1]} ", delta_token_ids=[out[-1]]))
+        self.scheduler.num_running = len(self.scheduler.requests)
+        return outputs
+
+
+def inp(req_id: str, max_tokens: int, deadline: float | None = None) -> GenerateInput:
+    return GenerateInput(req_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens),
+                         deadline=deadline)
+
+
+def run(coro_fn, engine: FakeEngine | None = None):
+    async def main():
+        backend = ColocatedBackend(engine or FakeEngine())
+        try:
+            return await coro_fn(backend)
+        finally:
+            await backend.close()
+
+    return asyncio.run(main())
+
+
+async def collect(backend, i):
+    return [c async for c in backend.generate(i)]
+
+
+def test_streams_every_token_then_the_timing():
+    chunks = run(lambda b: collect(b, inp("a", 5)))
+    assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4, 5]
+    assert "".join(c.text_delta for c in chunks) == "t1 t2 t3 t4 t5 "
+    last = chunks[-1]
+    assert last.finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    assert (last.num_prompt_tokens, last.num_output_tokens) == (3, 5)
+    t = last.timing
+    assert t.ttft_s == pytest.approx(t.queue_s + t.prefill_s) and t.first_decode_step_s > 0
+
+
+def test_concurrent_requests_and_a_duplicate_id():
+    async def body(backend):
+        results = await asyncio.gather(*(collect(backend, inp(f"r{i}", 3 + i)) for i in range(4)))
+        gen = backend.generate(inp("x", 50))
+        await anext(gen)
+        with pytest.raises(DuplicateRequestError):
+            await anext(backend.generate(inp("x", 5)))
+        await gen.aclose()
+        return results
+
+    results = run(body)
+    assert [sum(len(c.token_ids) for c in r) for r in results] == [3, 4, 5, 6]
+
+
+def test_closing_the_stream_early_aborts_in_the_engine():
+    engine = FakeEngine()
+
+    async def body(backend):
+        async with contextlib.aclosing(backend.generate(inp("a", 1000))) as chunks:
+            async for _ in chunks:
+                break
+        for _ in range(100):
+            status = await backend.status()
+            if status["num_running"] == 0:
+                return status
+            await asyncio.sleep(0.01)
+
+    assert run(body, engine)["num_streams"] == 0 and engine.aborted == ["a"]
+
+
+def test_cancelled_consumer_aborts_in_the_engine():
+    engine = FakeEngine()
+
+    async def body(backend):
+        task = asyncio.create_task(collect(backend, inp("a", 1000)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await backend.status()  # runs in the engine thread after the abort
+        return engine.aborted
+
+    assert run(body, engine) == ["a"]
+
+
+def test_deadline_raises_and_aborts():
+    engine = FakeEngine()
+
+    async def body(backend):
+        with pytest.raises(DeadlineExceeded):
+            await collect(backend, inp("a", 1000, deadline=time.monotonic() + 0.05))
+        await backend.status()
+        return engine.aborted
+
+    assert run(body, engine) == ["a"]
+
+
+def test_abort_by_id_ends_the_stream():
+    async def body(backend):
+        gen = backend.generate(inp("a", 1000))
+        first = await anext(gen)
+        assert await backend.abort("a") and not await backend.abort("nope")
+        rest = [c async for c in gen]
+        return first, rest
+
+    first, rest = run(body)
+    assert rest[-1].finish_reason == "abort" and rest[-1].timing is not None
+
+
+def test_engine_failure_fails_streams_and_later_requests():
+    engine = FakeEngine()
+
+    async def body(backend):
+        gen = backend.generate(inp("a", 1000))
+        await anext(gen)
+        engine.fail = True
+        with pytest.raises(BackendUnavailable):
+            async for _ in gen:
+                pass
+        with pytest.raises(BackendUnavailable):
+            await anext(backend.generate(inp("b", 5)))
+        with pytest.raises(BackendUnavailable):
+            await backend.status()
+
+    run(body, engine)
+
+
+def test_idle_engine_thread_does_not_spin():
+    engine = FakeEngine()
+
+    async def body(backend):
+        await collect(backend, inp("a", 3))
+        await backend.status()
+        steps = engine.num_steps
+        await asyncio.sleep(0.2)
+        return steps, engine.num_steps
+
+    before, after = run(body, engine)
+    assert before == after == 3
