@@ -72,7 +72,7 @@ def implementations(device: torch.device) -> dict[str, dict[str, Callable]]:
     if device.type == "cuda":
         from kernels.decode_attention import paged_decode_attention_triton
         from kernels.prefill_attention import paged_prefill_attention_triton
-        from kernels.store_kv import store_kv_triton
+        from kernels.store_kv_triton import store_kv_triton
 
         return {
             "decode": {

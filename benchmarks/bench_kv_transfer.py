@@ -1,0 +1,154 @@
+"""Ships the KV of a 512-token prompt of the default model's layout (30 layers, 3 KV heads x 64,
+block 16) from this process to a receiver in another process over loopback, per transport and
+dtype, and reports GB/s and seconds. Writes bench_results/kv_transfer/{results.json,plot.png}.
+
+Two modes per configuration:
+  back-to-back   all layers handed over at once: the transport's throughput
+  overlapped     layers handed over --compute-ms apart (a sleep standing in for the prefill of
+                 that layer): what the transfer adds to time-to-first-token is commit_seconds,
+                 the time from the last layer to the verified commit
+
+    python benchmarks/bench_kv_transfer.py                 # grpc + shm, float32 + bfloat16
+    python benchmarks/bench_kv_transfer.py --runs 5 --kinds shm --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from engine_core.kv_cache.layout import KVLayout  # noqa: E402
+from kv_transfer import connect  # noqa: E402
+from kv_transfer.loopback import ReceiverProcess  # noqa: E402
+
+PROMPT_TOKENS = 512
+NUM_RECEIVER_BLOCKS = 64
+NUM_SENDER_BLOCKS = 64
+
+
+def layout_for(dtype: str) -> KVLayout:
+    return KVLayout("SmolLM2-135M-Instruct", dtype, block_size=16, num_layers=30,
+                    num_kv_heads=3, head_dim=64)
+
+
+def one_transfer(conn, receiver, src_kv, src_ids, compute_s: float):
+    lease_id, dst_ids = receiver.call("open", len(src_ids), 30.0)
+    session = conn.begin(lease_id, src_ids, dst_ids)
+    for layer in range(conn.layout.num_layers):
+        if compute_s:
+            time.sleep(compute_s)
+        session.send_layer(layer, src_kv)
+    stats = session.commit(timeout=30)
+    receiver.call("claim", lease_id)
+    return stats
+
+
+def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm) -> dict:
+    layout = layout_for(dtype)
+    num_blocks = PROMPT_TOKENS // layout.block_size
+    gen = torch.Generator().manual_seed(0)
+    src_kv = torch.randn(layout.cache_shape(NUM_SENDER_BLOCKS), generator=gen).to(
+        layout.torch_dtype)
+    src_ids = torch.randperm(NUM_SENDER_BLOCKS, generator=gen)[:num_blocks].tolist()
+    rows = {}
+    with ReceiverProcess(layout, NUM_RECEIVER_BLOCKS, use_shm=kind == "shm") as receiver, \
+            connect(kind, receiver.target, layout) as conn:
+        assert conn.kind == kind
+        for mode, compute_s in (("back-to-back", 0.0), ("overlapped", compute_ms / 1000)):
+            one_transfer(conn, receiver, src_kv, src_ids, compute_s)  # warm-up
+            stats = []
+            for _ in range(runs):
+                stats.append(one_transfer(conn, receiver, src_kv, src_ids, compute_s))
+                bar.update()
+            rows[mode] = summarize(stats)
+    return {"kind": kind, "dtype": dtype, "num_blocks": num_blocks,
+            "payload_bytes": stats[0].num_bytes, **rows}
+
+
+def summarize(stats) -> dict:
+    med = statistics.median
+    return {
+        "seconds": med(s.seconds for s in stats),
+        "gbytes_per_s": med(s.gbytes_per_s for s in stats),
+        "commit_seconds": med(s.commit_seconds for s in stats),
+        "verify_seconds": med(s.verify_seconds for s in stats),
+        "last_layer_shipped_s": med(s.layer_shipped_s[-1] - s.layer_queued_s[-1] for s in stats),
+        "runs": len(stats),
+    }
+
+
+def print_table(results: list[dict], compute_ms: float) -> None:
+    print(f"\nKV of a {PROMPT_TOKENS}-token prompt, 30 layers x 32 blocks, receiver in another "
+          f"process, loopback; medians")
+    head = (f"{'transport':9} {'dtype':8} {'MB':>6} | {'b2b s':>7} {'GB/s':>6} {'commit ms':>9} "
+            f"{'verify ms':>9} | {'overlap s':>9} {'exposed ms':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        b2b, ovl = r["back-to-back"], r["overlapped"]
+        print(f"{r['kind']:9} {r['dtype']:8} {r['payload_bytes'] / 1e6:6.2f} | "
+              f"{b2b['seconds']:7.4f} {b2b['gbytes_per_s']:6.2f} "
+              f"{b2b['commit_seconds'] * 1e3:9.1f} {b2b['verify_seconds'] * 1e3:9.1f} | "
+              f"{ovl['seconds']:9.3f} {ovl['commit_seconds'] * 1e3:10.1f}")
+    print(f"b2b: all layers at once. overlap: a {compute_ms:g} ms sleep before each layer; "
+          f"exposed = last layer handed over -> verified commit (adds to TTFT)")
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['kind']}\n{r['dtype']}" for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(labels, [r["back-to-back"]["gbytes_per_s"] for r in results], color="tab:blue")
+    ax1.set_ylabel("GB/s (back-to-back)")
+    ax1.set_title(f"KV transfer throughput, {PROMPT_TOKENS}-token prompt")
+    exposed = [r["overlapped"]["commit_seconds"] * 1e3 for r in results]
+    verify = [r["overlapped"]["verify_seconds"] * 1e3 for r in results]
+    ax2.bar(labels, exposed, color="tab:orange", label="exposed (last layer -> commit)")
+    ax2.bar(labels, verify, color="tab:red", label="of which checksum verify")
+    ax2.set_ylabel("ms added to TTFT (overlapped)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", default=["grpc", "shm"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--compute-ms", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "kv_transfer")
+    args = parser.parse_args()
+    configs = [(k, d) for k in args.kinds for d in args.dtypes]
+    results = []
+    with tqdm(total=len(configs) * 2 * args.runs, desc="kv transfers") as bar:
+        for kind, dtype in configs:
+            bar.set_postfix_str(f"{kind} {dtype}")
+            results.append(bench(kind, dtype, args.runs, args.compute_ms, bar))
+    print_table(results, args.compute_ms)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"prompt_tokens": PROMPT_TOKENS, "compute_ms": args.compute_ms,
+            "torch_threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M")}
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results},
+                                                      indent=2))
+    plot(results, args.out / "plot.png")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'plot.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

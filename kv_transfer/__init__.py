@@ -1,0 +1,67 @@
+"""The transactional KV handoff from a prefill worker into a decode worker's reserved blocks.
+
+Decode side (receiver):                         Prefill side (sender):
+    pool = SharedKVPool.create(layout, n)           conn = connect("auto", target, layout)
+    table = LeaseTable(on_release=free_blocks)      session = conn.begin(lease_id, src, dst)
+    receiver = KVReceiver(layout, pool.tensor,      session.send_layer(layer, kv_cache) ...
+                          table, shm_pool=pool)     stats = session.commit(timeout)
+    add_kv_transfer_servicer(server,
+                             KVTransferServicer(receiver))
+    lease = table.open(req_id, block_ids, ttl_s)  -> ticket (lease_id, block ids) to prefill
+    ... table.get(lease_id).state is COMPLETE -> table.claim(lease_id) -> decode
+
+Modules: lease (state machine), checksum, session (sender pipeline), transport (connect,
+select_transport, host_id), grpc_transport / shm_transport / cuda_ipc_transport (data planes),
+receiver + servicer (decode side), wire (proto conversions), loopback (test/bench servers).
+"""
+
+from kv_transfer.checksum import checksum_blocks, checksum_tensor
+from kv_transfer.errors import (
+    KVTransferError,
+    LayoutMismatchError,
+    LeaseEndedError,
+    LeaseError,
+    TransferError,
+    TransportRefusedError,
+    UnknownLeaseError,
+    VerificationError,
+)
+from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GRPC_SERVER_OPTIONS
+from kv_transfer.lease import Lease, LeaseState, LeaseTable
+from kv_transfer.receiver import CommitResult, KVReceiver
+from kv_transfer.servicer import KVTransferServicer, add_kv_transfer_servicer
+from kv_transfer.session import SenderOptions, SendSession, SendState, TransferStats
+from kv_transfer.shm_transport import SharedKVPool, reap_stale_pools
+from kv_transfer.transport import Connection, connect, host_id, select_transport
+
+__all__ = [
+    "GRPC_CHANNEL_OPTIONS",
+    "GRPC_SERVER_OPTIONS",
+    "CommitResult",
+    "Connection",
+    "KVReceiver",
+    "KVTransferError",
+    "KVTransferServicer",
+    "LayoutMismatchError",
+    "Lease",
+    "LeaseEndedError",
+    "LeaseError",
+    "LeaseState",
+    "LeaseTable",
+    "SendSession",
+    "SendState",
+    "SenderOptions",
+    "SharedKVPool",
+    "TransferError",
+    "TransferStats",
+    "TransportRefusedError",
+    "UnknownLeaseError",
+    "VerificationError",
+    "add_kv_transfer_servicer",
+    "checksum_blocks",
+    "checksum_tensor",
+    "connect",
+    "host_id",
+    "reap_stale_pools",
+    "select_transport",
+]

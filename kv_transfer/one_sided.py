@@ -1,0 +1,72 @@
+"""The session of the one-sided transports (shm, cuda_ipc): the sender writes each layer
+straight into the receiver's pool, mapped into this process, then reports it with LayerDone.
+
+    for each queued layer snapshot:
+        stop if the lease deadline is within WRITE_MARGIN_S (the receiver may free the blocks)
+        dst[layer][dst_block_ids] = snapshot        # scatter_blocks: host or device
+        synchronize (CUDA)                          # bytes in place before the receiver looks
+        LayerDone(layer, crc32), not waited for     # up to MAX_LAYER_DONE_IN_FLIGHT pending
+
+LayerDone calls are pipelined (a unary round trip costs ~1 ms here, more than copying a
+layer). That is safe because the receiver frees an aborted one-sided lease only on an explicit
+Abort(writer_stopped=True), which this thread sends after it has stopped writing, or at the
+deadline, which it stops writing WRITE_MARGIN_S before (as seen from the last reply: the
+request's send time + the remaining time the receiver reported, a lower bound).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import grpc
+import torch
+
+from kv_transfer.blocks import scatter_blocks
+from kv_transfer.checksum import checksum_tensor
+from kv_transfer.errors import TransferError
+from kv_transfer.session import WRITE_MARGIN_S, SendSession
+from protos.pdserve.internal import kv_transfer_pb2 as pb
+
+MAX_LAYER_DONE_IN_FLIGHT = 8
+
+
+class OneSidedSendSession(SendSession):
+    """shm and cuda_ipc: the sender writes each layer straight into the receiver's pool
+    (`dst`, mapped into this process), then reports it with a LayerDone RPC."""
+
+    def __init__(self, *args, dst: torch.Tensor, kind: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kind = kind
+        self._dst = dst  # [num_layers, num_blocks, 2, block_size, heads, dim], the pool
+
+    def _pump(self) -> None:
+        in_flight: deque[tuple[float, grpc.Future]] = deque()  # (send time, LayerDone call)
+        try:
+            while (item := self._next_layer()) is not None:
+                self._harvest(in_flight, wait=len(in_flight) >= MAX_LAYER_DONE_IN_FLIGHT)
+                if time.monotonic() > self._lease_deadline - WRITE_MARGIN_S:
+                    raise TransferError("lease deadline too close to write safely", "CANCELLED")
+                scatter_blocks(self._dst, item.layer, self._dst_ids, item.blocks)
+                if self._dst.is_cuda:  # the bytes must be in place before the receiver looks
+                    torch.cuda.synchronize(self._dst.device)
+                crc32 = checksum_tensor(item.blocks)
+                self._shipped(item.layer, crc32, item.blocks.nbytes)  # bytes in place
+                request = pb.LayerDoneRequest(lease_id=self.lease_id, layer=item.layer,
+                                              crc32=crc32)
+                in_flight.append((time.monotonic(), self._stub.LayerDone.future(
+                    request, timeout=self._options.rpc_timeout_s)))
+            while in_flight:  # every layer acknowledged before Commit
+                self._harvest(in_flight, wait=True)
+        finally:
+            for _, call in in_flight:
+                call.cancel()
+
+    def _harvest(self, in_flight: deque, wait: bool) -> None:
+        """Collect finished LayerDone replies (the oldest first; raises if one failed) and
+        refresh the lease deadline from them. `wait`: block for at least the oldest."""
+        while in_flight and (wait or in_flight[0][1].done()):
+            sent, call = in_flight.popleft()
+            reply = call.result()  # grpc.RpcError if the receiver refused the layer
+            self._lease_deadline = sent + reply.remaining_ms / 1000
+            wait = False

@@ -1,0 +1,209 @@
+"""The decode worker's end of the KV handoff: handshake checks, writes on receipt, verification.
+
+Transport-agnostic and free of gRPC: servicer.py turns protobuf into these calls and errors
+into status codes. Every method is thread-safe. commit() re-reads all destination blocks, so
+the servicer runs it in a worker thread, off the event loop.
+
+    handshake    layouts equal? transport possible and enabled? -> kind + data-plane endpoint
+    begin        a lease's sender arrives (LeaseTable.begin checks the blocks)
+    write_chunk  grpc: bytes land in the lease's blocks on receipt, under the lease table lock
+    layer_done   a layer is complete; its CRC-32 is recorded
+    commit       RECEIVING -> VERIFYING -> COMPLETE | FAILED: destination bytes vs checksums
+    abort        either side; idempotent
+
+A reaper thread expires leases past their deadline every `reap_interval_s` seconds (verbs
+also expire a lease they find overdue, so the reaper only bounds how late a release comes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_core.kv_cache.layout import KVLayout
+from kv_transfer.blocks import block_rows
+from kv_transfer.checksum import checksum_blocks
+from kv_transfer.cuda_ipc_transport import CudaIpcHandle, export_handle
+from kv_transfer.errors import LayoutMismatchError, TransportRefusedError, VerificationError
+from kv_transfer.lease import LeaseTable
+from kv_transfer.session import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from kv_transfer.shm_transport import SharedKVPool
+from kv_transfer.transport import KINDS, host_id, select_transport
+
+log = logging.getLogger("pdserve.kv_transfer")
+
+
+@dataclass(frozen=True)
+class HandshakeResult:
+    kind: str  # the transport chosen for this sender
+    shm_pool: SharedKVPool | None  # set iff kind == "shm"
+    cuda_ipc: CudaIpcHandle | None  # set iff kind == "cuda_ipc" (a fresh export)
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    num_bytes_verified: int
+    verify_seconds: float
+
+
+class KVReceiver:
+    """Receives KV for the leases of `lease_table` into `kv_cache`
+    [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim] (contiguous)."""
+
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, lease_table: LeaseTable,
+                 allowed_kinds: Iterable[str] | None = None, *,
+                 shm_pool: SharedKVPool | None = None, host: str | None = None,
+                 max_chunk_bytes: int = DEFAULT_CHUNK_BYTES, reap_interval_s: float = 0.1):
+        if (kv_cache.dim() != 6 or tuple(kv_cache.shape) != layout.cache_shape(kv_cache.shape[1])
+                or kv_cache.dtype != layout.torch_dtype or not kv_cache.is_contiguous()):
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} is not a "
+                             f"contiguous cache of {layout}")
+        if shm_pool is not None and shm_pool.tensor.data_ptr() != kv_cache.data_ptr():
+            raise ValueError("kv_cache must be shm_pool.tensor when a shared pool is given")
+        if not 0 < max_chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"max_chunk_bytes must be in (0, {MAX_CHUNK_BYTES}]")
+        capable = {"grpc"} | ({"shm"} if shm_pool else set()) | (
+            {"cuda_ipc"} if kv_cache.is_cuda else set())
+        allowed = capable if allowed_kinds is None else set(allowed_kinds)
+        if not allowed <= set(KINDS) or not allowed <= capable:
+            raise ValueError(f"this receiver can serve {sorted(capable)}, asked for "
+                             f"{sorted(allowed)} (shm needs shm_pool, cuda_ipc a CUDA cache)")
+        self.layout, self.kv_cache, self.leases = layout, kv_cache, lease_table
+        self.allowed_kinds = frozenset(allowed)
+        self.host_id = host or host_id()
+        self.device = str(kv_cache.device)
+        self.num_blocks = kv_cache.shape[1]
+        self.max_chunk_bytes = max_chunk_bytes
+        self._shm_pool = shm_pool
+        # [num_layers, num_blocks, block bytes]: one row per (layer, block), K and V together
+        self._rows = kv_cache.view(torch.uint8).view(layout.num_layers, self.num_blocks, -1)
+        self._rows_np = block_rows(kv_cache)
+        self.num_chunks = self.max_chunk_nbytes = 0  # observed PushBlocks chunks
+        self._closed = threading.Event()
+        self._reap_interval_s = reap_interval_s
+        self._reaper = threading.Thread(target=self._reap, daemon=True, name="kv-lease-reaper")
+        self._reaper.start()
+
+    def handshake(self, sender_layout: KVLayout, requested: str, sender_host: str,
+                  sender_device: str) -> HandshakeResult:
+        mismatches = sender_layout.mismatch(self.layout)
+        if mismatches:
+            raise LayoutMismatchError(mismatches)
+        kind = select_transport(requested, sender_host, self.host_id, sender_device,
+                                self.device, allowed=self.allowed_kinds)
+        log.info("kv transfer from host %s (%s) uses %s (requested %s)", sender_host,
+                 sender_device, kind, requested)
+        return HandshakeResult(kind, self._shm_pool if kind == "shm" else None,
+                               export_handle(self.kv_cache) if kind == "cuda_ipc" else None)
+
+    def begin(self, lease_id: str, dst_block_ids: Sequence[int], kind: str) -> float:
+        """A sender starts on a lease; returns the seconds left before its deadline."""
+        if kind not in self.allowed_kinds:
+            raise TransportRefusedError(f"transport {kind} is not enabled on this receiver")
+        lease = self.leases.begin(lease_id, dst_block_ids, kind, is_one_sided=kind != "grpc")
+        return lease.deadline - self.leases.now()
+
+    def write_chunk(self, lease_id: str, layer: int, dst_block_ids: Sequence[int],
+                    byte_offset: int, data: bytes) -> None:
+        """Copy one chunk (whole blocks, or a piece of one block) into the lease's blocks."""
+        ids, size, block_nbytes = list(dst_block_ids), len(data), self.layout.block_nbytes
+        self._check_layer(layer)
+        if size > self.max_chunk_bytes:
+            raise ValueError(f"chunk of {size} bytes exceeds max_chunk_bytes "
+                             f"{self.max_chunk_bytes}")
+        if not ids or max(ids) >= self.num_blocks:
+            raise ValueError(f"chunk block ids must be in [0, {self.num_blocks}), got {ids}")
+        is_whole = byte_offset == 0 and size == len(ids) * block_nbytes
+        is_piece = len(ids) == 1 and size > 0 and byte_offset + size <= block_nbytes
+        if not (is_whole or is_piece):
+            raise ValueError(f"a chunk of {size} bytes at offset {byte_offset} does not fit "
+                             f"{len(ids)} block(s) of {block_nbytes} bytes")
+        src = np.frombuffer(data, dtype=np.uint8)
+        with self.leases.writing(lease_id, ids, size):
+            if self._rows_np is not None:
+                if is_whole:
+                    self._rows_np[layer, ids] = src.reshape(len(ids), block_nbytes)
+                else:
+                    self._rows_np[layer, ids[0], byte_offset:byte_offset + size] = src
+            else:  # a CUDA pool fed over grpc: one host-to-device copy per chunk
+                t = torch.from_numpy(src.copy()).to(self.kv_cache.device)
+                if is_whole:
+                    index = torch.as_tensor(ids, device=t.device)
+                    self._rows[layer].index_copy_(0, index, t.view(len(ids), block_nbytes))
+                else:
+                    self._rows[layer, ids[0], byte_offset:byte_offset + size].copy_(t)
+        self.num_chunks += 1
+        self.max_chunk_nbytes = max(self.max_chunk_nbytes, size)
+
+    def layer_done(self, lease_id: str, layer: int, crc32: int) -> float:
+        """A layer is complete in the destination blocks; returns seconds left on the lease."""
+        self._check_layer(layer)
+        lease = self.leases.record_layer(lease_id, layer, crc32)
+        return lease.deadline - self.leases.now()
+
+    def stream_ended(self, lease_id: str) -> bool:
+        """A PushBlocks stream ended (half-closed). gRPC reports a dead peer the same way, so
+        a stream that ends before every layer is done ends its lease; True if it did."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.num_layers_received == self.layout.num_layers:
+            return False
+        return self.leases.abort(
+            lease_id, f"push stream ended after {lease.num_layers_received} of "
+                      f"{self.layout.num_layers} layers: sender gone", writer_stopped=True)
+
+    def commit(self, lease_id: str, layer_crc32: Sequence[int]) -> CommitResult:
+        """Verify every layer's destination blocks against the sender's checksums: the lease
+        becomes COMPLETE, or FAILED (released) and VerificationError is raised."""
+        lease = self.leases.start_verify(lease_id)
+        start = time.perf_counter()
+        num_layers, nbytes = self.layout.num_layers, len(lease.block_ids) * self.layout.block_nbytes
+        announced = dict(lease.layer_crc32)
+        problems = []
+        if len(layer_crc32) != num_layers:
+            problems.append(f"commit carries {len(layer_crc32)} checksums for {num_layers} layers")
+        missing = sorted(set(range(num_layers)) - set(announced))
+        if missing:
+            problems.append(f"layers never reported done: {missing}")
+        if not lease.is_one_sided and lease.num_bytes_received != num_layers * nbytes:
+            problems.append(f"received {lease.num_bytes_received} bytes, "
+                            f"expected {num_layers * nbytes}")
+        for layer in range(num_layers) if not problems else ():
+            actual = checksum_blocks(self.kv_cache[layer], lease.block_ids)
+            if actual != layer_crc32[layer] or announced[layer] != layer_crc32[layer]:
+                problems.append(f"layer {layer}: destination crc32 {actual:#010x}, layer-done "
+                                f"{announced[layer]:#010x}, commit {layer_crc32[layer]:#010x}")
+        verify_s = time.perf_counter() - start
+        reason = "; ".join(problems[:4]) + (f"; ... {len(problems) - 4} more"
+                                            if len(problems) > 4 else "")
+        self.leases.complete(lease_id, ok=not problems, reason=f"verification failed: {reason}")
+        if problems:
+            raise VerificationError(f"lease {lease_id} failed verification: {reason}")
+        return CommitResult(num_layers * nbytes, verify_s)
+
+    def abort(self, lease_id: str, reason: str, writer_stopped: bool) -> tuple[bool, str]:
+        """(whether this call ended the lease, its state name now or "UNKNOWN")."""
+        was_live = self.leases.abort(lease_id, reason, writer_stopped=writer_stopped)
+        lease = self.leases.get(lease_id)
+        return was_live, lease.state.name if lease else "UNKNOWN"
+
+    def close(self) -> None:
+        """Stop the reaper (leases stay in the table)."""
+        self._closed.set()
+        self._reaper.join()
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer}")
+
+    def _reap(self) -> None:
+        while not self._closed.wait(self._reap_interval_s):
+            try:
+                self.leases.expire_due()
+            except Exception:
+                log.exception("lease reaper failed")

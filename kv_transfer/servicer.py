@@ -1,0 +1,156 @@
+"""The KVTransfer gRPC service (grpc.aio): protobuf <-> KVReceiver calls, errors -> status codes.
+
+    LayoutMismatchError, TransportRefusedError, LeaseError   FAILED_PRECONDITION
+    UnknownLeaseError                                        NOT_FOUND
+    LeaseEndedError                                          ABORTED
+    VerificationError                                        DATA_LOSS
+    ValueError (malformed request)                           INVALID_ARGUMENT
+
+Serve it next to the decode service's other services:
+
+    server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS.items()))
+    add_kv_transfer_servicer(server, KVTransferServicer(receiver))
+
+Handlers run on the event loop; the receiver's calls are short (a chunk copy holds the lease
+table lock for ~100 us per MiB) except commit, which goes to a worker thread. A PushBlocks
+stream that fails, is cancelled, or ends before all its layers are done ends its lease: a
+transfer cannot resume. (grpc.aio ends the request iterator quietly when the peer dies, so
+"ended early" is how a killed sender shows up.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from kv_transfer import wire
+from kv_transfer.cuda_ipc_transport import handle_to_proto
+from kv_transfer.errors import (
+    LayoutMismatchError,
+    LeaseEndedError,
+    LeaseError,
+    TransportRefusedError,
+    UnknownLeaseError,
+    VerificationError,
+)
+from kv_transfer.receiver import KVReceiver
+from protos.pdserve.internal import kv_transfer_pb2 as pb
+from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pdserve.kv_transfer")
+
+_STATUS = (  # first match wins: subclasses before their bases
+    (UnknownLeaseError, grpc.StatusCode.NOT_FOUND),
+    (LeaseEndedError, grpc.StatusCode.ABORTED),
+    (VerificationError, grpc.StatusCode.DATA_LOSS),
+    ((LayoutMismatchError, TransportRefusedError, LeaseError),
+     grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, error: Exception):
+    """End the RPC with the status that matches `error`; unknown errors propagate (UNKNOWN)."""
+    for types, code in _STATUS:
+        if isinstance(error, types):
+            await context.abort(code, str(error))
+    log.exception("KVTransfer handler failed", exc_info=error)
+    raise error
+
+
+def _ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000))
+
+
+class KVTransferServicer(pb_grpc.KVTransferServicer):
+    def __init__(self, receiver: KVReceiver) -> None:
+        self.receiver = receiver
+
+    async def Handshake(self, request, context):
+        try:
+            result = self.receiver.handshake(
+                wire.layout_from_proto(request.layout), wire.kind_from_proto(request.transport),
+                request.sender_host_id, request.sender_device)
+        except Exception as e:
+            await _abort_with(context, e)
+        r = self.receiver
+        reply = pb.HandshakeResponse(
+            transport=wire.kind_to_proto(result.kind), receiver_host_id=r.host_id,
+            receiver_device=r.device, num_blocks=r.num_blocks,
+            layout_fingerprint=r.layout.fingerprint(), max_chunk_bytes=r.max_chunk_bytes)
+        if result.shm_pool is not None:
+            pool = result.shm_pool
+            reply.shm.CopyFrom(pb.ShmPool(path=pool.path, size_bytes=pool.size_bytes,
+                                          st_dev=pool.identity[0], st_ino=pool.identity[1]))
+        if result.cuda_ipc is not None:
+            reply.cuda_ipc.CopyFrom(handle_to_proto(result.cuda_ipc))
+        return reply
+
+    async def Begin(self, request, context):
+        try:
+            remaining_s = self.receiver.begin(request.lease_id, list(request.dst_block_ids),
+                                              wire.kind_from_proto(request.transport))
+        except Exception as e:
+            await _abort_with(context, e)
+        return pb.BeginResponse(remaining_ms=_ms(remaining_s))
+
+    async def PushBlocks(self, request_iterator, context):
+        lease_id, num_bytes, num_chunks = "", 0, 0
+        try:
+            async for request in request_iterator:
+                item = request.WhichOneof("item")
+                msg = request.chunk if item == "chunk" else request.layer_done
+                if item is None:
+                    raise ValueError("empty PushBlocksRequest")
+                if lease_id and msg.lease_id != lease_id:
+                    raise ValueError(f"one stream carries one lease: {lease_id}, then "
+                                     f"{msg.lease_id}")
+                lease_id = msg.lease_id
+                if item == "chunk":
+                    self.receiver.write_chunk(msg.lease_id, msg.layer, msg.dst_block_ids,
+                                              msg.byte_offset, msg.data)
+                    num_bytes += len(msg.data)
+                    num_chunks += 1
+                else:
+                    self.receiver.layer_done(msg.lease_id, msg.layer, msg.crc32)
+            if lease_id:
+                self.receiver.stream_ended(lease_id)
+        except asyncio.CancelledError:
+            if lease_id:
+                self.receiver.abort(lease_id, "push stream cancelled: sender gone or "
+                                              "connection lost", writer_stopped=True)
+            raise
+        except Exception as e:
+            if lease_id:
+                self.receiver.abort(lease_id, f"push stream failed: {e}", writer_stopped=True)
+            await _abort_with(context, e)
+        return pb.PushBlocksResponse(num_bytes_received=num_bytes,
+                                     num_chunks_received=num_chunks)
+
+    async def LayerDone(self, request, context):
+        try:
+            remaining_s = self.receiver.layer_done(request.lease_id, request.layer,
+                                                   request.crc32)
+        except Exception as e:
+            await _abort_with(context, e)
+        return pb.LayerDoneResponse(remaining_ms=_ms(remaining_s))
+
+    async def Commit(self, request, context):
+        try:
+            result = await asyncio.to_thread(self.receiver.commit, request.lease_id,
+                                             list(request.layer_crc32))
+        except Exception as e:
+            await _abort_with(context, e)
+        return pb.CommitResponse(num_bytes_verified=result.num_bytes_verified,
+                                 verify_us=int(result.verify_seconds * 1e6))
+
+    async def Abort(self, request, context):
+        was_live, state = self.receiver.abort(request.lease_id, request.reason,
+                                              request.writer_stopped)
+        return pb.AbortResponse(was_live=was_live, state=state)
+
+
+def add_kv_transfer_servicer(server: grpc.aio.Server, servicer: KVTransferServicer) -> None:
+    pb_grpc.add_KVTransferServicer_to_server(servicer, server)

@@ -1,0 +1,215 @@
+"""The sender's interface to the KV handoff, and the rules that pick a transport.
+
+    conn = connect("auto", "decode-0:50061", layout, device="cpu")   # handshake, once
+    session = conn.begin(lease_id, src_block_ids, dst_block_ids)     # per request
+    for layer in range(layout.num_layers):
+        ...compute layer...
+        session.send_layer(layer, kv_cache)                          # waits only if queue full
+    stats = session.commit(timeout=5.0)                              # or session.abort(reason)
+
+| transport | when (auto)                            | data plane                                 |
+|-----------|----------------------------------------|--------------------------------------------|
+| cuda_ipc  | same host, both KV caches on CUDA      | device-to-device copy into the mapped pool |
+| shm       | same host, decode pool in host memory  | memcpy into the mapped shared-memory pool  |
+| grpc      | otherwise                              | chunked PushBlocks stream                  |
+
+An explicit choice that cannot work raises TransportRefusedError (a ValueError); there is no
+silent fallback. Both ends log the transport in use; `Connection.kind` is the metric label.
+The control plane (Begin, LayerDone, Commit, Abort) is the same gRPC service for all three.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import socket
+import weakref
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import torch
+
+from engine_core.kv_cache.layout import KVLayout
+from kv_transfer import wire
+from kv_transfer.errors import LayoutMismatchError, TransferError, TransportRefusedError
+from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GrpcSendSession
+from kv_transfer.one_sided import OneSidedSendSession
+from kv_transfer.session import SenderOptions, SendSession
+from protos.pdserve.internal import kv_transfer_pb2 as pb
+from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pdserve.kv_transfer")
+
+KINDS = wire.KINDS
+_AUTO_PREFERENCE = ("cuda_ipc", "shm", "grpc")
+
+
+def host_id() -> str:
+    """A stable id of this machine (and boot): equal ids mean the same kernel, so shm and
+    CUDA IPC may work. The env var PDSERVE_HOST_ID overrides it (tests, odd deployments)."""
+    return os.environ.get("PDSERVE_HOST_ID") or _machine_host_id()
+
+
+@functools.cache
+def _machine_host_id() -> str:
+    parts = []
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id",
+                 "/proc/sys/kernel/random/boot_id"):
+        try:
+            parts.append(Path(path).read_text().strip())
+        except OSError:
+            continue
+    if not parts:
+        parts.append(socket.gethostname())
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _why_not(kind: str, sender_host: str, receiver_host: str, sender_device: str,
+             receiver_device: str) -> str | None:
+    """Why `kind` cannot work between these two workers, or None if it can."""
+    if kind == "grpc":
+        return None
+    if sender_host != receiver_host:
+        return f"sender host {sender_host} != receiver host {receiver_host}"
+    sender_cuda = torch.device(sender_device).type == "cuda"
+    receiver_cuda = torch.device(receiver_device).type == "cuda"
+    if kind == "shm" and receiver_cuda:
+        return f"the decode KV pool is on {receiver_device}, not in host shared memory"
+    if kind == "cuda_ipc" and not (sender_cuda and receiver_cuda):
+        return f"needs CUDA on both sides (sender {sender_device}, receiver {receiver_device})"
+    return None
+
+
+def select_transport(requested: str, sender_host: str, receiver_host: str,
+                     sender_device: str, receiver_device: str, *,
+                     allowed: Collection[str] = KINDS) -> str:
+    """The transport to use: `requested` if it can work (else TransportRefusedError), or for
+    "auto" the best that can: cuda_ipc > shm > grpc, among the receiver's `allowed` kinds."""
+    if requested not in ("auto", *KINDS):
+        raise ValueError(f"unknown transport {requested!r}; choose auto, grpc, shm or cuda_ipc")
+    reasons = {kind: _why_not(kind, sender_host, receiver_host, sender_device, receiver_device)
+               for kind in KINDS}
+    if requested == "auto":
+        for kind in _AUTO_PREFERENCE:
+            if kind in allowed and reasons[kind] is None:
+                return kind
+        raise TransportRefusedError(f"no enabled transport works (enabled: {sorted(allowed)}): "
+                                    f"{reasons}")
+    if reasons[requested] is not None:
+        raise TransportRefusedError(f"transport {requested} cannot work: {reasons[requested]}")
+    if requested not in allowed:
+        raise TransportRefusedError(f"transport {requested} is not enabled on the receiver "
+                                    f"(enabled: {sorted(allowed)})")
+    return requested
+
+
+class Connection:
+    """A prefill worker's link to one decode worker: the gRPC control channel plus the data
+    plane chosen at handshake. Thread-safe; open any number of sessions on it."""
+
+    def __init__(self, target: str, layout: KVLayout, kind: str, reply: pb.HandshakeResponse,
+                 channel: grpc.Channel, options: SenderOptions, dst: torch.Tensor | None,
+                 keepalive: object = None) -> None:
+        self.target, self.layout, self.kind = target, layout, kind
+        self.receiver_host_id = reply.receiver_host_id
+        self.receiver_device = reply.receiver_device
+        self.num_blocks = reply.num_blocks  # blocks in the receiver's pool
+        self.options = options
+        self._channel = channel
+        self._stub = pb_grpc.KVTransferStub(channel)
+        self._dst = dst  # the receiver's pool mapped here (shm, cuda_ipc), else None
+        self._keepalive = keepalive  # owns the mapping of _dst (e.g. a SharedKVPool)
+        self._sessions: weakref.WeakSet[SendSession] = weakref.WeakSet()
+
+    def begin(self, lease_id: str, src_block_ids: Sequence[int],
+              dst_block_ids: Sequence[int]) -> SendSession:
+        """Start the transfer of one lease: src_block_ids[i] of the local cache goes to
+        dst_block_ids[i] of the receiver's (the lease's blocks, in the lease's order)."""
+        if len(src_block_ids) != len(dst_block_ids) or not dst_block_ids:
+            raise ValueError(f"need as many source as destination blocks (and at least one), "
+                             f"got {len(src_block_ids)} and {len(dst_block_ids)}")
+        if len(set(dst_block_ids)) != len(dst_block_ids):
+            raise ValueError(f"destination blocks repeat: {list(dst_block_ids)}")
+        if not all(0 <= b < self.num_blocks for b in dst_block_ids):
+            raise ValueError(f"destination blocks must be in [0, {self.num_blocks})")
+        args = (self._stub, self.layout, lease_id, src_block_ids, dst_block_ids, self.options)
+        if self.kind == "grpc":
+            session: SendSession = GrpcSendSession(*args)
+        else:
+            session = OneSidedSendSession(*args, dst=self._dst, kind=self.kind)
+        self._sessions.add(session)
+        return session.start()
+
+    def close(self) -> None:
+        """Abort the sessions still running, then close the channel and unmap the pool."""
+        for session in list(self._sessions):
+            session.abort("connection closed")
+        self._channel.close()
+        self._dst = self._keepalive = None
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(kind: str, target: str, layout: KVLayout, *, device: str = "cpu",
+            options: SenderOptions | None = None) -> Connection:
+    """Handshake with the decode worker at `target` ("host:port") and set up the data plane.
+    kind: "auto" | "grpc" | "shm" | "cuda_ipc"; device: where the sender's KV cache lives.
+    Raises LayoutMismatchError, TransportRefusedError, or TransferError (unreachable)."""
+    options = options or SenderOptions()
+    wire.kind_to_proto(kind)  # ValueError for an unknown kind
+    if kind == "cuda_ipc" and not torch.cuda.is_available():
+        raise TransportRefusedError("transport cuda_ipc cannot work: no CUDA in the sender")
+    me = host_id()
+    channel = grpc.insecure_channel(target, options=list(GRPC_CHANNEL_OPTIONS.items()))
+    try:
+        reply = pb_grpc.KVTransferStub(channel).Handshake(pb.HandshakeRequest(
+            layout=wire.layout_to_proto(layout), transport=wire.kind_to_proto(kind),
+            sender_host_id=me, sender_device=str(device)), timeout=options.rpc_timeout_s)
+        if reply.layout_fingerprint != layout.fingerprint():  # a field the proto lacks
+            raise LayoutMismatchError([f"fingerprint: {layout.fingerprint()!r} != "
+                                       f"{reply.layout_fingerprint!r}"])
+        chosen = wire.kind_from_proto(reply.transport)
+        # Never trust a choice we would not have made: same rules, our side of the facts.
+        if select_transport(kind, me, reply.receiver_host_id, str(device),
+                            reply.receiver_device, allowed=(chosen,)) != chosen:
+            raise TransportRefusedError(f"receiver chose {chosen}, the sender would not")
+        dst, keepalive = _attach(chosen, reply, layout)
+    except grpc.RpcError as e:
+        channel.close()
+        if e.code() is grpc.StatusCode.FAILED_PRECONDITION:
+            mismatch = LayoutMismatchError.from_message(e.details() or "")
+            raise mismatch or TransportRefusedError(e.details()) from None
+        raise TransferError(f"handshake with {target} failed: {e.code().name}: {e.details()}",
+                            e.code().name) from None
+    except BaseException:
+        channel.close()
+        raise
+    options = replace(options, chunk_bytes=min(options.chunk_bytes, reply.max_chunk_bytes))
+    log.info("kv transfer to %s uses %s (requested %s; sender host %s on %s, receiver host %s "
+             "on %s)", target, chosen, kind, me, device, reply.receiver_host_id,
+             reply.receiver_device)
+    return Connection(target, layout, chosen, reply, channel, options, dst, keepalive)
+
+
+def _attach(kind: str, reply: pb.HandshakeResponse, layout: KVLayout):
+    """Map the receiver's pool for one-sided transports: (tensor, owner of the mapping)."""
+    if kind == "shm":
+        from kv_transfer.shm_transport import SharedKVPool
+
+        pool = SharedKVPool.attach(reply.shm.path, layout, reply.num_blocks,
+                                   identity=(reply.shm.st_dev, reply.shm.st_ino))
+        return pool.tensor, pool
+    if kind == "cuda_ipc":
+        from kv_transfer.cuda_ipc_transport import handle_from_proto, open_handle
+
+        pool = open_handle(handle_from_proto(reply.cuda_ipc), layout, reply.num_blocks)
+        return pool, pool
+    return None, None

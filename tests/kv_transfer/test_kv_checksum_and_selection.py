@@ -1,0 +1,112 @@
+"""Checksums (same on a gathered snapshot and on scattered blocks), chunk planning, and the
+transport selection rules."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from kv_helpers import LAYOUTS, random_cache
+
+from kv_transfer import TransportRefusedError, checksum_blocks, checksum_tensor, host_id
+from kv_transfer import select_transport as select
+from kv_transfer.blocks import gather_blocks, scatter_blocks
+from kv_transfer.grpc_transport import plan_chunks
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)
+def test_checksum_of_snapshot_equals_checksum_of_scattered_blocks(layout, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kv = random_cache(layout, 20, gen)
+    ids = torch.randperm(20, generator=gen)[:7].tolist()
+    snapshot = kv[1].index_select(0, torch.tensor(ids))  # [7, 2, bs, heads, dim]
+    assert checksum_blocks(kv[1], ids) == checksum_tensor(snapshot)
+    swapped = [ids[1], ids[0], *ids[2:]]  # same bytes, two blocks in the wrong place
+    assert checksum_blocks(kv[1], swapped) != checksum_tensor(snapshot)
+    kv[1, ids[3]].view(torch.uint8).view(-1)[5] ^= 1  # one bit
+    assert checksum_blocks(kv[1], ids) != checksum_tensor(snapshot)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_gather_and_scatter_match_torch_indexing(layout, contiguous, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kv = random_cache(layout, 12, gen)
+    if not contiguous:  # the same values through a strided view: the torch fallback
+        kv = random_cache(layout, 24, gen)[:, ::2]
+        assert not kv.is_contiguous()
+    ids = torch.randperm(12, generator=gen)[:5].tolist()
+    blocks = gather_blocks(kv, 1, ids)
+    assert blocks.is_contiguous() and torch.equal(blocks.view(torch.uint8),
+                                                  kv[1, ids].contiguous().view(torch.uint8))
+    other = torch.randperm(12, generator=gen)[:5].tolist()
+    scatter_blocks(kv, 0, other, blocks)
+    assert torch.equal(kv[0, other].contiguous().view(torch.uint8), blocks.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("num_blocks", "block_nbytes", "chunk_bytes"),
+                         [(5, 100, 250), (5, 100, 100), (3, 100, 30), (1, 64, 1 << 20)])
+def test_chunks_cover_the_layer_once_and_stay_bounded(num_blocks, block_nbytes, chunk_bytes):
+    covered = []
+    for first, count, offset, start, end in plan_chunks(num_blocks, block_nbytes, chunk_bytes):
+        assert 0 < end - start <= chunk_bytes
+        assert start == first * block_nbytes + offset
+        assert count == 1 or (offset == 0 and end - start == count * block_nbytes)
+        covered.append((start, end))
+    assert covered[0][0] == 0 and covered[-1][1] == num_blocks * block_nbytes
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
+
+
+@pytest.mark.parametrize(("requested", "hosts", "devices", "expected"), [
+    ("auto", ("a", "a"), ("cuda:0", "cuda:1"), "cuda_ipc"),
+    ("auto", ("a", "a"), ("cpu", "cpu"), "shm"),
+    ("auto", ("a", "a"), ("cuda:0", "cpu"), "shm"),  # GPU sender copies into host shm
+    ("auto", ("a", "a"), ("cpu", "cuda:0"), "grpc"),  # a GPU pool is not in host memory
+    ("auto", ("a", "b"), ("cuda:0", "cuda:0"), "grpc"),
+    ("auto", ("a", "b"), ("cpu", "cpu"), "grpc"),
+    ("grpc", ("a", "a"), ("cpu", "cpu"), "grpc"),
+    ("shm", ("a", "a"), ("cpu", "cpu"), "shm"),
+    ("cuda_ipc", ("a", "a"), ("cuda", "cuda"), "cuda_ipc"),
+])
+def test_select_transport_rules(requested, hosts, devices, expected):
+    assert select(requested, *hosts, *devices) == expected
+
+
+@pytest.mark.parametrize(("requested", "hosts", "devices", "message"), [
+    ("shm", ("a", "b"), ("cpu", "cpu"), "sender host a != receiver host b"),
+    ("shm", ("a", "a"), ("cpu", "cuda:0"), "not in host shared memory"),
+    ("cuda_ipc", ("a", "a"), ("cpu", "cpu"), "needs CUDA on both sides"),
+    ("cuda_ipc", ("a", "b"), ("cuda", "cuda"), "sender host a != receiver host b"),
+])
+def test_impossible_explicit_choices_are_refused(requested, hosts, devices, message):
+    with pytest.raises(ValueError, match=message):  # TransportRefusedError is a ValueError
+        select(requested, *hosts, *devices)
+
+
+def test_auto_respects_what_the_receiver_enabled_and_explicit_choices_do_not_fall_back():
+    assert select("auto", "a", "a", "cpu", "cpu", allowed=("grpc",)) == "grpc"
+    with pytest.raises(TransportRefusedError, match="not enabled"):
+        select("shm", "a", "a", "cpu", "cpu", allowed=("grpc",))
+    with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+        select("tcp", "a", "a", "cpu", "cpu")
+
+
+def test_host_id_is_stable_and_overridable(monkeypatch):
+    monkeypatch.delenv("PDSERVE_HOST_ID", raising=False)
+    first = host_id()
+    assert first == host_id() and len(first) == 16
+    monkeypatch.setenv("PDSERVE_HOST_ID", "test-host-7")
+    assert host_id() == "test-host-7"
+
+
+def test_chosen_transport_is_logged_on_both_sides(make_rig, caplog):
+    from kv_transfer import connect
+
+    rig = make_rig("shm", LAYOUTS[0])
+    with caplog.at_level(logging.INFO, logger="pdserve.kv_transfer"), \
+            connect("auto", rig.target, rig.layout) as conn:
+        assert conn.kind == "shm"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("uses shm (requested auto" in m and "sender host" in m for m in messages)
+    assert any("kv transfer from host" in m and "uses shm" in m for m in messages)

@@ -1,0 +1,245 @@
+"""The lease table as a pure state machine: a fake clock, exact states, exactly-once releases."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from kv_transfer import LeaseEndedError, LeaseError, LeaseState, LeaseTable, UnknownLeaseError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def released() -> list:
+    return []
+
+
+@pytest.fixture
+def table(clock, released) -> LeaseTable:
+    return LeaseTable(lambda lease, reason: released.append((lease.lease_id, lease.state, reason)),
+                      claim_ttl_s=5.0, clock=clock)
+
+
+def deliver(table: LeaseTable, lease_id: str, num_layers: int = 2, one_sided=False) -> None:
+    lease = table.get(lease_id)
+    table.begin(lease_id, lease.block_ids, "shm" if one_sided else "grpc", one_sided)
+    for layer in range(num_layers):
+        table.record_layer(lease_id, layer, crc32=layer + 7)
+    table.start_verify(lease_id)
+
+
+def test_happy_path_claims_without_release(table, released):
+    lease = table.open("r1", [7, 3, 9], ttl_s=10)
+    assert lease.state is LeaseState.RESERVED and lease.block_ids == (7, 3, 9)
+    deliver(table, lease.lease_id)
+    assert table.get(lease.lease_id).layer_crc32 == ((0, 7), (1, 8))
+    assert table.complete(lease.lease_id, ok=True).state is LeaseState.COMPLETE
+    assert table.claim(lease.lease_id) == [7, 3, 9]
+    assert released == [] and table.num_blocks_held == 0
+    assert table.get(lease.lease_id).state is LeaseState.CLAIMED
+    assert table.num_ended == {"CLAIMED": 1}
+    with pytest.raises(LeaseEndedError, match="CLAIMED"):
+        table.claim(lease.lease_id)
+    table.check_integrity()
+
+
+def test_abort_releases_exactly_once(table, released):
+    lease = table.open("r1", [1, 2], ttl_s=10)
+    assert table.abort(lease.lease_id, "client cancelled") is True
+    assert table.abort(lease.lease_id, "again") is False
+    assert table.abort("no-such-lease", "x") is False
+    assert released == [(lease.lease_id, LeaseState.ABORTED, "client cancelled")]
+    with pytest.raises(LeaseEndedError, match="ABORTED: client cancelled"):
+        table.begin(lease.lease_id, [1, 2], "grpc", False)
+    table.check_integrity()
+
+
+@pytest.mark.parametrize("progress", ["reserved", "receiving", "complete"])
+def test_expiry_in_every_live_state(table, clock, released, progress):
+    lease = table.open("r1", [4, 5], ttl_s=10)
+    if progress != "reserved":
+        table.begin(lease.lease_id, [4, 5], "grpc", False)
+    if progress == "complete":
+        table.record_layer(lease.lease_id, 0, 1)
+        table.start_verify(lease.lease_id)
+        table.complete(lease.lease_id, ok=True)  # fresh deadline: now + claim_ttl_s (5)
+    clock.now += 4.9
+    assert table.expire_due() == []
+    clock.now += 5.2
+    assert [x.lease_id for x in table.expire_due()] == [lease.lease_id]
+    assert table.expire_due() == []
+    assert len(released) == 1 and released[0][1] is LeaseState.EXPIRED
+    assert table.num_blocks_held == 0
+    table.check_integrity()
+
+
+def test_verbs_expire_overdue_leases_without_the_reaper(table, clock, released):
+    lease = table.open("r1", [4, 5], ttl_s=1)
+    clock.now += 1.0
+    with pytest.raises(LeaseEndedError, match="EXPIRED"):
+        table.begin(lease.lease_id, [4, 5], "grpc", False)
+    assert [state for _, state, _ in released] == [LeaseState.EXPIRED]
+
+
+def test_failed_verification_releases_and_is_never_claimable(table, released):
+    lease = table.open("r1", [4, 5], ttl_s=10)
+    deliver(table, lease.lease_id)
+    table.complete(lease.lease_id, ok=False, reason="layer 1 crc mismatch")
+    assert released == [(lease.lease_id, LeaseState.FAILED, "layer 1 crc mismatch")]
+    with pytest.raises(LeaseEndedError, match="FAILED"):
+        table.claim(lease.lease_id)
+
+
+def test_verbs_refuse_wrong_states_and_bad_arguments(table):
+    lease = table.open("r1", [4, 5], ttl_s=10)
+    with pytest.raises(LeaseError, match="needs COMPLETE"):
+        table.claim(lease.lease_id)
+    with pytest.raises(LeaseError, match="not the lease's blocks"):
+        table.begin(lease.lease_id, [5, 4], "grpc", False)  # same blocks, other order
+    table.begin(lease.lease_id, [4, 5], "grpc", False)
+    with pytest.raises(LeaseError, match="needs RESERVED"):
+        table.begin(lease.lease_id, [4, 5], "grpc", False)  # a second sender
+    table.record_layer(lease.lease_id, 0, 1)
+    with pytest.raises(LeaseError, match="twice"):
+        table.record_layer(lease.lease_id, 0, 1)
+    with pytest.raises(ValueError, match="already leased"):
+        table.open("r2", [9, 5], ttl_s=10)
+    with pytest.raises(ValueError, match="distinct"):
+        table.open("r2", [8, 8], ttl_s=10)
+    with pytest.raises(UnknownLeaseError):
+        table.renew("nope", 1)
+
+
+def test_renew_only_extends(table, clock):
+    lease = table.open("r1", [1], ttl_s=10)
+    assert table.renew(lease.lease_id, 30).deadline == clock.now + 30
+    assert table.renew(lease.lease_id, 1).deadline == clock.now + 30
+
+
+def test_writing_checks_blocks_and_counts_bytes(table):
+    lease = table.open("r1", [1, 2, 3], ttl_s=10)
+    with pytest.raises(LeaseError, match="needs RECEIVING"), table.writing(lease.lease_id, [1], 8):
+        pass
+    table.begin(lease.lease_id, [1, 2, 3], "grpc", False)
+    with table.writing(lease.lease_id, [3, 1], 100):
+        pass
+    with pytest.raises(LeaseError, match=r"blocks \[4\]"), table.writing(lease.lease_id, [4], 8):
+        pass
+    assert table.get(lease.lease_id).num_bytes_received == 100
+
+
+def test_abort_waits_for_a_write_in_progress(table, released):
+    """The release (after which the blocks may be reused) never overlaps a write."""
+    lease = table.open("r1", [1, 2], ttl_s=10)
+    table.begin(lease.lease_id, [1, 2], "grpc", False)
+    events = []
+    in_write = threading.Event()
+
+    def writer():
+        with table.writing(lease.lease_id, [1], 8):
+            in_write.set()
+            time.sleep(0.05)
+            events.append("write done")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    in_write.wait()
+    table.abort(lease.lease_id, "cancel")
+    events.append("released" if released else "not released")
+    t.join()
+    assert events == ["write done", "released"]
+
+
+def test_one_sided_abort_keeps_blocks_until_the_writer_acknowledges(table, released, clock):
+    lease = table.open("r1", [1, 2], ttl_s=10)
+    table.begin(lease.lease_id, [1, 2], "shm", is_one_sided=True)
+    assert table.abort(lease.lease_id, "decode cancelled") is True
+    assert released == [] and table.num_blocks_held == 2  # the sender may be mid-copy
+    assert table.get(lease.lease_id).state is LeaseState.ABORTED
+    with pytest.raises(LeaseEndedError):
+        table.record_layer(lease.lease_id, 0, 1)
+    table.check_integrity()
+    assert table.abort(lease.lease_id, "ack", writer_stopped=True) is False
+    assert released == [(lease.lease_id, LeaseState.ABORTED, "decode cancelled")]
+    assert table.num_blocks_held == 0
+    table.check_integrity()
+
+
+def test_one_sided_abort_without_ack_releases_at_the_deadline(table, released, clock):
+    lease = table.open("r1", [1, 2], ttl_s=10)
+    table.begin(lease.lease_id, [1, 2], "shm", is_one_sided=True)
+    table.abort(lease.lease_id, "decode cancelled")
+    clock.now += 9.9
+    assert table.expire_due() == [] and released == []
+    clock.now += 0.1
+    assert len(table.expire_due()) == 1
+    assert released == [(lease.lease_id, LeaseState.ABORTED, "decode cancelled")]
+
+
+def test_a_failing_release_callback_does_not_break_the_table(clock):
+    def explode(lease, reason):
+        raise RuntimeError("boom")
+
+    table = LeaseTable(explode, clock=clock)
+    lease = table.open("r1", [1], ttl_s=10)
+    assert table.abort(lease.lease_id, "x") is True
+    table.check_integrity()
+
+
+def test_check_integrity_names_the_disagreeing_numbers(table):
+    lease = table.open("r1", [1, 2], ttl_s=10)
+    del table._block_owner[2]  # simulate a bookkeeping bug
+    with pytest.raises(AssertionError, match=f"lease {lease.lease_id} holds 2 blocks.*gives it 1"):
+        table.check_integrity()
+
+
+def test_concurrent_verbs_release_each_lease_at_most_once(seed):
+    released = []
+    table = LeaseTable(lambda lease, reason: released.append(lease.lease_id), claim_ttl_s=0.2)
+    leases = [table.open(f"r{i}", [2 * i, 2 * i + 1], ttl_s=0.05 + 0.001 * (i % 20))
+              for i in range(200)]
+    claimed = []
+
+    def worker(k: int) -> None:
+        rng = random.Random(seed + k)
+        for lease in rng.sample(leases, len(leases)):
+            try:
+                verb = rng.choice(["abort", "expire", "deliver", "claim"])
+                if verb == "abort":
+                    table.abort(lease.lease_id, "x", writer_stopped=rng.random() < 0.5)
+                elif verb == "expire":
+                    table.expire_due()
+                elif verb == "deliver":
+                    deliver(table, lease.lease_id, num_layers=1, one_sided=rng.random() < 0.5)
+                    table.complete(lease.lease_id, ok=rng.random() < 0.8)
+                else:
+                    claimed.extend([lease.lease_id] * bool(table.claim(lease.lease_id)))
+            except LeaseError:
+                pass
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.25)  # past every deadline, including the claim ttl
+    table.expire_due()
+    table.check_integrity()
+    assert len(released) == len(set(released)), "a lease was released twice"
+    assert sorted(released + claimed) == sorted(lease.lease_id for lease in leases)
+    assert table.num_blocks_held == 0

@@ -1,0 +1,207 @@
+"""Everything that can go wrong in a handoff ends the lease exactly once and frees its blocks:
+aborts from either side, a stalled or killed sender, corrupted bytes, mismatched layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from kv_helpers import LAYOUTS, wait_until
+
+from engine_core.kv_cache.layout import KVLayout
+from kv_transfer import (
+    LayoutMismatchError,
+    LeaseEndedError,
+    LeaseState,
+    TransferError,
+    TransportRefusedError,
+    connect,
+)
+from protos.pdserve.internal import kv_transfer_pb2 as pb
+from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
+
+KINDS = ["grpc", "shm"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start(rig, kind, num_blocks=4, ttl_s=10.0, num_layers_sent=1):
+    """A connection and a session that has shipped its first layers (seen by the receiver)."""
+    lease = rig.open(num_blocks, ttl_s)
+    src_kv, src_ids = rig.source(num_blocks)
+    conn = connect(kind, rig.target, rig.layout)
+    session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+    for layer in range(num_layers_sent):
+        assert session.send_layer(layer, src_kv)
+    assert wait_until(lambda: rig.table.get(lease.lease_id).num_layers_received
+                      == num_layers_sent)
+    return conn, session, lease, src_kv
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sender_abort_releases_once_and_refuses_later_data(make_rig, kind):
+    rig = make_rig(kind, LAYOUTS[1])
+    conn, session, lease, src_kv = start(rig, kind, num_layers_sent=2)
+    with conn:
+        assert session.abort("client cancelled") is True
+        assert session.abort("again") is False
+        assert [(x.state, reason) for x, reason in rig.releases_of(lease.lease_id)] == \
+            [(LeaseState.ABORTED, "client cancelled")]
+        assert session.send_layer(2, src_kv) is False
+        with pytest.raises(TransferError, match="aborted by the sender: client cancelled"):
+            session.commit(timeout=5)
+    stub = pb_grpc.KVTransferStub(grpc.insecure_channel(rig.target))
+    chunk = pb.KVChunk(lease_id=lease.lease_id, layer=3, dst_block_ids=[lease.block_ids[0]],
+                       data=bytes(rig.layout.block_nbytes))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushBlocks(iter([pb.PushBlocksRequest(chunk=chunk)]), timeout=5)
+    assert err.value.code() is grpc.StatusCode.ABORTED
+    with pytest.raises(grpc.RpcError) as err:
+        stub.LayerDone(pb.LayerDoneRequest(lease_id=lease.lease_id, layer=3), timeout=5)
+    assert err.value.code() is grpc.StatusCode.ABORTED
+    assert len(rig.releases_of(lease.lease_id)) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_receiver_abort_fails_the_senders_commit(make_rig, kind):
+    rig = make_rig(kind, LAYOUTS[1])
+    conn, session, lease, src_kv = start(rig, kind)
+    with conn:
+        assert rig.table.abort(lease.lease_id, "decode cancelled") is True
+        if kind == "shm":  # the sender may be writing: blocks kept until it acknowledges
+            assert rig.releases_of(lease.lease_id) == []
+        for layer in range(1, rig.layout.num_layers):
+            session.send_layer(layer, src_kv)  # False once the session has noticed
+        with pytest.raises(TransferError, match="ABORTED.*decode cancelled") as err:
+            session.commit(timeout=5)
+        assert err.value.code == "ABORTED"
+    assert wait_until(lambda: len(rig.releases_of(lease.lease_id)) == 1)
+    assert rig.table.get(lease.lease_id).state is LeaseState.ABORTED
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stalled_sender_lets_the_lease_expire(make_rig, kind):
+    rig = make_rig(kind, LAYOUTS[0])
+    conn, session, lease, src_kv = start(rig, kind, ttl_s=0.6)
+    with conn:
+        assert wait_until(lambda: rig.releases_of(lease.lease_id), timeout_s=3)
+        [(released, reason)] = rig.releases_of(lease.lease_id)
+        assert released.state is LeaseState.EXPIRED and "RECEIVING (1 layers" in reason
+        assert rig.table.num_blocks_held == 0
+        for layer in range(1, rig.layout.num_layers):
+            session.send_layer(layer, src_kv)
+        with pytest.raises(TransferError):
+            session.commit(timeout=5)
+    assert len(rig.releases_of(lease.lease_id)) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_corrupted_destination_block_fails_verification(make_rig, kind):
+    rig = make_rig(kind, LAYOUTS[1])
+    layout = rig.layout
+    conn, session, lease, src_kv = start(rig, kind, num_layers_sent=layout.num_layers)
+    layer, block = 2, lease.block_ids[1]
+    rig.kv[layer, block].view(-1).view(torch_uint8())[17] ^= 0x10  # after receipt, pre-commit
+    with conn, pytest.raises(TransferError, match=f"DATA_LOSS.*layer {layer}: destination") \
+            as err:
+        session.commit(timeout=5)
+    assert err.value.code == "DATA_LOSS"
+    [(released, reason)] = rig.releases_of(lease.lease_id)
+    assert released.state is LeaseState.FAILED and "verification failed" in reason
+    with pytest.raises(LeaseEndedError, match="FAILED"):
+        rig.table.claim(lease.lease_id)
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def test_layout_mismatch_is_refused_naming_every_field(make_rig):
+    rig = make_rig("grpc", LAYOUTS[0])
+    theirs = KVLayout("tiny", "bfloat16", block_size=16, num_layers=30, num_kv_heads=2,
+                      head_dim=64)
+    with pytest.raises(LayoutMismatchError) as err:
+        connect("grpc", rig.target, theirs)
+    assert err.value.mismatches == ["dtype: 'bfloat16' != 'float32'", "num_layers: 30 != 3",
+                                    "head_dim: 64 != 32"]
+
+
+def test_explicit_shm_across_hosts_is_refused_and_auto_uses_grpc(make_rig, monkeypatch):
+    rig = make_rig("shm", LAYOUTS[0], host="decode-host")
+    monkeypatch.setenv("PDSERVE_HOST_ID", "prefill-host")
+    with pytest.raises(TransportRefusedError, match="prefill-host != receiver host decode-host"):
+        connect("shm", rig.target, rig.layout)
+    with connect("auto", rig.target, rig.layout) as conn:
+        assert conn.kind == "grpc"
+
+
+def test_cuda_ipc_without_cuda_is_refused(make_rig):
+    rig = make_rig("grpc", LAYOUTS[0])
+    with pytest.raises(TransportRefusedError, match="cuda_ipc"):
+        connect("cuda_ipc", rig.target, rig.layout)
+
+
+def test_a_ticket_with_other_blocks_fails_and_frees_the_lease(make_rig):
+    rig = make_rig("grpc", LAYOUTS[0])
+    lease = rig.open(3)
+    src_kv, src_ids = rig.source(3)
+    with connect("grpc", rig.target, rig.layout) as conn:
+        session = conn.begin(lease.lease_id, src_ids, list(reversed(lease.block_ids)))
+        for layer in range(rig.layout.num_layers):
+            session.send_layer(layer, src_kv)  # False once Begin has been refused
+        with pytest.raises(TransferError, match="FAILED_PRECONDITION.*not the lease's blocks"):
+            session.commit(timeout=5)
+    assert [x.state for x, _ in rig.releases_of(lease.lease_id)] == [LeaseState.ABORTED]
+
+
+_KILLED_SENDER = """
+import json, sys, time
+import torch
+from engine_core.kv_cache.layout import KVLayout
+from kv_transfer import connect
+args = json.loads(sys.argv[1])
+layout = KVLayout(**args["layout"])
+kv = torch.randn(layout.cache_shape(args["num_src_blocks"])).to(layout.torch_dtype)
+conn = connect(args["kind"], args["target"], layout)
+print("ready", flush=True)
+lease_id, dst = json.loads(sys.stdin.readline())
+session = conn.begin(lease_id, list(range(len(dst))), dst)
+session.send_layer(0, kv)
+print("sent", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sender_killed_mid_transfer_releases_the_lease(make_rig, kind):
+    rig = make_rig(kind, LAYOUTS[1])
+    layout = rig.layout
+    args = {"layout": layout.__dict__, "kind": kind, "target": rig.target, "num_src_blocks": 8}
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_SENDER, json.dumps(args)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        lease = rig.open(5, ttl_s=1.0)
+        child.stdin.write(json.dumps([lease.lease_id, list(lease.block_ids)]) + "\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "sent"
+        assert wait_until(lambda: rig.table.get(lease.lease_id).num_layers_received == 1)
+        child.send_signal(signal.SIGKILL)  # mid-transfer: 1 of 4 layers delivered
+        child.wait(timeout=10)
+        assert wait_until(lambda: rig.releases_of(lease.lease_id), timeout_s=5)
+    finally:
+        child.kill()
+        child.wait()
+    [(released, reason)] = rig.releases_of(lease.lease_id)
+    # grpc: the broken stream aborts at once; shm: no stream, so the deadline expires it
+    expected = {"grpc": LeaseState.ABORTED, "shm": LeaseState.EXPIRED}[kind]
+    assert released.state is expected, reason
+    assert rig.table.num_blocks_held == 0

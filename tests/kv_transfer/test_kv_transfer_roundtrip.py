@@ -1,0 +1,151 @@
+"""Real transfers over loopback: bit-exact destination blocks, layer-by-layer pipelining,
+bounded chunks, bounded queues."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from kv_helpers import LAYOUTS, same_bits, wait_until
+
+from engine_core.kv_cache.layout import KVLayout
+from kv_transfer import KVTransferServicer, LeaseState, SenderOptions, SendState, connect
+from kv_transfer.grpc_transport import plan_chunks
+from kv_transfer.one_sided import MAX_LAYER_DONE_IN_FLIGHT
+
+KINDS = ["grpc", "shm"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay.dtype}-bs{lay.block_size}")
+@pytest.mark.parametrize("kind", KINDS)
+def test_destination_blocks_equal_source_bit_for_bit(make_rig, kind, layout):
+    rig = make_rig(kind, layout)
+    num_blocks = rig.rng.randint(1, 12)
+    lease = rig.open(num_blocks)
+    src_kv, src_ids = rig.source(num_blocks)
+    with connect(kind, rig.target, layout) as conn:
+        assert conn.kind == kind
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        for layer in range(layout.num_layers):
+            assert session.send_layer(layer, src_kv)
+        stats = session.commit(timeout=10)
+    assert session.state is SendState.COMMITTED
+    assert stats.transport == kind and stats.num_layers == layout.num_layers
+    assert stats.num_bytes == layout.num_layers * num_blocks * layout.block_nbytes
+    assert rig.table.get(lease.lease_id).state is LeaseState.COMPLETE
+    dst_ids = rig.table.claim(lease.lease_id)
+    assert dst_ids == list(lease.block_ids)
+    assert same_bits(rig.kv[:, dst_ids], src_kv[:, src_ids])
+    assert rig.released == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layers_ship_as_they_are_computed(make_rig, kind):
+    """Each layer reaches the receiver before the next one is even handed over."""
+    layout = LAYOUTS[1]
+    rig = make_rig(kind, layout)
+    lease = rig.open(6)
+    src_kv, src_ids = rig.source(6)
+    with connect(kind, rig.target, layout) as conn:
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        for layer in range(layout.num_layers):
+            session.send_layer(layer, src_kv)
+            assert wait_until(lambda n=layer + 1: rig.table.get(lease.lease_id)
+                              .num_layers_received == n), f"layer {layer} did not arrive alone"
+            assert same_bits(rig.kv[layer, list(lease.block_ids)], src_kv[layer, src_ids])
+            if layer + 1 < layout.num_layers:  # the next layer has not been touched yet
+                assert not same_bits(rig.kv[layer + 1, list(lease.block_ids)],
+                                     src_kv[layer + 1, src_ids])
+        stats = session.commit(timeout=10)
+    for layer in range(layout.num_layers - 1):
+        assert stats.layer_shipped_s[layer] < stats.layer_queued_s[layer + 1]
+    assert stats.commit_seconds < stats.seconds
+
+
+@pytest.mark.parametrize("chunk_blocks", [2.5, 0.3], ids=["several-blocks", "block-pieces"])
+def test_grpc_chunks_respect_the_chunk_size(make_rig, chunk_blocks):
+    layout = LAYOUTS[0]
+    rig = make_rig("grpc", layout)
+    chunk_bytes = int(chunk_blocks * layout.block_nbytes)
+    lease = rig.open(7)
+    src_kv, src_ids = rig.source(7)
+    options = SenderOptions(chunk_bytes=chunk_bytes)
+    with connect("grpc", rig.target, layout, options=options) as conn:
+        assert conn.options.chunk_bytes == chunk_bytes
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        for layer in range(layout.num_layers):
+            session.send_layer(layer, src_kv)
+        stats = session.commit(timeout=10)
+    per_layer = len(list(plan_chunks(7, layout.block_nbytes, chunk_bytes)))
+    assert stats.num_chunks == rig.receiver.num_chunks == per_layer * layout.num_layers
+    assert 0 < rig.receiver.max_chunk_nbytes <= chunk_bytes
+    assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])
+
+
+def test_grpc_chunk_size_is_capped_by_the_receiver(make_rig):
+    layout = LAYOUTS[0]
+    rig = make_rig("grpc", layout, max_chunk_bytes=layout.block_nbytes)
+    with connect("grpc", rig.target, layout, options=SenderOptions(chunk_bytes=1 << 20)) as conn:
+        assert conn.options.chunk_bytes == layout.block_nbytes
+
+
+class GatedServicer(KVTransferServicer):
+    """Holds every data-plane call until `gate` opens: a receiver that has stalled."""
+
+    gate = threading.Event()
+
+    async def _wait(self) -> None:
+        while not self.gate.is_set():
+            await asyncio.sleep(0.005)
+
+    async def PushBlocks(self, request_iterator, context):
+        await self._wait()
+        return await super().PushBlocks(request_iterator, context)
+
+    async def LayerDone(self, request, context):
+        await self._wait()
+        return await super().LayerDone(request, context)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind):
+    """Memory stays bounded: once max_queued_layers snapshots wait, send_layer blocks.
+    grpc also lets its HTTP/2 flow-control window (a few MiB, auto-tuned) fill first."""
+    # layers of 16 blocks x 32 KiB = 512 KiB; grpc needs enough of them to fill its window,
+    # shm enough to exceed the LayerDone calls it pipelines
+    num_layers = 16 if kind == "shm" else 24
+    layout = KVLayout("big", "float32", block_size=16, num_layers=num_layers, num_kv_heads=4,
+                      head_dim=64)
+    GatedServicer.gate = threading.Event()
+    rig = make_rig(kind, layout, servicer_cls=GatedServicer)
+    lease = rig.open(16)
+    src_kv, src_ids = rig.source(16)
+    returned = []
+    with connect(kind, rig.target, layout,
+                 options=SenderOptions(max_queued_layers=2)) as conn:
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+
+        def model_thread():
+            for layer in range(layout.num_layers):
+                session.send_layer(layer, src_kv)
+                returned.append(layer)
+
+        thread = threading.Thread(target=model_thread)
+        thread.start()
+
+        def is_settled() -> bool:  # send_layer stuck, the queue full
+            num_returned = len(returned)
+            time.sleep(0.2)
+            return len(returned) == num_returned and session.num_queued_layers == 2
+
+        assert wait_until(is_settled)
+        assert len(returned) < num_layers and thread.is_alive()
+        if kind == "shm":  # 8 layers written and unacknowledged, 1 held back, 2 queued
+            assert returned == list(range(MAX_LAYER_DONE_IN_FLIGHT + 1 + 2))
+        GatedServicer.gate.set()
+        thread.join(timeout=10)
+        assert returned == list(range(layout.num_layers))
+        session.commit(timeout=10)
+    assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])
