@@ -56,12 +56,16 @@ class InputBatch:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, layout: KVLayout, num_blocks: int,
                  max_num_seqs: int, max_model_len: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...], decode_rows: DecodeRows | None = None) -> None:
+                 eos_token_ids: tuple[int, ...], decode_rows: DecodeRows | None = None,
+                 kv_cache: torch.Tensor | None = None) -> None:
         self.model = model
         self.layout = layout
         self.device = device
         self.block_size = layout.block_size
-        self.kv_cache = layout.allocate(num_blocks, device)
+        if kv_cache is not None and tuple(kv_cache.shape) != layout.cache_shape(num_blocks):
+            raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}, expected "
+                             f"{layout.cache_shape(num_blocks)}")
+        self.kv_cache = kv_cache if kv_cache is not None else layout.allocate(num_blocks, device)
         # a few spare rows: finished requests release theirs only at the next step
         self.batch = InputBatch(2 * max_num_seqs + 8, max_model_len, layout.block_size)
         self.sampler = Sampler()

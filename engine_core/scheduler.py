@@ -44,12 +44,18 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}  # WAITING_FOR_KV: blocks held, KV in flight
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        self._check_new(req)
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def _check_new(self, req: Request) -> None:
         total = req.num_prompt_tokens + req.sampling_params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -59,8 +65,43 @@ class Scheduler:
             )
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
+
+    # -- disaggregated decode: the prompt's KV is computed elsewhere ------------------------
+    def reserve(self, req: Request) -> list[int] | None:
+        """Hold blocks for the whole prompt of a request whose KV a prefill worker will write.
+
+        Returns the request's block ids (the first `req.num_cached_tokens // block_size` hold
+        a prefix found in this worker's cache and need no transfer), or None when the
+        sequence limit or the pool has no room; then nothing changed. Reserved requests count
+        against max_num_seqs and their blocks are taken from the pool, so admission of
+        running, reserved and in-flight work is one decision.
+        """
+        self._check_new(req)
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return None
+        hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        if self.kv.allocate_slots(req, req.num_prompt_tokens, hit_blocks) is None:
+            return None
+        req.num_cached_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_KV
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        self.reserved[req.req_id] = req
+        return self.kv.block_ids(req.req_id)
+
+    def admit_prefilled(self, req_id: str, first_token: int) -> Request:
+        """The reserved request's prompt KV is in place (verified): it joins the running batch
+        with the prefill worker's first token, to be decoded next step."""
+        req = self.reserved.pop(req_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed_blocks(req)  # its full prompt blocks now serve prefix hits
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        req.append_output_token(first_token)
+        status = req.check_stop()
+        if status is not None:
+            self.running.remove(req)
+            self._finish(req, status)
+        return req
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (stop string, abort) requests wherever they are; unknown ids are ignored."""
@@ -70,6 +111,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_KV:
+                del self.reserved[req_id]
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -88,8 +131,16 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_reserved(self) -> int:
+        return len(self.reserved)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Whether a step would compute something (reserved requests wait for their KV)."""
+        return bool(self.running or self.waiting)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -12,6 +12,14 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode = p.add_argument_group("backend")
     mode.add_argument("--colocated", action="store_true",
                       help="run the engine in this process (prefill and decode together)")
+    mode.add_argument("--prefill", nargs="+", default=[], metavar="HOST:PORT",
+                      help="prefill workers (disaggregated mode)")
+    mode.add_argument("--decode", nargs="+", default=[], metavar="HOST:PORT",
+                      help="decode workers (disaggregated mode)")
+    mode.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
+                      help="KV transport between the pools (auto: by locality)")
+    mode.add_argument("--lease-ttl", type=float, default=30.0,
+                      help="seconds a decode worker holds reserved blocks awaiting KV")
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

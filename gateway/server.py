@@ -78,12 +78,44 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     return create
 
 
+def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
+    """The tokenizer and model limits come from the model file; the workers serve it."""
+    from engine_core.model_files import resolve_model
+    from engine_core.tokenizer import load_tokenizer
+    from gateway.disaggregated import DisaggregatedBackend
+
+    source = resolve_model(args.model)
+    if source.kind == "gguf":
+        from engine_core.weights.gguf_loader import GGUFFile
+
+        config = GGUFFile(source.path).model_config()
+    else:
+        from engine_core.weights.safetensors_loader import load_hf_config
+
+        config = load_hf_config(source.path)
+    tokenizer = load_tokenizer(source, config.eos_token_ids)
+    max_len = min(args.max_model_len or config.max_position_embeddings,
+                  config.max_position_embeddings)
+
+    async def create() -> Backend:
+        backend = DisaggregatedBackend(args.prefill, args.decode, tokenizer, args.transport,
+                                       args.lease_ttl, model_name=source.name)
+        await backend.start(max_len, config.vocab_size)
+        return backend
+
+    return create
+
+
 def run_gateway(args: argparse.Namespace) -> int:
     """`pdserve gateway` (flags: gateway/cli.py)."""
-    if not args.colocated:
-        raise ValueError("choose a backend: --colocated (the disaggregated mode comes next)")
+    if args.colocated == bool(args.prefill or args.decode):
+        raise ValueError("choose one backend: --colocated, or --prefill ADDR... and "
+                         "--decode ADDR... (disaggregated)")
+    if not args.colocated and not (args.prefill and args.decode):
+        raise ValueError("the disaggregated mode needs --prefill and --decode addresses")
     config = gateway_config(args)
-    factory = colocated_backend_factory(args)
+    factory = (colocated_backend_factory(args) if args.colocated
+               else disaggregated_backend_factory(args))
     uvloop.run(serve(config, factory))
     return 0
 

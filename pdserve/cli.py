@@ -52,6 +52,12 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.up import run
+
+    return run(args)
+
+
 def _cmd_prefill(args: argparse.Namespace) -> int:
     from prefill_service.server import run
 
@@ -86,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--top-p", type=float, default=1.0)
     o.add_argument("--seed", type=int, default=None)
     o.set_defaults(func=_cmd_offline)
+
+    from pdserve.up import add_up_arguments
+
+    up = sub.add_parser("up", help="start gateway + prefill + decode workers locally")
+    add_up_arguments(up)
+    up.set_defaults(func=_cmd_up)
 
     gw = sub.add_parser("gateway", help="serve the public gRPC API and the OpenAI HTTP API")
     add_gateway_arguments(gw)

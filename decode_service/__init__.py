@@ -1,0 +1,1 @@
+"""The decode pool's worker: receives prompt KV from prefill workers and decodes in batches."""

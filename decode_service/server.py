@@ -1,0 +1,73 @@
+"""`pdserve decode`: one decode worker (what the helm chart's decode Deployment runs).
+
+Its gRPC server carries the Decode service and the KVTransfer service that prefill workers
+write into; with shm enabled the KV pool lives in shared memory so that prefill workers on this
+host copy straight into it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvloop
+
+from decode_service.service import DecodeServicer
+from decode_service.worker import DecodeWorker
+from engine_core.engine import LLMEngine
+from kv_transfer import (
+    KVReceiver,
+    KVTransferServicer,
+    LeaseTable,
+    SharedKVPool,
+    add_kv_transfer_servicer,
+)
+from pdserve.worker_args import engine_kwargs
+from pdserve.worker_server import serve_worker
+from protos.pdserve.internal import kv_transfer_pb2, workers_pb2
+from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    kinds = [k.strip() for k in args.transports.split(",") if k.strip()]
+    pools: list[SharedKVPool] = []
+
+    def allocate(layout, num_blocks):
+        if "shm" not in kinds:
+            return layout.allocate(num_blocks)
+        pools.append(SharedKVPool.create(layout, num_blocks))
+        return pools[0].tensor
+
+    engine = LLMEngine(kv_allocator=allocate, **engine_kwargs(args))
+    holder: dict[str, DecodeWorker] = {}
+    table = LeaseTable(on_release=lambda lease, why: holder["w"].on_lease_released(lease, why))
+    worker = DecodeWorker(engine, table)
+    holder["w"] = worker
+    receiver = KVReceiver(engine.layout, engine.runner.kv_cache, table, kinds,
+                          shm_pool=pools[0] if pools else None)
+    servicer_box: dict[str, DecodeServicer] = {}
+
+    def add(server) -> list[str]:
+        add_kv_transfer_servicer(server, KVTransferServicer(receiver))
+        servicer_box["s"] = DecodeServicer(worker, "")
+        pb_grpc.add_DecodeServicer_to_server(servicer_box["s"], server)
+        return [workers_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
+                kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name]
+
+    async def on_bound(port: int) -> None:
+        servicer_box["s"].transfer_address = f"{args.advertise_host or args.host}:{port}"
+
+    async def close() -> None:
+        await worker.close()
+        receiver.close()
+        for pool in pools:
+            pool.close()
+
+    await serve_worker("decode", f"{args.host}:{args.port}", add, close, args.grace, on_bound)
+
+
+def run(args: argparse.Namespace) -> int:
+    uvloop.run(_serve(args))
+    return 0

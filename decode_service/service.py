@@ -1,0 +1,96 @@
+"""The decode worker's gRPC service: protobuf in, engine types inside, status codes out."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import grpc
+
+from decode_service.worker import DecodeWorker, LeaseNotReady
+from gateway.backend import BackendUnavailable
+from protos.convert import (
+    FINISH_REASONS,
+    logprob_from_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+from protos.pdserve.internal import workers_pb2 as pb
+from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+MAX_LEASE_TTL_S = 600.0
+
+
+class DecodeServicer(pb_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker, transfer_address: str) -> None:
+        self.worker = worker
+        self.transfer_address = transfer_address
+
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        if not 0 < request.lease_ttl_s <= MAX_LEASE_TTL_S:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S}], got "
+                                f"{request.lease_ttl_s}")
+        try:
+            res = await self.worker.reserve(request.request_id, list(request.prompt_token_ids),
+                                            params, request.lease_ttl_s)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except BackendUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if res is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "decode worker full: no free sequence slot or KV blocks now")
+        return pb.ReserveResponse(lease_id=res.lease_id, block_ids=res.block_ids,
+                                  num_cached_tokens=res.num_cached_tokens,
+                                  transfer_address=self.transfer_address)
+
+    async def Decode(self, request: pb.DecodeRequest, context):
+        first_lp = (logprob_from_proto(request.first_logprob)
+                    if request.HasField("first_logprob") else None)
+        t_first = t_second = None
+        num_tokens = 0
+        try:
+            async with contextlib.aclosing(self.worker.decode(
+                    request.request_id, request.first_token_id, first_lp,
+                    request.ready_timeout_s or 5.0)) as chunks:
+                async for chunk in chunks:
+                    now = time.monotonic()
+                    t_first = t_first or now
+                    num_tokens += len(chunk.token_ids)
+                    if t_second is None and num_tokens >= 2:
+                        t_second = now
+                    msg = pb.DecodeResponse(token_ids=chunk.token_ids, text=chunk.text_delta)
+                    for tok, entry in zip(chunk.token_ids, chunk.logprobs or (), strict=False):
+                        msg.logprobs.append(logprob_to_proto(tok, entry))
+                    if chunk.is_last:
+                        msg.finish_reason = FINISH_REASONS[chunk.finish_reason]
+                        msg.num_cached_tokens = chunk.num_cached_tokens
+                        msg.first_decode_step_s = (t_second - t_first) if t_second else 0.0
+                    yield msg
+        except LeaseNotReady as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except BackendUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def Abort(self, request: pb.AbortRequestRequest, context):
+        found = await self.worker.abort_anywhere(request.request_id,
+                                                 request.reason or "aborted by the gateway")
+        return pb.AbortRequestResponse(found=found)
+
+    async def Status(self, request: pb.StatusRequest, context) -> pb.WorkerStatus:
+        s = await self.worker.status()
+        eng = self.worker.engine
+        return pb.WorkerStatus(
+            role="decode", model=eng.source.name, layout_fingerprint=eng.layout.fingerprint(),
+            num_blocks=s["num_blocks"], num_free_blocks=s["num_free_blocks"],
+            num_running=s["num_running"], num_waiting=s["num_waiting"],
+            num_reserved=s["num_reserved"], transfer_address=self.transfer_address)

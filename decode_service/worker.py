@@ -1,0 +1,133 @@
+"""The decode worker: the engine thread of the colocated backend, plus reservations whose
+prompt KV arrives from a prefill worker under a lease.
+
+    Reserve:  engine.reserve (blocks for the prompt; a cached prefix needs no transfer)
+              -> lease on the blocks to be written -> (lease id, block ids) to the gateway
+    ...prefill worker writes the blocks and commits; the receiver verifies checksums...
+    Decode:   lease COMPLETE -> claim -> engine.admit_prefilled(first token) -> stream
+    Any end before the claim (abort, expiry, failed verification, peer death noticed as
+    expiry) releases the lease, and its release aborts the reserved request: the blocks go
+    back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine_core.engine import LLMEngine
+from engine_core.sampling_params import SamplingParams
+from gateway.backend import GenerateChunk, GenerateInput
+from gateway.colocated import ColocatedBackend, _Stream
+from kv_transfer import Lease, LeaseState, LeaseTable
+
+logger = logging.getLogger(__name__)
+READY_POLL_S = 0.002
+
+
+class LeaseNotReady(RuntimeError):
+    """The lease ended without complete, verified KV (the reason is in the message)."""
+
+
+@dataclass
+class Reservation:
+    req_id: str
+    lease_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]  # every prompt block
+    num_cached_tokens: int  # prompt tokens already cached here (not transferred)
+
+
+class DecodeWorker(ColocatedBackend):
+    """Create inside the running event loop (like ColocatedBackend)."""
+
+    def __init__(self, engine: LLMEngine, lease_table: LeaseTable) -> None:
+        super().__init__(engine)
+        self.leases = lease_table
+        self.reservations: dict[str, Reservation] = {}  # loop side; until claimed or ended
+        self._admissions: dict[str, tuple[int, dict[int, float] | None]] = {}
+
+    # -- called by the lease table, from any thread -------------------------------------------
+    def on_lease_released(self, lease: Lease, reason: str) -> None:
+        logger.info("lease %s of %s released (%s): %s", lease.lease_id, lease.req_id,
+                    lease.state.value, reason)
+        self._submit(lambda: self.engine.abort_request(lease.req_id))
+        self._loop.call_soon_threadsafe(self.reservations.pop, lease.req_id, None)
+
+    # -- the decode verbs (event loop) ----------------------------------------------------------
+    async def reserve(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      ttl_s: float) -> Reservation | None:
+        """Blocks for the prompt and a lease on those to be written; None when full."""
+        if req_id in self.reservations:
+            raise ValueError(f"request_id {req_id!r} is already reserved")
+        got = await self._call(lambda: self.engine.reserve(prompt_token_ids, params, req_id))
+        if got is None:
+            return None
+        blocks, num_cached = got
+        first = num_cached // self.engine.layout.block_size
+        try:
+            lease = self.leases.open(req_id, blocks[first:], ttl_s)
+        except ValueError:
+            await self._call(lambda: self.engine.abort_request(req_id))
+            raise
+        res = Reservation(req_id, lease.lease_id, list(prompt_token_ids), params, blocks,
+                          num_cached)
+        self.reservations[req_id] = res
+        return res
+
+    async def decode(self, req_id: str, first_token: int,
+                     first_logprobs: dict[int, float] | None,
+                     ready_timeout_s: float) -> AsyncIterator[GenerateChunk]:
+        """Claim the reservation's verified KV and stream every token from the first on."""
+        res = self.reservations.get(req_id)
+        if res is None:
+            raise LeaseNotReady(f"no reservation for request {req_id!r} (never made, "
+                                f"expired or aborted)")
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            lease = self.leases.get(res.lease_id)
+            state = lease.state if lease else None
+            if state is LeaseState.COMPLETE:
+                break
+            if state is None or state.is_terminal or time.monotonic() > deadline:
+                self.leases.abort(res.lease_id, "decode could not start")
+                why = lease.reason if lease and lease.reason else f"state {state}"
+                raise LeaseNotReady(f"KV of {req_id!r} is not complete: {why}")
+            await asyncio.sleep(READY_POLL_S)
+        self.leases.claim(res.lease_id)  # the engine's reservation now owns the blocks
+        del self.reservations[req_id]
+        self._admissions[req_id] = (first_token, first_logprobs)
+        inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
+        async for chunk in self.generate(inp):
+            yield chunk
+
+    async def abort_anywhere(self, req_id: str, reason: str) -> bool:
+        res = self.reservations.pop(req_id, None)
+        if res is not None:
+            self.leases.abort(res.lease_id, reason)  # its release aborts the engine request
+            return True
+        return await self.abort(req_id)
+
+    async def status(self) -> dict:
+        result = await super().status()
+        result["num_reserved"] = len(self.reservations)
+        result["num_leases"] = len(self.leases.leases())
+        return result
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _add(self, stream: _Stream) -> None:
+        admission = self._admissions.pop(stream.inp.req_id, None)
+        if admission is None:  # a plain request (the worker can also run whole requests)
+            return super()._add(stream)
+        stream.t_add = time.monotonic()
+        try:
+            out = self.engine.admit_prefilled(stream.inp.req_id, *admission)
+        except (KeyError, ValueError) as e:
+            self._loop.call_soon_threadsafe(self._post_error, stream.inp.req_id,
+                                            ValueError(f"cannot admit: {e!r}"))
+            return
+        self._loop.call_soon_threadsafe(self._dispatch, [out], time.monotonic())

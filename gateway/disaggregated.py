@@ -1,0 +1,256 @@
+"""The disaggregated backend: the gateway drives each request through a decode worker's
+reservation, a prefill worker's KV handoff, and the decode worker's stream.
+
+    generate(inp):
+      pick decode D (fewest requests in flight from here, then most free KV blocks)
+      D.Reserve(prompt)                -> lease + destination blocks (a prefix D caches is
+                                          not sent again); RESOURCE_EXHAUSTED -> next D
+      pick prefill P (shortest queue from here; equal queues: the prompt's first block picks
+                                          one, so shared prefixes land on the same cache)
+      P.Prefill(prompt, lease, blocks) -> KV pushed layer by layer, committed, verified;
+                                          the first token
+      D.Decode(first token)            -> stream of chunks to the client
+    Cancellation or a deadline at any point: the pending call is cancelled (gRPC propagates it
+    to the worker, which aborts) and D.Abort ends the reservation or the decode.
+
+Timing (seconds since arrival): queue = routing and reservation + the prefill worker's queue,
+prefill = its compute, kv_transfer = first token sampled -> first token delivered by D (the
+un-overlapped transfer tail, verification and admission), so queue + prefill + kv_transfer =
+ttft exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gateway.backend import (
+    BackendUnavailable,
+    DeadlineExceeded,
+    DuplicateRequestError,
+    GenerateChunk,
+    GenerateInput,
+    ModelInfo,
+    Timing,
+)
+from kv_transfer import GRPC_CHANNEL_OPTIONS
+from protos.convert import (
+    FINISH_REASON_NAMES,
+    logprob_from_proto,
+    sampling_to_proto,
+)
+from protos.pdserve.internal import workers_pb2 as pb
+from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+STATUS_TIMEOUT_S = 5.0
+READY_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Worker:
+    address: str
+    stub: Any
+    channel: grpc.aio.Channel
+    in_flight: int = 0  # requests this gateway has on the worker now
+    status: pb.WorkerStatus | None = None
+    is_healthy: bool = False
+
+
+class DisaggregatedBackend:
+    def __init__(self, prefill: list[str], decode: list[str], tokenizer, transport: str = "auto",
+                 lease_ttl_s: float = 30.0, model_name: str | None = None) -> None:
+        if not prefill or not decode:
+            raise ValueError("need at least one prefill and one decode worker address")
+        self.tokenizer = tokenizer
+        self.transport = transport
+        self.lease_ttl_s = lease_ttl_s
+        self._model_name = model_name
+        self.model: ModelInfo | None = None
+        opts = list(GRPC_CHANNEL_OPTIONS.items())
+        self.prefill = [self._worker(a, pb_grpc.PrefillStub, opts) for a in prefill]
+        self.decode = [self._worker(a, pb_grpc.DecodeStub, opts) for a in decode]
+        self._running: dict[str, Worker] = {}  # req_id -> its decode worker
+        self._aborted: set[str] = set()  # running requests the client aborted
+
+    @staticmethod
+    def _worker(address: str, stub_cls, opts) -> Worker:
+        channel = grpc.aio.insecure_channel(address, options=opts)
+        return Worker(address, stub_cls(channel), channel)
+
+    async def start(self, max_model_len: int, vocab_size: int, timeout_s: float = 120.0) -> None:
+        """Wait until every worker answers and check they serve one model with one KV layout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.refresh()
+            if all(w.is_healthy for w in self.prefill + self.decode):
+                break
+            if time.monotonic() > deadline:
+                down = [w.address for w in self.prefill + self.decode if not w.is_healthy]
+                raise BackendUnavailable(f"workers did not answer within {timeout_s} s: {down}")
+            await asyncio.sleep(0.5)
+        layouts = {(w.status.model, w.status.layout_fingerprint)
+                   for w in self.prefill + self.decode}
+        if len(layouts) != 1:
+            raise ValueError(f"workers disagree on model / KV layout: {sorted(layouts)}")
+        (model, _), = layouts
+        min_pool = min(w.status.num_blocks for w in self.decode) * 16
+        self.model = ModelInfo(self._model_name or model, min(max_model_len, min_pool),
+                               vocab_size)
+
+    async def refresh(self) -> None:
+        async def one(w: Worker) -> None:
+            try:
+                w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+                w.is_healthy = True
+            except grpc.RpcError:
+                w.is_healthy = False
+
+        await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
+
+    # -- routing --------------------------------------------------------------------------------
+    def _decode_order(self) -> list[Worker]:
+        live = [w for w in self.decode if w.is_healthy] or list(self.decode)
+        free = {id(w): w.status.num_free_blocks if w.status else 0 for w in live}
+        return sorted(live, key=lambda w: (w.in_flight, -free[id(w)]))
+
+    def _pick_prefill(self, prompt: list[int]) -> Worker:
+        live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
+        least = min(w.in_flight for w in live)
+        tied = [w for w in live if w.in_flight == least]
+        key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker
+        return tied[key % len(tied)]
+
+    # -- the Backend interface --------------------------------------------------------------------
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        if inp.req_id in self._running:
+            raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
+        timeout = None if inp.deadline is None else max(0.0, inp.deadline - time.monotonic())
+        sampling = sampling_to_proto(inp.params)
+        decode, reservation = await self._reserve(inp, sampling, timeout)
+        self._running[inp.req_id] = decode
+        decode.in_flight += 1
+        is_done = False
+        try:
+            t_prefill_call = time.monotonic()
+            pre = await self._prefill(inp, sampling, decode, reservation)
+            num_out, _first_chunk_at, t_first = 0, None, None
+            call = decode.stub.Decode(pb.DecodeRequest(
+                request_id=inp.req_id, first_token_id=pre.first_token_id,
+                first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
+                ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp))
+            async for msg in call:
+                now = time.monotonic()
+                t_first = t_first or now
+                num_out += len(msg.token_ids)
+                reason = FINISH_REASON_NAMES.get(msg.finish_reason)
+                chunk = GenerateChunk(
+                    list(msg.token_ids), msg.text,
+                    [logprob_from_proto(lp) for lp in msg.logprobs] if msg.logprobs else None,
+                    reason, len(inp.prompt_token_ids), num_out, msg.num_cached_tokens)
+                if reason is not None:
+                    queue = (t_prefill_call - inp.arrival) + pre.queue_s
+                    ttft = t_first - inp.arrival
+                    chunk.timing = Timing(queue, pre.compute_s, ttft - queue - pre.compute_s,
+                                          msg.first_decode_step_s, ttft, now - inp.arrival)
+                    is_done = True
+                yield chunk
+        except grpc.aio.AioRpcError as e:
+            if inp.req_id not in self._aborted:
+                raise self._error(e, inp) from None
+            is_done = True  # aborted before decoding began: end the stream like the engine does
+            yield GenerateChunk([], "", None, "abort", len(inp.prompt_token_ids), 0)
+        finally:
+            self._aborted.discard(inp.req_id)
+            decode.in_flight -= 1
+            self._running.pop(inp.req_id, None)
+            if not is_done:  # cancelled, deadline, or a failure: free it on the decode worker
+                with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+                    await asyncio.shield(decode.stub.Abort(pb.AbortRequestRequest(
+                        request_id=inp.req_id, reason="ended at the gateway"), timeout=5.0))
+
+    async def _reserve(self, inp: GenerateInput, sampling, timeout):
+        request = pb.ReserveRequest(request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids,
+                                    sampling=sampling, lease_ttl_s=self.lease_ttl_s)
+        last_error = None
+        for decode in self._decode_order():
+            try:
+                return decode, await decode.stub.Reserve(request, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                    last_error = e
+                    decode.is_healthy = e.code() != grpc.StatusCode.UNAVAILABLE
+                    continue
+                raise self._error(e, inp) from None
+        raise BackendUnavailable(f"no decode worker can take the request now: "
+                                 f"{last_error.details() if last_error else 'none'}")
+
+    async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
+                       res: pb.ReserveResponse) -> pb.PrefillResponse:
+        block_size = 16
+        first = res.num_cached_tokens // block_size
+        prefill = self._pick_prefill(inp.prompt_token_ids)
+        prefill.in_flight += 1
+        try:
+            return await prefill.stub.Prefill(pb.PrefillRequest(
+                request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
+                target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
+                                   dst_block_ids=res.block_ids[first:], first_block=first,
+                                   transport=self.transport)), timeout=self._remaining(inp))
+        finally:
+            prefill.in_flight -= 1
+
+    @staticmethod
+    def _remaining(inp: GenerateInput) -> float | None:
+        return None if inp.deadline is None else max(0.0, inp.deadline - time.monotonic())
+
+    def _error(self, e: grpc.aio.AioRpcError, inp: GenerateInput) -> Exception:
+        code = e.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(f"request {inp.req_id!r} passed its deadline")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ValueError(e.details())
+        return BackendUnavailable(f"{code.name}: {e.details()}")
+
+    async def abort(self, req_id: str) -> bool:
+        decode = self._running.get(req_id)
+        if decode is None:
+            return False
+        self._aborted.add(req_id)
+        with contextlib.suppress(grpc.RpcError):
+            await decode.stub.Abort(pb.AbortRequestRequest(request_id=req_id,
+                                                           reason="aborted by the client"),
+                                    timeout=5.0)
+        return True
+
+    async def status(self) -> dict[str, Any]:
+        await self.refresh()
+        if not any(w.is_healthy for w in self.decode) or not any(
+                w.is_healthy for w in self.prefill):
+            raise BackendUnavailable("no healthy prefill or decode worker")
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        out: dict[str, Any] = {"mode": "disaggregated", "num_streams": len(self._running)}
+        for key in ("num_running", "num_waiting", "num_free_blocks", "num_blocks"):
+            out[key] = sum(getattr(w.status, key) for ws in pools.values() for w in ws
+                           if w.status is not None)
+        out["workers"] = [
+            {"role": role, "address": w.address, "healthy": w.is_healthy,
+             "in_flight": w.in_flight, "num_running": w.status.num_running if w.status else None,
+             "num_waiting": w.status.num_waiting if w.status else None,
+             "num_reserved": w.status.num_reserved if w.status else None,
+             "num_free_blocks": w.status.num_free_blocks if w.status else None,
+             "num_blocks": w.status.num_blocks if w.status else None}
+            for role, ws in pools.items() for w in ws]
+        return out
+
+    async def close(self) -> None:
+        for w in self.prefill + self.decode:
+            await w.channel.close()

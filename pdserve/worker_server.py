@@ -1,0 +1,61 @@
+"""The gRPC server shell shared by the prefill and decode workers.
+
+    build servicers -> bind -> health SERVING -> print "READY <role> <address>"
+    SIGTERM / Ctrl-C -> health NOT_SERVING -> stop accepting, in-flight calls get `grace_s`
+    -> close the worker -> exit
+
+Every worker server has gRPC health checking (the overall "" service and each named service)
+and server reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kv_transfer import GRPC_SERVER_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+
+async def serve_worker(
+    role: str,
+    address: str,
+    add_servicers: Callable[[grpc.aio.Server], Sequence[str]],
+    close: Callable[[], Awaitable[None]],
+    grace_s: float = 5.0,
+    on_bound: Callable[[int], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM. add_servicers registers the servicers and returns their
+    full service names; on_bound(port) runs after binding, before SERVING."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS.items()))
+    names = list(add_servicers(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"{role}: could not bind {address}")
+    if on_bound is not None:
+        await on_bound(port)
+    await server.start()
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    host = address.rsplit(":", 1)[0]
+    print(f"READY {role} {host}:{port}", flush=True)
+    await stop.wait()
+    logger.warning("%s shutting down: draining for up to %.1f s", role, grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    await close()

@@ -1,0 +1,98 @@
+"""The prefill worker's engine: an LLMEngine whose requests stop after their first token and
+whose prompt KV leaves for a decode worker layer by layer, while later layers still compute.
+
+    step k:   schedule -> [last chunk of request r?  begin r's transfer session]
+              layer 0 computed -> session.send_layer(0)   (snapshot + queue; the wire is async)
+              layer 1 computed -> session.send_layer(1)
+              ...
+              first token sampled -> r finishes here; its handoff commits off the engine thread
+
+A request with a long prompt is chunked (token budget); its blocks are complete only when the
+last chunk is computed, so all of its blocks are sent, layer by layer, during that last step.
+The blocks stay in this worker's prefix cache after the request ends; the session has already
+copied what it ships, so nothing waits on the transfer to reuse them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_core.engine import LLMEngine
+from engine_core.kv_cache.manager import cdiv
+from engine_core.scheduler import SchedulerOutput
+from kv_transfer import Connection, SendSession
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HandoffTarget:
+    """Where one request's prompt KV goes, and who hears about the outcome."""
+
+    conn: Connection
+    lease_id: str
+    dst_block_ids: list[int]  # destination of prompt blocks first_block, first_block + 1, ...
+    first_block: int  # prompt blocks before this one are cached on the decode worker
+    # called from the engine thread once every layer has been handed to the session (or the
+    # session could not start: then with None and the error)
+    on_sent: Callable[[SendSession | None, BaseException | None], None]
+    session: SendSession | None = field(default=None, repr=False)
+
+
+class PrefillEngine(LLMEngine):
+    """Not thread-safe except `set_target`/`pop_target`, like LLMEngine."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._targets: dict[str, HandoffTarget] = {}  # guarded by _lock
+        self._step_handoffs: list[HandoffTarget] = []
+
+    def set_target(self, req_id: str, target: HandoffTarget) -> None:
+        with self._lock:
+            self._targets[req_id] = target
+
+    def pop_target(self, req_id: str) -> HandoffTarget | None:
+        with self._lock:
+            return self._targets.pop(req_id, None)
+
+    def _on_scheduled(self, out: SchedulerOutput, block_ids: list[list[int]]) -> None:
+        handoffs = []
+        for req, n, blocks in zip(out.reqs, out.num_scheduled_tokens, block_ids, strict=True):
+            if req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue  # an earlier chunk: the prompt's KV is not complete after this step
+            target = self.pop_target(req.req_id)
+            if target is None:
+                continue
+            num_prompt_blocks = cdiv(req.num_prompt_tokens, self.layout.block_size)
+            src = blocks[target.first_block:num_prompt_blocks]
+            try:
+                target.session = target.conn.begin(target.lease_id, src, target.dst_block_ids)
+            except Exception as e:  # the decode side refused or is gone: this request fails
+                logger.warning("kv handoff of %s could not begin: %s", req.req_id, e)
+                target.on_sent(None, e)
+                continue
+            handoffs.append(target)
+        self._step_handoffs = handoffs
+        if not handoffs:
+            self.model.layer_done_hook = None
+            return
+        kv_cache = self.runner.kv_cache
+
+        def ship(layer: int) -> None:  # [num_layers, num_blocks, ...]: one layer of each
+            for t in handoffs:
+                t.session.send_layer(layer, kv_cache)  # False once the session has ended
+
+        self.model.layer_done_hook = ship
+
+    def step(self):
+        try:
+            return super().step()
+        finally:
+            self.model.layer_done_hook = None
+            handoffs, self._step_handoffs = self._step_handoffs, []
+            for t in handoffs:
+                t.on_sent(t.session, None)

@@ -1,0 +1,156 @@
+"""The prefill worker's gRPC service: protobuf in, engine types inside, status codes out.
+
+Prefill(request):
+    connect to the decode worker (handshake once per address, cached)
+    -> register the handoff target -> run the request (max_tokens=1) in the engine thread
+    -> every layer's KV leaves during the last prefill step (prefill_service/engine.py)
+    -> commit off the engine thread: the decode worker verifies checksums
+    -> reply with the first token and the timings
+Cancellation (client gone, deadline) aborts the engine request and the transfer session, which
+tells the decode worker to end the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+
+import grpc
+
+from gateway.backend import GenerateInput
+from gateway.colocated import ColocatedBackend
+from kv_transfer import (
+    Connection,
+    KVTransferError,
+    LayoutMismatchError,
+    SendSession,
+    TransportRefusedError,
+    connect,
+)
+from prefill_service.engine import HandoffTarget, PrefillEngine
+from protos.convert import logprob_to_proto, sampling_from_proto
+from protos.pdserve.internal import workers_pb2 as pb
+from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+COMMIT_TIMEOUT_S = 30.0
+
+
+class PrefillServicer(pb_grpc.PrefillServicer):
+    def __init__(self, engine: PrefillEngine, backend: ColocatedBackend) -> None:
+        self.engine = engine
+        self.backend = backend
+        self._connections: dict[tuple[str, str], Connection] = {}
+        self._connecting: dict[tuple[str, str], asyncio.Lock] = {}
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        t_received = time.monotonic()
+        req_id, target = request.request_id, request.target
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        n_prompt = len(request.prompt_token_ids)
+        num_blocks = -(-n_prompt // self.engine.layout.block_size)
+        if not req_id or n_prompt == 0 or len(target.dst_block_ids) != (
+                num_blocks - target.first_block):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id and prompt_token_ids must be set and "
+                                f"target.dst_block_ids must have {num_blocks} - first_block "
+                                f"({target.first_block}) entries, got "
+                                f"{len(target.dst_block_ids)}")
+        # the first token only: stop strings and the token budget are the decode worker's
+        first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
+        try:
+            conn = await self._connection(target.transfer_address, target.transport or "auto")
+        except (LayoutMismatchError, TransportRefusedError) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except KVTransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+        loop = asyncio.get_running_loop()
+        sent: asyncio.Future = loop.create_future()
+
+        def on_sent(session: SendSession | None, error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(_settle, sent, session, error)
+
+        handoff = HandoffTarget(conn, target.lease_id, list(target.dst_block_ids),
+                                target.first_block, on_sent)
+        self.engine.set_target(req_id, handoff)
+        remaining = context.time_remaining()
+        inp = GenerateInput(req_id, list(request.prompt_token_ids), first, arrival=t_received,
+                            deadline=None if remaining is None else t_received + remaining)
+        is_done = False
+        try:
+            last = None
+            async with contextlib.aclosing(self.backend.generate(inp)) as chunks:
+                async for chunk in chunks:
+                    last = chunk
+            if last is None or last.finish_reason == "abort" or not last.token_ids:
+                await context.abort(grpc.StatusCode.ABORTED, f"request {req_id} was aborted")
+            t_first = time.monotonic()
+            session = await sent
+            stats = await asyncio.to_thread(session.commit, COMMIT_TIMEOUT_S)
+            is_done = True
+        except KVTransferError as e:
+            self._forget(conn)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed: {e}")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self.engine.pop_target(req_id)
+            if not is_done and handoff.session is not None:
+                handoff.session.abort("prefill cancelled or failed")
+        timing = last.timing
+        reply = pb.PrefillResponse(
+            first_token_id=last.token_ids[0], queue_s=timing.queue_s if timing else 0.0,
+            compute_s=timing.prefill_s if timing else 0.0,
+            transfer_tail_s=time.monotonic() - t_first, transfer_bytes=stats.num_bytes,
+            transport=conn.kind, num_cached_tokens=last.num_cached_tokens)
+        if last.logprobs:
+            reply.first_logprob.CopyFrom(logprob_to_proto(last.token_ids[0], last.logprobs[0]))
+        return reply
+
+    async def Status(self, request: pb.StatusRequest, context) -> pb.WorkerStatus:
+        s = await self.backend.status()
+        return pb.WorkerStatus(
+            role="prefill", model=self.engine.source.name,
+            layout_fingerprint=self.engine.layout.fingerprint(), num_blocks=s["num_blocks"],
+            num_free_blocks=s["num_free_blocks"], num_running=s["num_running"],
+            num_waiting=s["num_waiting"])
+
+    async def _connection(self, address: str, kind: str) -> Connection:
+        key = (address, kind)
+        lock = self._connecting.setdefault(key, asyncio.Lock())
+        async with lock:  # one handshake per decode worker, however many requests wait on it
+            conn = self._connections.get(key)
+            if conn is None:
+                conn = await asyncio.to_thread(connect, kind, address, self.engine.layout)
+                self._connections[key] = conn
+            return conn
+
+    def _forget(self, conn: Connection) -> None:
+        """A failed transfer may mean the decode worker restarted: handshake again next time."""
+        for key, c in list(self._connections.items()):
+            if c is conn:
+                del self._connections[key]
+                with contextlib.suppress(Exception):
+                    c.close()
+
+    def close(self) -> None:
+        for conn in self._connections.values():
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._connections.clear()
+
+
+def _settle(fut: asyncio.Future, session: SendSession | None, error: BaseException | None):
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(session)

@@ -1,0 +1,62 @@
+"""Hand-written conversions between proto messages and engine types, shared by every hop.
+
+(The generated stubs next to this file are never edited; this module is not generated.)
+"""
+
+from __future__ import annotations
+
+from engine_core.sampling_params import SamplingParams
+from protos.pdserve.v1 import generate_pb2 as pb
+
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParameters:
+    msg = pb.SamplingParameters(
+        max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature,
+        top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_proto(m: pb.SamplingParameters) -> SamplingParams:
+    """The engine's parameters; fields left unset take the engine defaults. Raises ValueError
+    naming the field for values out of bounds."""
+    kwargs = dict(
+        min_tokens=m.min_tokens, top_k=m.top_k, min_p=m.min_p,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
+    )
+    for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed",
+                 "logprobs", "skip_special_tokens"):
+        if m.HasField(name):
+            kwargs[name] = getattr(m, name)
+    return SamplingParams(**kwargs)
+
+
+def logprob_to_proto(token_id: int, entry: dict[int, float]) -> pb.TokenLogprob:
+    """entry: {token id: logprob}, the sampled token's first is not required; top entries are
+    the others, most likely first."""
+    top = sorted(((t, lp) for t, lp in entry.items()), key=lambda x: -x[1])
+    return pb.TokenLogprob(
+        token_id=token_id, logprob=entry.get(token_id, 0.0),
+        top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+    )
+
+
+def logprob_from_proto(m: pb.TokenLogprob) -> dict[int, float]:
+    entry = {m.token_id: m.logprob}
+    entry.update((t.token_id, t.logprob) for t in m.top)
+    return entry

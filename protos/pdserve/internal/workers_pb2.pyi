@@ -1,0 +1,146 @@
+from protos.pdserve.v1 import generate_pb2 as _generate_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generate_pb2.SamplingParameters
+    target: KVTarget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("transfer_address", "lease_id", "dst_block_ids", "first_block", "transport")
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    transfer_address: str
+    lease_id: str
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_block: int
+    transport: str
+    def __init__(self, transfer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "first_logprob", "queue_s", "compute_s", "transfer_tail_s", "transfer_bytes", "transport", "num_cached_tokens")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TAIL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_logprob: _generate_pb2.TokenLogprob
+    queue_s: float
+    compute_s: float
+    transfer_tail_s: float
+    transfer_bytes: int
+    transport: str
+    num_cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_tail_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ttl_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generate_pb2.SamplingParameters
+    lease_ttl_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "block_ids", "num_cached_tokens", "transfer_address")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    transfer_address: str
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "ready_timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    READY_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    first_logprob: _generate_pb2.TokenLogprob
+    ready_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., ready_timeout_s: _Optional[float] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "num_cached_tokens", "first_decode_step_s")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    finish_reason: _generate_pb2.FinishReason
+    num_cached_tokens: int
+    first_decode_step_s: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., first_decode_step_s: _Optional[float] = ...) -> None: ...
+
+class AbortRequestRequest(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortRequestResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("role", "model", "layout_fingerprint", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "transfer_address")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    model: str
+    layout_fingerprint: str
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_reserved: int
+    transfer_address: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
