@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 

@@ -99,6 +99,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine_core.config import dtype_name
     from engine_core.llm import LLM
 
     torch.manual_seed(0)
@@ -106,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
               max_num_seqs=max(args.concurrency), kv_cache_memory_gb=1.0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"model": llm.engine.source.name, "dtype": args.dtype,
+    dtype = dtype_name(llm.engine.dtype)  # what "auto" resolved to on this machine
+    results = {"model": llm.engine.source.name, "dtype": dtype,
+               "quantize_decode": llm.engine.runner.decode_rows is not None,
                "prompt_len": args.prompt_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "machine": platform.processor(),
                "engine": [], "transformers": None}
@@ -117,9 +120,8 @@ def run(args: argparse.Namespace) -> int:
             bench_engine(llm, make_prompts(llm.tokenizer, c, args.prompt_len), args.output_len)
         )
     if not args.skip_hf:
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
         prompts = make_prompts(llm.tokenizer, args.hf_requests, args.prompt_len)
-        results["transformers"] = bench_hf(llm.engine.source.path, dtype, prompts,
+        results["transformers"] = bench_hf(llm.engine.source.path, llm.engine.dtype, prompts,
                                            args.output_len)
     base = results["transformers"]["output_tokens_per_s"] if results["transformers"] else None
     print(f"\n{'system':<34}{'tok/s':>10}{'x transformers':>16}")

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench-engine",
                        help="offline throughput: engine vs transformers generate, same run")
     b.add_argument("--model", default=None)
-    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    b.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: bfloat16 where the CPU has native bf16, else float32")
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])

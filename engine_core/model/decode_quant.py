@@ -83,7 +83,7 @@ class DecodeQuantLinear(nn.Module):
         nd = min(self.rows.n, x.shape[0])
         if nd == 0:
             return self.dense(x)
-        out = self.quant(x[:nd]).to(x.dtype)  # [nd, N]
+        out = self.quant(x if nd == x.shape[0] else x[:nd]).to(x.dtype)  # [nd, N]
         if self.dense.bias is not None:
             out = out + self.dense.bias
         if nd == x.shape[0]:

@@ -26,8 +26,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32 like the reference implementation, then scale in the model dtype
-        if x.dtype == torch.float32:
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if x.dtype == torch.float32:  # one fused op: per-op overhead dominates small batches
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -57,9 +57,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads rotate together: one rope over [n, heads + kv_heads, head_dim]
+        qk = apply_rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, self.q_size))
