@@ -134,8 +134,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def apply_env_defaults(parser: argparse.ArgumentParser, command: str, environ=None) -> None:
+    """Every option of `command` takes its default from PDSERVE_<OPTION> when set (e.g.
+    PDSERVE_PORT=50061, PDSERVE_KV_CACHE_MEMORY_GB=4): how containers configure it. Flags
+    given on the command line still win."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    parsers = [parser]
+    while parsers:
+        p = parsers.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                if command in action.choices:
+                    parsers.append(action.choices[command])
+                continue
+            if not action.option_strings or action.dest == "help":
+                continue
+            value = environ.get(f"PDSERVE_{action.dest.upper()}")
+            if value is None:
+                continue
+            if action.nargs in ("+", "*"):
+                action.default = [action.type(v) if action.type else v for v in value.split()]
+            elif isinstance(action, argparse._StoreTrueAction):
+                action.default = value.lower() in ("1", "true", "yes")
+            else:
+                action.default = action.type(value) if action.type else value
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    command = build_parser().parse_known_args(argv)[0].cmd  # env defaults for this one only
+    apply_env_defaults(parser, command)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -1,0 +1,27 @@
+"""The command line: sub-commands parse, and PDSERVE_* environment variables set defaults."""
+
+from __future__ import annotations
+
+from pdserve.cli import apply_env_defaults, build_parser
+
+
+def test_env_sets_defaults_and_flags_win():
+    env = {"PDSERVE_PORT": "12345", "PDSERVE_TRANSPORTS": "grpc",
+           "PDSERVE_KV_CACHE_MEMORY_GB": "2.5", "PDSERVE_DECODE": "a:1 b:2",
+           "PDSERVE_COLOCATED": "true"}
+    parser = build_parser()
+    apply_env_defaults(parser, "decode", env)
+    args = parser.parse_args(["decode"])
+    assert (args.port, args.transports, args.kv_cache_memory_gb) == (12345, "grpc", 2.5)
+    assert parser.parse_args(["decode", "--port", "7"]).port == 7
+    parser = build_parser()  # PDSERVE_DECODE means addresses to the gateway, a count to `up`
+    apply_env_defaults(parser, "gateway", env)
+    gw = parser.parse_args(["gateway"])
+    assert gw.decode == ["a:1", "b:2"] and gw.colocated is True and gw.port == 12345
+
+
+def test_defaults_without_env():
+    args = build_parser().parse_args(["up"])
+    assert (args.prefill, args.decode, args.port, args.http_port) == (1, 1, 50051, 8000)
+    assert build_parser().parse_args(["prefill"]).port == 50061
+    assert build_parser().parse_args(["decode"]).port == 50071
