@@ -21,7 +21,7 @@ from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import RequestTextState, build_output
 from engine_core.outputs import RequestOutput
 from engine_core.request import Request, RequestStatus
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.tokenizer import Tokenizer, load_tokenizer
 
@@ -133,6 +133,11 @@ class LLMEngine:
         """The reserved request's KV is verified: it joins the batch with its first token
         (sampled by the prefill worker), which this returns as the request's first output."""
         req = self.scheduler.reserved[req_id]
+        p = req.sampling_params
+        if req.generator is not None and p.temperature >= GREEDY_TEMPERATURE_EPS:
+            # the prefill worker drew the first token from this seed's first state: draw the
+            # same amount here, so the rest matches a colocated run of the same seed
+            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
         if first_logprobs is not None:
             req.output_logprobs.append(first_logprobs)
         now = time.monotonic()
