@@ -4,7 +4,6 @@ into them, admit with its first token. The result must equal a colocated run."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine_core.kv_cache.manager import cdiv
 from engine_core.sampling_params import SamplingParams
