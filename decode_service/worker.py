@@ -64,7 +64,13 @@ class DecodeWorker(ColocatedBackend):
         """Blocks for the prompt and a lease on those to be written; None when full."""
         if req_id in self.reservations:
             raise ValueError(f"request_id {req_id!r} is already reserved")
-        got = await self._call(lambda: self.engine.reserve(prompt_token_ids, params, req_id))
+        try:
+            got = await self._call(lambda: self.engine.reserve(prompt_token_ids, params, req_id))
+        except asyncio.CancelledError:
+            # the caller is gone (cancel, deadline) while the engine thread had not yet run the
+            # reservation, which it still will: undo it right after (the inbox is in order)
+            self._submit(lambda: self.engine.abort_request(req_id))
+            raise
         if got is None:
             return None
         blocks, num_cached = got

@@ -70,11 +70,12 @@ class GenerateInput:
 @dataclass(frozen=True)
 class Timing:
     """Where a request's time went, in seconds since its arrival at the gateway (see the
-    Timing message in protos/pdserve/v1/generate.proto): ttft_s = queue_s + prefill_s."""
+    Timing message in protos/pdserve/v1/generate.proto): ttft_s = queue_s + prefill_s +
+    kv_transfer_s."""
 
     queue_s: float  # arrival -> first scheduled for prefill
     prefill_s: float  # first scheduled -> first token sampled
-    kv_transfer_s: float  # first token -> KV complete where it decodes (0 colocated)
+    kv_transfer_s: float  # first token sampled -> delivered where it decodes (0 colocated)
     first_decode_step_s: float  # ready to decode -> second token (0 if only one token)
     ttft_s: float  # arrival -> first token
     total_s: float  # arrival -> end

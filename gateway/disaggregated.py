@@ -135,9 +135,8 @@ class DisaggregatedBackend:
             raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
         timeout = None if inp.deadline is None else max(0.0, inp.deadline - time.monotonic())
         sampling = sampling_to_proto(inp.params)
-        decode, reservation = await self._reserve(inp, sampling, timeout)
+        decode, reservation = await self._reserve(inp, sampling, timeout)  # counted in flight
         self._running[inp.req_id] = decode
-        decode.in_flight += 1
         is_done = False
         try:
             t_prefill_call = time.monotonic()
@@ -173,23 +172,34 @@ class DisaggregatedBackend:
             decode.in_flight -= 1
             self._running.pop(inp.req_id, None)
             if not is_done:  # cancelled, deadline, or a failure: free it on the decode worker
-                with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-                    await asyncio.shield(decode.stub.Abort(pb.AbortRequestRequest(
-                        request_id=inp.req_id, reason="ended at the gateway"), timeout=5.0))
+                await self._abort_on(decode, inp.req_id)
 
     async def _reserve(self, inp: GenerateInput, sampling, timeout):
         request = pb.ReserveRequest(request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids,
                                     sampling=sampling, lease_ttl_s=self.lease_ttl_s)
         last_error = None
         for decode in self._decode_order():
+            # in flight from the pick on, so that a burst of requests spreads over the workers
+            decode.in_flight += 1
+            is_reserved = False
             try:
-                return decode, await decode.stub.Reserve(request, timeout=timeout)
+                reservation = await decode.stub.Reserve(request, timeout=timeout)
+                is_reserved = True
+                return decode, reservation
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                     last_error = e
                     decode.is_healthy = e.code() != grpc.StatusCode.UNAVAILABLE
                     continue
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    await self._abort_on(decode, inp.req_id)  # it may have reserved in time
                 raise self._error(e, inp) from None
+            except asyncio.CancelledError:  # the worker may have reserved, unheard: undo it
+                await self._abort_on(decode, inp.req_id)
+                raise
+            finally:
+                if not is_reserved:
+                    decode.in_flight -= 1
         raise BackendUnavailable(f"no decode worker can take the request now: "
                                  f"{last_error.details() if last_error else 'none'}")
 
@@ -207,6 +217,14 @@ class DisaggregatedBackend:
                                    transport=self.transport)), timeout=self._remaining(inp))
         finally:
             prefill.in_flight -= 1
+
+    @staticmethod
+    async def _abort_on(decode: Worker, req_id: str) -> None:
+        """End the request on the decode worker wherever it is (reserved or decoding); also
+        when this task is being cancelled."""
+        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+            await asyncio.shield(decode.stub.Abort(pb.AbortRequestRequest(
+                request_id=req_id, reason="ended at the gateway"), timeout=5.0))
 
     @staticmethod
     def _remaining(inp: GenerateInput) -> float | None:

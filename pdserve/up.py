@@ -6,7 +6,8 @@ starts N prefill and M decode workers and a gateway as separate processes (worke
 ports, the gateway on 127.0.0.1:50051 / HTTP 8000 unless told otherwise), pins the prefill and
 decode pools to disjoint CPU cores when there are at least two, waits until every process is
 ready, prints the addresses, and on Ctrl-C / SIGTERM stops the gateway first (it drains), then
-the workers. If any process dies, everything is stopped and the exit code is non-zero.
+the workers; the exit code is 0 only if every process exited with 0 by itself. If any process
+dies, everything is stopped and the exit code is non-zero.
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ def _wait_ready(child: Child, marker: str, deadline: float) -> str:
             return line
 
 
-def _stop(children: list[Child]) -> None:
+def _stop(children: list[Child]) -> bool:
+    """SIGTERM each child in turn and wait for it (killed after STOP_TIMEOUT_S). True if every
+    child exited with code 0 by itself; otherwise says which did not."""
+    is_clean = True
     for c in children:  # the gateway is first: it drains before the workers go
         if c.proc.poll() is None:
             c.proc.send_signal(signal.SIGTERM)
@@ -98,6 +102,16 @@ def _stop(children: list[Child]) -> None:
                 c.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 c.proc.kill()
+                c.proc.wait()
+                print(f"pdserve up: {c.name} did not stop within {STOP_TIMEOUT_S:.0f} s; "
+                      f"killed", file=sys.stderr, flush=True)
+                is_clean = False
+                continue
+        if c.proc.returncode != 0:
+            print(f"pdserve up: {c.name} exited with code {c.proc.returncode}", file=sys.stderr,
+                  flush=True)
+            is_clean = False
+    return is_clean
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    is_stopped = False
     try:
         for i in range(args.prefill):
             workers.append(_spawn(f"prefill-{i}", ["prefill", "--port", "0", *kv, *common],
@@ -156,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             stopping.wait(0.5)
         print("pdserve up: stopping", flush=True)
-        return 0
+        is_stopped = True
+        return 0 if _stop(children) else 1
     finally:
-        _stop(children)
+        if not is_stopped:
+            _stop(children)

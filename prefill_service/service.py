@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import grpc
 
-from gateway.backend import GenerateInput
+from gateway.backend import BackendUnavailable, DeadlineExceeded, GenerateInput
 from gateway.colocated import ColocatedBackend
 from kv_transfer import (
     Connection,
@@ -37,6 +37,10 @@ from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
+# TransferError codes of a transfer whose lease ended (aborted by the gateway or the decode
+# worker, expired) or that this worker gave up on: the connection is fine and other requests'
+# transfers are using it, so it is kept.
+LEASE_ENDED_CODES = frozenset({"ABORTED", "CANCELLED"})
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
@@ -96,8 +100,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             stats = await asyncio.to_thread(session.commit, COMMIT_TIMEOUT_S)
             is_done = True
         except KVTransferError as e:
-            self._forget(conn)
+            if getattr(e, "code", "") not in LEASE_ENDED_CODES:
+                self._forget(conn)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed: {e}")
+        except DeadlineExceeded as e:  # the call's deadline, propagated by the gateway
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except BackendUnavailable as e:  # the engine failed or is shutting down
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
@@ -133,7 +142,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             return conn
 
     def _forget(self, conn: Connection) -> None:
-        """A failed transfer may mean the decode worker restarted: handshake again next time."""
+        """A failed transfer may mean the decode worker restarted: handshake again next time.
+        Closing aborts every transfer still running on the connection."""
         for key, c in list(self._connections.items()):
             if c is conn:
                 del self._connections[key]

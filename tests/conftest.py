@@ -39,3 +39,42 @@ def hf_reference(model_path):
         str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+class Offline:
+    """Greedy references from the offline engine, each computed once per session."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self._cache: dict = {}
+
+    def generate(self, prompt: str, max_tokens: int):
+        """RequestOutput of LLM.generate(prompt), greedy."""
+        from engine_core.sampling_params import SamplingParams
+
+        key = ("generate", prompt, max_tokens)
+        if key not in self._cache:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            self._cache[key] = self.llm.generate(prompt, params)[0]
+        return self._cache[key]
+
+    def chat(self, conv: list[dict[str, str]], max_tokens: int):
+        """RequestOutput of LLM.chat(conv), greedy."""
+        from engine_core.sampling_params import SamplingParams
+
+        key = ("chat", repr(conv), max_tokens)
+        if key not in self._cache:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            self._cache[key] = self.llm.chat(conv, params)[0]
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def offline(model_path):
+    """The offline engine, LLM(dtype="float32") with the engine's default settings, like the
+    served engines (quantized decode on CPU; the llm_fp32 fixture turns it off). Shared by the
+    gateway and end-to-end tests: a reference must come from the same settings as the server."""
+    from engine_core.llm import LLM
+
+    return Offline(LLM(str(model_path), dtype="float32", kv_cache_memory_gb=0.25))

@@ -3,12 +3,8 @@ every gateway test so the model loads once; the offline engine loads meanwhile."
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +14,8 @@ import httpx2 as httpx
 import pytest
 
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
+from tests.helpers import spawn_pdserve, stop_process, wait_for_output
 
-ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"pdserve gateway: gRPC (\S+)\s+HTTP (\S+)")
 STARTUP_TIMEOUT_S = 180  # the model loads in ~10 s alone; 2 shared cores can be much slower
 
@@ -55,83 +51,30 @@ class Gateway:
 
 
 def spawn_gateway(*extra: str) -> tuple[subprocess.Popen, Path]:
-    log = Path(tempfile.mkstemp(prefix="pdserve-gateway-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "gateway", "--colocated",
-           "--dtype", "float32", "--port", "0", "--http-port", "0",
-           "--kv-cache-memory-gb", "0.5", *extra]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return proc, log
+    return spawn_pdserve("--log-level", "WARNING", "gateway", "--colocated", "--dtype",
+                         "float32", "--port", "0", "--http-port", "0", "--kv-cache-memory-gb",
+                         "0.5", *extra, name="gateway")
 
 
 def wait_ready(proc: subprocess.Popen, log: Path) -> Gateway:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        match = READY.search(log.read_text())
-        if match:
-            return Gateway(proc, log, match.group(1), match.group(2))
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the gateway did not start:\n{log.read_text()[-4000:]}")
+    try:
+        match = wait_for_output(proc, log, READY, STARTUP_TIMEOUT_S, "the gateway")
+    except RuntimeError:
+        proc.kill()
+        proc.wait()
+        raise
+    return Gateway(proc, log, match.group(1), match.group(2))
 
 
 def stop_gateway(gw: Gateway, timeout_s: float = 30.0) -> int:
     """SIGTERM, then the exit code (killed if it does not stop in time)."""
-    if gw.proc.poll() is None:
-        gw.proc.send_signal(signal.SIGTERM)
-    try:
-        return gw.proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        gw.proc.kill()
-        gw.proc.wait()
-        raise
+    return stop_process(gw.proc, timeout_s)
 
 
 def pytest_collection_modifyitems(config, items):
     """The shutdown test stops the shared gateway: run it after every other test."""
     last = [item for item in items if item.originalname == "test_sigterm_drains_then_exits"]
     items[:] = [item for item in items if item not in last] + last
-
-
-class Offline:
-    """Greedy references from the offline engine, each computed once per session."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
-        self._cache: dict = {}
-
-    def generate(self, prompt: str, max_tokens: int):
-        """RequestOutput of LLM.generate(prompt), greedy."""
-        from engine_core.sampling_params import SamplingParams
-
-        key = ("generate", prompt, max_tokens)
-        if key not in self._cache:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            self._cache[key] = self.llm.generate(prompt, params)[0]
-        return self._cache[key]
-
-    def chat(self, conv: list[dict[str, str]], max_tokens: int):
-        """RequestOutput of LLM.chat(conv), greedy."""
-        from engine_core.sampling_params import SamplingParams
-
-        key = ("chat", repr(conv), max_tokens)
-        if key not in self._cache:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            self._cache[key] = self.llm.chat(conv, params)[0]
-        return self._cache[key]
-
-
-@pytest.fixture(scope="session")
-def offline(model_path):
-    """The offline engine, LLM(dtype="float32") with the engine's default settings like the
-    gateway's engine (the shared llm_fp32 fixture turns quantized decode off)."""
-    from engine_core.llm import LLM
-
-    return Offline(LLM(str(model_path), dtype="float32", kv_cache_memory_gb=0.25))
 
 
 @pytest.fixture(scope="session")

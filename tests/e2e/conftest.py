@@ -1,0 +1,46 @@
+"""The end-to-end stacks: see stack.py. Each module starts one `pdserve up` stack through
+stack_factory and shares it; the offline reference engine loads while the stack loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.stack import References, Stack, spawn_stack, stop_stack, wait_stack
+from tests.helpers import kill_tree, log_tail
+
+
+@pytest.fixture(scope="session")
+def stack_factory(request):
+    """start(*up_args) -> Stack with the offline engine loaded meanwhile; stop(stack) asserts
+    a clean exit (code 0, no traceback in any process's output)."""
+
+    def start(*up_args: str) -> Stack:
+        proc, log = spawn_stack(*up_args)
+        try:
+            request.getfixturevalue("ref")  # the offline engine loads while the stack loads
+        except BaseException:
+            kill_tree(proc)
+            raise
+        return wait_stack(proc, log)
+
+    def stop(stack: Stack) -> None:
+        code = stop_stack(stack)
+        text = log_tail(stack.log, 10**7)
+        assert code == 0, f"pdserve up exited with {code}:\n{text[-4000:]}"
+        assert "Traceback" not in text, text[-8000:]
+        stack.log.unlink(missing_ok=True)
+
+    return start, stop
+
+
+@pytest.fixture(scope="session")
+def ref(offline) -> References:
+    return References(offline)
+
+
+@pytest.fixture(autouse=True)
+def _idle_after(request):
+    """Every test that uses a module's `stack` leaves both pools full and nothing running."""
+    yield
+    if "stack" in request.fixturenames:
+        request.getfixturevalue("stack").wait_idle()
