@@ -91,6 +91,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         eng = self.worker.engine
         return pb.WorkerStatus(
             role="decode", model=eng.source.name, layout_fingerprint=eng.layout.fingerprint(),
+            block_size=eng.layout.block_size,
             num_blocks=s["num_blocks"], num_free_blocks=s["num_free_blocks"],
             num_running=s["num_running"], num_waiting=s["num_waiting"],
             num_reserved=s["num_reserved"], transfer_address=self.transfer_address)

@@ -53,6 +53,7 @@ from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 5.0
+REFRESH_S = 1.0
 
 
 @dataclass
@@ -80,6 +81,8 @@ class DisaggregatedBackend:
         self.decode = [self._worker(a, pb_grpc.DecodeStub, opts) for a in decode]
         self._running: dict[str, Worker] = {}  # req_id -> its decode worker
         self._aborted: set[str] = set()  # running requests the client aborted
+        self.block_size = 16  # the workers' (from their status at start)
+        self._refresher: asyncio.Task | None = None
 
     @staticmethod
     def _worker(address: str, stub_cls, opts) -> Worker:
@@ -102,9 +105,17 @@ class DisaggregatedBackend:
         if len(layouts) != 1:
             raise ValueError(f"workers disagree on model / KV layout: {sorted(layouts)}")
         (model, _), = layouts
-        min_pool = min(w.status.num_blocks for w in self.decode) * 16
+        self.block_size = self.decode[0].status.block_size
+        min_pool = min(w.status.num_blocks for w in self.decode) * self.block_size
         self.model = ModelInfo(self._model_name or model, min(max_model_len, min_pool),
                                vocab_size)
+        self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def _refresh_loop(self) -> None:
+        """Routing reads free blocks and health from here: refreshed every REFRESH_S."""
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            await self.refresh()
 
     async def refresh(self) -> None:
         async def one(w: Worker) -> None:
@@ -205,8 +216,7 @@ class DisaggregatedBackend:
 
     async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
                        res: pb.ReserveResponse) -> pb.PrefillResponse:
-        block_size = 16
-        first = res.num_cached_tokens // block_size
+        first = res.num_cached_tokens // self.block_size
         prefill = self._pick_prefill(inp.prompt_token_ids)
         prefill.in_flight += 1
         try:
@@ -270,5 +280,7 @@ class DisaggregatedBackend:
         return out
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
         for w in self.prefill + self.decode:
             await w.channel.close()

@@ -129,7 +129,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             role="prefill", model=self.engine.source.name,
             layout_fingerprint=self.engine.layout.fingerprint(), num_blocks=s["num_blocks"],
             num_free_blocks=s["num_free_blocks"], num_running=s["num_running"],
-            num_waiting=s["num_waiting"])
+            num_waiting=s["num_waiting"], block_size=self.engine.layout.block_size)
 
     async def _connection(self, address: str, kind: str) -> Connection:
         key = (address, kind)
