@@ -41,6 +41,7 @@ from gateway.backend import (
     ModelInfo,
     Timing,
 )
+from gateway.discovery import Discovery
 from kv_transfer import GRPC_CHANNEL_OPTIONS
 from protos.convert import (
     FINISH_REASON_NAMES,
@@ -67,34 +68,49 @@ class Worker:
 
 
 class DisaggregatedBackend:
-    def __init__(self, prefill: list[str], decode: list[str], tokenizer, transport: str = "auto",
+    def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
                  lease_ttl_s: float = 30.0, model_name: str | None = None) -> None:
-        if not prefill or not decode:
-            raise ValueError("need at least one prefill and one decode worker address")
+        self.discovery = discovery
         self.tokenizer = tokenizer
         self.transport = transport
         self.lease_ttl_s = lease_ttl_s
         self._model_name = model_name
         self.model: ModelInfo | None = None
-        opts = list(GRPC_CHANNEL_OPTIONS.items())
-        self.prefill = [self._worker(a, pb_grpc.PrefillStub, opts) for a in prefill]
-        self.decode = [self._worker(a, pb_grpc.DecodeStub, opts) for a in decode]
+        self.prefill: list[Worker] = []  # as discovery last answered
+        self.decode: list[Worker] = []
         self._running: dict[str, Worker] = {}  # req_id -> its decode worker
         self._aborted: set[str] = set()  # running requests the client aborted
         self.block_size = 16  # the workers' (from their status at start)
         self._refresher: asyncio.Task | None = None
 
-    @staticmethod
-    def _worker(address: str, stub_cls, opts) -> Worker:
-        channel = grpc.aio.insecure_channel(address, options=opts)
-        return Worker(address, stub_cls(channel), channel)
+    async def _discover(self) -> None:
+        """Follow discovery: connect to workers that joined, drop those that left."""
+        found = await self.discovery.workers()
+        opts = list(GRPC_CHANNEL_OPTIONS.items())
+        for role, stub_cls in (("prefill", pb_grpc.PrefillStub), ("decode", pb_grpc.DecodeStub)):
+            wanted = [w.address for w in found if w.role == role]
+            current = {w.address: w for w in getattr(self, role)}
+            kept = []
+            for address in wanted:
+                worker = current.pop(address, None)
+                if worker is None:
+                    logger.info("%s worker joined: %s", role, address)
+                    channel = grpc.aio.insecure_channel(address, options=opts)
+                    worker = Worker(address, stub_cls(channel), channel)
+                kept.append(worker)
+            for gone in current.values():
+                logger.info("%s worker left: %s", role, gone.address)
+                if gone.in_flight == 0:  # else its in-flight requests still use the channel
+                    await gone.channel.close()
+            setattr(self, role, kept)
 
     async def start(self, max_model_len: int, vocab_size: int, timeout_s: float = 120.0) -> None:
         """Wait until every worker answers and check they serve one model with one KV layout."""
         deadline = time.monotonic() + timeout_s
         while True:
             await self.refresh()
-            if all(w.is_healthy for w in self.prefill + self.decode):
+            if self.prefill and self.decode and all(
+                    w.is_healthy for w in self.prefill + self.decode):
                 break
             if time.monotonic() > deadline:
                 down = [w.address for w in self.prefill + self.decode if not w.is_healthy]
@@ -118,6 +134,8 @@ class DisaggregatedBackend:
             await self.refresh()
 
     async def refresh(self) -> None:
+        await self._discover()
+
         async def one(w: Worker) -> None:
             try:
                 w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
@@ -135,6 +153,8 @@ class DisaggregatedBackend:
 
     def _pick_prefill(self, prompt: list[int]) -> Worker:
         live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
+        if not live:
+            raise BackendUnavailable("no prefill worker is known (discovery lists none)")
         least = min(w.in_flight for w in live)
         tied = [w for w in live if w.in_flight == least]
         key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker
@@ -282,5 +302,6 @@ class DisaggregatedBackend:
     async def close(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        await self.discovery.close()
         for w in self.prefill + self.decode:
             await w.channel.close()

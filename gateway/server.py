@@ -83,6 +83,7 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import load_tokenizer
     from gateway.disaggregated import DisaggregatedBackend
+    from gateway.discovery import StaticDiscovery
 
     source = resolve_model(args.model)
     if source.kind == "gguf":
@@ -98,8 +99,8 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
                   config.max_position_embeddings)
 
     async def create() -> Backend:
-        backend = DisaggregatedBackend(args.prefill, args.decode, tokenizer, args.transport,
-                                       args.lease_ttl, model_name=source.name)
+        backend = DisaggregatedBackend(StaticDiscovery(args.prefill, args.decode), tokenizer,
+                                       args.transport, args.lease_ttl, model_name=source.name)
         await backend.start(max_len, config.vocab_size)
         return backend
 
