@@ -1,0 +1,75 @@
+"""The flags of `pdserve bench`, kept free of heavy imports so that the CLI starts fast."""
+
+from __future__ import annotations
+
+import argparse
+
+BACKENDS = ("naive", "colocated", "disagg")  # servers.py starts them
+WORKLOADS = ("fixed", "random", "prompts", "shared-prefix", "mixed", "code-edit")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    what = p.add_argument_group("systems under test")
+    what.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                      help="started by the harness one after the other, same model, same run")
+    what.add_argument("--gateway", default=None, metavar="HOST:PORT",
+                      help="bench an already-running gateway over gRPC instead")
+    what.add_argument("--base-url", default=None, metavar="URL",
+                      help="bench an already-running OpenAI server instead (http://HOST:PORT)")
+    what.add_argument("--label", default=None, help="the name of that running server")
+    what.add_argument("--protocol", choices=["grpc", "http"], default="http",
+                      help="how to reach the gateways (the naive server speaks HTTP only)")
+    what.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
+    what.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    what.add_argument("--stack-args", default="", metavar="ARGS",
+                      help="extra flags for both of our stacks, one string, e.g. "
+                           "\"--max-num-seqs 32\" (shlex-split)")
+    what.add_argument("--colocated-args", default="", metavar="ARGS",
+                      help="extra flags for `pdserve gateway --colocated` only")
+    what.add_argument("--disagg-args", default="", metavar="ARGS",
+                      help="extra flags for `pdserve up` only")
+    what.add_argument("--prefill", type=int, default=1, help="disagg: prefill workers")
+    what.add_argument("--decode", type=int, default=1, help="disagg: decode workers")
+    what.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"],
+                      help="disagg: KV transport")
+
+    load = p.add_argument_group("workload")
+    load.add_argument("--workload", choices=WORKLOADS, default="random")
+    load.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    load.add_argument("--output-len", type=int, default=None,
+                      help="tokens to generate (default: 64; prompts: 128; code-edit: the "
+                           "code's length + 48)")
+    load.add_argument("--range-ratio", type=float, default=0.5,
+                      help="random: lengths uniform in len * [1 - r, 1 + r]")
+    load.add_argument("--prefix-len", type=int, default=256,
+                      help="shared-prefix: tokens every prompt shares")
+    load.add_argument("--num-long", type=int, default=4, help="mixed: long prompts")
+    load.add_argument("--long-input-len", type=int, nargs=2, default=[1024, 2048],
+                      metavar=("MIN", "MAX"), help="mixed: long prompts' length range")
+    load.add_argument("--long-output-len", type=int, default=16)
+    load.add_argument("--long-rate", type=float, default=0.5,
+                      help="mixed: long prompts per second (Poisson)")
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                      help="generate exactly the output length (default: yes, except for "
+                           "prompts and code-edit)")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--num-prompts", type=int, default=32, help="requests per point")
+    load.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
+                      help="a sweep: one point per value (requests in flight at most)")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="Poisson arrivals per second (inf: all at once)")
+    load.add_argument("--max-duration", type=float, default=300.0,
+                      help="seconds per point; what runs then is cancelled (incomplete)")
+    load.add_argument("--naive-max-requests", type=int, default=8,
+                      help="requests per point for the naive server (one at a time, slow)")
+    load.add_argument("--naive-max-duration", type=float, default=120.0,
+                      help="seconds per point for the naive server")
+    load.add_argument("--seed", type=int, default=0)
+
+    out = p.add_argument_group("report")
+    out.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                     help="goodput: TTFT limit (<= 0: none)")
+    out.add_argument("--tpot-slo-ms", type=float, default=200.0,
+                     help="goodput: TPOT limit (<= 0: none)")
+    out.add_argument("--out", default="bench_results/serve",
+                     help="folder for the JSON files, the plots and the servers' logs")

@@ -1,0 +1,186 @@
+"""What the load generator sends: lists of `BenchRequest`, one list per lane.
+
+| workload | prompt | output |
+| --- | --- | --- |
+| fixed | `input_len` tokens of English text, distinct per request | `output_len`, EOS ignored |
+| random | lengths uniform in len * [1 - r, 1 + r] (r = `range_ratio`), like vLLM's random dataset | same |
+| prompts | the shipped prompts (data/prompts.jsonl: questions, instructions, summaries...) as chat | up to `output_len`, natural end |
+| shared-prefix | a `prefix_len`-token document shared by all + a distinct `input_len`-token suffix | `output_len`, EOS ignored |
+| mixed | lane "decode": short prompts, long outputs; lane "long": 1-2k-token prompts, short outputs | EOS ignored |
+| code-edit | the shipped snippets (data/code_edit.jsonl) with an edit instruction, as chat | the code's length + 48, natural end |
+
+Text prompts are cut from the shipped prompts' text (not random token ids, which decode to text
+that does not encode back to the same tokens), so the same prompt goes out as token ids over
+gRPC and as text over HTTP: `fit_tokens` makes `encode(text) == ids`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+import numpy as np
+
+from engine_core.tokenizer import Tokenizer
+from pdserve.bench.args import WORKLOADS
+
+CODE_EDIT_EXTRA_TOKENS = 48  # room past the code's own length for the answer's wrapping
+MAX_FIT_TRIES = 50
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    output_len: int  # max_tokens
+    input_len: int  # prompt tokens as counted here (the server's usage overrides it)
+    prompt_ids: tuple[int, ...] | None = None  # a plain prompt: ids over gRPC ...
+    prompt_text: str | None = None  # ... and this text over HTTP
+    messages: tuple[tuple[str, str], ...] | None = None  # a chat prompt: (role, content)
+    ignore_eos: bool = True
+    group: str = "main"
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    name: str = "random"
+    num_prompts: int = 32
+    input_len: int = 128
+    output_len: int | None = None  # None: the workload's default
+    range_ratio: float = 0.5  # random: lengths in len * [1 - r, 1 + r]
+    prefix_len: int = 256  # shared-prefix: tokens every prompt shares
+    num_long: int = 4  # mixed: long prompts
+    long_input_range: tuple[int, int] = (1024, 2048)
+    long_output_len: int = 16
+    ignore_eos: bool | None = None  # None: the workload's default (see the table above)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.name!r}")
+        for name in ("num_prompts", "input_len", "prefix_len", "long_output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.output_len is not None and self.output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+        lo, hi = self.long_input_range
+        if not 1 <= lo <= hi:
+            raise ValueError(f"long_input_range must be 1 <= low <= high, got {lo} {hi}")
+        if self.num_long < 0:
+            raise ValueError(f"num_long must be >= 0, got {self.num_long}")
+
+
+def _data(name: str) -> list[dict]:
+    text = resources.files("pdserve.bench").joinpath("data", name).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@cache
+def shipped_prompts() -> tuple[str, ...]:
+    return tuple(row["prompt"] for row in _data("prompts.jsonl"))
+
+
+@cache
+def shipped_code_edits() -> tuple[str, ...]:
+    """Each an instruction followed by the code in a fenced block."""
+    return tuple(f"{row['instruction']}\n\n```{row['language']}\n{row['code']}```"
+                 for row in _data("code_edit.jsonl"))
+
+
+def fit_tokens(tokenizer: Tokenizer, ids: list[int], n: int) -> tuple[list[int], str] | None:
+    """`n` token ids (from `ids`, which has a few spare at the end) and their text, such that
+    encoding the text gives back exactly those ids; None if a few rounds of decode/encode do
+    not find them (a cut through a word or a blank line may re-merge differently)."""
+    target = list(ids[:n])
+    for _ in range(4):
+        text = tokenizer.decode(target, skip_special_tokens=False)
+        again = tokenizer.encode(text, add_special_tokens=False)
+        if again == target:
+            return target, text
+        target = again[:n] if len(again) >= n else again + list(ids[n:n + n - len(again)])
+    return None
+
+
+class _TextSource:
+    """Distinct stretches of English text cut from the shipped prompts, token-exact."""
+
+    def __init__(self, tokenizer: Tokenizer, rng: np.random.Generator) -> None:
+        self.tokenizer = tokenizer
+        self.rng = rng
+        self.pool = tokenizer.encode("\n\n".join(shipped_prompts()), add_special_tokens=False)
+
+    def ids(self, n: int, head: str = "") -> tuple[list[int], str]:
+        """`head` (which makes prompts distinct from the first token) then pool text from a
+        random place, wrapping around; n tokens in all."""
+        head_ids = self.tokenizer.encode(head, add_special_tokens=False) if head else []
+        if len(head_ids) >= n:  # too short for a head: pool text only
+            head_ids = []
+        for _ in range(MAX_FIT_TRIES):  # a few percent of cuts do not fit: another place does
+            start = int(self.rng.integers(len(self.pool)))
+            body = [self.pool[(start + i) % len(self.pool)] for i in range(n + 16)]
+            fitted = fit_tokens(self.tokenizer, head_ids + body, n)
+            if fitted is not None:
+                return fitted
+        raise RuntimeError(f"no {n}-token stretch of text that encodes back to itself was "
+                           f"found in {MAX_FIT_TRIES} tries")
+
+
+def _plain(src: _TextSource, n: int, out: int, head: str, ignore_eos: bool,
+           group: str = "main", prefix: tuple[list[int], str] = ([], "")) -> BenchRequest:
+    ids, text = src.ids(n, head)
+    ids, text = prefix[0] + ids, prefix[1] + text
+    return BenchRequest(out, len(ids), tuple(ids), text, ignore_eos=ignore_eos, group=group)
+
+
+def _chat(tokenizer: Tokenizer, content: str, out: int, ignore_eos: bool) -> BenchRequest:
+    n = len(tokenizer.apply_chat_template([{"role": "user", "content": content}]))
+    return BenchRequest(out, n, messages=(("user", content),), ignore_eos=ignore_eos)
+
+
+def build_workload(config: WorkloadConfig, tokenizer: Tokenizer) -> dict[str, list[BenchRequest]]:
+    """The requests of each lane, in the order they are issued. Deterministic for a seed."""
+    rng = np.random.default_rng(config.seed)
+    src = _TextSource(tokenizer, rng)
+    n, c = config.num_prompts, config
+    natural = c.name in ("prompts", "code-edit")
+    eos = (not natural) if c.ignore_eos is None else c.ignore_eos
+    out_len = c.output_len or (128 if natural else 64)
+    if c.name == "fixed":
+        return {"main": [_plain(src, c.input_len, out_len, f"Request {i}: ", eos)
+                         for i in range(n)]}
+    if c.name == "random":
+        lo_in, hi_in = _bounds(c.input_len, c.range_ratio)
+        lo_out, hi_out = _bounds(out_len, c.range_ratio)
+        return {"main": [_plain(src, int(rng.integers(lo_in, hi_in + 1)),
+                                int(rng.integers(lo_out, hi_out + 1)), f"Request {i}: ", eos)
+                         for i in range(n)]}
+    if c.name == "shared-prefix":
+        # each suffix starts with a blank line, which the tokenizer never merges with the
+        # document's last word: the document's tokens are the same in every prompt
+        prefix = src.ids(c.prefix_len, "Read this document, then answer.\n\n")
+        return {"main": [_plain(src, c.input_len, out_len, f"\n\nQuestion {i}: ", eos,
+                                prefix=prefix) for i in range(n)]}
+    if c.name == "mixed":
+        decode = [_plain(src, c.input_len, out_len, f"Request {i}: ", eos, "decode")
+                  for i in range(n)]
+        lo, hi = c.long_input_range
+        long = [_plain(src, int(rng.integers(lo, hi + 1)), c.long_output_len,
+                       f"Document {i}: ", eos, "long") for i in range(c.num_long)]
+        return {"decode": decode, "long": long}
+    texts = shipped_prompts() if c.name == "prompts" else shipped_code_edits()
+    order = rng.permutation(len(texts))
+    reqs = []
+    for i in range(n):
+        text = texts[order[i % len(texts)]]
+        out = out_len
+        if c.name == "code-edit" and c.output_len is None:
+            code = text.split("```", 1)[1]
+            out = len(tokenizer.encode(code, add_special_tokens=False)) + CODE_EDIT_EXTRA_TOKENS
+        reqs.append(_chat(tokenizer, text, out, eos))
+    return {"main": reqs}
+
+
+def _bounds(length: int, ratio: float) -> tuple[int, int]:
+    return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))

@@ -1,0 +1,82 @@
+"""Workloads: exact token lengths, text that encodes to the same ids, the shipped data."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.workloads import (
+    WorkloadConfig,
+    build_workload,
+    shipped_code_edits,
+    shipped_prompts,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from engine_core.model_files import resolve_model
+    from engine_core.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(str(model_path)))
+
+
+def test_shipped_data():
+    prompts = shipped_prompts()
+    assert len(prompts) >= 60 and len(set(prompts)) == len(prompts)
+    edits = shipped_code_edits()
+    assert len(edits) >= 10 and all("```" in e for e in edits)
+
+
+@pytest.mark.parametrize("name", ["fixed", "random", "shared-prefix", "mixed"])
+def test_plain_prompts_are_token_exact(tokenizer, name):
+    w = build_workload(WorkloadConfig(name=name, num_prompts=12, input_len=40, output_len=8,
+                                      prefix_len=64, num_long=2, long_input_range=(300, 400)),
+                       tokenizer)
+    for reqs in w.values():
+        for r in reqs:
+            assert len(r.prompt_ids) == r.input_len
+            # the text sent over HTTP is the same prompt as the ids sent over gRPC
+            assert tokenizer.encode(r.prompt_text) == list(r.prompt_ids)
+            assert r.ignore_eos
+
+
+def test_lengths_per_workload(tokenizer):
+    fixed = build_workload(WorkloadConfig("fixed", num_prompts=5, input_len=33, output_len=7),
+                           tokenizer)["main"]
+    assert [(r.input_len, r.output_len) for r in fixed] == [(33, 7)] * 5
+    assert len({r.prompt_ids[:8] for r in fixed}) == 5  # distinct from the first block
+    rnd = build_workload(WorkloadConfig("random", num_prompts=50, input_len=100,
+                                        output_len=20, range_ratio=0.5), tokenizer)["main"]
+    assert all(50 <= r.input_len <= 150 and 10 <= r.output_len <= 30 for r in rnd)
+    assert len({r.input_len for r in rnd}) > 10
+    shared = build_workload(WorkloadConfig("shared-prefix", num_prompts=4, input_len=20,
+                                           prefix_len=64), tokenizer)["main"]
+    assert len({r.prompt_ids[:64] for r in shared}) == 1
+    assert len({r.prompt_ids[64:] for r in shared}) == 4
+    mixed = build_workload(WorkloadConfig("mixed", num_prompts=3, num_long=2,
+                                          long_input_range=(1000, 1200), long_output_len=4),
+                           tokenizer)
+    assert [r.group for r in mixed["decode"]] == ["decode"] * 3
+    assert all(1000 <= r.input_len <= 1200 and r.output_len == 4 for r in mixed["long"])
+
+
+def test_chat_workloads(tokenizer):
+    prompts = build_workload(WorkloadConfig("prompts", num_prompts=70), tokenizer)["main"]
+    assert len({r.messages for r in prompts}) == len(shipped_prompts())  # every one, cycled
+    assert all(r.output_len == 128 and not r.ignore_eos for r in prompts)
+    edits = build_workload(WorkloadConfig("code-edit", num_prompts=3), tokenizer)["main"]
+    for r in edits:
+        assert r.input_len == len(tokenizer.apply_chat_template(
+            [{"role": "user", "content": r.messages[0][1]}]))
+        assert r.output_len > 48  # the code's own length and some room
+
+
+def test_seeded_and_validated(tokenizer):
+    a = build_workload(WorkloadConfig("random", num_prompts=6, seed=3), tokenizer)
+    b = build_workload(WorkloadConfig("random", num_prompts=6, seed=3), tokenizer)
+    c = build_workload(WorkloadConfig("random", num_prompts=6, seed=4), tokenizer)
+    assert a == b and a != c
+    with pytest.raises(ValueError, match="workload must be one of"):
+        WorkloadConfig("sharegpt")
+    with pytest.raises(ValueError, match="range_ratio"):
+        WorkloadConfig(range_ratio=1.0)
