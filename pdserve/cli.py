@@ -52,6 +52,12 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pdserve.bench.command import run
+
+    return run(args)
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.up import run
 
@@ -131,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-hf", action="store_true")
     b.add_argument("--out", default="bench_results/engine")
     b.set_defaults(func=_cmd_bench_engine)
+
+    from pdserve.bench.args import add_bench_arguments
+
+    bs = sub.add_parser("bench", help="load-test the gateway (gRPC or OpenAI HTTP) against a "
+                        "naive transformers server and our colocated/disaggregated stacks")
+    add_bench_arguments(bs)
+    bs.set_defaults(func=_cmd_bench)
     return p
 
 

@@ -1,0 +1,177 @@
+"""The systems under test, started by the harness as subprocesses on free loopback ports:
+
+| backend | command | healthy when |
+| --- | --- | --- |
+| naive | `python -m pdserve.bench.naive_server` (transformers generate, one request at a time) | GET /v1/models answers 200 |
+| colocated | `pdserve gateway --colocated` | /v1/models 200 and gRPC health SERVING |
+| disagg | `pdserve up --prefill N --decode M --transport T` | the same, on its gateway |
+
+Each runs in its own session (Ctrl-C in the terminal reaches the harness only), writes its output
+to a log file, and is stopped by `stop`: SIGTERM, then SIGKILL for it and its direct children
+(the workers `pdserve up` started in their own sessions) if it has not exited in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx2 as httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.bench.args import BACKENDS
+
+READY_TIMEOUT_S = 600.0  # `pdserve up` loads the model in three processes on two cores
+STOP_TIMEOUT_S = 60.0  # `pdserve up` stops its gateway (which drains), then each worker
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a system under test listens. grpc_address is None for the naive server."""
+
+    name: str
+    http_url: str | None
+    grpc_address: str | None
+    log: Path | None = None  # the server's output, when the harness started it
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    model: str | None = None
+    dtype: str | None = None
+    stack_args: tuple[str, ...] = ()  # passed to both `pdserve gateway --colocated` and `up`
+    colocated_args: tuple[str, ...] = ()
+    disagg_args: tuple[str, ...] = ()
+    num_prefill: int = 1
+    num_decode: int = 1
+    transport: str = "auto"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def command(backend: str, opts: StackOptions, grpc_port: int, http_port: int) -> list[str]:
+    """The argv that starts `backend` on these ports."""
+    common = (["--model", opts.model] if opts.model else []) + \
+        (["--dtype", opts.dtype] if opts.dtype else [])
+    if backend == "naive":  # float32 unless told: transformers' reference precision
+        return [sys.executable, "-m", "pdserve.bench.naive_server", "--host", HOST, "--port",
+                str(http_port), *common]
+    ports = ["--host", HOST, "--port", str(grpc_port), "--http-port", str(http_port)]
+    if backend == "colocated":
+        return [sys.executable, "-m", "pdserve", "gateway", "--colocated", *ports, *common,
+                *opts.colocated_args, *opts.stack_args]
+    if backend == "disagg":
+        return [sys.executable, "-m", "pdserve", "up", *ports, "--prefill", str(opts.num_prefill),
+                "--decode", str(opts.num_decode), "--transport", opts.transport, *common,
+                *opts.disagg_args, *opts.stack_args]
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def is_healthy(target: Target) -> bool:
+    try:
+        if target.http_url and httpx.get(f"{target.http_url}/v1/models",
+                                          timeout=5).status_code != 200:
+            return False
+    except httpx.HTTPError:
+        return False
+    if target.grpc_address is None:
+        return True
+    with grpc.insecure_channel(target.grpc_address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                               timeout=5)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def log_tail(log: Path, num_chars: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-num_chars:]
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def wait_healthy(proc: subprocess.Popen, target: Target, timeout_s: float) -> None:
+    """RuntimeError (with the log's tail) if the process exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while not is_healthy(target):
+        tail = log_tail(target.log) if target.log else ""
+        if proc.poll() is not None:
+            raise RuntimeError(f"{target.name} exited with code {proc.returncode} before it "
+                               f"was healthy; its log ({target.log}) ends with:\n{tail}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{target.name} was not healthy within {timeout_s:.0f} s; its "
+                               f"log ({target.log}) ends with:\n{tail}")
+        time.sleep(0.5)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # "pid (comm) state ppid ...": comm may contain spaces and parentheses
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+    return out
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+    """SIGTERM, wait, then SIGKILL it and its direct children. The exit code (None: killed)."""
+    if proc.poll() is not None:
+        return proc.returncode
+    children = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    proc.kill()
+    proc.wait()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return None
+
+
+@contextlib.contextmanager
+def launch(backend: str, opts: StackOptions, log_dir: Path,
+           ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[Target]:
+    """Start `backend`, wait until it is healthy, yield where it listens; stop it on exit,
+    whatever happened (errors and Ctrl-C included)."""
+    grpc_port, http_port = free_port(), free_port()
+    argv = command(backend, opts, grpc_port, http_port)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{backend}.log"
+    target = Target(backend, f"http://{HOST}:{http_port}",
+                    None if backend == "naive" else f"{HOST}:{grpc_port}", log)
+    with open(log, "w") as out:
+        out.write(f"$ {' '.join(argv)}\n")
+        out.flush()
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_healthy(proc, target, ready_timeout_s)
+        yield target
+    finally:
+        code = stop(proc)
+        if code not in (0, -signal.SIGTERM):
+            print(f"pdserve bench: {backend} exited with code {code}; see {log}",
+                  file=sys.stderr, flush=True)

@@ -1,0 +1,121 @@
+"""The result files and the side-by-side table; how the harness starts, waits for and stops
+its servers; the `pdserve bench` flags."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench import report
+from pdserve.bench.command import configs
+from pdserve.bench.metrics import SLO, RequestResult
+from pdserve.bench.servers import StackOptions, Target, command, stop, wait_healthy
+from pdserve.cli import build_parser
+
+VLLM_KEYS = {
+    "date", "backend", "model_id", "num_prompts", "request_rate", "max_concurrency",
+    "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+    "input_lens", "output_lens", "ttfts", "itls", "errors",
+} | {f"{s}_{m}_ms" for s in ("mean", "median", "std", "p50", "p90", "p99")
+     for m in ("ttft", "tpot", "itl", "e2el")}
+
+
+def point(backend: str, seconds_per_token: float, groups=("main",)) -> dict:
+    results = [RequestResult(group=g, is_success=True, input_len=10, output_len=5,
+                             ttft=seconds_per_token, latency=5 * seconds_per_token,
+                             itl=[seconds_per_token] * 4) for g in groups for _ in range(4)]
+    return report.point_result(backend=backend, protocol="http", model_id="m",
+                               workload="fixed", max_concurrency=2, request_rate=float("inf"),
+                               results=results, duration_s=2.0, slo=SLO(1000, 100))
+
+
+def test_point_has_vllm_keys_and_groups_for_mixed():
+    p = point("colocated", 0.05)
+    assert set(p) >= VLLM_KEYS
+    assert p["request_rate"] == "inf" and "groups" not in p
+    mixed = point("colocated", 0.05, groups=("decode", "long"))
+    assert set(mixed["groups"]) == {"decode", "long"}
+    assert mixed["groups"]["decode"]["completed"] == 4 and mixed["completed"] == 8
+
+
+def test_table_and_summary_compare_to_naive():
+    points = {"naive": {2: point("naive", 0.1)}, "colocated": {2: point("colocated", 0.05)}}
+    text = report.table(points)
+    assert "colocated/naive" in text
+    rows = {line[:22].strip(): line for line in text.splitlines()}  # label column: 22 wide
+    assert rows["TTFT p50 ms"].split()[-1] == "0.50x"  # half the naive TTFT
+    assert rows["output tok/s"].split()[-1] == "1.00x"  # same tokens in the same time
+    assert not rows["completed"].endswith("x")  # counts get no ratio
+    s = report.summary(points, ["a note"], {"workload": "fixed"})
+    assert s["ratios_vs_naive"]["colocated"]["2"]["TTFT p50 ms"] == pytest.approx(0.5)
+    assert "ttfts" not in s["backends"]["naive"]["2"]  # per-request lists stay in the points
+    mixed = {"naive": {1: point("naive", 0.1, ("decode", "long"))},
+             "disagg": {1: point("disagg", 0.02, ("decode", "long"))}}
+    assert "decode ITL p99 ms" in report.table(mixed)
+
+
+def test_commands_pass_extra_stack_args_through():
+    opts = StackOptions(model="/m.gguf", stack_args=("--speculative", "ngram"),
+                        disagg_args=("--no-pin",), num_prefill=2, transport="shm")
+    colocated = command("colocated", opts, 5001, 5002)
+    assert colocated[1:5] == ["-m", "pdserve", "gateway", "--colocated"]
+    assert colocated[-4:] == ["--model", "/m.gguf", "--speculative", "ngram"]
+    up = " ".join(command("disagg", opts, 5001, 5002))
+    assert "up --host 127.0.0.1 --port 5001 --http-port 5002 --prefill 2" in up
+    assert up.endswith("--transport shm --model /m.gguf --no-pin --speculative ngram")
+    naive = command("naive", opts, 5001, 5002)
+    assert "pdserve.bench.naive_server" in naive and "--speculative" not in naive
+    with pytest.raises(ValueError, match="backend must be one of"):
+        command("vllm", opts, 1, 2)
+
+
+def test_cli_flags(tmp_path):
+    args = build_parser().parse_args(shlex.split(
+        f"bench --backends colocated --stack-args '--speculative ngram' --concurrency 1 4 "
+        f"--workload mixed --long-input-len 1000 1500 --ttft-slo-ms 0 --out {tmp_path}"))
+    cfg, wcfg, stacks = configs(args)
+    assert stacks.stack_args == ("--speculative", "ngram")
+    assert cfg.concurrency == (1, 4) and cfg.slo == SLO(None, 200.0)
+    assert wcfg.name == "mixed" and wcfg.long_input_range == (1000, 1500)
+    with pytest.raises(ValueError, match="concurrency"):
+        configs(build_parser().parse_args(["bench", "--concurrency", "0"]))
+
+
+def test_wait_healthy_names_an_early_exit_with_the_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("Traceback: bad flag --speculative\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    target = Target("colocated", "http://127.0.0.1:9", "127.0.0.1:9", log)
+    with pytest.raises(RuntimeError, match=r"exited with code 3(.|\n)*bad flag"):
+        wait_healthy(proc, target, timeout_s=30)
+
+
+def test_stop_kills_a_server_that_ignores_sigterm_and_its_children(tmp_path: Path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+            f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            f"start_new_session=True); open({str(pid_file)!r}, 'w').write(str(c.pid));"
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert stop(proc, timeout_s=0.5) is None  # killed
+    deadline = time.monotonic() + 5
+    while not is_gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert is_gone(child)
+
+
+def is_gone(pid: int) -> bool:
+    """Exited (or a zombie, until whoever adopted it reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
