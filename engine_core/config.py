@@ -137,3 +137,39 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+
+
+SPEC_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose k tokens per decoding sequence, verify them in one target
+    forward (see spec_decode.py).
+
+    method "ngram": prompt lookup, the k tokens that followed the latest earlier occurrence of
+    the sequence's last n tokens (n from ngram_max down to ngram_min). method "draft": a
+    smaller model with the target's vocabulary proposes; `draft_model` is its path, or None for
+    the target itself truncated to its first `draft_num_layers` layers (self-speculative; it
+    shares the target's weights and KV cache, so it costs no memory and needs no prefill).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str | None = None
+    draft_num_layers: int | None = None  # None: a quarter of the target's layers (self-spec)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, "
+                             f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError("need 1 <= ngram_min <= ngram_max <= 16, got "
+                             f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")

@@ -12,7 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine_core.config import CacheConfig, SchedulerConfig, dtype_name, resolve_dtype
+from engine_core.config import (
+    CacheConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    dtype_name,
+    resolve_dtype,
+)
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.model_files import resolve_model
@@ -23,6 +29,7 @@ from engine_core.outputs import RequestOutput
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from engine_core.scheduler import Scheduler
+from engine_core.spec_decode import SpecDecoder, build_spec_decoder
 from engine_core.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,11 +46,13 @@ class LLMEngine:
         load_tokenizer_: bool = True,
         quantize_decode: bool | None = None,
         kv_allocator: Callable[[KVLayout, int], torch.Tensor] | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """quantize_decode: decode tokens use weight-only 4/8-bit matmuls (model/decode_quant.py);
         None means on for CPU. Pass False for exact dense math in every row.
         kv_allocator(layout, num_blocks): where the KV cache tensor lives (default: a plain
-        zeroed tensor; the decode worker passes a shared-memory pool)."""
+        zeroed tensor; the decode worker passes a shared-memory pool).
+        speculative_config: speculative decoding (spec_decode.py); None decodes plainly."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.source = resolve_model(model)
@@ -76,11 +85,18 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len)
+        self.num_kv_blocks = num_blocks
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv, self.max_model_len,
+            speculative_config.num_speculative_tokens if speculative_config else 0,
+        )
         self.runner = ModelRunner(self.model, self.layout, num_blocks,
                                   scheduler_config.max_num_seqs, self.max_model_len,
                                   self.device, self.eos_token_ids, decode_rows,
                                   kv_allocator(self.layout, num_blocks) if kv_allocator else None)
+        self.spec: SpecDecoder | None = (
+            build_spec_decoder(speculative_config, self) if speculative_config else None
+        )
         self.text_states: dict[str, RequestTextState] = {}
         self._ids = itertools.count()
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,
@@ -171,10 +187,15 @@ class LLMEngine:
                 req.times.first_scheduled = now
         block_ids = [self.kv.block_ids(r.req_id) for r in out.reqs]
         self._on_scheduled(out, block_ids)
-        sampled, sampler_out = self.runner.execute(out, block_ids)
+        rows = self.runner.sync(out, block_ids)
+        if self.spec is not None:
+            self.spec.propose(out, rows, self.runner)
+        sampled, sampler_out = self.runner.execute(
+            out, rows, self.spec.verify if self.spec is not None else None
+        )
         if sampler_out is not None and sampler_out[1].sampled_logprobs is not None:
             self._record_logprobs(out, *sampler_out)
-        advanced = self.scheduler.update_from_output(out, sampled.tolist())
+        advanced = self.scheduler.update_from_output(out, sampled)
         return self._emit(advanced, time.monotonic())
 
     def _on_scheduled(self, out, block_ids: list[list[int]]) -> None:
@@ -187,8 +208,15 @@ class LLMEngine:
             if req.times.first_token is None:
                 req.times.first_token = now
             state = self.text_states[req.req_id]
-            if state.push(req.output_token_ids[-1:]) and not req.is_finished:
-                self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
+            # one token at a time, so a stop string ends the output where a plain decode would
+            for j in range(state.num_pushed, req.num_output_tokens):
+                state.num_pushed += 1
+                if state.push(req.output_token_ids[j : j + 1]):
+                    if not req.is_finished:
+                        req.truncate_output(j + 1)
+                        self.scheduler.finish_requests([req.req_id],
+                                                       RequestStatus.FINISHED_STOPPED)
+                    break
             finished = req.is_finished
             if finished:
                 req.times.finished = now

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine_core.engine import LLMEngine
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
@@ -34,8 +34,14 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         quantize_decode: bool | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ) -> None:
+        """speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
+        {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig."""
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
         self.engine = LLMEngine(
+            speculative_config=speculative_config,
             model=model,
             dtype=dtype,
             device=device,

@@ -73,9 +73,9 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.decode_rows = decode_rows  # set per step when decode rows run quantized matmuls
 
-    def prepare(
-        self, out: SchedulerOutput, block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def sync(self, out: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
+        """Bring the rows of the step's requests up to date (tokens sampled since the last
+        step, new blocks); returns each request's row."""
         b = self.batch
         for req_id in out.finished_req_ids + out.preempted_req_ids:
             b.remove(req_id)
@@ -89,8 +89,17 @@ class ModelRunner:
                 b.num_tokens[row] = req.num_tokens
             b.sync_blocks(row, blocks)
             rows[i] = row
-        num_new = np.asarray(out.num_scheduled_tokens, dtype=np.int64)  # [num_seqs]
-        start = np.asarray([r.num_computed_tokens for r in out.reqs], dtype=np.int64)
+        return rows
+
+    def build_inputs(
+        self, rows: np.ndarray, start: np.ndarray, num_new: np.ndarray, num_decodes: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """Model inputs for tokens start[i] .. start[i] + num_new[i] - 1 of the sequence in
+        rows[i] (token ids from the batch's rows). The first num_decodes sequences are decodes:
+        each of their tokens attends as a decode query over the positions up to its own (one
+        token normally; a token and its drafts when verifying speculation). Returns input ids,
+        positions, attention metadata and cu (the end offset of each sequence's tokens)."""
+        b = self.batch
         cu = np.cumsum(num_new)  # [num_seqs], end offset of each sequence's tokens
         total = int(cu[-1])
         # position of every flattened token: its sequence's start + its offset in the chunk
@@ -100,53 +109,101 @@ class ModelRunner:
         bs = self.block_size
         slots = b.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (start + num_new).astype(np.int32)  # [num_seqs], KV length after the step
-        nd = out.num_decodes
+        nd = num_decodes
+        ndt = int(cu[nd - 1]) if nd else 0  # decode tokens
         max_blocks = int(-(-seq_lens.max() // bs))
         tables = b.block_table[rows, :max_blocks]  # [num_seqs, max_blocks]
-        prefill_qsl = np.concatenate([[0], cu[nd:] - (cu[nd - 1] if nd else 0)]).astype(np.int32)
+        if ndt == nd:  # one token per decode
+            decode_tables, decode_lens = tables[:nd], seq_lens[:nd]
+        else:  # a query per token, each over its sequence's positions up to its own
+            decode_tables = b.block_table[token_rows[:ndt], :max_blocks]
+            decode_lens = (positions[:ndt] + 1).astype(np.int32)
+        prefill_qsl = np.concatenate([[0], cu[nd:] - ndt]).astype(np.int32)
         t = torch.from_numpy
         meta = AttentionMetadata(
             slot_mapping=t(slots).to(self.device),
-            num_decode_tokens=nd,
-            decode_block_tables=t(np.ascontiguousarray(tables[:nd])).to(self.device),
-            decode_context_lens=t(seq_lens[:nd]).to(self.device),
+            num_decode_tokens=ndt,
+            decode_block_tables=t(np.ascontiguousarray(decode_tables)).to(self.device),
+            decode_context_lens=t(decode_lens).to(self.device),
             prefill_block_tables=t(np.ascontiguousarray(tables[nd:])).to(self.device),
             prefill_query_start_loc=t(prefill_qsl).to(self.device),
             prefill_seq_lens=t(seq_lens[nd:]).to(self.device),
         )
-        logits_indices = t(cu - 1).to(self.device)  # last token of each sequence
-        return t(input_ids).to(self.device), t(positions).to(self.device), meta, logits_indices
+        return t(input_ids).to(self.device), t(positions).to(self.device), meta, cu
+
+    def forward(self, input_ids, positions, meta, num_quant_rows: int, kv_cache=None,
+                model=None, num_layers=None) -> torch.Tensor:
+        """The model's hidden states; the first num_quant_rows tokens take the decode path."""
+        if self.decode_rows is not None:
+            self.decode_rows.n = num_quant_rows
+        model = model or self.model
+        kv = self.kv_cache if kv_cache is None else kv_cache
+        return model(input_ids, positions, kv, meta, num_layers)
+
+    def logits(self, hidden: torch.Tensor, num_quant_rows: int, model=None) -> torch.Tensor:
+        if self.decode_rows is not None:
+            self.decode_rows.n = num_quant_rows
+        return (model or self.model).compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, tuple[list[int], SamplerOutput] | None]:
-        """Run one step. Returns the sampled token of every scheduled request (-1 for prefill
-        chunks that are not done) and the sampler's output for the rows that sampled."""
-        input_ids, positions, meta, logits_indices = self.prepare(out, block_ids)
-        if self.decode_rows is not None:
-            self.decode_rows.n = out.num_decodes
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        # only requests caught up after this step sample; a prefill chunk's token would be
-        # thrown away, and drawing it would advance a seeded request's generator
-        complete = [i for i, (r, n) in enumerate(zip(out.reqs, out.num_scheduled_tokens,
-                                                     strict=True))
-                    if r.num_computed_tokens + n == r.num_tokens]
-        sampled = torch.full((len(out.reqs),), -1, dtype=torch.int64)
-        if not complete:
+        self, out: SchedulerOutput, rows: np.ndarray, verifier=None
+    ) -> tuple[list[list[int]], tuple[list[int], SamplerOutput] | None]:
+        """Run one step over rows from `sync`. Returns each scheduled request's new tokens
+        ([] for a prefill chunk that is not done; the accepted drafts and one more token for a
+        speculative decode, checked by `verifier`) and the plain sampler's output with the
+        indices of the requests it sampled (their logprobs)."""
+        b = self.batch
+        nd = out.num_decodes
+        drafted = [i for i in range(nd) if out.reqs[i].spec_token_ids]
+        for i in drafted:  # drafts sit after the sequence's tokens, in place of the unknown
+            req = out.reqs[i]
+            b.token_ids[rows[i], req.num_tokens : req.num_tokens + len(req.spec_token_ids)] = (
+                req.spec_token_ids
+            )
+        num_new = np.asarray(out.num_scheduled_tokens, dtype=np.int64)  # [num_seqs]
+        start = np.asarray([r.num_computed_tokens for r in out.reqs], dtype=np.int64)
+        input_ids, positions, meta, cu = self.build_inputs(rows, start, num_new, nd)
+        ndt = int(cu[nd - 1]) if nd else 0
+        hidden = self.forward(input_ids, positions, meta, ndt)
+        # requests caught up after this step sample; a prefill chunk's token would be thrown
+        # away, and drawing it would advance a seeded request's generator
+        num_spec = np.asarray([len(r.spec_token_ids) for r in out.reqs], dtype=np.int64)
+        complete = np.flatnonzero(start + num_new - num_spec
+                                  == np.asarray([r.num_tokens for r in out.reqs]))
+        sampled: list[list[int]] = [[] for _ in out.reqs]
+        if len(complete) == 0:
             return sampled, None
-        if self.decode_rows is not None:  # decodes lead `complete` as they lead the step
-            self.decode_rows.n = sum(i < out.num_decodes for i in complete)
-        logits = self.model.compute_logits(hidden[logits_indices[complete]])  # [n, vocab]
-        reqs = [out.reqs[i] for i in complete]
-        batch = SamplingBatch.from_requests(
-            [r.sampling_params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            [r.generator for r in reqs],
-            self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-        )
-        result = self.sampler(logits, batch)
-        sampled[complete] = result.sampled_token_ids.cpu()
-        return sampled, (complete, result)
+        # logits rows: every token of a drafted decode, the last token of any other request
+        last = cu - 1
+        spec_set = set(drafted)
+        plain = [int(i) for i in complete if int(i) not in spec_set]
+        spec_rows = [np.arange(cu[i] - num_new[i], cu[i]) for i in drafted]
+        token_idx = np.concatenate([last[plain], *spec_rows]).astype(np.int64)
+        # quantized (decode) rows must lead: plain decodes, then drafted decodes' rows; only
+        # completed prefills (dense) follow them, so reorder to put them last
+        is_prefill = np.zeros(len(token_idx), dtype=bool)
+        is_prefill[: len(plain)] = np.asarray(plain) >= nd
+        order = np.concatenate([np.flatnonzero(~is_prefill), np.flatnonzero(is_prefill)])
+        logits = self.logits(hidden[torch.from_numpy(token_idx[order])],
+                             int((~is_prefill).sum()))
+        logits = logits[torch.from_numpy(np.argsort(order))]  # back to token_idx order
+        result = None
+        if plain:
+            reqs = [out.reqs[i] for i in plain]
+            batch = SamplingBatch.from_requests(
+                [r.sampling_params for r in reqs],
+                [r.prompt_token_ids for r in reqs],
+                [r.output_token_ids for r in reqs],
+                [r.generator for r in reqs],
+                self.vocab_size,
+                eos_token_ids=self.eos_token_ids,
+            )
+            result = self.sampler(logits[: len(plain)], batch)
+            for i, token in zip(plain, result.sampled_token_ids.tolist(), strict=True):
+                sampled[i] = [token]
+        if drafted:
+            tokens = verifier([out.reqs[i] for i in drafted], logits[len(plain):])
+            for i, toks in zip(drafted, tokens, strict=True):
+                sampled[i] = toks
+        return sampled, ((plain, result) if plain else None)

@@ -23,6 +23,7 @@ class RequestTextState:
         self.text = ""  # all text decoded so far (may include a held-back tail)
         self.num_emitted = 0  # characters of `text` already handed to the client
         self.num_tokens_emitted = 0
+        self.num_pushed = 0  # output tokens detokenized so far
         self.stop_reason: str | int | None = None
 
     def push(self, new_ids: list[int]) -> bool:

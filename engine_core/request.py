@@ -62,6 +62,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first schedule
         self.num_preemptions = 0
+        # speculative decoding: draft slots the scheduler granted this step, and the drafts
+        # the proposer filled in (at most that many); both cleared when the step is done
+        self.num_lookahead_tokens = 0
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.times = RequestTimes()
         self.generator: torch.Generator | None = None
@@ -84,9 +88,32 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def max_drafts(self, k: int) -> int:
+        """How many draft tokens this request may verify next step (0: decode plainly).
+
+        Only a request in its decode phase drafts, and only when its sampling needs nothing
+        that depends on every earlier token of the step (penalties, min_tokens blocking,
+        logprobs); the drafts never run past max_tokens.
+        """
+        p = self.sampling_params
+        if (k <= 0 or self.num_computed_tokens != self.num_tokens - 1
+                or not self.output_token_ids or p.has_penalties
+                or p.logprobs is not None or self.num_output_tokens < p.min_tokens):
+            return 0
+        return max(0, min(k, p.max_tokens - self.num_output_tokens - 1))
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (a stop string ended the
+        request among tokens one speculative step produced)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[-drop:]
+            del self.all_token_ids[-drop:]
+            del self.output_logprobs[num_output_tokens:]
 
     def check_stop(self) -> RequestStatus | None:
         """Finish status after the latest token, or None to keep going (stop strings are

@@ -222,6 +222,16 @@ class Sampler:
             assert greedy_ids is not None
             return greedy_ids
 
+        random_ids = exponential_race(Sampler.probs(logits, batch), batch.generators)
+        if greedy_ids is None:
+            return random_ids
+        return torch.where(batch.is_greedy, greedy_ids, random_ids)
+
+    @staticmethod
+    def probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """The distribution random rows sample from: temperature, then top-k/top-p and min-p
+        filtering, softmax. [B, V] float32; greedy rows get a T = 1 distribution (ignore it).
+        `logits` (float32, penalties already applied) are modified in place."""
         # Greedy rows get T = 1 so the division stays finite; their row result is discarded.
         temperature = batch.temperature
         if not batch.all_random:
@@ -235,11 +245,7 @@ class Sampler:
             )
         if not batch.no_min_p:
             apply_min_p(logits, batch.min_p)
-        random_ids = exponential_race(logits.softmax(dim=-1), batch.generators)
-
-        if greedy_ids is None:
-            return random_ids
-        return torch.where(batch.is_greedy, greedy_ids, random_ids)
+        return logits.softmax(dim=-1)
 
 
 def apply_penalties(

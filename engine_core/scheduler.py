@@ -38,8 +38,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 num_spec_tokens: int = 0):
+        """num_spec_tokens: draft slots a decoding request may get per step (0: no
+        speculative decoding); the proposer fills them after scheduling (see spec_decode.py)."""
         self.config = config
+        self.num_spec_tokens = num_spec_tokens
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -154,6 +158,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # a decoding request may get draft slots; they are the first thing to give up
+            k = min(req.max_drafts(self.num_spec_tokens), budget - n) if n == 1 else 0
+            if k and self.kv.allocate_slots(req, req.num_computed_tokens + n + k) is None:
+                k = 0
             while self.kv.allocate_slots(req, req.num_computed_tokens + n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -162,8 +170,9 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, n))
-                budget -= n
+                req.num_lookahead_tokens = k
+                scheduled.append((req, n + k))
+                budget -= n + k
                 i += 1
 
         while (self.waiting and budget > 0 and not preempted
@@ -184,8 +193,9 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
 
-        decodes = [(r, n) for r, n in scheduled if n == 1]
-        others = [(r, n) for r, n in scheduled if n != 1]
+        # a decode is one new token, plus the request's draft slots
+        decodes = [(r, n) for r, n in scheduled if n == 1 + r.num_lookahead_tokens]
+        others = [(r, n) for r, n in scheduled if n != 1 + r.num_lookahead_tokens]
         for r, n in decodes + others:
             out.reqs.append(r)
             out.num_scheduled_tokens.append(n)
@@ -195,26 +205,37 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
+        req.num_lookahead_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: list[int]
+        self, out: SchedulerOutput, sampled: list[list[int]]
     ) -> list[Request]:
-        """Advance the scheduled requests by their tokens; append the sampled token where the
-        request is now caught up. Returns the requests that got a new token (finished ones
-        included, with their status set)."""
+        """Advance the scheduled requests by what the step computed and append their new
+        tokens: none for an unfinished prefill chunk, one for a plain step, the accepted drafts
+        and one more for a speculative step (its rejected drafts' KV is not computed). Returns
+        the requests that got new tokens (finished ones included, with their status set)."""
         advanced = []
-        for req, n, token in zip(out.reqs, out.num_scheduled_tokens, sampled, strict=True):
-            req.num_computed_tokens += n
+        for req, n, tokens in zip(out.reqs, out.num_scheduled_tokens, sampled, strict=True):
+            num_rejected = len(req.spec_token_ids) - max(len(tokens) - 1, 0)
+            req.spec_token_ids = []
+            req.num_lookahead_tokens = 0
+            status = None
+            for token in tokens:
+                req.append_output_token(token)
+                status = req.check_stop()
+                if status is not None:
+                    break  # tokens after a stop are dropped
+            # (a stop among the accepted drafts leaves fewer tokens than were computed)
+            req.num_computed_tokens = min(req.num_computed_tokens + n - num_rejected,
+                                          req.num_tokens)
             self.kv.cache_computed_blocks(req)
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: its sampled token is meaningless
-            req.append_output_token(token)
-            advanced.append(req)
-            status = req.check_stop()
+            if tokens:
+                advanced.append(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

@@ -121,12 +121,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
+        num_layers: int | None = None,  # run only the first layers (a self-speculative draft)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         half = self.config.head_dim // 2
         cs = self.cos_sin[positions].to(x.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
         cos, sin = cs[..., :half], cs[..., half:]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x = layer(x, cos, sin, kv_cache[i], meta)
             if self.layer_done_hook is not None:
                 self.layer_done_hook(i)
