@@ -28,6 +28,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                       help="extra flags for `pdserve gateway --colocated` only")
     what.add_argument("--disagg-args", default="", metavar="ARGS",
                       help="extra flags for `pdserve up` only")
+    what.add_argument("--naive-args", default="", metavar="ARGS",
+                      help="extra flags for the naive server, e.g. \"--threads 1\"")
     what.add_argument("--prefill", type=int, default=1, help="disagg: prefill workers")
     what.add_argument("--decode", type=int, default=1, help="disagg: decode workers")
     what.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"],

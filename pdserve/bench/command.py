@@ -73,7 +73,8 @@ def configs(args: argparse.Namespace) -> tuple[BenchConfig, WorkloadConfig, Stac
         args.ignore_eos, args.seed)
     stacks = StackOptions(args.model, args.dtype, tuple(shlex.split(args.stack_args)),
                           tuple(shlex.split(args.colocated_args)),
-                          tuple(shlex.split(args.disagg_args)), args.prefill, args.decode,
+                          tuple(shlex.split(args.disagg_args)),
+                          tuple(shlex.split(args.naive_args)), args.prefill, args.decode,
                           args.transport)
     return bench, workload, stacks
 

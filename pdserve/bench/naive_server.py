@@ -248,10 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, one per core)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     server = load(args.model, args.dtype)
     print(f"pdserve naive server: HTTP http://{args.host}:{args.port} ({server.name}, "
-          f"{args.dtype}, transformers generate, one request at a time)", flush=True)
+          f"{args.dtype}, {torch.get_num_threads()} threads, transformers generate, one "
+          f"request at a time)", flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)
     return 0

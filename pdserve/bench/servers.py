@@ -52,6 +52,7 @@ class StackOptions:
     stack_args: tuple[str, ...] = ()  # passed to both `pdserve gateway --colocated` and `up`
     colocated_args: tuple[str, ...] = ()
     disagg_args: tuple[str, ...] = ()
+    naive_args: tuple[str, ...] = ()
     num_prefill: int = 1
     num_decode: int = 1
     transport: str = "auto"
@@ -69,7 +70,7 @@ def command(backend: str, opts: StackOptions, grpc_port: int, http_port: int) ->
         (["--dtype", opts.dtype] if opts.dtype else [])
     if backend == "naive":  # float32 unless told: transformers' reference precision
         return [sys.executable, "-m", "pdserve.bench.naive_server", "--host", HOST, "--port",
-                str(http_port), *common]
+                str(http_port), *common, *opts.naive_args]
     ports = ["--host", HOST, "--port", str(grpc_port), "--http-port", str(http_port)]
     if backend == "colocated":
         return [sys.executable, "-m", "pdserve", "gateway", "--colocated", *ports, *common,
@@ -150,28 +151,42 @@ def stop(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int | Non
     return None
 
 
+class Server:
+    """A system under test started as a subprocess: `start` returns at once (so that several
+    can load at the same time), `wait_healthy` blocks until it serves, `stop` ends it."""
+
+    def __init__(self, backend: str, opts: StackOptions, log_dir: Path) -> None:
+        grpc_port, http_port = free_port(), free_port()
+        argv = command(backend, opts, grpc_port, http_port)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = log_dir / f"{backend}.log"
+        self.target = Target(backend, f"http://{HOST}:{http_port}",
+                             None if backend == "naive" else f"{HOST}:{grpc_port}", log)
+        with open(log, "w") as out:
+            out.write(f"$ {' '.join(argv)}\n")
+            out.flush()
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_healthy(self, timeout_s: float = READY_TIMEOUT_S) -> Target:
+        wait_healthy(self.proc, self.target, timeout_s)
+        return self.target
+
+    def stop(self) -> None:
+        code = stop(self.proc)
+        if code not in (0, -signal.SIGTERM):
+            print(f"pdserve bench: {self.target.name} exited with code {code}; see "
+                  f"{self.target.log}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def launch(backend: str, opts: StackOptions, log_dir: Path,
            ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[Target]:
     """Start `backend`, wait until it is healthy, yield where it listens; stop it on exit,
     whatever happened (errors and Ctrl-C included)."""
-    grpc_port, http_port = free_port(), free_port()
-    argv = command(backend, opts, grpc_port, http_port)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{backend}.log"
-    target = Target(backend, f"http://{HOST}:{http_port}",
-                    None if backend == "naive" else f"{HOST}:{grpc_port}", log)
-    with open(log, "w") as out:
-        out.write(f"$ {' '.join(argv)}\n")
-        out.flush()
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server(backend, opts, log_dir)
     try:
-        wait_healthy(proc, target, ready_timeout_s)
-        yield target
+        yield server.wait_healthy(ready_timeout_s)
     finally:
-        code = stop(proc)
-        if code not in (0, -signal.SIGTERM):
-            print(f"pdserve bench: {backend} exited with code {code}; see {log}",
-                  file=sys.stderr, flush=True)
+        server.stop()
