@@ -94,4 +94,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             block_size=eng.layout.block_size,
             num_blocks=s["num_blocks"], num_free_blocks=s["num_free_blocks"],
             num_running=s["num_running"], num_waiting=s["num_waiting"],
-            num_reserved=s["num_reserved"], transfer_address=self.transfer_address)
+            num_reserved=s["num_reserved"], transfer_address=self.transfer_address,
+            spec_num_drafts=s.get("speculative", {}).get("num_drafts", []),
+            spec_num_accepted=s.get("speculative", {}).get("num_accepted", []))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.worker_args import add_speculative_arguments
+
 
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `pdserve gateway`. The disaggregated mode adds its own (--prefill ADDR...,
@@ -25,6 +27,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     mode.add_argument("--max-num-seqs", type=int, default=64)
     mode.add_argument("--max-model-len", type=int, default=None)
+    add_speculative_arguments(p)  # for --colocated (decode workers take their own)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in containers")
     net.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")

@@ -127,7 +127,9 @@ class ColocatedBackend:
             return {"mode": "colocated", "num_running": sched.num_running,
                     "num_waiting": sched.num_waiting, "num_free_blocks": kv.num_free_blocks,
                     "num_blocks": kv.pool.num_blocks, "num_preemptions": sched.num_preemptions,
-                    "kv_integrity": integrity}
+                    "kv_integrity": integrity,
+                    **({"speculative": self.engine.spec.stats.as_dict()}
+                       if self.engine.spec is not None else {})}
 
         result = await self._call(snapshot)
         result["num_streams"] = len(self._streams)

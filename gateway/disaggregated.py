@@ -297,6 +297,14 @@ class DisaggregatedBackend:
              "num_free_blocks": w.status.num_free_blocks if w.status else None,
              "num_blocks": w.status.num_blocks if w.status else None}
             for role, ws in pools.items() for w in ws]
+        drafts, accepted = _sum_lists(
+            [w.status.spec_num_drafts for w in self.decode if w.status is not None]
+        ), _sum_lists([w.status.spec_num_accepted for w in self.decode if w.status is not None])
+        if drafts:
+            out["speculative"] = {
+                "num_drafts": drafts, "num_accepted": accepted,
+                "acceptance_rate_per_position": [a / d if d else 0.0
+                                                 for a, d in zip(accepted, drafts, strict=True)]}
         return out
 
     async def close(self) -> None:
@@ -305,3 +313,14 @@ class DisaggregatedBackend:
         await self.discovery.close()
         for w in self.prefill + self.decode:
             await w.channel.close()
+
+
+def _sum_lists(lists) -> list[int]:
+    """Element-wise sum of counters of different lengths (per draft position)."""
+    out: list[int] = []
+    for values in lists:
+        for i, v in enumerate(values):
+            if i == len(out):
+                out.append(0)
+            out[i] += int(v)
+    return out

@@ -64,9 +64,11 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     from engine_core.config import CacheConfig, SchedulerConfig
     from engine_core.engine import LLMEngine
     from gateway.colocated import ColocatedBackend
+    from pdserve.worker_args import speculative_config
 
     engine = LLMEngine(
         model=args.model, dtype=args.dtype,
+        speculative_config=speculative_config(args),
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_model_len=args.max_model_len),

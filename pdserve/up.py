@@ -22,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from pdserve.worker_args import add_speculative_arguments, speculative_argv
+
 READY_TIMEOUT_S = 600.0  # the first run may download the model
 STOP_TIMEOUT_S = 20.0
 
@@ -39,6 +41,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per worker")
     p.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     p.add_argument("--no-pin", action="store_true", help="do not pin pools to CPU cores")
+    add_speculative_arguments(p)  # passed to the decode workers
 
 
 @dataclass
@@ -147,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.decode):
             workers.append(_spawn(f"decode-{i}", [
                 "decode", "--port", "0", "--transports", transports, "--max-num-seqs",
-                str(args.max_num_seqs), *kv, *common], dec_cores))
+                str(args.max_num_seqs), *kv, *speculative_argv(args), *common], dec_cores))
             children.append(workers[-1])
         deadline = time.monotonic() + READY_TIMEOUT_S
         for w in workers:

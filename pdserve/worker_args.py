@@ -19,11 +19,50 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="seconds in-flight calls may take to finish on shutdown")
 
 
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding flags (the colocated engine and decode workers)."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="propose tokens by n-gram prompt lookup or with a draft model")
+    g.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens verified per step")
+    g.add_argument("--draft-model", default=None,
+                   help="the draft's GGUF file or HF folder (default: the model's own first "
+                        "layers)")
+    g.add_argument("--draft-num-layers", type=int, default=None,
+                   help="layers of the draft to run (self-speculative default: a quarter)")
+
+
+def speculative_argv(args: argparse.Namespace) -> list[str]:
+    """The speculative flags of `args` as command-line arguments (for child processes)."""
+    if getattr(args, "speculative", None) is None:
+        return []
+    argv = ["--speculative", args.speculative,
+            "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if args.draft_model:
+        argv += ["--draft-model", args.draft_model]
+    if args.draft_num_layers:
+        argv += ["--draft-num-layers", str(args.draft_num_layers)]
+    return argv
+
+
+def speculative_config(args: argparse.Namespace):
+    if getattr(args, "speculative", None) is None:
+        return None
+    from engine_core.config import SpeculativeConfig
+
+    return SpeculativeConfig(method=args.speculative,
+                             num_speculative_tokens=args.num_speculative_tokens,
+                             draft_model=args.draft_model,
+                             draft_num_layers=args.draft_num_layers)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     from engine_core.config import CacheConfig, SchedulerConfig
 
     return dict(
         model=args.model, dtype=args.dtype,
+        speculative_config=speculative_config(args),
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
@@ -32,6 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
+    add_speculative_arguments(p)
     p.add_argument("--transports", default="grpc,shm",
                    help="KV transports this worker accepts (grpc, shm, cuda_ipc)")
     p.add_argument("--advertise-host", default=None,

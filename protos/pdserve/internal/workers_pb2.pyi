@@ -124,7 +124,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "model", "layout_fingerprint", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "transfer_address", "block_size")
+    __slots__ = ("role", "model", "layout_fingerprint", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "transfer_address", "block_size", "spec_num_drafts", "spec_num_accepted")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,8 @@ class WorkerStatus(_message.Message):
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     layout_fingerprint: str
@@ -145,4 +147,6 @@ class WorkerStatus(_message.Message):
     num_reserved: int
     transfer_address: str
     block_size: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    spec_num_drafts: _containers.RepeatedScalarFieldContainer[int]
+    spec_num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_num_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
