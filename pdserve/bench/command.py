@@ -172,15 +172,22 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = build_workload(wcfg, load_tokenizer(resolve_model(args.model)))
     points: dict[str, dict[int, dict[str, Any]]] = {}
-    with _sigterm_as_interrupt():
-        for t in targets:
-            if isinstance(t, Target):
-                points[t.name] = asyncio.run(bench_target(t, workload, cfg, wcfg.name, out_dir))
-                continue
-            print(f"pdserve bench: starting {t} (log: {out_dir / 'logs' / (t + '.log')})",
-                  flush=True)
-            with launch(t, stacks, out_dir / "logs") as target:
-                points[t] = asyncio.run(bench_target(target, workload, cfg, wcfg.name, out_dir))
+    try:
+        with _sigterm_as_interrupt():
+            for t in targets:
+                if isinstance(t, Target):
+                    points[t.name] = asyncio.run(bench_target(t, workload, cfg, wcfg.name,
+                                                              out_dir))
+                    continue
+                print(f"pdserve bench: starting {t} (log: {out_dir / 'logs' / (t + '.log')})",
+                      flush=True)
+                with launch(t, stacks, out_dir / "logs") as target:
+                    points[t] = asyncio.run(bench_target(target, workload, cfg, wcfg.name,
+                                                         out_dir))
+    except KeyboardInterrupt:
+        print(f"\npdserve bench: interrupted; the servers it started are stopped; the points "
+              f"finished so far are in {out_dir}", flush=True)
+        return 130
     notes = sorted({n for by_c in points.values() for p in by_c.values() for n in p["notes"]})
     config = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v)
               for k, v in vars(args).items() if k != "func"}

@@ -1,0 +1,79 @@
+"""The gRPC client against a fake Generation service that streams several tokens per message
+(what speculative decoding does), and its error path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.bench.client import GrpcClient
+from pdserve.bench.workloads import BenchRequest
+from protos.pdserve.v1 import generate_pb2 as pb
+from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+GAP_S = 0.05
+
+
+class FakeGeneration(pb_grpc.GenerationServicer):
+    """One token, then three at once, then two at once, then the final message."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if request.sampling.max_tokens == 99:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens too large")
+        for ids in ([7], [8, 9, 10], [11, 12]):
+            yield pb.GenerateResponse(token_ids=ids)
+            await asyncio.sleep(GAP_S)
+        yield pb.GenerateResponse(usage=pb.Usage(prompt_tokens=3, completion_tokens=6),
+                                  finish_reason=pb.FINISH_REASON_LENGTH)
+
+    async def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id="fake", max_model_len=64)])
+
+
+async def with_server(body):
+    servicer = FakeGeneration()
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = GrpcClient(f"127.0.0.1:{port}")
+    try:
+        return await body(client), servicer
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+def test_multi_token_messages_give_one_itl_per_token():
+    async def body(client):
+        assert await client.model_id() == "fake"
+        return await client.send(BenchRequest(output_len=6, input_len=0,
+                                              prompt_ids=(1, 2, 3)))
+
+    r, servicer = asyncio.run(with_server(body))
+    assert r.is_success and (r.input_len, r.output_len) == (3, 6)
+    # 3 tokens a gap after the first: 3 entries of gap / 3; then 2 entries of gap / 2
+    assert len(r.itl) == 5
+    assert r.itl[0] == pytest.approx(r.itl[2]) and r.itl[3] == pytest.approx(r.itl[4])
+    assert sum(r.itl[:3]) == pytest.approx(GAP_S, abs=0.03)
+    assert r.latency == pytest.approx(r.ttft + sum(r.itl))
+    sent = servicer.requests[0]
+    assert list(sent.token_ids.ids) == [1, 2, 3]
+    assert sent.sampling.ignore_eos and sent.sampling.temperature == 0.0
+
+
+def test_an_rpc_error_is_a_failed_result():
+    async def body(client):
+        return await client.send(BenchRequest(output_len=99, input_len=0, messages=(
+            ("user", "hi"),)))
+
+    r, servicer = asyncio.run(with_server(body))
+    assert not r.is_success and not r.is_incomplete
+    assert r.error == "INVALID_ARGUMENT: max_tokens too large"
+    assert servicer.requests[0].chat.messages[0].content == "hi"
