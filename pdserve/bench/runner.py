@@ -1,7 +1,7 @@
 """The load loop: lanes of requests sent through a client, bounded in count and in time.
 
-A lane issues its requests in order, at Poisson arrival times (`request_rate` per second; inf:
-all at once), and at most `max_concurrency` of them run at a time: as in `vllm bench serve`, a
+A lane issues its requests in order, at the arrivals of a Poisson process that starts with the
+run (`request_rate` per second; inf: all at once), and at most `max_concurrency` of them run at a time: as in `vllm bench serve`, a
 request waits for a free slot before it is sent, and its clock starts when it is sent. A lane
 with `until` set (the mixed workload's decode streams) stops sending once `until` has finished
 and every slot has sent at least one request: those streams decode for as long as the other
@@ -75,7 +75,7 @@ async def run_lanes(send: Send, lanes: list[Lane], max_duration_s: float, seed: 
         async def issue(lane: Lane, items: list[_Issued]) -> None:
             slots = asyncio.Semaphore(lane.max_concurrency or max(1, len(items)))
             for i, item in enumerate(items):
-                if i and math.isfinite(lane.request_rate):
+                if math.isfinite(lane.request_rate):  # a Poisson process: even the first
                     await asyncio.sleep(rng.exponential(1.0 / lane.request_rate))
                 item.task = asyncio.create_task(one(lane, item, slots, i))
             await asyncio.gather(*(item.task for item in items if item.task))
