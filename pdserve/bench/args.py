@@ -23,7 +23,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     what.add_argument("--stack-args", default="", metavar="ARGS",
                       help="extra flags for both of our stacks, one string, e.g. "
-                           "\"--max-num-seqs 32\" (shlex-split)")
+                           "\"--max-num-seqs 32\" (shlex-split; one flag alone needs '=': "
+                           "--stack-args=--flag)")
     what.add_argument("--colocated-args", default="", metavar="ARGS",
                       help="extra flags for `pdserve gateway --colocated` only")
     what.add_argument("--disagg-args", default="", metavar="ARGS",
