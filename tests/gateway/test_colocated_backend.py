@@ -37,6 +37,7 @@ class FakeEngine:
         self.num_steps = 0
         self.aborted: list[str] = []
         self.fail = False
+        self.spec = None  # no speculative decoding
 
     def add_request(self, prompt, params, req_id):
         self.scheduler.requests[req_id] = [params, prompt, [], time.monotonic()]
