@@ -10,6 +10,7 @@ import grpc
 
 from decode_service.worker import DecodeWorker, LeaseNotReady
 from gateway.backend import BackendUnavailable
+from kv_transfer import LeaseEndedError, LeaseError, UnknownLeaseError
 from protos.convert import (
     FINISH_REASONS,
     logprob_from_proto,
@@ -80,6 +81,20 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def RenewLease(self, request: pb.RenewLeaseRequest, context):
+        if not 0 < request.lease_ttl_s <= MAX_LEASE_TTL_S:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S}], got "
+                                f"{request.lease_ttl_s}")
+        try:
+            remaining = self.worker.renew(request.request_id, request.lease_id,
+                                          request.lease_ttl_s)
+        except (UnknownLeaseError, LeaseEndedError) as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except LeaseError as e:  # the transfer has begun: its deadline stands
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.RenewLeaseResponse(remaining_s=remaining)
 
     async def Abort(self, request: pb.AbortRequestRequest, context):
         found = await self.worker.abort_anywhere(request.request_id,

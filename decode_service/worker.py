@@ -22,7 +22,7 @@ from engine_core.engine import LLMEngine
 from engine_core.sampling_params import SamplingParams
 from gateway.backend import GenerateChunk, GenerateInput
 from gateway.colocated import ColocatedBackend, _Stream
-from kv_transfer import Lease, LeaseState, LeaseTable
+from kv_transfer import Lease, LeaseState, LeaseTable, UnknownLeaseError
 
 logger = logging.getLogger(__name__)
 READY_POLL_S = 0.002
@@ -110,6 +110,15 @@ class DecodeWorker(ColocatedBackend):
         inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
         async for chunk in self.generate(inp):
             yield chunk
+
+    def renew(self, req_id: str, lease_id: str, ttl_s: float) -> float:
+        """Extend the RESERVED lease of a queued prompt; the seconds left after renewal.
+        LeaseError if the transfer has begun or the lease has ended (or is not req_id's)."""
+        res = self.reservations.get(req_id)
+        if res is None or res.lease_id != lease_id:
+            raise UnknownLeaseError(lease_id, f"no reservation of request {req_id!r} holds it")
+        lease = self.leases.renew(lease_id, ttl_s, required=LeaseState.RESERVED)
+        return lease.deadline - self.leases.now()
 
     async def abort_anywhere(self, req_id: str, reason: str) -> bool:
         res = self.reservations.pop(req_id, None)

@@ -21,7 +21,9 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
                       help="KV transport between the pools (auto: by locality)")
     mode.add_argument("--lease-ttl", type=float, default=30.0,
-                      help="seconds a decode worker holds reserved blocks awaiting KV")
+                      help="seconds a decode worker holds reserved blocks without news: "
+                           "renewed every third of it while the prompt is queued for prefill; "
+                           "the KV transfer gets this long from its start")
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

@@ -7,6 +7,8 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
                                           not sent again); RESOURCE_EXHAUSTED -> next D
       pick prefill P (shortest queue from here; equal queues: the prompt's first block picks
                                           one, so shared prefixes land on the same cache)
+      while P queues the prompt: D.RenewLease every lease_ttl / 3 (queues may be long; a
+                                          gateway that dies stops renewing, the lease expires)
       P.Prefill(prompt, lease, blocks) -> KV pushed layer by layer, committed, verified;
                                           the first token
       D.Decode(first token)            -> stream of chunks to the client
@@ -140,8 +142,11 @@ class DisaggregatedBackend:
             try:
                 w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
                 w.is_healthy = True
-            except grpc.RpcError:
-                w.is_healthy = False
+            except grpc.aio.AioRpcError as e:
+                # Status runs between two engine steps: a slow answer is a busy worker (a long
+                # prefill step), not a dead one; keep what we knew. Unreachable is unhealthy.
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.status is None:
+                    w.is_healthy = False
 
         await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
 
@@ -239,6 +244,7 @@ class DisaggregatedBackend:
         first = res.num_cached_tokens // self.block_size
         prefill = self._pick_prefill(inp.prompt_token_ids)
         prefill.in_flight += 1
+        renewer = asyncio.create_task(self._keep_reserved(decode, inp.req_id, res.lease_id))
         try:
             return await prefill.stub.Prefill(pb.PrefillRequest(
                 request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
@@ -246,7 +252,26 @@ class DisaggregatedBackend:
                                    dst_block_ids=res.block_ids[first:], first_block=first,
                                    transport=self.transport)), timeout=self._remaining(inp))
         finally:
+            renewer.cancel()
             prefill.in_flight -= 1
+
+    async def _keep_reserved(self, decode: Worker, req_id: str, lease_id: str) -> None:
+        """Renew the reservation's lease every third of its ttl while the prompt waits for a
+        prefill worker, however long the queue. Ends when the transfer begins (the deadline
+        then bounds it) or the lease has ended (the Prefill call reports why). Without this
+        gateway (crashed, partitioned) the lease expires within one ttl and frees the blocks."""
+        request = pb.RenewLeaseRequest(request_id=req_id, lease_id=lease_id,
+                                       lease_ttl_s=self.lease_ttl_s)
+        period = self.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await decode.stub.RenewLease(request, timeout=period)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    return
+                logger.warning("renewing the lease of %s on %s failed (%s): %s; retrying",
+                               req_id, decode.address, e.code().name, e.details())
 
     @staticmethod
     async def _abort_on(decode: Worker, req_id: str) -> None:

@@ -22,6 +22,10 @@ Invariants (check_integrity() asserts the ones that are state):
   before the deadline (session.py). Deadlines are therefore only ever extended.
 - No block belongs to two leases that still hold blocks.
 - A lease past its deadline is EXPIRED for every verb, whether or not expire_due() ran.
+  Deadlines follow progress: RESERVED gets ttl_s from open and from each renew() (the gateway
+  renews while the prompt is queued for prefill); begin() and every layer recorded give the
+  transfer ttl_s from then. So a lease expires after ttl_s without news, however long the
+  queue or the prefill step (the layers of one step arrive as it computes them).
   A COMPLETE lease gets a fresh deadline (claim_ttl_s) and expires too if never claimed.
 """
 
@@ -66,6 +70,7 @@ class Lease:
     req_id: str
     block_ids: tuple[int, ...]  # destination blocks, in the order the sender ships them
     deadline: float  # table clock (time.monotonic), seconds; expired when now >= deadline
+    ttl_s: float = 0.0  # as opened: each phase (queued, transferring) gets this long
     state: LeaseState = LeaseState.RESERVED
     transport: str = ""  # "grpc" | "shm" | "cuda_ipc" once a sender has begun
     is_one_sided: bool = False  # the sender writes into the pool directly (shm, cuda_ipc)
@@ -133,26 +138,33 @@ class LeaseTable:
             taken = {b: self._block_owner[b] for b in ids if b in self._block_owner}
             if taken:
                 raise ValueError(f"blocks already leased: {taken}")
-            lease = Lease(uuid.uuid4().hex, req_id, ids, self._clock() + ttl_s)
+            lease = Lease(uuid.uuid4().hex, req_id, ids, self._clock() + ttl_s, ttl_s)
             self._leases[lease.lease_id] = lease
             self._block_owner.update(dict.fromkeys(ids, lease.lease_id))
             self.num_opened += 1
             return lease
 
-    def renew(self, lease_id: str, ttl_s: float) -> Lease:
-        """Extend a live lease to at least now + ttl_s (deadlines never move earlier)."""
-        with self._transition(lease_id) as (lease, now):
+    def renew(self, lease_id: str, ttl_s: float,
+              required: LeaseState | None = None) -> Lease:
+        """Extend a live lease (in state `required`, if given) to at least now + ttl_s;
+        deadlines never move earlier. The gateway renews RESERVED leases while the prompt
+        waits in a prefill queue; once a sender has begun, the deadline bounds the transfer."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        with self._transition(lease_id, required) as (lease, now):
             return self._put(replace(lease, deadline=max(lease.deadline, now + ttl_s)))
 
     def begin(self, lease_id: str, block_ids: Sequence[int], transport: str,
               is_one_sided: bool) -> Lease:
-        """A sender arrives: RESERVED -> RECEIVING. Its destination blocks must be the lease's."""
-        with self._transition(lease_id, LeaseState.RESERVED) as (lease, _):
+        """A sender arrives: RESERVED -> RECEIVING. Its destination blocks must be the lease's.
+        The transfer gets the lease's full ttl from now (however long the queue was)."""
+        with self._transition(lease_id, LeaseState.RESERVED) as (lease, now):
             if tuple(block_ids) != lease.block_ids:
                 raise LeaseError(lease_id, f"destination blocks {list(block_ids)} are not the "
                                            f"lease's blocks {list(lease.block_ids)}")
             return self._put(replace(lease, state=LeaseState.RECEIVING, transport=transport,
-                                     is_one_sided=is_one_sided, is_writer_active=is_one_sided))
+                                     is_one_sided=is_one_sided, is_writer_active=is_one_sided,
+                                     deadline=max(lease.deadline, now + lease.ttl_s)))
 
     @contextmanager
     def writing(self, lease_id: str, block_ids: Sequence[int], nbytes: int) -> Iterator[Lease]:
@@ -168,12 +180,14 @@ class LeaseTable:
             self._put(replace(lease, num_bytes_received=lease.num_bytes_received + nbytes))
 
     def record_layer(self, lease_id: str, layer: int, crc32: int) -> Lease:
-        """One layer has fully arrived, with the sender's checksum of it."""
-        with self._transition(lease_id, LeaseState.RECEIVING) as (lease, _):
+        """One layer has fully arrived, with the sender's checksum of it. Progress: the lease
+        gets its ttl again from now (a transfer expires after ttl_s without a layer)."""
+        with self._transition(lease_id, LeaseState.RECEIVING) as (lease, now):
             if any(seen == layer for seen, _ in lease.layer_crc32):
                 raise LeaseError(lease_id, f"layer {layer} reported done twice")
             crcs = tuple(sorted((*lease.layer_crc32, (layer, crc32))))
-            return self._put(replace(lease, layer_crc32=crcs))
+            return self._put(replace(lease, layer_crc32=crcs,
+                                     deadline=max(lease.deadline, now + lease.ttl_s)))
 
     def start_verify(self, lease_id: str) -> Lease:
         """The sender committed (so it writes no more): RECEIVING -> VERIFYING."""

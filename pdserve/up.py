@@ -41,6 +41,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per worker")
     p.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     p.add_argument("--no-pin", action="store_true", help="do not pin pools to CPU cores")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds reserved decode blocks wait without news (see pdserve gateway)")
     add_speculative_arguments(p)  # passed to the decode workers
 
 
@@ -160,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         gateway = _spawn("gateway", [
             "gateway", "--prefill", *prefill, "--decode", *decode, "--transport",
             args.transport, "--host", args.host, "--port", str(args.port), "--http-port",
-            str(args.http_port), *common], None)
+            str(args.http_port), "--lease-ttl", str(args.lease_ttl), *common], None)
         children.insert(0, gateway)
         line = _wait_ready(gateway, "pdserve gateway:", deadline)
         print(f"pdserve up: ready. {line.removeprefix('pdserve gateway: ').strip()}\n"

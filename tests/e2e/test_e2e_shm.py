@@ -7,7 +7,9 @@ handshake by a bfloat16 decode worker."""
 from __future__ import annotations
 
 import re
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
@@ -44,6 +46,8 @@ from tests.helpers import (
 pytestmark = pytest.mark.slow
 
 ENDLESS = greedy(500, ignore_eos=True)  # a stream long enough to be cut in the middle
+# the gateway's lease ttl: short, so that prompts queued for prefill outlive it (renewed)
+LEASE_TTL_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def bf16_decode():
 @pytest.fixture(scope="module")
 def stack(stack_factory, bf16_decode):  # the bf16 worker loads alongside the stack
     start, stop = stack_factory
-    s = start("--transport", "shm")
+    s = start("--transport", "shm", "--lease-ttl", str(LEASE_TTL_S))
     assert (len(s.prefill), len(s.decode)) == (1, 1)
     yield s
     stop(s)
@@ -227,7 +231,65 @@ def test_deadline_exceeded_frees_both_pools(stack, stub, prompt, timeout_s, mid_
     assert msgs[-1].usage.completion_tokens == 2
 
 
-# -- 5. a KV layout mismatch is refused at handshake ---------------------------------------------
+# -- 5. leases of queued prompts are renewed; a transfer's deadline stands --------------------
+def test_burst_queued_longer_than_the_lease_ttl_completes(stack, stub, ref):
+    """32 prompts at once into one prefill worker: the last ones wait in its queue for several
+    lease ttls while their decode blocks stay reserved (the gateway renews the leases); every
+    request completes with the offline engine's greedy output and both pools end full."""
+    # ~110 tokens each, distinct first blocks: 3.5k tokens to prefill on one core, and 7 KV
+    # blocks each, so that all 32 fit the decode worker's pool (0.25 GB: 364 blocks) at once
+    prompts = [f"Note {i}: {LONG * 2}" for i in range(32)]
+
+    def one(prompt: str) -> list[pb.GenerateResponse]:
+        return run(stub, pb.GenerateRequest(text=prompt, sampling=greedy(4)), timeout=300)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, prompts))
+    queue_s = [msgs[-1].timing.queue_s for msgs in results]
+    assert max(queue_s) > LEASE_TTL_S, f"the burst did not queue long enough: {queue_s}"
+    for i in (0, len(prompts) - 1):  # the first and the (probably) longest-queued one
+        assert out_ids(results[i]) == ref.generate(prompts[i], 4).outputs[0].token_ids
+    assert all(m[-1].usage.completion_tokens == 4 for m in results)
+    stack.wait_idle()
+
+
+def test_renew_lease_rpc(stack, ref):
+    """Decode.RenewLease keeps a RESERVED lease past its ttl; the prefill that then arrives
+    gets the full ttl for its transfer; renewing a claimed or a stranger's lease is NOT_FOUND,
+    a ttl out of bounds INVALID_ARGUMENT naming lease_ttl_s."""
+    decode, prefill = stack.decode_stub(stack.decode[0]), stack.prefill_stub(stack.prefill[0])
+    ids = ref.tokenizer.encode(PROMPTS["code"])
+    rid = f"renew-{uuid.uuid4().hex}"
+    res = decode.Reserve(wpb.ReserveRequest(request_id=rid, prompt_token_ids=ids,
+                                            sampling=greedy(N), lease_ttl_s=1.0), timeout=10)
+    renew = wpb.RenewLeaseRequest(request_id=rid, lease_id=res.lease_id, lease_ttl_s=1.0)
+    for _ in range(6):  # 1.8 s: the 1 s lease outlived
+        time.sleep(0.3)
+        assert 0.5 < decode.RenewLease(renew, timeout=10).remaining_s <= 1.0
+    with pytest.raises(grpc.RpcError) as info:
+        decode.RenewLease(wpb.RenewLeaseRequest(request_id="someone-else", lease_id=res.lease_id,
+                                                lease_ttl_s=1.0), timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
+    for ttl in (0.0, 1e6):
+        with pytest.raises(grpc.RpcError) as info:
+            decode.RenewLease(wpb.RenewLeaseRequest(request_id=rid, lease_id=res.lease_id,
+                                                    lease_ttl_s=ttl), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lease_ttl_s" in info.value.details()
+    first = prefill.Prefill(wpb.PrefillRequest(
+        request_id=rid, prompt_token_ids=ids, sampling=greedy(N),
+        target=wpb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
+                            dst_block_ids=res.block_ids, first_block=0, transport="shm")),
+        timeout=60)
+    got = [t for m in decode.Decode(wpb.DecodeRequest(
+        request_id=rid, first_token_id=first.first_token_id), timeout=60) for t in m.token_ids]
+    assert got == ref.generate(PROMPTS["code"], N).outputs[0].token_ids
+    with pytest.raises(grpc.RpcError) as info:
+        decode.RenewLease(renew, timeout=10)  # claimed by the decode: nothing left to renew
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
+
+
+# -- 6. a KV layout mismatch is refused at handshake ---------------------------------------------
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_layout_mismatch_refused_at_handshake(stack, bf16_decode, ref, transport):
     """The stack's float32 prefill worker is asked to ship KV into a bfloat16 decode worker's

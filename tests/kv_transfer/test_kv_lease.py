@@ -131,6 +131,32 @@ def test_renew_only_extends(table, clock):
     assert table.renew(lease.lease_id, 1).deadline == clock.now + 30
 
 
+def test_renew_keeps_a_queued_lease_alive_but_not_a_stalled_transfer(table, clock, released):
+    """A RESERVED lease renewed before each deadline outlives its ttl many times over; once a
+    sender has begun, renewal restricted to RESERVED is refused and the deadline stands."""
+    lease = table.open("r1", [1, 2], ttl_s=10)
+    for _ in range(5):  # 45 s in the prefill queue, renewed every 9 s
+        clock.now += 9
+        table.renew(lease.lease_id, 10, required=LeaseState.RESERVED)
+    assert table.expire_due() == [] and table.get(lease.lease_id).state is LeaseState.RESERVED
+    clock.now += 9  # the transfer begins 1 s before the renewed deadline: it gets a full ttl
+    table.begin(lease.lease_id, [1, 2], "grpc", False)
+    assert table.get(lease.lease_id).deadline == clock.now + 10
+    with pytest.raises(LeaseError, match="needs RESERVED"):
+        table.renew(lease.lease_id, 10, required=LeaseState.RESERVED)
+    for layer in range(3):  # a long prefill step: each layer arrives 9 s after the previous
+        clock.now += 9
+        assert table.record_layer(lease.lease_id, layer, 1).deadline == clock.now + 10
+    clock.now += 10  # then the transfer stalls for a ttl
+    assert [x.state for x in table.expire_due()] == [LeaseState.EXPIRED]
+    assert released[0][1] is LeaseState.EXPIRED and table.num_blocks_held == 0
+    with pytest.raises(LeaseEndedError, match="EXPIRED"):
+        table.renew(lease.lease_id, 10)
+    with pytest.raises(ValueError, match="ttl_s"):
+        table.renew(table.open("r2", [3], ttl_s=1).lease_id, 0)
+    table.check_integrity()
+
+
 def test_writing_checks_blocks_and_counts_bytes(table):
     lease = table.open("r1", [1, 2, 3], ttl_s=10)
     with pytest.raises(LeaseError, match="needs RECEIVING"), table.writing(lease.lease_id, [1], 8):

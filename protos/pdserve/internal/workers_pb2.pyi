@@ -77,6 +77,22 @@ class ReserveResponse(_message.Message):
     transfer_address: str
     def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
 
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id", "lease_ttl_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    lease_ttl_s: float
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("remaining_s",)
+    REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    remaining_s: float
+    def __init__(self, remaining_s: _Optional[float] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "ready_timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -162,6 +162,11 @@ class DecodeStub:
                 request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/pdserve.internal.Decode/RenewLease',
+                request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.internal.Decode/Abort',
                 request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.AbortRequestRequest.SerializeToString,
@@ -193,6 +198,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Extend a reservation's lease while its prompt waits in a prefill queue (state RESERVED
+        only: once a sender has begun, the deadline bounds the transfer). FAILED_PRECONDITION if
+        the transfer has begun, NOT_FOUND if the lease has ended or never existed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """End a request wherever it is (reserved, receiving or decoding); frees its blocks.
         """
@@ -218,6 +232,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -284,6 +303,33 @@ class Decode:
             '/pdserve.internal.Decode/Decode',
             protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeRequest.SerializeToString,
             protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.Decode/RenewLease',
+            protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseRequest.SerializeToString,
+            protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
