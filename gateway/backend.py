@@ -44,6 +44,11 @@ class BackendUnavailable(RuntimeError):
     """The backend cannot serve the request (closed, failed, or no worker left)."""
 
 
+class Overloaded(RuntimeError):
+    """The request was not admitted: queues are full or capacity did not free up in time
+    (RESOURCE_EXHAUSTED, HTTP 429). The message says which bound."""
+
+
 class DeadlineExceeded(TimeoutError):
     """The request's deadline passed before it finished; it was aborted."""
 

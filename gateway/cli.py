@@ -24,6 +24,11 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                       help="seconds a decode worker holds reserved blocks without news: "
                            "renewed every third of it while the prompt is queued for prefill; "
                            "the KV transfer gets this long from its start")
+    mode.add_argument("--max-waiting", type=int, default=1024,
+                      help="requests that may wait at once for a decode worker with room; "
+                           "more get RESOURCE_EXHAUSTED (HTTP 429)")
+    mode.add_argument("--max-queue-wait", type=float, default=300.0,
+                      help="seconds a request may wait for a decode worker with room")
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

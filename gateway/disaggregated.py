@@ -4,7 +4,8 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
     generate(inp):
       pick decode D (fewest requests in flight from here, then most free KV blocks)
       D.Reserve(prompt)                -> lease + destination blocks (a prefix D caches is
-                                          not sent again); RESOURCE_EXHAUSTED -> next D
+                                          not sent again); RESOURCE_EXHAUSTED -> next D;
+                                          all full -> wait for a request to end (bounded)
       pick prefill P (shortest queue from here; equal queues: the prompt's first block picks
                                           one, so shared prefixes land on the same cache)
       while P queues the prompt: D.RenewLease every lease_ttl / 3 (queues may be long; a
@@ -41,6 +42,7 @@ from gateway.backend import (
     GenerateChunk,
     GenerateInput,
     ModelInfo,
+    Overloaded,
     Timing,
 )
 from gateway.discovery import Discovery
@@ -71,8 +73,18 @@ class Worker:
 
 class DisaggregatedBackend:
     def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
-                 lease_ttl_s: float = 30.0, model_name: str | None = None) -> None:
+                 lease_ttl_s: float = 30.0, model_name: str | None = None,
+                 max_waiting: int = 1024, max_queue_wait_s: float = 300.0) -> None:
         self.discovery = discovery
+        # admission: requests no decode worker has room for wait here (at most max_waiting at
+        # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED
+        if max_waiting < 0 or max_queue_wait_s < 0:
+            raise ValueError(f"max_waiting and max_queue_wait_s must be >= 0, got "
+                             f"{max_waiting} and {max_queue_wait_s}")
+        self.max_waiting = max_waiting
+        self.max_queue_wait_s = max_queue_wait_s
+        self.num_admission_waiting = 0
+        self._freed = asyncio.Event()  # replaced each time a request ends here
         self.tokenizer = tokenizer
         self.transport = transport
         self.lease_ttl_s = lease_ttl_s
@@ -169,9 +181,8 @@ class DisaggregatedBackend:
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
         if inp.req_id in self._running:
             raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
-        timeout = None if inp.deadline is None else max(0.0, inp.deadline - time.monotonic())
         sampling = sampling_to_proto(inp.params)
-        decode, reservation = await self._reserve(inp, sampling, timeout)  # counted in flight
+        decode, reservation = await self._admit(inp, sampling)  # counted in flight
         self._running[inp.req_id] = decode
         is_done = False
         try:
@@ -209,11 +220,46 @@ class DisaggregatedBackend:
             self._running.pop(inp.req_id, None)
             if not is_done:  # cancelled, deadline, or a failure: free it on the decode worker
                 await self._abort_on(decode, inp.req_id)
+            self._freed.set()  # wake the requests waiting for decode capacity
+            self._freed = asyncio.Event()
 
-    async def _reserve(self, inp: GenerateInput, sampling, timeout):
+    async def _admit(self, inp: GenerateInput, sampling) -> tuple[Worker, pb.ReserveResponse]:
+        """Reserve on a decode worker, waiting while every worker is full: woken when a
+        request ends here, retried every REFRESH_S (other gateways' requests end unheard).
+        At most max_waiting requests wait at once, each at most max_queue_wait_s."""
+        got = await self._reserve(inp, sampling, self._remaining(inp))
+        if got is not None:
+            return got
+        if self.num_admission_waiting >= self.max_waiting:
+            raise Overloaded(f"every decode worker is full and {self.max_waiting} requests "
+                             f"already wait for one (max_waiting)")
+        self.num_admission_waiting += 1
+        try:
+            give_up = time.monotonic() + self.max_queue_wait_s
+            while got is None:
+                now = time.monotonic()
+                if inp.deadline is not None and now >= inp.deadline:
+                    raise DeadlineExceeded(f"request {inp.req_id!r} passed its deadline "
+                                           f"waiting for a decode worker with room")
+                if now >= give_up:
+                    raise Overloaded(f"no decode worker had room within "
+                                     f"{self.max_queue_wait_s} s (max_queue_wait_s)")
+                wait = min(REFRESH_S, give_up - now, *(
+                    () if inp.deadline is None else (inp.deadline - now,)))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), timeout=wait)
+                got = await self._reserve(inp, sampling, self._remaining(inp))
+            return got
+        finally:
+            self.num_admission_waiting -= 1
+
+    async def _reserve(self, inp: GenerateInput, sampling,
+                       timeout) -> tuple[Worker, pb.ReserveResponse] | None:
+        """Reserve on the first decode worker (in routing order) with room; None when every
+        worker answered RESOURCE_EXHAUSTED; BackendUnavailable when none answered."""
         request = pb.ReserveRequest(request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids,
                                     sampling=sampling, lease_ttl_s=self.lease_ttl_s)
-        last_error = None
+        last_error, any_full = None, False
         for decode in self._decode_order():
             # in flight from the pick on, so that a burst of requests spreads over the workers
             decode.in_flight += 1
@@ -226,6 +272,7 @@ class DisaggregatedBackend:
                 if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                     last_error = e
                     decode.is_healthy = e.code() != grpc.StatusCode.UNAVAILABLE
+                    any_full |= decode.is_healthy
                     continue
                 if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                     await self._abort_on(decode, inp.req_id)  # it may have reserved in time
@@ -236,8 +283,10 @@ class DisaggregatedBackend:
             finally:
                 if not is_reserved:
                     decode.in_flight -= 1
+        if any_full:
+            return None
         raise BackendUnavailable(f"no decode worker can take the request now: "
-                                 f"{last_error.details() if last_error else 'none'}")
+                                 f"{last_error.details() if last_error else 'none known'}")
 
     async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
                        res: pb.ReserveResponse) -> pb.PrefillResponse:
@@ -310,7 +359,8 @@ class DisaggregatedBackend:
                 w.is_healthy for w in self.prefill):
             raise BackendUnavailable("no healthy prefill or decode worker")
         pools = {"prefill": self.prefill, "decode": self.decode}
-        out: dict[str, Any] = {"mode": "disaggregated", "num_streams": len(self._running)}
+        out: dict[str, Any] = {"mode": "disaggregated", "num_streams": len(self._running),
+                               "num_admission_waiting": self.num_admission_waiting}
         for key in ("num_running", "num_waiting", "num_free_blocks", "num_blocks"):
             out[key] = sum(getattr(w.status, key) for ws in pools.values() for w in ws
                            if w.status is not None)

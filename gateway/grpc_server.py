@@ -6,6 +6,7 @@ deeper knows about gRPC:
     ValidationError -> INVALID_ARGUMENT (trailing metadata `pdserve-invalid-field` names it)
     DuplicateRequestError -> ALREADY_EXISTS     BackendUnavailable -> UNAVAILABLE
     DeadlineExceeded -> DEADLINE_EXCEEDED       client cancel -> the request is aborted
+    Overloaded -> RESOURCE_EXHAUSTED
 
 Requests are registered with a raw-bytes deserializer and parsed here: grpcio would otherwise
 reject invalid UTF-8 in a `string` field with UNKNOWN before any handler runs; parsing
@@ -32,6 +33,7 @@ from gateway.backend import (
     DeadlineExceeded,
     DuplicateRequestError,
     GenerateChunk,
+    Overloaded,
 )
 from gateway.validation import ValidationError
 from protos.pdserve.v1 import generate_pb2 as pb
@@ -84,6 +86,8 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except BackendUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -21,7 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import openai_protocol as oai
-from gateway.backend import Backend, BackendUnavailable, DeadlineExceeded, GenerateChunk
+from gateway.backend import (
+    Backend,
+    BackendUnavailable,
+    DeadlineExceeded,
+    GenerateChunk,
+    Overloaded,
+)
 from gateway.validation import UnknownModelError, ValidationError
 
 MAX_BODY_BYTES = 4 << 20  # larger request bodies are refused with 400
@@ -44,6 +50,8 @@ def _backend_error(e: Exception) -> JSONResponse:
         return error(503, str(e), kind="service_unavailable")
     if isinstance(e, DeadlineExceeded):
         return error(504, str(e), kind="timeout")
+    if isinstance(e, Overloaded):
+        return error(429, str(e), kind="rate_limit_exceeded")
     return error(400, str(e))  # a ValueError from the backend: bad input validation let by
 
 
@@ -120,7 +128,7 @@ def build_app(backend: Backend, is_serving: Callable[[], bool]) -> FastAPI:
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             return await _collect(backend, req, gen)
-        except (ValueError, BackendUnavailable, DeadlineExceeded) as e:
+        except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
             gen.close()
             return _backend_error(e)
         except BaseException:
@@ -193,7 +201,7 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
                     yield _event({**obj, "choices": [], "usage": oai.usage(chunk), "timing": None})
             chunk = None if chunk.is_last else await anext(chunks, None)
         yield "data: [DONE]\n\n"
-    except (ValueError, BackendUnavailable, DeadlineExceeded) as e:
+    except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
         body = json.loads(_backend_error(e).body)
         yield _event(body)
     finally:

@@ -102,7 +102,9 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
 
     async def create() -> Backend:
         backend = DisaggregatedBackend(StaticDiscovery(args.prefill, args.decode), tokenizer,
-                                       args.transport, args.lease_ttl, model_name=source.name)
+                                       args.transport, args.lease_ttl, model_name=source.name,
+                                       max_waiting=args.max_waiting,
+                                       max_queue_wait_s=args.max_queue_wait)
         await backend.start(max_len, config.vocab_size)
         return backend
 

@@ -43,6 +43,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pin", action="store_true", help="do not pin pools to CPU cores")
     p.add_argument("--lease-ttl", type=float, default=30.0,
                    help="seconds reserved decode blocks wait without news (see pdserve gateway)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests waiting at once for decode room (see pdserve gateway)")
+    p.add_argument("--max-queue-wait", type=float, default=300.0,
+                   help="seconds a request may wait for decode room (see pdserve gateway)")
     add_speculative_arguments(p)  # passed to the decode workers
 
 
@@ -162,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
         gateway = _spawn("gateway", [
             "gateway", "--prefill", *prefill, "--decode", *decode, "--transport",
             args.transport, "--host", args.host, "--port", str(args.port), "--http-port",
-            str(args.http_port), "--lease-ttl", str(args.lease_ttl), *common], None)
+            str(args.http_port), "--lease-ttl", str(args.lease_ttl),
+            "--max-waiting", str(args.max_waiting), "--max-queue-wait", str(args.max_queue_wait),
+            *common], None)
         children.insert(0, gateway)
         line = _wait_ready(gateway, "pdserve gateway:", deadline)
         print(f"pdserve up: ready. {line.removeprefix('pdserve gateway: ').strip()}\n"

@@ -18,12 +18,14 @@ import pytest
 from protos.pdserve.internal import workers_pb2 as wpb
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.e2e.stack import (
+    BLOCK_SIZE,
     CONV,
     LONG,
     MODEL,
     PROMPTS,
     STARTUP_TIMEOUT_S,
     N,
+    Stack,
     check_greedy_chat,
     check_greedy_text,
     check_repeat_hits_decode_cache,
@@ -48,6 +50,9 @@ pytestmark = pytest.mark.slow
 ENDLESS = greedy(500, ignore_eos=True)  # a stream long enough to be cut in the middle
 # the gateway's lease ttl: short, so that prompts queued for prefill outlive it (renewed)
 LEASE_TTL_S = 3.0
+# the gateway's admission bounds while the decode pool is full
+MAX_WAITING = 4
+MAX_QUEUE_WAIT_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,8 @@ def bf16_decode():
 @pytest.fixture(scope="module")
 def stack(stack_factory, bf16_decode):  # the bf16 worker loads alongside the stack
     start, stop = stack_factory
-    s = start("--transport", "shm", "--lease-ttl", str(LEASE_TTL_S))
+    s = start("--transport", "shm", "--lease-ttl", str(LEASE_TTL_S), "--max-waiting",
+              str(MAX_WAITING), "--max-queue-wait", str(MAX_QUEUE_WAIT_S))
     assert (len(s.prefill), len(s.decode)) == (1, 1)
     yield s
     stop(s)
@@ -289,7 +295,57 @@ def test_renew_lease_rpc(stack, ref):
     assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
 
 
-# -- 6. a KV layout mismatch is refused at handshake ---------------------------------------------
+# -- 6. a full decode pool: requests wait at the gateway, within bounds -------------------------
+def _fill_decode_pool(stack: Stack, ids_per_block: int) -> str:
+    """Reserve all but 2 free blocks of the decode worker (a prompt whose KV never comes):
+    the reservation's request id."""
+    decode = stack.decode_stub(stack.decode[0])
+    free = decode.Status(wpb.StatusRequest(), timeout=10).num_free_blocks
+    rid = f"filler-{uuid.uuid4().hex}"
+    decode.Reserve(wpb.ReserveRequest(request_id=rid,
+                                      prompt_token_ids=[ids_per_block] * (free - 2) * BLOCK_SIZE,
+                                      sampling=greedy(1), lease_ttl_s=120), timeout=10)
+    return rid
+
+
+def test_full_decode_pool_requests_wait_then_complete(stack, stub, ref):
+    """While the decode pool is full, requests wait at the gateway (up to max_waiting of them;
+    one more gets RESOURCE_EXHAUSTED naming the bound) and complete with the offline greedy
+    output once room frees; a deadline passes while waiting -> DEADLINE_EXCEEDED; no room
+    within max_queue_wait -> RESOURCE_EXHAUSTED naming it. Both pools end full."""
+    decode = stack.decode_stub(stack.decode[0])
+    filler = _fill_decode_pool(stack, 42)
+    prompt = PROMPTS["long"]  # 4 blocks + output: more than the 2 left
+    with ThreadPoolExecutor(MAX_WAITING) as pool:
+        waiting = [pool.submit(run, stub, pb.GenerateRequest(text=prompt, sampling=greedy(N)))
+                   for _ in range(MAX_WAITING)]
+        wait_until(lambda: stack.gateway_status()["num_admission_waiting"] == MAX_WAITING, 30,
+                   "requests waiting for decode room")
+        with pytest.raises(grpc.RpcError) as info:
+            run(stub, pb.GenerateRequest(text=prompt, sampling=greedy(N)), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        assert "max_waiting" in info.value.details()
+        assert not any(f.done() for f in waiting)
+        decode.Abort(wpb.AbortRequestRequest(request_id=filler, reason="room"), timeout=10)
+        expected = ref.generate(prompt, N).outputs[0].token_ids
+        assert [out_ids(f.result(timeout=120)) for f in waiting] == [expected] * MAX_WAITING
+    filler = _fill_decode_pool(stack, 43)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            run(stub, pb.GenerateRequest(text=prompt, sampling=greedy(N)), timeout=1.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            run(stub, pb.GenerateRequest(text=prompt, sampling=greedy(N)), timeout=60)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        assert "max_queue_wait_s" in info.value.details()
+        assert time.monotonic() - t0 >= MAX_QUEUE_WAIT_S
+        assert stack.gateway_status()["num_admission_waiting"] == 0
+    finally:
+        decode.Abort(wpb.AbortRequestRequest(request_id=filler, reason="done"), timeout=10)
+
+
+# -- 7. a KV layout mismatch is refused at handshake ---------------------------------------------
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_layout_mismatch_refused_at_handshake(stack, bf16_decode, ref, transport):
     """The stack's float32 prefill worker is asked to ship KV into a bfloat16 decode worker's
