@@ -30,6 +30,7 @@ from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.spec_decode import SpecDecoder, build_spec_decoder
+from engine_core.stats import EngineStats
 from engine_core.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class LLMEngine:
             build_spec_decoder(speculative_config, self) if speculative_config else None
         )
         self.text_states: dict[str, RequestTextState] = {}
+        self.stats = EngineStats()  # read by metrics exporters
         self._ids = itertools.count()
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,
                     self.dtype, num_blocks, cache_config.block_size)
@@ -196,6 +198,8 @@ class LLMEngine:
         if sampler_out is not None and sampler_out[1].sampled_logprobs is not None:
             self._record_logprobs(out, *sampler_out)
         advanced = self.scheduler.update_from_output(out, sampled)
+        self.stats.add_step(out.total_num_tokens, sum(out.num_scheduled_tokens[out.num_decodes:]),
+                            sum(map(len, sampled)))
         return self._emit(advanced, time.monotonic())
 
     def _on_scheduled(self, out, block_ids: list[list[int]]) -> None:

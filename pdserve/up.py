@@ -55,6 +55,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     address: str | None = None
+    metrics_url: str | None = None  # its Prometheus /metrics (workers; printed at start)
     lines: queue.Queue = field(default_factory=queue.Queue)
 
 
@@ -96,6 +97,8 @@ def _wait_ready(child: Child, marker: str, deadline: float) -> str:
         if line is None:
             raise RuntimeError(f"{child.name} exited with code {child.proc.wait()} before "
                                f"it was ready (its output is above)")
+        if line.startswith("METRICS "):
+            child.metrics_url = line.split()[2]
         if line.startswith(marker):
             return line
 
@@ -149,13 +152,14 @@ def run(args: argparse.Namespace) -> int:
     is_stopped = False
     try:
         for i in range(args.prefill):
-            workers.append(_spawn(f"prefill-{i}", ["prefill", "--port", "0", *kv, *common],
-                                  pre_cores))
+            workers.append(_spawn(f"prefill-{i}", ["prefill", "--port", "0", "--metrics-port",
+                                                   "0", *kv, *common], pre_cores))
             children.append(workers[-1])
         transports = "grpc" if args.transport == "grpc" else "grpc,shm"
         for i in range(args.decode):
             workers.append(_spawn(f"decode-{i}", [
-                "decode", "--port", "0", "--transports", transports, "--max-num-seqs",
+                "decode", "--port", "0", "--metrics-port", "0", "--transports", transports,
+                "--max-num-seqs",
                 str(args.max_num_seqs), *kv, *speculative_argv(args), *common], dec_cores))
             children.append(workers[-1])
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -171,8 +175,11 @@ def run(args: argparse.Namespace) -> int:
             *common], None)
         children.insert(0, gateway)
         line = _wait_ready(gateway, "pdserve gateway:", deadline)
+        http_url = line.split("HTTP ")[1].split()[0]
+        metrics = [f"{http_url}/metrics"] + [w.metrics_url or "?" for w in workers]
         print(f"pdserve up: ready. {line.removeprefix('pdserve gateway: ').strip()}\n"
               f"  prefill workers: {' '.join(prefill)}\n  decode workers:  {' '.join(decode)}\n"
+              f"  metrics: {' '.join(metrics)}\n"
               f"  try: pdserve generate --chat \"What is the capital of France?\"", flush=True)
         while not stopping.is_set():
             dead = [c for c in children if c.proc.poll() is not None]

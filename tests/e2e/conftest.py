@@ -34,6 +34,16 @@ def stack_factory(request):
 
 
 @pytest.fixture(scope="session")
+def spec_stack(stack_factory) -> Stack:
+    """A `pdserve up --speculative ngram` stack (1 prefill + 1 decode over shm), shared by the
+    speculative decoding and the metrics modules."""
+    start, stop = stack_factory
+    s = start("--transport", "shm", "--speculative", "ngram", "--num-speculative-tokens", "4")
+    yield s
+    stop(s)
+
+
+@pytest.fixture(scope="session")
 def ref(offline) -> References:
     return References(offline)
 

@@ -42,7 +42,8 @@ IDLE_TIMEOUT_S = 20
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16  # the default KV block size (tokens)
 UP_READY = re.compile(r"pdserve up: ready\. gRPC (\S+)\s+HTTP (\S+).*\n"
-                      r"\s*prefill workers: (.+)\n\s*decode workers: (.+)\n")
+                      r"\s*prefill workers: (.+)\n\s*decode workers: (.+)\n"
+                      r"\s*metrics: (.+)\n")
 
 
 def _stub(address: str, cls):
@@ -58,6 +59,7 @@ class Stack:
     http_url: str
     prefill: list[str]  # worker addresses, as `pdserve up` printed them
     decode: list[str]
+    metrics: list[str]  # /metrics URLs: the gateway's, then each worker's (prefill first)
     _channels: list[grpc.Channel] = field(default_factory=list, repr=False)
     _stubs: dict = field(default_factory=dict, repr=False)
 
@@ -137,7 +139,8 @@ def wait_stack(proc: subprocess.Popen, log: Path) -> Stack:
         if proc.poll() is None:
             kill_tree(proc)
         raise
-    return Stack(proc, log, m.group(1), m.group(2), m.group(3).split(), m.group(4).split())
+    return Stack(proc, log, m.group(1), m.group(2), m.group(3).split(), m.group(4).split(),
+                 m.group(5).split())
 
 
 def stop_stack(stack: Stack) -> int:

@@ -17,11 +17,8 @@ COPY = ("Repeat the list exactly: apples, pears, plums, cherries, grapes, lemons
 
 
 @pytest.fixture(scope="module")
-def stack(stack_factory):
-    start, stop = stack_factory
-    s = start("--transport", "shm", "--speculative", "ngram", "--num-speculative-tokens", "4")
-    yield s
-    stop(s)
+def stack(spec_stack):
+    return spec_stack
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))

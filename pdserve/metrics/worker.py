@@ -1,0 +1,156 @@
+"""A prefill or decode worker's metrics, served on its --metrics-port at /metrics.
+
+Pool state (running, waiting, reserved, KV usage) and the engine's counters (prefix cache,
+preemptions, iteration sizes, speculative acceptance, lease outcomes) are read from the engine
+at scrape time, from the HTTP server's thread: plain integer reads of state the engine thread
+updates, each consistent on its own (a scrape may see two counters one step apart). KV
+transfers are observed by the prefill worker as each one commits or fails.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from engine_core.stats import ITERATION_TOKENS_BUCKETS
+from pdserve.metrics.gpu import GPUCollector
+from pdserve.metrics.names import KV_TRANSFER_BYTES_BUCKETS, KV_TRANSFER_TIME_BUCKETS, PREFIX
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCollector:
+    """Gauges and counters of one engine (and, on a decode worker, its lease table)."""
+
+    def __init__(self, pool: str, model_name: str, engine, lease_table=None) -> None:
+        self.labels = [model_name, pool]
+        self.engine = engine
+        self.leases = lease_table
+
+    def _family(self, cls, name: str, doc: str, value, extra: dict[str, str] | None = None):
+        extra = extra or {}
+        family = cls(PREFIX + name, doc, labels=["model_name", "pool", *extra])
+        family.add_metric([*self.labels, *extra.values()], value)
+        return family
+
+    def collect(self):
+        eng, g, c = self.engine, GaugeMetricFamily, CounterMetricFamily
+        sched, kv = eng.scheduler, eng.kv
+        block_size = eng.layout.block_size
+        yield self._family(g, "num_requests_running", "Requests in the running batch.",
+                           sched.num_running)
+        yield self._family(g, "num_requests_waiting", "Requests queued for their first step.",
+                           sched.num_waiting)
+        yield self._family(g, "num_requests_reserved", "Requests holding reserved blocks while "
+                           "their prompt KV is in flight (decode workers).", len(sched.reserved))
+        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use, 0-1.",
+                           kv.usage)
+        yield self._family(g, "cache_config_info", "KV cache configuration (value 1).", 1,
+                           {"block_size": str(block_size), "num_blocks": str(kv.pool.num_blocks),
+                            "cache_dtype": str(eng.layout.dtype).removeprefix("torch.")})
+        yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                           "cache (whole blocks).", kv.pool.num_cache_queries * block_size)
+        yield self._family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                           kv.pool.num_cache_hits * block_size)
+        yield self._family(c, "num_preemptions", "Requests preempted (KV recomputed later).",
+                           sched.num_preemptions)
+        yield from self._iterations()
+        if eng.spec is not None:
+            yield from self._speculative(eng.spec.stats)
+        if self.leases is not None:
+            yield self._family(g, "kv_leases_active", "Leases holding reserved blocks.",
+                               len(self.leases.leases()))
+            ended = c(PREFIX + "kv_leases_ended", "Leases ended, by final state (CLAIMED: "
+                      "decoded; FAILED, ABORTED, EXPIRED: blocks freed).",
+                      labels=["model_name", "pool", "state"])
+            counts = self.leases.num_ended
+            for state in ("CLAIMED", "FAILED", "ABORTED", "EXPIRED"):
+                ended.add_metric([*self.labels, state], counts.get(state, 0))
+            yield ended
+
+    def _iterations(self):
+        stats = self.engine.stats
+        counts = list(stats.iteration_tokens_counts)
+        buckets, total = [], 0
+        for edge, n in zip([*map(str, ITERATION_TOKENS_BUCKETS), "+Inf"], counts, strict=True):
+            total += n
+            buckets.append((edge, total))
+        h = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens computed per "
+                                  "engine step.", labels=["model_name", "pool"])
+        h.add_metric(self.labels, buckets, stats.iteration_tokens_sum)
+        yield h
+        for name, doc, value in (
+                ("engine_prompt_tokens", "Prompt tokens computed by this engine.",
+                 stats.num_prompt_tokens),
+                ("engine_generation_tokens", "Tokens sampled by this engine.",
+                 stats.num_generation_tokens)):
+            yield self._family(CounterMetricFamily, name, doc, value)
+
+    def _speculative(self, spec):
+        c = CounterMetricFamily
+        drafts, accepted = list(spec.num_drafts), list(spec.num_accepted)
+        yield self._family(c, "spec_decode_num_drafts", "Request-steps verified with drafts.",
+                           spec.num_steps)
+        yield self._family(c, "spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                           sum(drafts))
+        yield self._family(c, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                           sum(accepted))
+        for name, doc, values in (
+                ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft "
+                 "position (0 = first).", accepted),
+                ("spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed, by draft "
+                 "position (0 = first).", drafts)):
+            family = c(PREFIX + name, doc, labels=["model_name", "pool", "position"])
+            for pos, value in enumerate(values):
+                family.add_metric([*self.labels, str(pos)], value)
+            yield family
+
+
+class KVTransferMetrics:
+    """Observed by the sender (prefill worker) once per transfer, labelled by transport."""
+
+    TRANSPORTS = ("grpc", "shm", "cuda_ipc")
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        labels = ["model_name", "transport"]
+        self.seconds = Histogram(PREFIX + "kv_transfer_time_seconds", "Transfer begin -> "
+                                 "commit verified by the receiver, seconds.", labels,
+                                 buckets=KV_TRANSFER_TIME_BUCKETS, registry=registry)
+        self.bytes = Histogram(PREFIX + "kv_transfer_bytes", "KV bytes shipped per transfer.",
+                               labels, buckets=KV_TRANSFER_BYTES_BUCKETS, registry=registry)
+        self.failures = Counter(PREFIX + "kv_transfer_failures", "Transfers that failed, by "
+                                "reason (the receiver's status code, or 'connect').",
+                                ["model_name", "transport", "reason"], registry=registry)
+        for transport in self.TRANSPORTS:  # series exist before the first transfer
+            self.seconds.labels(model_name, transport)
+            self.bytes.labels(model_name, transport)
+
+    def transferred(self, transport: str, seconds: float, num_bytes: int) -> None:
+        self.seconds.labels(self.model_name, transport).observe(seconds)
+        self.bytes.labels(self.model_name, transport).observe(num_bytes)
+
+    def failed(self, transport: str, reason: str) -> None:
+        self.failures.labels(self.model_name, transport, reason or "unknown").inc()
+
+
+def worker_registry(pool: str, model_name: str, engine, lease_table=None) -> CollectorRegistry:
+    """The registry of one worker process: its engine's collector and the GPU collector."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(pool, model_name, engine, lease_table))
+    registry.register(GPUCollector())
+    return registry
+
+
+def start_metrics(registry: CollectorRegistry, role: str, args) -> int | None:
+    """Serve /metrics on args.host:args.metrics_port (0: any free port) from a daemon thread
+    and print where ("METRICS <role> http://host:port/metrics"); None if --metrics-port is
+    not given."""
+    if args.metrics_port is None:
+        return None
+    server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
+    port = server.server_port
+    print(f"METRICS {role} http://{args.host}:{port}/metrics", flush=True)
+    return port
