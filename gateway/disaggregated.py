@@ -6,8 +6,10 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
       D.Reserve(prompt)                -> lease + destination blocks (a prefix D caches is
                                           not sent again); RESOURCE_EXHAUSTED -> next D;
                                           all full -> wait for a request to end (bounded)
-      pick prefill P (shortest queue from here; equal queues: the prompt's first block picks
-                                          one, so shared prefixes land on the same cache)
+      pick prefill P (most leading prompt blocks cached there, as the Redis registry knows,
+                                          against the queue from here: gateway/routing.py;
+                                          equal: the prompt's first block picks one, so shared
+                                          prefixes land on the same cache)
       while P queues the prompt: D.RenewLease every lease_ttl / 3 (queues may be long; a
                                           gateway that dies stops renewing, the lease expires)
       P.Prefill(prompt, lease, blocks) -> KV pushed layer by layer, committed, verified;
@@ -35,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.backend import (
     BackendUnavailable,
     DeadlineExceeded,
@@ -45,7 +48,8 @@ from gateway.backend import (
     Overloaded,
     Timing,
 )
-from gateway.discovery import Discovery
+from gateway.discovery import Discovery, WorkerAddress
+from gateway.routing import MAX_ROUTING_BLOCKS, QUEUE_WEIGHT_BLOCKS, pick_prefill
 from kv_transfer import GRPC_CHANNEL_OPTIONS
 from protos.convert import (
     FINISH_REASON_NAMES,
@@ -69,13 +73,17 @@ class Worker:
     in_flight: int = 0  # requests this gateway has on the worker now
     status: pb.WorkerStatus | None = None
     is_healthy: bool = False
+    worker_id: str = ""  # as discovery names it ("" for static addresses)
+    epoch: int = 0  # discovery's restart epoch: another one at this address is a new process
 
 
 class DisaggregatedBackend:
     def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
                  lease_ttl_s: float = 30.0, model_name: str | None = None,
-                 max_waiting: int = 1024, max_queue_wait_s: float = 300.0) -> None:
+                 max_waiting: int = 1024, max_queue_wait_s: float = 300.0,
+                 prefix_queue_weight: float = QUEUE_WEIGHT_BLOCKS) -> None:
         self.discovery = discovery
+        self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
         # admission: requests no decode worker has room for wait here (at most max_waiting at
         # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED
         if max_waiting < 0 or max_queue_wait_s < 0:
@@ -95,28 +103,63 @@ class DisaggregatedBackend:
         self._running: dict[str, Worker] = {}  # req_id -> its decode worker
         self._aborted: set[str] = set()  # running requests the client aborted
         self.block_size = 16  # the workers' (from their status at start)
+        self.layout_fingerprint = ""  # the workers' (from their status at start)
+        self._refused: set[tuple[str, int]] = set()  # (address, epoch) of another layout
+        self._discovering = asyncio.Lock()
         self._refresher: asyncio.Task | None = None
 
     async def _discover(self) -> None:
-        """Follow discovery: connect to workers that joined, drop those that left."""
-        found = await self.discovery.workers()
-        opts = list(GRPC_CHANNEL_OPTIONS.items())
-        for role, stub_cls in (("prefill", pb_grpc.PrefillStub), ("decode", pb_grpc.DecodeStub)):
-            wanted = [w.address for w in found if w.role == role]
-            current = {w.address: w for w in getattr(self, role)}
-            kept = []
-            for address in wanted:
-                worker = current.pop(address, None)
-                if worker is None:
-                    logger.info("%s worker joined: %s", role, address)
-                    channel = grpc.aio.insecure_channel(address, options=opts)
-                    worker = Worker(address, stub_cls(channel), channel)
-                kept.append(worker)
-            for gone in current.values():
-                logger.info("%s worker left: %s", role, gone.address)
-                if gone.in_flight == 0:  # else its in-flight requests still use the channel
-                    await gone.channel.close()
-            setattr(self, role, kept)
+        """Follow discovery: connect to workers that joined, drop those that left, reconnect
+        to those that restarted (same address, new worker id or epoch)."""
+        async with self._discovering:  # the refresh loop and status() both call this
+            found = await self.discovery.workers()
+            for role, stub_cls in (("prefill", pb_grpc.PrefillStub),
+                                   ("decode", pb_grpc.DecodeStub)):
+                wanted = [w for w in found if w.role == role and self._fits(w)]
+                setattr(self, role, await self._follow(role, getattr(self, role), wanted,
+                                                       stub_cls))
+
+    async def _follow(self, role: str, workers: list[Worker], wanted: list[WorkerAddress],
+                      stub_cls) -> list[Worker]:
+        """One pool after discovery's answer: kept workers are the same objects."""
+        current = {w.address: w for w in workers}
+        kept = []
+        for found in wanted:
+            worker = current.pop(found.address, None)
+            if worker is not None and (worker.worker_id, worker.epoch) != (found.worker_id,
+                                                                           found.epoch):
+                logger.info("%s worker restarted: %s (epoch %d -> %d)", role, found.address,
+                            worker.epoch, found.epoch)
+                await self._forget(worker)
+                worker = None
+            if worker is None:
+                logger.info("%s worker joined: %s", role, found.address)
+                channel = grpc.aio.insecure_channel(found.address,
+                                                    options=list(GRPC_CHANNEL_OPTIONS.items()))
+                worker = Worker(found.address, stub_cls(channel), channel,
+                                worker_id=found.worker_id, epoch=found.epoch)
+            kept.append(worker)
+        for gone in current.values():
+            logger.info("%s worker left: %s", role, gone.address)
+            await self._forget(gone)
+        return kept
+
+    def _fits(self, w: WorkerAddress) -> bool:
+        """False for a worker registered with another KV layout than the pools started with
+        (its handoffs would be refused); warned about once per process."""
+        if not (self.layout_fingerprint and w.layout_fingerprint) or (
+                w.layout_fingerprint == self.layout_fingerprint):
+            return True
+        if (w.address, w.epoch) not in self._refused:
+            self._refused.add((w.address, w.epoch))
+            logger.warning("ignoring %s worker %s: KV layout %s, the pools use %s", w.role,
+                           w.address, w.layout_fingerprint, self.layout_fingerprint)
+        return False
+
+    @staticmethod
+    async def _forget(worker: Worker) -> None:
+        if worker.in_flight == 0:  # else its in-flight requests still use the channel
+            await worker.channel.close()
 
     async def start(self, max_model_len: int, vocab_size: int, timeout_s: float = 120.0) -> None:
         """Wait until every worker answers and check they serve one model with one KV layout."""
@@ -134,7 +177,7 @@ class DisaggregatedBackend:
                    for w in self.prefill + self.decode}
         if len(layouts) != 1:
             raise ValueError(f"workers disagree on model / KV layout: {sorted(layouts)}")
-        (model, _), = layouts
+        (model, self.layout_fingerprint), = layouts
         self.block_size = self.decode[0].status.block_size
         min_pool = min(w.status.num_blocks for w in self.decode) * self.block_size
         self.model = ModelInfo(self._model_name or model, min(max_model_len, min_pool),
@@ -168,14 +211,24 @@ class DisaggregatedBackend:
         free = {id(w): w.status.num_free_blocks if w.status else 0 for w in live}
         return sorted(live, key=lambda w: (w.in_flight, -free[id(w)]))
 
-    def _pick_prefill(self, prompt: list[int]) -> Worker:
+    async def _pick_prefill(self, prompt: list[int]) -> Worker:
+        """gateway/routing.py's choice; overlaps from discovery when it knows them (one round
+        trip, bounded; unknown when it fails: queue depth alone)."""
         live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
         if not live:
             raise BackendUnavailable("no prefill worker is known (discovery lists none)")
-        least = min(w.in_flight for w in live)
-        tied = [w for w in live if w.in_flight == least]
+        overlap = None
+        query = getattr(self.discovery, "prefix_overlap", None)
+        if query is not None and len(live) > 1:
+            hashes = hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size],
+                                      self.block_size)
+            held = await query([w.worker_id for w in live], hashes) if hashes else None
+            if held is not None:
+                overlap = [held.get(w.worker_id, 0) for w in live]
         key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker
-        return tied[key % len(tied)]
+        # in_flight is read after the await: other requests' picks meanwhile are counted
+        return live[pick_prefill([w.in_flight for w in live], overlap, key,
+                                 self.prefix_queue_weight)]
 
     # -- the Backend interface --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
@@ -291,7 +344,7 @@ class DisaggregatedBackend:
     async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
                        res: pb.ReserveResponse) -> pb.PrefillResponse:
         first = res.num_cached_tokens // self.block_size
-        prefill = self._pick_prefill(inp.prompt_token_ids)
+        prefill = await self._pick_prefill(inp.prompt_token_ids)  # <= PREFIX_QUERY_TIMEOUT_S
         prefill.in_flight += 1
         renewer = asyncio.create_task(self._keep_reserved(decode, inp.req_id, res.lease_id))
         try:
@@ -357,7 +410,10 @@ class DisaggregatedBackend:
         await self.refresh()
         if not any(w.is_healthy for w in self.decode) or not any(
                 w.is_healthy for w in self.prefill):
-            raise BackendUnavailable("no healthy prefill or decode worker")
+            known = "; ".join(f"{role}: " + (", ".join(
+                f"{w.address} {'healthy' if w.is_healthy else 'unhealthy'}" for w in ws) or "none")
+                for role, ws in (("prefill", self.prefill), ("decode", self.decode)))
+            raise BackendUnavailable(f"no healthy prefill or decode worker ({known})")
         pools = {"prefill": self.prefill, "decode": self.decode}
         out: dict[str, Any] = {"mode": "disaggregated", "num_streams": len(self._running),
                                "num_admission_waiting": self.num_admission_waiting}
@@ -365,7 +421,8 @@ class DisaggregatedBackend:
             out[key] = sum(getattr(w.status, key) for ws in pools.values() for w in ws
                            if w.status is not None)
         out["workers"] = [
-            {"role": role, "address": w.address, "healthy": w.is_healthy,
+            {"role": role, "address": w.address, "worker_id": w.worker_id, "epoch": w.epoch,
+             "healthy": w.is_healthy,
              "in_flight": w.in_flight, "num_running": w.status.num_running if w.status else None,
              "num_waiting": w.status.num_waiting if w.status else None,
              "num_reserved": w.status.num_reserved if w.status else None,

@@ -2,8 +2,9 @@
 
 The disaggregated backend asks `workers()` on every status refresh (once a second), so an
 implementation that changes its answer makes workers join and leave without a restart. The
-static list is what `pdserve up` and `pdserve gateway --prefill ... --decode ...` use; a
-Redis-backed implementation (registration with TTL heartbeats) plugs in here.
+static list is what `pdserve up` and `pdserve gateway --prefill ... --decode ...` use;
+`pdserve gateway --redis-url` uses the Redis registry (gateway/redis_registry.py), where workers
+register themselves with heartbeats and also publish which prompt blocks they hold.
 """
 
 from __future__ import annotations
@@ -16,8 +17,17 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class WorkerAddress:
+    """A worker to route to. Past role and address: what a registry (gateway/redis_registry.py)
+    knows about it; a static list leaves the defaults."""
+
     role: str  # "prefill" | "decode"
     address: str  # host:port of its gRPC server
+    worker_id: str = ""  # stable across restarts (the pod's name); "" when unknown
+    model: str = ""
+    layout_fingerprint: str = ""  # KVLayout.fingerprint(); "" when unknown
+    epoch: int = 0  # the worker's restart count: a new epoch at one address is a new process
+    num_blocks: int = 0  # its KV pool, in blocks (0: unknown)
+    max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -27,13 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 
-def spawn_pdserve(*argv: str, name: str) -> tuple[subprocess.Popen, Path]:
-    """`python -m pdserve ARGV...` from the repository root, stdout and stderr to a log file."""
+def spawn_pdserve(*argv: str, name: str,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    """`python -m pdserve ARGV...` from the repository root, stdout and stderr to a log file;
+    `env` adds to (or overrides) this process's environment."""
     log = Path(tempfile.mkstemp(prefix=f"pdserve-{name}-", suffix=".log")[1])
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     return proc, log
 
 

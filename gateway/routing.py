@@ -1,0 +1,42 @@
+"""Which prefill worker takes a prompt: a pure function of what the gateway knows.
+
+Cost model, in KV blocks of prefill compute saved or spent:
+
+    score(w) = overlap(w) - queue_weight * in_flight(w)
+
+overlap(w) is how many of the prompt's leading full blocks w holds in its prefix cache (it skips
+computing them); each request the gateway already has in flight on w delays this one by about
+queue_weight blocks of compute (prefill batches share steps, so a queued request costs less than
+its whole prompt). The highest score wins; ties go to the shorter queue, then to the worker the
+prompt's first block picks (tie_key), so equal workers split the traffic and a shared prefix
+keeps landing on the same cache.
+
+Without prefix information (static discovery, Redis down) every overlap is 0 and this is the
+shortest queue, ties by the first block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+QUEUE_WEIGHT_BLOCKS = 8.0  # one request in flight ~ 128 prompt tokens at block size 16
+MAX_ROUTING_BLOCKS = 128  # leading blocks asked about: longer overlaps count as equal
+
+
+def pick_prefill(in_flight: Sequence[int], overlap: Sequence[int] | None, tie_key: int,
+                 queue_weight: float = QUEUE_WEIGHT_BLOCKS) -> int:
+    """The index of the chosen worker. in_flight[i], overlap[i]: worker i's requests in flight
+    from this gateway and leading prompt blocks held (None: unknown for all)."""
+    if not in_flight:
+        raise ValueError("no prefill worker to choose from")
+    if overlap is None:
+        overlap = [0] * len(in_flight)
+    if len(overlap) != len(in_flight) or queue_weight < 0:
+        raise ValueError(f"need one overlap per worker and queue_weight >= 0, got "
+                         f"{len(overlap)} for {len(in_flight)} and {queue_weight}")
+    scores = [o - queue_weight * q for o, q in zip(overlap, in_flight, strict=True)]
+    best = max(scores)
+    tied = [i for i, s in enumerate(scores) if s == best]
+    shortest = min(in_flight[i] for i in tied)
+    tied = [i for i in tied if in_flight[i] == shortest]
+    return tied[tie_key % len(tied)]

@@ -1,0 +1,100 @@
+"""Prefill routing: the pure cost model (gateway/routing.py) with exact choices, then the
+gateway's choice over a real Redis where one worker published a prompt's blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import pytest
+
+from engine_core.kv_cache.block_hash import hash_full_blocks
+from gateway.disaggregated import DisaggregatedBackend
+from gateway.redis_registry import RedisConfig, RedisDiscovery
+from gateway.routing import QUEUE_WEIGHT_BLOCKS, pick_prefill
+from pdserve.worker_registration import WorkerInfo, WorkerRegistration
+
+BLOCK_SIZE = 16
+
+
+def test_without_prefix_information_the_shortest_queue_wins_ties_by_first_block():
+    assert pick_prefill([2, 1, 1], None, tie_key=0) == 1
+    assert pick_prefill([2, 1, 1], None, tie_key=1) == 2
+    assert pick_prefill([2, 1, 1], None, tie_key=7) == 2
+    assert pick_prefill([0], None, tie_key=5) == 0
+    assert pick_prefill([3, 0], [0, 0], tie_key=0) == 1  # zero overlap everywhere: the same
+
+
+def test_overlap_is_weighed_against_queue_depth():
+    assert QUEUE_WEIGHT_BLOCKS == 8.0
+    assert pick_prefill([0, 0], [10, 0], tie_key=1) == 0
+    assert pick_prefill([1, 0], [10, 0], tie_key=1) == 0  # 10 - 8 = 2 > 0
+    assert pick_prefill([2, 0], [10, 0], tie_key=0) == 1  # 10 - 16 < 0: the busier one loses
+    assert pick_prefill([9, 0], [128, 0], tie_key=1) == 0  # 128 - 72 > 0: a long prefix
+    assert pick_prefill([17, 0], [128, 0], tie_key=0) == 1  # 128 - 136 < 0: a longer queue
+    # equal scores: the shorter queue, then the first block
+    assert pick_prefill([1, 0], [8, 0], tie_key=0) == 1  # 8 - 8 = 0 = 0 - 0
+    assert pick_prefill([1, 1, 0], [8, 8, 0], tie_key=1) == 2
+    assert pick_prefill([1, 1], [5, 5], tie_key=3) == 1
+    assert pick_prefill([3, 0], [10, 0], tie_key=0, queue_weight=0) == 0  # overlap only
+    assert pick_prefill([0, 1, 0], [2, 9, 4], tie_key=0, queue_weight=1) == 1  # 8 > 4 > 2
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="no prefill worker"):
+        pick_prefill([], None, 0)
+    with pytest.raises(ValueError, match="one overlap per worker"):
+        pick_prefill([0, 0], [1], 0)
+    with pytest.raises(ValueError, match="queue_weight"):
+        pick_prefill([0], [1], 0, queue_weight=-1)
+
+
+def test_the_gateway_routes_to_the_worker_that_published_the_prefix(redis_server):
+    prompt = list(range(1000, 1000 + 5 * BLOCK_SIZE + 3))  # 5 full blocks
+    other = list(range(7, 7 + 5 * BLOCK_SIZE))
+    config = RedisConfig(redis_server.url)
+
+    async def scenario() -> None:
+        regs = [WorkerRegistration(config, WorkerInfo("prefill", "m", "f", BLOCK_SIZE, 100, 8),
+                                   "127.0.0.1", f"prefill-{i}") for i in range(2)]
+        for port, reg in enumerate(regs, start=7001):
+            await reg.start(port)
+        discovery = await RedisDiscovery.connect(config)
+        backend = DisaggregatedBackend(discovery, tokenizer=None)
+        backend.block_size = BLOCK_SIZE
+        await backend._discover()
+        workers = {w.worker_id: w for w in backend.prefill}
+        for w in workers.values():
+            w.is_healthy = True
+        # a prompt nobody published: the first block decides, as without Redis
+        key = zlib.crc32(bytes(str(other[:16]), "ascii"))
+        expected = backend.prefill[pick_prefill([0, 0], None, key)]
+        assert await backend._pick_prefill(other) is expected
+        # the worker the first block does not pick holds the prompt: it gets it
+        key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))
+        holder = backend.prefill[1 - pick_prefill([0, 0], None, key)]
+        regs[int(holder.worker_id[-1])].publish_prefix(hash_full_blocks(prompt, BLOCK_SIZE))
+        await asyncio.sleep(0.2)
+        assert await discovery.prefix_overlap(list(workers), hash_full_blocks(
+            prompt, BLOCK_SIZE)) == {holder.worker_id: 5, (set(workers) - {
+                holder.worker_id}).pop(): 0}
+        assert await backend._pick_prefill(prompt) is holder
+        holder.in_flight = 1  # 5 - 8 < 0: the idle worker wins despite the overlap
+        assert await backend._pick_prefill(prompt) is not holder
+        holder.in_flight = 0
+        # Redis gone: routing by queue depth (no error, one warning)
+        redis_server.proc.terminate()
+        redis_server.proc.wait()
+        idle = next(w for w in backend.prefill if w is not holder)
+        idle.in_flight = 1
+        assert await backend._pick_prefill(prompt) is holder
+        holder.in_flight = 2
+        assert await backend._pick_prefill(prompt) is idle
+        assert [w.worker_id for w in backend.prefill] == ["prefill-0", "prefill-1"]
+        await backend._discover()  # discovery keeps what it last saw
+        assert [w.worker_id for w in backend.prefill] == ["prefill-0", "prefill-1"]
+        for reg in regs:
+            await reg.stop()  # bounded, logs that the key will expire
+        await backend.close()
+
+    asyncio.run(scenario())
