@@ -22,7 +22,13 @@ from kv_transfer import (
     SharedKVPool,
     add_kv_transfer_servicer,
 )
+from pdserve.metrics.worker import start_metrics, worker_registry
 from pdserve.worker_args import engine_kwargs
+from pdserve.worker_registration import (
+    advertise_host,
+    checked_redis_config,
+    worker_registration,
+)
 from pdserve.worker_server import serve_worker
 from protos.pdserve.internal import kv_transfer_pb2, workers_pb2
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
@@ -31,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    redis_config = await checked_redis_config(args)  # fails before the model loads
     kinds = [k.strip() for k in args.transports.split(",") if k.strip()]
     pools: list[SharedKVPool] = []
 
@@ -45,6 +52,7 @@ async def _serve(args: argparse.Namespace) -> None:
     table = LeaseTable(on_release=lambda lease, why: holder["w"].on_lease_released(lease, why))
     worker = DecodeWorker(engine, table)
     holder["w"] = worker
+    start_metrics(worker_registry("decode", engine.source.name, engine, table), "decode", args)
     receiver = KVReceiver(engine.layout, engine.runner.kv_cache, table, kinds,
                           shm_pool=pools[0] if pools else None)
     servicer_box: dict[str, DecodeServicer] = {}
@@ -57,7 +65,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name]
 
     async def on_bound(port: int) -> None:
-        servicer_box["s"].transfer_address = f"{args.advertise_host or args.host}:{port}"
+        servicer_box["s"].transfer_address = f"{advertise_host(args)}:{port}"
 
     async def close() -> None:
         await worker.close()
@@ -65,7 +73,8 @@ async def _serve(args: argparse.Namespace) -> None:
         for pool in pools:
             pool.close()
 
-    await serve_worker("decode", f"{args.host}:{args.port}", add, close, args.grace, on_bound)
+    await serve_worker("decode", f"{args.host}:{args.port}", add, close, args.grace, on_bound,
+                       worker_registration(redis_config, args, "decode", engine))
 
 
 def run(args: argparse.Namespace) -> int:

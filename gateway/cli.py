@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.worker_args import add_speculative_arguments
+from pdserve.worker_args import add_redis_arguments, add_speculative_arguments
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `pdserve gateway`. The disaggregated mode adds its own (--prefill ADDR...,
-    --decode ADDR...) next to --colocated."""
+    """The flags of `pdserve gateway`. The disaggregated mode finds its workers at static
+    addresses (--prefill ADDR... --decode ADDR...) or in Redis (--redis-url)."""
     mode = p.add_argument_group("backend")
     mode.add_argument("--colocated", action="store_true",
                       help="run the engine in this process (prefill and decode together)")
@@ -35,12 +35,18 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--max-num-seqs", type=int, default=64)
     mode.add_argument("--max-model-len", type=int, default=None)
     add_speculative_arguments(p)  # for --colocated (decode workers take their own)
+    add_redis_arguments(p, is_worker=False)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in containers")
     net.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     net.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free port)")
     net.add_argument("--grace", type=float, default=10.0,
                      help="seconds in-flight requests may take to finish on shutdown")
+    net.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="require this API key on the public APIs (repeatable; also the "
+                          "PDSERVE_API_KEYS environment variable, comma-separated)")
+    net.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="require one of the API keys in this file (one per line)")
     net.add_argument("--shutdown-delay", type=float, default=0.0,
                      help="seconds between reporting NOT_SERVING and closing the listeners")
 
@@ -56,6 +62,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--model", default="", help="model name (default: the served model)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--api-key", default=None,
+                   help="the gateway's API key (default: the PDSERVE_API_KEY environment "
+                        "variable)")
     p.add_argument("--timing", action="store_true",
                    help="print usage and the timing breakdown to stderr")
 

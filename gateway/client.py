@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TextIO
 
@@ -33,7 +34,10 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout,
         texts: list[str] = []
         final = pb.GenerateResponse()
         try:
-            for msg in stub.Generate(build_request(args), timeout=args.timeout):
+            key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+            metadata = (("authorization", f"Bearer {key}"),) if key else None
+            for msg in stub.Generate(build_request(args), timeout=args.timeout,
+                                     metadata=metadata):
                 texts.append(msg.text)
                 if args.stream:
                     out.write(msg.text)

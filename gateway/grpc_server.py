@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import validation
+from gateway.auth import APIKeys, key_from_metadata
 from gateway.backend import (
     Backend,
     BackendUnavailable,
@@ -53,8 +54,19 @@ M = TypeVar("M", bound=Message)
 
 
 class GenerationServicer:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend,
+                 on_reject: Callable[[str], None] = lambda reason: None,
+                 api_keys: APIKeys | None = None) -> None:
+        self.on_reject = on_reject  # counts requests refused before the backend saw them
         self.backend = backend
+        self.api_keys = api_keys or APIKeys()
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.api_keys.admits(key_from_metadata(context.invocation_metadata())):
+            self.on_reject("unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required: metadata 'authorization: Bearer "
+                                "<key>' or 'x-api-key: <key>'")
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
@@ -68,12 +80,14 @@ class GenerationServicer:
 
     async def generate(self, raw: bytes,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        await self._authorize(context)
         try:
             req = parse(pb.GenerateRequest, raw)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             inp = await validation.from_proto(req, self.backend, deadline)
         except ValidationError as e:
+            self.on_reject("invalid_argument")
             await _invalid(context, e)
         num_top = inp.params.logprobs
         try:
@@ -92,6 +106,7 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        await self._authorize(context)
         try:
             req = parse(pb.AbortRequest, raw)
         except ValidationError as e:
@@ -100,6 +115,7 @@ class GenerationServicer:
 
     async def list_models(self, raw: bytes,
                           context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        await self._authorize(context)
         m = self.backend.model
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=m.name, max_model_len=m.max_model_len, vocab_size=m.vocab_size)])
@@ -197,12 +213,14 @@ def _varint(raw: bytes, pos: int) -> tuple[int, int]:
 
 
 # -- the server ----------------------------------------------------------------------------------
-def create_server(backend: Backend, address: str,
-                  health_servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+def create_server(backend: Backend, address: str, health_servicer: health.aio.HealthServicer,
+                  on_reject: Callable[[str], None] = lambda reason: None,
+                  api_keys: APIKeys | None = None) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with Generation, health checking and reflection, bound to address
     (host:port; port 0 picks a free one). Returns (server, bound port); not started yet."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    server.add_generic_rpc_handlers((GenerationServicer(backend).handler(),))
+    server.add_generic_rpc_handlers(
+        (GenerationServicer(backend, on_reject, api_keys).handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

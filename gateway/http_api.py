@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models   GET /health   GET /internal/status (counts and free KV blocks)
+    GET  /metrics (Prometheus; pdserve/metrics/gateway.py)
 
 Each generation runs in its own task, watched by a second task that waits for the client's
 `http.disconnect`: a client that goes away cancels the generation, which aborts the request in
@@ -19,8 +20,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway import openai_protocol as oai
+from gateway.auth import APIKeys, bearer_token
 from gateway.backend import (
     Backend,
     BackendUnavailable,
@@ -111,13 +114,29 @@ async def _read_json(request: Request) -> Any:
         raise ValidationError("body", f"the request body is not valid JSON: {e}") from None
 
 
-def build_app(backend: Backend, is_serving: Callable[[], bool]) -> FastAPI:
+def build_app(backend: Backend, is_serving: Callable[[], bool],
+              registry: CollectorRegistry | None = None,
+              on_reject: Callable[[str], None] = lambda reason: None,
+              api_keys: APIKeys | None = None) -> FastAPI:
+    """The OpenAI API; also /health, /internal/status and, given a registry, /metrics.
+    With API keys, /v1/* needs `Authorization: Bearer <key>` (401 otherwise)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    keys = api_keys or APIKeys()
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and not keys.admits(
+                bearer_token(request.headers.get("authorization"))):
+            on_reject("unauthenticated")
+            return error(401, "a valid API key is required: header 'Authorization: Bearer "
+                         "<key>'", kind="invalid_api_key")
+        return await call_next(request)
 
     async def generate(request: Request, parse: Parser) -> Response:
         try:
             req = await parse(await _read_json(request), backend)
         except ValidationError as e:
+            on_reject("invalid_argument")
             return _backend_error(e)
         gen = _Generation(backend, req, request)
         try:
@@ -155,6 +174,11 @@ def build_app(backend: Backend, is_serving: Callable[[], bool]) -> FastAPI:
         if is_serving():
             return JSONResponse({"status": "serving"})
         return JSONResponse({"status": "not_serving"}, status_code=503)
+
+    if registry is not None:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/internal/status")
     async def status() -> Response:

@@ -19,15 +19,18 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 import uvloop
 from grpc_health.v1 import health, health_pb2
+from prometheus_client import CollectorRegistry
 
 from gateway import grpc_server
+from gateway.auth import APIKeys
 from gateway.backend import Backend, BackendUnavailable
 from gateway.http_api import build_app
+from pdserve.metrics.gateway import GatewayMetrics, MeteredBackend
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class GatewayConfig:
     grace_s: float = 10.0  # how long in-flight requests may finish on shutdown
     # NOT_SERVING -> still serving for this long (load balancers notice) -> stop accepting
     shutdown_delay_s: float = 0.0
+    api_keys: APIKeys = field(default_factory=APIKeys)  # none: the public APIs are open
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -56,7 +60,8 @@ class GatewayConfig:
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(host=args.host, grpc_port=args.port, http_port=args.http_port,
-                         grace_s=args.grace, shutdown_delay_s=args.shutdown_delay)
+                         grace_s=args.grace, shutdown_delay_s=args.shutdown_delay,
+                         api_keys=APIKeys.from_sources(args.api_key, args.api_key_file))
 
 
 def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
@@ -81,12 +86,18 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
 
 
 def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
-    """The tokenizer and model limits come from the model file; the workers serve it."""
+    """The tokenizer and model limits come from the model file; the workers serve it. They
+    are found at static addresses or, with --redis-url, in the Redis registry."""
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import load_tokenizer
     from gateway.disaggregated import DisaggregatedBackend
     from gateway.discovery import StaticDiscovery
 
+    redis_config = None
+    if args.redis_url:
+        from gateway.redis_registry import RedisConfig, RedisDiscovery
+
+        redis_config = RedisConfig.from_args(args)  # bad flags fail here, before the loop
     source = resolve_model(args.model)
     if source.kind == "gguf":
         from engine_core.weights.gguf_loader import GGUFFile
@@ -101,11 +112,17 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
                   config.max_position_embeddings)
 
     async def create() -> Backend:
-        backend = DisaggregatedBackend(StaticDiscovery(args.prefill, args.decode), tokenizer,
+        discovery = (StaticDiscovery(args.prefill, args.decode) if redis_config is None
+                     else await RedisDiscovery.connect(redis_config))
+        backend = DisaggregatedBackend(discovery, tokenizer,
                                        args.transport, args.lease_ttl, model_name=source.name,
                                        max_waiting=args.max_waiting,
                                        max_queue_wait_s=args.max_queue_wait)
-        await backend.start(max_len, config.vocab_size)
+        try:
+            await backend.start(max_len, config.vocab_size)
+        except BaseException:
+            await backend.close()
+            raise
         return backend
 
     return create
@@ -113,10 +130,12 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
 
 def run_gateway(args: argparse.Namespace) -> int:
     """`pdserve gateway` (flags: gateway/cli.py)."""
-    if args.colocated == bool(args.prefill or args.decode):
-        raise ValueError("choose one backend: --colocated, or --prefill ADDR... and "
-                         "--decode ADDR... (disaggregated)")
-    if not args.colocated and not (args.prefill and args.decode):
+    is_static = bool(args.prefill or args.decode)
+    if args.colocated + is_static + bool(args.redis_url) != 1:
+        raise ValueError("choose one backend: --colocated; --prefill ADDR... and --decode "
+                         "ADDR... (disaggregated, static addresses); or --redis-url URL "
+                         "(disaggregated, the workers register in Redis)")
+    if is_static and not (args.prefill and args.decode):
         raise ValueError("the disaggregated mode needs --prefill and --decode addresses")
     config = gateway_config(args)
     factory = (colocated_backend_factory(args) if args.colocated
@@ -158,13 +177,19 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal skips the grace period
         loop.add_signal_handler(sig, lambda: (force if stop.is_set() else stop).set())
 
-    backend = await make_backend()
+    registry = CollectorRegistry()
+    inner = await make_backend()
+    metrics = GatewayMetrics(registry, inner.model.name, inner.model.max_model_len)
+    backend = MeteredBackend(inner, metrics, registry)
     health_ = _Health()
     grpc, grpc_port = grpc_server.create_server(backend, f"{config.host}:{config.grpc_port}",
-                                                health_.servicer)
+                                                health_.servicer, metrics.reject,
+                                                config.api_keys)
     await grpc.start()
     http = _HTTPServer(uvicorn.Config(
-        build_app(backend, lambda: health_.is_serving), host=config.host,
+        build_app(backend, lambda: health_.is_serving, registry, metrics.reject,
+                  config.api_keys),
+        host=config.host,
         port=config.http_port, lifespan="off", access_log=False, log_level="warning",
         timeout_graceful_shutdown=max(1, round(config.grace_s))))
     http_task = asyncio.create_task(http.serve())

@@ -11,12 +11,48 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in containers")
     p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: any free; default: off)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds in-flight calls may take to finish on shutdown")
+    p.add_argument("--advertise-host", default=None,
+                   help="host others reach this worker at: registered in Redis, and the "
+                        "decode worker's KV transfer address (default: --host; for 0.0.0.0 "
+                        "this machine's address)")
+    add_redis_arguments(p, is_worker=True)
+
+
+def add_redis_arguments(p: argparse.ArgumentParser, is_worker: bool) -> None:
+    """Discovery through Redis (gateway/redis_registry.py): workers register themselves, the
+    gateway finds them. Shared by `pdserve prefill`, `pdserve decode` and `pdserve gateway`."""
+    g = p.add_argument_group("discovery (Redis)")
+    g.add_argument("--redis-url", default=None, metavar="URL",
+                   help="redis://HOST:PORT[/DB], or rediss:// for TLS; "
+                        + ("register this worker there (default: no registration)" if is_worker
+                           else "find the workers there (instead of --prefill/--decode)"))
+    g.add_argument("--redis-password", default=None,
+                   help="Redis password (better: the PDSERVE_REDIS_PASSWORD environment "
+                        "variable, which is not visible in the process list)")
+    g.add_argument("--redis-tls-ca", default=None, metavar="PEM",
+                   help="CA certificate that verifies the Redis server (rediss://)")
+    g.add_argument("--redis-tls-cert", default=None, metavar="PEM",
+                   help="client certificate for Redis servers that require one (rediss://)")
+    g.add_argument("--redis-tls-key", default=None, metavar="PEM",
+                   help="the client certificate's private key")
+    g.add_argument("--redis-namespace", default="pdserve",
+                   help="prefix of every key (several deployments can share one Redis)")
+    if not is_worker:
+        return
+    g.add_argument("--worker-id", default=None,
+                   help="this worker's name in Redis, stable across restarts (default: the "
+                        "POD_NAME environment variable, else ROLE-HOST-PORT)")
+    g.add_argument("--registration-ttl", type=float, default=10.0,
+                   help="seconds the registration outlives the last heartbeat (sent every "
+                        "third of it): how long a dead worker stays listed")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,5 +110,3 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_arguments(p)
     p.add_argument("--transports", default="grpc,shm",
                    help="KV transports this worker accepts (grpc, shm, cuda_ipc)")
-    p.add_argument("--advertise-host", default=None,
-                   help="host prefill workers reach this worker at (default: --host)")

@@ -1,7 +1,9 @@
 """The gRPC server shell shared by the prefill and decode workers.
 
-    build servicers -> bind -> health SERVING -> print "READY <role> <address>"
-    SIGTERM / Ctrl-C -> health NOT_SERVING -> stop accepting, in-flight calls get `grace_s`
+    build servicers -> bind -> health SERVING -> announce (register in Redis, if asked)
+    -> print "READY <role> <address>"
+    SIGTERM / Ctrl-C -> withdraw the announcement (gateways stop sending new requests)
+    -> health NOT_SERVING -> stop accepting, in-flight calls get `grace_s`
     -> close the worker -> exit
 
 Every worker server has gRPC health checking (the overall "" service and each named service)
@@ -14,6 +16,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +27,18 @@ from kv_transfer import GRPC_SERVER_OPTIONS
 logger = logging.getLogger(__name__)
 
 
+class Announcer(Protocol):
+    """Tells gateways this worker serves (pdserve/worker_registration.py registers in Redis)."""
+
+    async def start(self, port: int) -> None:
+        """Announce the worker at the bound port; raises if it cannot (the worker exits)."""
+        ...
+
+    async def stop(self) -> None:
+        """Withdraw the announcement; bounded in time, never raises."""
+        ...
+
+
 async def serve_worker(
     role: str,
     address: str,
@@ -31,9 +46,11 @@ async def serve_worker(
     close: Callable[[], Awaitable[None]],
     grace_s: float = 5.0,
     on_bound: Callable[[int], Awaitable[None]] | None = None,
+    announcer: Announcer | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. add_servicers registers the servicers and returns their
-    full service names; on_bound(port) runs after binding, before SERVING."""
+    full service names; on_bound(port) runs after binding, before SERVING; the announcer
+    starts once SERVING and stops first thing on shutdown."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -52,9 +69,18 @@ async def serve_worker(
     await server.start()
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if announcer is not None:
+        try:
+            await announcer.start(port)
+        except BaseException:
+            await server.stop(0)
+            await close()
+            raise
     host = address.rsplit(":", 1)[0]
     print(f"READY {role} {host}:{port}", flush=True)
     await stop.wait()
+    if announcer is not None:
+        await announcer.stop()
     logger.warning("%s shutting down: draining for up to %.1f s", role, grace_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)

@@ -7,8 +7,11 @@ import logging
 
 import uvloop
 
+from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.colocated import ColocatedBackend
+from pdserve.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
 from pdserve.worker_args import engine_kwargs
+from pdserve.worker_registration import checked_redis_config, worker_registration
 from pdserve.worker_server import serve_worker
 from prefill_service.engine import PrefillEngine
 from prefill_service.service import PrefillServicer
@@ -19,10 +22,23 @@ logger = logging.getLogger(__name__)
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    redis_config = await checked_redis_config(args)  # fails before the model loads
     # a prefill worker never decodes: dense weights only
     engine = PrefillEngine(quantize_decode=False, **engine_kwargs(args))
+    registry = worker_registry("prefill", engine.source.name, engine)
+    start_metrics(registry, "prefill", args)
     backend = ColocatedBackend(engine)
-    servicer = PrefillServicer(engine, backend)
+    registration = worker_registration(redis_config, args, "prefill", engine)
+    on_prefilled = None
+    if registration is not None:
+        block_size = engine.layout.block_size
+
+        def on_prefilled(prompt_token_ids: list[int]) -> None:
+            # its full blocks stay in this worker's prefix cache: tell the gateways
+            registration.publish_prefix(hash_full_blocks(prompt_token_ids, block_size))
+
+    servicer = PrefillServicer(engine, backend, KVTransferMetrics(registry, engine.source.name),
+                               on_prefilled)
 
     def add(server) -> list[str]:
         pb_grpc.add_PrefillServicer_to_server(servicer, server)
@@ -32,7 +48,8 @@ async def _serve(args: argparse.Namespace) -> None:
         servicer.close()
         await backend.close()
 
-    await serve_worker("prefill", f"{args.host}:{args.port}", add, close, args.grace)
+    await serve_worker("prefill", f"{args.host}:{args.port}", add, close, args.grace,
+                       announcer=registration)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ Prefill(request):
     -> register the handoff target -> run the request (max_tokens=1) in the engine thread
     -> every layer's KV leaves during the last prefill step (prefill_service/engine.py)
     -> commit off the engine thread: the decode worker verifies checksums
+    -> on_prefilled(prompt): publishes the prompt's cached blocks (gateways route by them)
     -> reply with the first token and the timings
 Cancellation (client gone, deadline) aborts the engine request and the transfer session, which
 tells the decode worker to end the lease.
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -30,6 +32,7 @@ from kv_transfer import (
     TransportRefusedError,
     connect,
 )
+from pdserve.metrics.worker import KVTransferMetrics
 from prefill_service.engine import HandoffTarget, PrefillEngine
 from protos.convert import logprob_to_proto, sampling_from_proto
 from protos.pdserve.internal import workers_pb2 as pb
@@ -44,9 +47,13 @@ LEASE_ENDED_CODES = frozenset({"ABORTED", "CANCELLED"})
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, engine: PrefillEngine, backend: ColocatedBackend) -> None:
+    def __init__(self, engine: PrefillEngine, backend: ColocatedBackend,
+                 metrics: KVTransferMetrics,
+                 on_prefilled: Callable[[list[int]], None] | None = None) -> None:
         self.engine = engine
         self.backend = backend
+        self.on_prefilled = on_prefilled  # on the request path: must not block or raise
+        self.metrics = metrics
         self._connections: dict[tuple[str, str], Connection] = {}
         self._connecting: dict[tuple[str, str], asyncio.Lock] = {}
 
@@ -73,6 +80,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         except (LayoutMismatchError, TransportRefusedError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KVTransferError as e:
+            self.metrics.failed(target.transport or "auto", "connect")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
         loop = asyncio.get_running_loop()
@@ -99,7 +107,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             session = await sent
             stats = await asyncio.to_thread(session.commit, COMMIT_TIMEOUT_S)
             is_done = True
+            if self.on_prefilled is not None:
+                self.on_prefilled(list(request.prompt_token_ids))
+            self.metrics.transferred(stats.transport, stats.seconds, stats.num_bytes)
         except KVTransferError as e:
+            self.metrics.failed(conn.kind, getattr(e, "code", "") or type(e).__name__)
             if getattr(e, "code", "") not in LEASE_ENDED_CODES:
                 self._forget(conn)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed: {e}")
