@@ -1,0 +1,73 @@
+{{/*
+The command lines (the image's ENTRYPOINT is `pdserve`), as YAML list items. Numbers go
+through `int` or `toString` so that large values never render as 1e+06.
+*/}}
+
+{{- define "pdserve.gatewayArgs" -}}
+{{- $v := .Values.gateway -}}
+- gateway
+- --host
+- 0.0.0.0
+- --port
+- {{ $v.ports.grpc | int | quote }}
+- --http-port
+- {{ $v.ports.http | int | quote }}
+{{ include "pdserve.redisArgs" . }}
+- --lease-ttl
+- {{ $v.leaseTtl | toString | quote }}
+- --max-waiting
+- {{ $v.maxWaiting | int | quote }}
+- --max-queue-wait
+- {{ $v.maxQueueWait | toString | quote }}
+- --grace
+- {{ $v.grace | toString | quote }}
+{{- include "pdserve.modelArgs" . }}
+{{- end }}
+
+{{/* `pdserve prefill` or `pdserve decode`: args (root, component). */}}
+{{- define "pdserve.workerArgs" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $v := index $root.Values $name -}}
+- {{ $name }}
+- --host
+- 0.0.0.0
+- --port
+- {{ $v.ports.grpc | int | quote }}
+- --advertise-host
+- $(POD_IP)
+- --metrics-port
+- {{ $v.ports.metrics | int | quote }}
+{{ include "pdserve.redisArgs" $root }}
+- --worker-id
+- $(POD_NAME)
+{{- if eq $name "decode" }}
+- --transports
+- {{ join "," $v.transports | quote }}
+{{- with $v.speculative.method }}
+- --speculative
+- {{ . }}
+- --num-speculative-tokens
+- {{ $v.speculative.numSpeculativeTokens | int | quote }}
+{{- end }}
+{{- end }}
+{{- include "pdserve.modelArgs" $root }}
+{{- with $root.Values.model.dtype }}
+- --dtype
+- {{ . }}
+{{- end }}
+{{- with $v.engine.kvCacheMemoryGb }}
+- --kv-cache-memory-gb
+- {{ . | toString | quote }}
+{{- end }}
+{{- with $v.engine.maxNumSeqs }}
+- --max-num-seqs
+- {{ . | int | quote }}
+{{- end }}
+{{- with $v.engine.maxNumBatchedTokens }}
+- --max-num-batched-tokens
+- {{ . | int | quote }}
+{{- end }}
+- --grace
+- {{ $v.grace | toString | quote }}
+{{- end }}
