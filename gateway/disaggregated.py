@@ -32,7 +32,7 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -63,6 +63,31 @@ logger = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 5.0
 REFRESH_S = 1.0
+MAX_ATTEMPTS = 3  # a request survives two lost workers (prefill, decode or transfer)
+
+
+class WorkerLost(Exception):
+    """A worker under a request failed UNAVAILABLE (died, restarted, unreachable); `pool`
+    says at which stage: "prefill" (before the first token) or "decode"."""
+
+    def __init__(self, pool: str, message: str) -> None:
+        super().__init__(message)
+        self.pool = pool
+
+
+def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> GenerateInput | None:
+    """Attempt `attempt` of a request: the first as given; a later one under its own id on the
+    workers, continuing after the tokens already streamed (None: nothing left to generate).
+    The continuation is prefilled afresh (a seeded request's randomness restarts with it)."""
+    if attempt == 0:
+        return inp
+    n, p = len(emitted), inp.params
+    if n >= p.max_tokens:
+        return None
+    return replace(inp, req_id=f"{inp.req_id}~{attempt}",
+                   prompt_token_ids=[*inp.prompt_token_ids, *emitted],
+                   params=replace(p, max_tokens=p.max_tokens - n,
+                                  min_tokens=max(0, p.min_tokens - n)))
 
 
 @dataclass
@@ -100,7 +125,9 @@ class DisaggregatedBackend:
         self.model: ModelInfo | None = None
         self.prefill: list[Worker] = []  # as discovery last answered
         self.decode: list[Worker] = []
-        self._running: dict[str, Worker] = {}  # req_id -> its decode worker
+        # client's req_id -> (its decode worker, the attempt's request id on the workers)
+        self._running: dict[str, tuple[Worker, str]] = {}
+        self.num_migrations = {"prefill": 0, "decode": 0}  # requests run again, by lost stage
         self._aborted: set[str] = set()  # running requests the client aborted
         self.block_size = 16  # the workers' (from their status at start)
         self.layout_fingerprint = ""  # the workers' (from their status at start)
@@ -232,45 +259,85 @@ class DisaggregatedBackend:
 
     # -- the Backend interface --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        """Run the request; if a worker dies under it (prefill, decode or the KV transfer
+        between them fails UNAVAILABLE), run it again elsewhere, up to MAX_ATTEMPTS: before
+        its first token from scratch, after it as a continuation (prompt + the tokens already
+        streamed), so the client's stream goes on."""
         if inp.req_id in self._running:
             raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
+        emitted: list[int] = []  # tokens streamed to the client, all attempts
+        for attempt in range(MAX_ATTEMPTS):
+            winp = _continuation(inp, emitted, attempt)
+            if winp is None:  # the worker died after the last token, before the finish
+                yield GenerateChunk([], "", None, "length", len(inp.prompt_token_ids),
+                                    len(emitted))
+                return
+            base = len(emitted)
+            try:  # aclosing: a client that goes away ends the attempt (and its reservation) now
+                async with contextlib.aclosing(self._run(winp, inp.req_id)) as chunks:
+                    async for chunk in chunks:
+                        chunk.num_prompt_tokens = len(inp.prompt_token_ids)
+                        chunk.num_output_tokens += base
+                        emitted.extend(chunk.token_ids)
+                        yield chunk
+                return
+            except WorkerLost as e:
+                self.num_migrations[e.pool] += 1
+                if attempt + 1 == MAX_ATTEMPTS:
+                    raise BackendUnavailable(f"request {inp.req_id!r} lost a worker "
+                                             f"{MAX_ATTEMPTS} times; last: {e}") from None
+                logger.warning("request %s: %s; running it again elsewhere (%d tokens "
+                               "streamed so far)", inp.req_id, e, len(emitted))
+
+    async def _run(self, inp: GenerateInput, client_id: str) -> AsyncIterator[GenerateChunk]:
+        """One attempt: reserve, prefill, decode; inp.req_id is this attempt's id on the
+        workers, client_id the gateway's (what abort() is called with)."""
         sampling = sampling_to_proto(inp.params)
         decode, reservation = await self._admit(inp, sampling)  # counted in flight
-        self._running[inp.req_id] = decode
+        self._running[client_id] = (decode, inp.req_id)
         is_done = False
         try:
             t_prefill_call = time.monotonic()
             pre = await self._prefill(inp, sampling, decode, reservation)
-            num_out, _first_chunk_at, t_first = 0, None, None
+            num_out, t_first = 0, None
             call = decode.stub.Decode(pb.DecodeRequest(
                 request_id=inp.req_id, first_token_id=pre.first_token_id,
                 first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
                 ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp))
-            async for msg in call:
-                now = time.monotonic()
-                t_first = t_first or now
-                num_out += len(msg.token_ids)
-                reason = FINISH_REASON_NAMES.get(msg.finish_reason)
-                chunk = GenerateChunk(
-                    list(msg.token_ids), msg.text,
-                    [logprob_from_proto(lp) for lp in msg.logprobs] if msg.logprobs else None,
-                    reason, len(inp.prompt_token_ids), num_out, msg.num_cached_tokens)
-                if reason is not None:
-                    queue = (t_prefill_call - inp.arrival) + pre.queue_s
-                    ttft = t_first - inp.arrival
-                    chunk.timing = Timing(queue, pre.compute_s, ttft - queue - pre.compute_s,
-                                          msg.first_decode_step_s, ttft, now - inp.arrival)
-                    is_done = True
-                yield chunk
+            try:
+                async for msg in call:
+                    now = time.monotonic()
+                    t_first = t_first or now
+                    num_out += len(msg.token_ids)
+                    reason = FINISH_REASON_NAMES.get(msg.finish_reason)
+                    chunk = GenerateChunk(
+                        list(msg.token_ids), msg.text,
+                        [logprob_from_proto(lp) for lp in msg.logprobs] if msg.logprobs
+                        else None, reason, len(inp.prompt_token_ids), num_out,
+                        msg.num_cached_tokens)
+                    if reason is not None:
+                        queue = (t_prefill_call - inp.arrival) + pre.queue_s
+                        ttft = t_first - inp.arrival
+                        chunk.timing = Timing(queue, pre.compute_s,
+                                              ttft - queue - pre.compute_s,
+                                              msg.first_decode_step_s, ttft, now - inp.arrival)
+                        is_done = True
+                    yield chunk
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and client_id not in self._aborted:
+                    decode.is_healthy = False
+                    raise WorkerLost("decode", f"decode worker {decode.address}: "
+                                           f"{e.details()}") from None
+                raise
         except grpc.aio.AioRpcError as e:
-            if inp.req_id not in self._aborted:
+            if client_id not in self._aborted:
                 raise self._error(e, inp) from None
             is_done = True  # aborted before decoding began: end the stream like the engine does
             yield GenerateChunk([], "", None, "abort", len(inp.prompt_token_ids), 0)
         finally:
-            self._aborted.discard(inp.req_id)
+            self._aborted.discard(client_id)
             decode.in_flight -= 1
-            self._running.pop(inp.req_id, None)
+            self._running.pop(client_id, None)
             if not is_done:  # cancelled, deadline, or a failure: free it on the decode worker
                 await self._abort_on(decode, inp.req_id)
             self._freed.set()  # wake the requests waiting for decode capacity
@@ -353,6 +420,15 @@ class DisaggregatedBackend:
                 target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
                                    dst_block_ids=res.block_ids[first:], first_block=first,
                                    transport=self.transport)), timeout=self._remaining(inp))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            # the prefill worker is gone, or the KV transfer failed (decode side gone, lease
+            # expired): either way nothing was decoded yet and the reservation is void
+            if not (e.details() or "").startswith("kv transfer failed"):
+                prefill.is_healthy = False  # routing avoids it until it answers Status again
+            raise WorkerLost("prefill", f"prefill worker {prefill.address}: "
+                                        f"{e.details()}") from None
         finally:
             renewer.cancel()
             prefill.in_flight -= 1
@@ -396,12 +472,13 @@ class DisaggregatedBackend:
         return BackendUnavailable(f"{code.name}: {e.details()}")
 
     async def abort(self, req_id: str) -> bool:
-        decode = self._running.get(req_id)
-        if decode is None:
+        running = self._running.get(req_id)
+        if running is None:
             return False
+        decode, worker_req_id = running
         self._aborted.add(req_id)
         with contextlib.suppress(grpc.RpcError):
-            await decode.stub.Abort(pb.AbortRequestRequest(request_id=req_id,
+            await decode.stub.Abort(pb.AbortRequestRequest(request_id=worker_req_id,
                                                            reason="aborted by the client"),
                                     timeout=5.0)
         return True
@@ -416,7 +493,8 @@ class DisaggregatedBackend:
             raise BackendUnavailable(f"no healthy prefill or decode worker ({known})")
         pools = {"prefill": self.prefill, "decode": self.decode}
         out: dict[str, Any] = {"mode": "disaggregated", "num_streams": len(self._running),
-                               "num_admission_waiting": self.num_admission_waiting}
+                               "num_admission_waiting": self.num_admission_waiting,
+                               "migrations": dict(self.num_migrations)}
         for key in ("num_running", "num_waiting", "num_free_blocks", "num_blocks"):
             out[key] = sum(getattr(w.status, key) for ws in pools.values() for w in ws
                            if w.status is not None)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.backend import (
     Backend,
@@ -222,6 +222,15 @@ class _GatewayCollector:
         yield waiting
         pools = {"prefill": getattr(inner, "prefill", None), "decode": getattr(inner, "decode",
                                                                                None)}
+        migrations = getattr(inner, "num_migrations", None)
+        if migrations is not None:
+            moved = CounterMetricFamily(PREFIX + "request_migrations", "Requests run again "
+                                        "after losing a worker, by the pool that was lost "
+                                        "(prefill: re-prefilled; decode: continued elsewhere).",
+                                        labels=["model_name", "pool"])
+            for pool, n in migrations.items():
+                moved.add_metric([name, pool], n)
+            yield moved
         if pools["decode"] is not None:
             healthy = GaugeMetricFamily(PREFIX + "healthy_workers",
                                         "Workers that answered the last status refresh.",
