@@ -23,6 +23,7 @@ from kv_transfer import (
     add_kv_transfer_servicer,
 )
 from pdserve.metrics.worker import start_metrics, worker_registry
+from pdserve.tls import tls_from_args
 from pdserve.worker_args import engine_kwargs
 from pdserve.worker_registration import (
     advertise_host,
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 async def _serve(args: argparse.Namespace) -> None:
     redis_config = await checked_redis_config(args)  # fails before the model loads
+    tls = tls_from_args(args, is_public=False)
     kinds = [k.strip() for k in args.transports.split(",") if k.strip()]
     pools: list[SharedKVPool] = []
 
@@ -74,7 +76,7 @@ async def _serve(args: argparse.Namespace) -> None:
             pool.close()
 
     await serve_worker("decode", f"{args.host}:{args.port}", add, close, args.grace, on_bound,
-                       worker_registration(redis_config, args, "decode", engine))
+                       worker_registration(redis_config, args, "decode", engine), tls)
 
 
 def run(args: argparse.Namespace) -> int:

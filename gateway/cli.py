@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.tls import add_tls_arguments
 from pdserve.worker_args import add_redis_arguments, add_speculative_arguments
 
 
@@ -47,6 +48,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                           "PDSERVE_API_KEYS environment variable, comma-separated)")
     net.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="require one of the API keys in this file (one per line)")
+    add_tls_arguments(p, is_public=True)
     net.add_argument("--shutdown-delay", type=float, default=0.0,
                      help="seconds between reporting NOT_SERVING and closing the listeners")
 
@@ -62,6 +64,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--model", default="", help="model name (default: the served model)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="connect with TLS, verifying the gateway against this CA bundle")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="client certificate (gateways that require one)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
     p.add_argument("--api-key", default=None,
                    help="the gateway's API key (default: the PDSERVE_API_KEY environment "
                         "variable)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import TextIO
 
 import grpc
@@ -27,9 +28,21 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     return req
 
 
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """Plaintext, or TLS when a CA bundle or a client certificate is given."""
+    if not (args.tls_ca or args.tls_cert):
+        return grpc.insecure_channel(args.gateway)
+
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.secure_channel(args.gateway, grpc.ssl_channel_credentials(
+        read(args.tls_ca), read(args.tls_key), read(args.tls_cert)))
+
+
 def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout,
                  err: TextIO = sys.stderr) -> int:
-    with grpc.insecure_channel(args.gateway) as channel:
+    with _channel(args) as channel:
         stub = pb_grpc.GenerationStub(channel)
         texts: list[str] = []
         final = pb.GenerateResponse()

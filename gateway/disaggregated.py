@@ -51,6 +51,8 @@ from gateway.backend import (
 from gateway.discovery import Discovery, WorkerAddress
 from gateway.routing import MAX_ROUTING_BLOCKS, QUEUE_WEIGHT_BLOCKS, pick_prefill
 from kv_transfer import GRPC_CHANNEL_OPTIONS
+from pdserve.tls import TLSConfig
+from pdserve.tls import channel as tls_channel
 from protos.convert import (
     FINISH_REASON_NAMES,
     logprob_from_proto,
@@ -106,8 +108,10 @@ class DisaggregatedBackend:
     def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
                  lease_ttl_s: float = 30.0, model_name: str | None = None,
                  max_waiting: int = 1024, max_queue_wait_s: float = 300.0,
-                 prefix_queue_weight: float = QUEUE_WEIGHT_BLOCKS) -> None:
+                 prefix_queue_weight: float = QUEUE_WEIGHT_BLOCKS,
+                 tls: TLSConfig | None = None) -> None:
         self.discovery = discovery
+        self.tls = tls  # mutual TLS to the workers (our certificate is the client's)
         self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
         # admission: requests no decode worker has room for wait here (at most max_waiting at
         # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED
@@ -161,8 +165,8 @@ class DisaggregatedBackend:
                 worker = None
             if worker is None:
                 logger.info("%s worker joined: %s", role, found.address)
-                channel = grpc.aio.insecure_channel(found.address,
-                                                    options=list(GRPC_CHANNEL_OPTIONS.items()))
+                channel = tls_channel(found.address, self.tls, GRPC_CHANNEL_OPTIONS.items(),
+                                      is_aio=True)
                 worker = Worker(found.address, stub_cls(channel), channel,
                                 worker_id=found.worker_id, epoch=found.epoch)
             kept.append(worker)

@@ -37,6 +37,7 @@ from gateway.backend import (
     Overloaded,
 )
 from gateway.validation import ValidationError
+from pdserve.tls import TLSConfig, add_port
 from protos.pdserve.v1 import generate_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
@@ -215,7 +216,8 @@ def _varint(raw: bytes, pos: int) -> tuple[int, int]:
 # -- the server ----------------------------------------------------------------------------------
 def create_server(backend: Backend, address: str, health_servicer: health.aio.HealthServicer,
                   on_reject: Callable[[str], None] = lambda reason: None,
-                  api_keys: APIKeys | None = None) -> tuple[grpc.aio.Server, int]:
+                  api_keys: APIKeys | None = None,
+                  tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with Generation, health checking and reflection, bound to address
     (host:port; port 0 picks a free one). Returns (server, bound port); not started yet."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -224,5 +226,5 @@ def create_server(backend: Backend, address: str, health_servicer: health.aio.He
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, tls)
     return server, port

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from gateway.auth import APIKeys
 from gateway.backend import Backend, BackendUnavailable
 from gateway.http_api import build_app
 from pdserve.metrics.gateway import GatewayMetrics, MeteredBackend
+from pdserve.tls import TLSConfig, tls_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class GatewayConfig:
     # NOT_SERVING -> still serving for this long (load balancers notice) -> stop accepting
     shutdown_delay_s: float = 0.0
     api_keys: APIKeys = field(default_factory=APIKeys)  # none: the public APIs are open
+    tls: TLSConfig | None = None  # TLS on both public ports (pdserve/tls.py); None: plaintext
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -61,7 +64,8 @@ class GatewayConfig:
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(host=args.host, grpc_port=args.port, http_port=args.http_port,
                          grace_s=args.grace, shutdown_delay_s=args.shutdown_delay,
-                         api_keys=APIKeys.from_sources(args.api_key, args.api_key_file))
+                         api_keys=APIKeys.from_sources(args.api_key, args.api_key_file),
+                         tls=tls_from_args(args, is_public=True))
 
 
 def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
@@ -117,7 +121,8 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
         backend = DisaggregatedBackend(discovery, tokenizer,
                                        args.transport, args.lease_ttl, model_name=source.name,
                                        max_waiting=args.max_waiting,
-                                       max_queue_wait_s=args.max_queue_wait)
+                                       max_queue_wait_s=args.max_queue_wait,
+                                       tls=tls_from_args(args, is_public=True))
         try:
             await backend.start(max_len, config.vocab_size)
         except BaseException:
@@ -184,14 +189,14 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
     health_ = _Health()
     grpc, grpc_port = grpc_server.create_server(backend, f"{config.host}:{config.grpc_port}",
                                                 health_.servicer, metrics.reject,
-                                                config.api_keys)
+                                                config.api_keys, config.tls)
     await grpc.start()
     http = _HTTPServer(uvicorn.Config(
         build_app(backend, lambda: health_.is_serving, registry, metrics.reject,
                   config.api_keys),
         host=config.host,
         port=config.http_port, lifespan="off", access_log=False, log_level="warning",
-        timeout_graceful_shutdown=max(1, round(config.grace_s))))
+        timeout_graceful_shutdown=max(1, round(config.grace_s)), **_https(config.tls)))
     http_task = asyncio.create_task(http.serve())
     while not http.started:
         if http_task.done():  # could not bind: uvicorn gives up
@@ -203,7 +208,7 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
     http_port = http.servers[0].sockets[0].getsockname()[1]
     await health_.set(True)
     watchdog = asyncio.create_task(_watch_backend(backend, health_))
-    (on_ready or _print_ready)(f"{config.host}:{grpc_port}", f"http://{config.host}:{http_port}")
+    (on_ready or _print_ready)(f"{config.host}:{grpc_port}", f"{'https' if config.tls else 'http'}://{config.host}:{http_port}")
 
     await stop.wait()
     watchdog.cancel()
@@ -223,6 +228,18 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
         await drain
     force_wait.cancel()
     await backend.close()
+
+
+def _https(tls: TLSConfig | None) -> dict:
+    """uvicorn's settings for HTTPS on the OpenAI port (client certificates when required)."""
+    if tls is None:
+        return {}
+    out = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+    if tls.ca_file:
+        out["ssl_ca_certs"] = tls.ca_file
+    if tls.require_client_cert:
+        out["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+    return out
 
 
 async def _watch_backend(backend: Backend, health_: _Health) -> None:

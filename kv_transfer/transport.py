@@ -159,16 +159,21 @@ class Connection:
 
 
 def connect(kind: str, target: str, layout: KVLayout, *, device: str = "cpu",
-            options: SenderOptions | None = None) -> Connection:
+            options: SenderOptions | None = None,
+            credentials: grpc.ChannelCredentials | None = None,
+            channel_options: Sequence[tuple[str, str]] = ()) -> Connection:
     """Handshake with the decode worker at `target` ("host:port") and set up the data plane.
-    kind: "auto" | "grpc" | "shm" | "cuda_ipc"; device: where the sender's KV cache lives.
+    kind: "auto" | "grpc" | "shm" | "cuda_ipc"; device: where the sender's KV cache lives;
+    credentials: TLS for the control plane and the grpc transport (None: plaintext).
     Raises LayoutMismatchError, TransportRefusedError, or TransferError (unreachable)."""
     options = options or SenderOptions()
     wire.kind_to_proto(kind)  # ValueError for an unknown kind
     if kind == "cuda_ipc" and not torch.cuda.is_available():
         raise TransportRefusedError("transport cuda_ipc cannot work: no CUDA in the sender")
     me = host_id()
-    channel = grpc.insecure_channel(target, options=list(GRPC_CHANNEL_OPTIONS.items()))
+    opts = [*GRPC_CHANNEL_OPTIONS.items(), *channel_options]
+    channel = (grpc.insecure_channel(target, options=opts) if credentials is None
+               else grpc.secure_channel(target, credentials, options=opts))
     try:
         reply = pb_grpc.KVTransferStub(channel).Handshake(pb.HandshakeRequest(
             layout=wire.layout_to_proto(layout), transport=wire.kind_to_proto(kind),

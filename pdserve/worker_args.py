@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.tls import add_tls_arguments
+
 
 def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     """Flags shared by `pdserve prefill` and `pdserve decode`."""
@@ -24,6 +26,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                         "decode worker's KV transfer address (default: --host; for 0.0.0.0 "
                         "this machine's address)")
     add_redis_arguments(p, is_worker=True)
+    add_tls_arguments(p, is_public=False)
 
 
 def add_redis_arguments(p: argparse.ArgumentParser, is_worker: bool) -> None:

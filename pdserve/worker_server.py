@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kv_transfer import GRPC_SERVER_OPTIONS
+from pdserve.tls import TLSConfig, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,12 @@ async def serve_worker(
     grace_s: float = 5.0,
     on_bound: Callable[[int], Awaitable[None]] | None = None,
     announcer: Announcer | None = None,
+    tls: TLSConfig | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. add_servicers registers the servicers and returns their
     full service names; on_bound(port) runs after binding, before SERVING; the announcer
-    starts once SERVING and stops first thing on shutdown."""
+    starts once SERVING and stops first thing on shutdown. With `tls`, the port takes only
+    mutual-TLS peers (a client certificate signed by the CA: pdserve/tls.py)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -61,7 +64,7 @@ async def serve_worker(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, tls)
     if port == 0:
         raise RuntimeError(f"{role}: could not bind {address}")
     if on_bound is not None:

@@ -10,6 +10,7 @@ import uvloop
 from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.colocated import ColocatedBackend
 from pdserve.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
+from pdserve.tls import tls_from_args
 from pdserve.worker_args import engine_kwargs
 from pdserve.worker_registration import checked_redis_config, worker_registration
 from pdserve.worker_server import serve_worker
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 async def _serve(args: argparse.Namespace) -> None:
     redis_config = await checked_redis_config(args)  # fails before the model loads
+    tls = tls_from_args(args, is_public=False)
     # a prefill worker never decodes: dense weights only
     engine = PrefillEngine(quantize_decode=False, **engine_kwargs(args))
     registry = worker_registry("prefill", engine.source.name, engine)
@@ -38,7 +40,7 @@ async def _serve(args: argparse.Namespace) -> None:
             registration.publish_prefix(hash_full_blocks(prompt_token_ids, block_size))
 
     servicer = PrefillServicer(engine, backend, KVTransferMetrics(registry, engine.source.name),
-                               on_prefilled)
+                               on_prefilled, tls)
 
     def add(server) -> list[str]:
         pb_grpc.add_PrefillServicer_to_server(servicer, server)
@@ -49,7 +51,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await backend.close()
 
     await serve_worker("prefill", f"{args.host}:{args.port}", add, close, args.grace,
-                       announcer=registration)
+                       announcer=registration, tls=tls)
 
 
 def run(args: argparse.Namespace) -> int:

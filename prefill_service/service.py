@@ -33,6 +33,7 @@ from kv_transfer import (
     connect,
 )
 from pdserve.metrics.worker import KVTransferMetrics
+from pdserve.tls import TLSConfig
 from prefill_service.engine import HandoffTarget, PrefillEngine
 from protos.convert import logprob_to_proto, sampling_from_proto
 from protos.pdserve.internal import workers_pb2 as pb
@@ -49,11 +50,13 @@ LEASE_ENDED_CODES = frozenset({"ABORTED", "CANCELLED"})
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, engine: PrefillEngine, backend: ColocatedBackend,
                  metrics: KVTransferMetrics,
-                 on_prefilled: Callable[[list[int]], None] | None = None) -> None:
+                 on_prefilled: Callable[[list[int]], None] | None = None,
+                 tls: TLSConfig | None = None) -> None:
         self.engine = engine
         self.backend = backend
         self.on_prefilled = on_prefilled  # on the request path: must not block or raise
         self.metrics = metrics
+        self.tls = tls  # mutual TLS to the decode workers' KV transfer service
         self._connections: dict[tuple[str, str], Connection] = {}
         self._connecting: dict[tuple[str, str], asyncio.Lock] = {}
 
@@ -149,7 +152,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         async with lock:  # one handshake per decode worker, however many requests wait on it
             conn = self._connections.get(key)
             if conn is None:
-                conn = await asyncio.to_thread(connect, kind, address, self.engine.layout)
+                conn = await asyncio.to_thread(
+                    connect, kind, address, self.engine.layout,
+                    credentials=self.tls.channel_credentials() if self.tls else None,
+                    channel_options=self.tls.channel_options() if self.tls else ())
                 self._connections[key] = conn
             return conn
 
