@@ -32,6 +32,68 @@ UPDATE_GOLDEN_ENV = "PDSERVE_UPDATE_GOLDEN"
 COMPONENTS = ("gateway", "prefill", "decode")
 WORKERS = ("prefill", "decode")
 
+# ServiceMonitor is a CRD (not in Kubernetes' schemas): checked against the schema below.
+DURATION = {"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(ms|s|m|h))+$"}
+SECRET_KEY_REF = {"type": "object", "required": ["name", "key"], "additionalProperties": False,
+                  "properties": {"name": {"type": "string", "minLength": 1},
+                                 "key": {"type": "string", "minLength": 1}}}
+# The endpoint TLS fields we use (SafeTLSConfig: Secrets of the ServiceMonitor's namespace).
+TLS_CONFIG = {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        "serverName": {"type": "string", "minLength": 1},
+        "ca": {"type": "object", "required": ["secret"], "additionalProperties": False,
+               "properties": {"secret": SECRET_KEY_REF}},
+        "cert": {"type": "object", "required": ["secret"], "additionalProperties": False,
+                 "properties": {"secret": SECRET_KEY_REF}},
+        "keySecret": SECRET_KEY_REF,
+    },
+}
+# The ServiceMonitor fields we use (monitoring.coreos.com/v1), closed so that a typo fails.
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object",
+            "required": ["name", "namespace"],
+            "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                                    "maxLength": 63}},
+        },
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "jobLabel": {"type": "string"},
+                "namespaceSelector": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"any": {"type": "boolean"},
+                                   "matchNames": {"type": "array", "items": {"type": "string"}}},
+                },
+                "selector": {
+                    "type": "object", "additionalProperties": False, "minProperties": 1,
+                    "properties": {"matchLabels": {"type": "object"},
+                                   "matchExpressions": {"type": "array"}},
+                },
+                "endpoints": {
+                    "type": "array", "minItems": 1,
+                    "items": {
+                        "type": "object", "required": ["port"], "additionalProperties": False,
+                        "properties": {"port": {"type": "string", "minLength": 1},
+                                       "path": {"type": "string", "pattern": "^/"},
+                                       "interval": DURATION, "scrapeTimeout": DURATION,
+                                       "scheme": {"enum": ["http", "https"]},
+                                       "tlsConfig": TLS_CONFIG},
+                    },
+                },
+            },
+        },
+    },
+}
+
 # name -> values file (None: the chart's defaults)
 VALUES_FILES: dict[str, Path | None] = {
     "default": None,

@@ -17,15 +17,18 @@ REDIS_FLAGS = {"--redis-url", "--redis-namespace", "--redis-tls-ca", "--redis-tl
                "--redis-tls-key"}
 ENGINE_FLAGS = {"--model", "--dtype", "--kv-cache-memory-gb", "--max-num-seqs",
                 "--max-num-batched-tokens", "--grace"}
+TLS_FLAGS = {"--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name"}
 AGREED_FLAGS = {
     "gateway": {"--host", "--port", "--http-port", "--lease-ttl", "--max-waiting",
-                "--max-queue-wait", "--grace", "--model"} | REDIS_FLAGS,
+                "--max-queue-wait", "--grace", "--model", "--tls-client-auth"}
+    | REDIS_FLAGS | TLS_FLAGS,
     "prefill": {"--host", "--port", "--advertise-host", "--metrics-port", "--worker-id"}
-    | REDIS_FLAGS | ENGINE_FLAGS,
+    | REDIS_FLAGS | ENGINE_FLAGS | TLS_FLAGS,
     "decode": {"--host", "--port", "--advertise-host", "--metrics-port", "--worker-id",
                "--transports", "--speculative", "--num-speculative-tokens"}
-    | REDIS_FLAGS | ENGINE_FLAGS,
+    | REDIS_FLAGS | ENGINE_FLAGS | TLS_FLAGS,
 }
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
 def pod_templates(rendered: Rendered):
@@ -37,10 +40,12 @@ def container_ports(container: dict) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
 
 
-def probe_port(probe: dict, container: dict) -> int:
-    """The container port a probe targets (named ports resolved)."""
+def probe_port(probe: dict, container: dict) -> int | None:
+    """The container port a probe targets (named ports resolved); None for an exec probe."""
+    if "exec" in probe:
+        return None
     handler = probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket")
-    assert handler is not None, f"probe without a network handler: {probe}"
+    assert handler is not None, f"probe without a handler: {probe}"
     port = handler["port"]
     if isinstance(port, str):
         assert port in container_ports(container), f"probe names unknown port {port!r}"
@@ -79,24 +84,33 @@ def test_resources_are_the_values_plus_gpus(rendered):
 # ---- probes, ports, Services, ServiceMonitors --------------------------------------------------
 
 def test_probes(rendered):
-    """Every component has startup, readiness and liveness probes; gRPC probes target the
-    container's gRPC port (the health service); readiness is always gRPC health; startup gives
-    the model minutes to load."""
+    """Every component has startup, readiness and liveness probes on ports it exposes; startup
+    gives the model minutes to load. Without TLS, gRPC probes target the container's gRPC port
+    (the health service) and readiness is always gRPC health. With TLS (the kubelet's gRPC
+    probes cannot do it: test_helm_tls.py checks the rest), no probe is gRPC; readiness follows
+    the same health (the gateway's /health, a worker's bound gRPC port)."""
+    tls = rendered.values["tls"]["enabled"]
     for component in COMPONENTS:
         container = rendered.container(component)
         ports = container_ports(container)
-        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for kind in PROBES:
             probe = container[kind]
             port = probe_port(probe, container)
-            assert port in ports.values(), f"{component} {kind}: port {port} not exposed"
+            assert port is None or port in ports.values(), f"{component} {kind}: port {port}"
             if "grpc" in probe:
+                assert not tls, f"{component} {kind}: a gRPC probe on a TLS port"
                 assert probe["grpc"]["port"] == ports["grpc"], f"{component} {kind}"
-        assert "grpc" in container["readinessProbe"], component
+        if not tls:
+            assert "grpc" in container["readinessProbe"], component
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, component
     for component in WORKERS:  # worker health only turns NOT_SERVING on shutdown
         container = rendered.container(component)
-        assert all("grpc" in container[k] for k in ("startupProbe", "livenessProbe")), component
+        handler = "tcpSocket" if tls else "grpc"
+        kinds = PROBES if tls else ("startupProbe", "livenessProbe")
+        for kind in kinds:
+            assert handler in container[kind], (component, kind)
+            assert probe_port(container[kind], container) == container_ports(container)["grpc"]
 
 
 def test_container_ports_match_the_flags(rendered):

@@ -10,7 +10,7 @@ import shlex
 from fnmatch import fnmatch
 
 import pytest
-from chart_testkit import COMPONENTS, REPO
+from chart_testkit import COMPONENTS, REPO, render
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (the image's Python)
 
@@ -93,3 +93,19 @@ def test_model_is_baked_under_pdserve_home():
     assert install < pull, "the CLI is installed before it pulls the model"
     (base,) = [a for a in all_of("ARG") if a.startswith("PYTHON_IMAGE=")]
     assert re.fullmatch(r"PYTHON_IMAGE=python:3\.11-slim\S*", base)
+
+
+def test_exec_probes_run_the_images_python(chart):
+    """With tls.gatewayClientAuth the gateway's HTTP probes run `python -c` in the container:
+    the official Python image puts `python` on PATH, and the script uses the standard library
+    only."""
+    rendered = render(chart, {"tls": {"enabled": True, "existingSecret": "pdserve-tls",
+                                      "gatewayClientAuth": True}})
+    (base,) = [a for a in all_of("ARG") if a.startswith("PYTHON_IMAGE=")]
+    assert base.startswith("PYTHON_IMAGE=python:")
+    assert all_of("FROM") == ["${PYTHON_IMAGE}"]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = rendered.container("gateway")[kind]["exec"]["command"]
+        assert command[:2] == ["python", "-c"], kind
+        imported = re.match(r"import ([\w.,]+);", command[2]).group(1).split(",")
+        assert set(imported) <= {"http.client", "ssl", "sys"}, imported

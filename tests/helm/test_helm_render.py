@@ -17,56 +17,13 @@ from chart_testkit import (
     COMPONENTS,
     KUBE_VERSION,
     RELEASE,
+    SERVICE_MONITOR_SCHEMA,
     check_golden,
     load_values,
 )
 
 # Kinds that are CRDs, not in Kubernetes' schemas: validated by test_crd_objects instead.
 CRD_KINDS = {"ServiceMonitor"}
-
-DURATION = {"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(ms|s|m|h))+$"}
-# The ServiceMonitor fields we use (monitoring.coreos.com/v1), closed so that a typo fails.
-SERVICE_MONITOR_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object",
-            "required": ["name", "namespace"],
-            "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                                    "maxLength": 63}},
-        },
-        "spec": {
-            "type": "object",
-            "required": ["selector", "endpoints"],
-            "additionalProperties": False,
-            "properties": {
-                "jobLabel": {"type": "string"},
-                "namespaceSelector": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {"any": {"type": "boolean"},
-                                   "matchNames": {"type": "array", "items": {"type": "string"}}},
-                },
-                "selector": {
-                    "type": "object", "additionalProperties": False, "minProperties": 1,
-                    "properties": {"matchLabels": {"type": "object"},
-                                   "matchExpressions": {"type": "array"}},
-                },
-                "endpoints": {
-                    "type": "array", "minItems": 1,
-                    "items": {
-                        "type": "object", "required": ["port"], "additionalProperties": False,
-                        "properties": {"port": {"type": "string", "minLength": 1},
-                                       "path": {"type": "string", "pattern": "^/"},
-                                       "interval": DURATION, "scrapeTimeout": DURATION},
-                    },
-                },
-            },
-        },
-    },
-}
 
 
 def test_lint_has_no_errors_or_warnings(values_name):

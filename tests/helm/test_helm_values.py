@@ -50,6 +50,16 @@ def test_values_files_pass_the_schema(chart, name):
     ({"metrics": {"serviceMonitor": {"interval": "30"}}}, "/metrics/serviceMonitor/interval",
      "does not match pattern"),
     ({"gateway": {"pdb": {"maxUnavailable": "one"}}}, "/gateway/pdb/maxUnavailable", ""),
+    ({"tls": {"enabled": "yes"}}, "/tls/enabled", "got string, want boolean"),
+    ({"tls": {"gatewayClientAuth": 1}}, "/tls/gatewayClientAuth", "want boolean"),
+    ({"tls": {"enabled": True, "existingSecret": "My_Secret"}}, "/tls/existingSecret",
+     "does not match pattern"),
+    ({"tls": {"certKey": ""}}, "/tls/certKey", "does not match pattern"),
+    ({"tls": {"caKey": "ca/crt"}}, "/tls/caKey", "does not match pattern"),
+    ({"tls": {"serverName": "https://pdserve.svc"}}, "/tls/serverName", "does not match pattern"),
+    ({"tls": {"secretName": "pdserve-tls"}}, "/tls",
+     "additional properties 'secretName' not allowed"),
+    ({"tls": {"keyKey": None}}, "/tls", "missing property 'keyKey'"),
 ])
 def test_schema_rejects_bad_values(chart, values, where, why):
     with pytest.raises(helm.HelmValuesError) as error:
@@ -75,6 +85,14 @@ def test_schema_rejects_bad_values(chart, values, where, why):
      "decode.autoscaling is enabled without a metric"),
     ({"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
      "gateway.autoscaling.minReplicas is above maxReplicas"),
+    ({"tls": {"enabled": True}}, "tls.enabled needs tls.existingSecret"),
+    ({"tls": {"gatewayClientAuth": True}}, "tls.gatewayClientAuth needs tls.enabled"),
+    ({"tls": {"enabled": True, "existingSecret": "tls"},
+      "decode": {"livenessProbe": {"grpc": {"port": 50071}}}},
+     "decode.livenessProbe: gRPC probes cannot do TLS"),
+    ({"tls": {"enabled": True, "existingSecret": "tls", "gatewayClientAuth": True},
+      "gateway": {"startupProbe": {"httpGet": {"path": "/metrics", "port": "grpc"}}}},
+     "gateway.startupProbe: httpGet port \"grpc\" is not the gateway's HTTP port"),
 ])
 def test_templates_refuse_inconsistent_values(chart, values, why):
     with pytest.raises(helm.HelmRenderError) as error:

@@ -21,6 +21,7 @@ through `int` or `toString` so that large values never render as 1e+06.
 - {{ $v.maxQueueWait | toString | quote }}
 - --grace
 - {{ $v.grace | toString | quote }}
+{{- include "pdserve.tlsArgs" (list . "gateway") }}
 {{- include "pdserve.modelArgs" . }}
 {{- end }}
 
@@ -41,6 +42,7 @@ through `int` or `toString` so that large values never render as 1e+06.
 {{ include "pdserve.redisArgs" $root }}
 - --worker-id
 - $(POD_NAME)
+{{- include "pdserve.tlsArgs" (list $root $name) }}
 {{- if eq $name "decode" }}
 - --transports
 - {{ join "," $v.transports | quote }}

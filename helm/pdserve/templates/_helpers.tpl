@@ -98,6 +98,36 @@ app.kubernetes.io/part-of: pdserve
 {{- end }}
 {{- end }}
 
+{{- define "pdserve.tlsDir" -}}/etc/pdserve/tls{{- end }}
+
+{{/* The name expected in the workers' certificate: tls.serverName, else the gateway Service's. */}}
+{{- define "pdserve.tlsServerName" -}}
+{{- default (printf "%s.%s.svc" (include "pdserve.componentName" (list . "gateway")) .Release.Namespace) .Values.tls.serverName }}
+{{- end }}
+
+{{/*
+--tls-* flags (tls.enabled), one per line as YAML list items: args (root, component). The same
+files and server name for every process; --tls-client-auth exists on the gateway only.
+*/}}
+{{- define "pdserve.tlsArgs" -}}
+{{- $root := index . 0 }}
+{{- $name := index . 1 }}
+{{- if $root.Values.tls.enabled }}
+{{- $dir := include "pdserve.tlsDir" $root }}
+- --tls-cert
+- {{ printf "%s/tls.crt" $dir | quote }}
+- --tls-key
+- {{ printf "%s/tls.key" $dir | quote }}
+- --tls-ca
+- {{ printf "%s/ca.crt" $dir | quote }}
+- --tls-server-name
+- {{ include "pdserve.tlsServerName" $root | quote }}
+{{- if and (eq $name "gateway") $root.Values.tls.gatewayClientAuth }}
+- --tls-client-auth
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* --model, when the values name one. */}}
 {{- define "pdserve.modelArgs" -}}
 {{- if .Values.model.path }}
@@ -144,6 +174,12 @@ args (root, component).
 {{- if and .Values.redis.auth.enabled (not .Values.redis.auth.existingSecret) (not .Values.redis.auth.password) }}
 {{- fail "redis.auth.enabled needs redis.auth.password or redis.auth.existingSecret" }}
 {{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
+{{- fail "tls.enabled needs tls.existingSecret: the Secret holding the certificate, its key and the CA (tls.crt, tls.key, ca.crt, as cert-manager writes them)" }}
+{{- end }}
+{{- if and .Values.tls.gatewayClientAuth (not .Values.tls.enabled) }}
+{{- fail "tls.gatewayClientAuth needs tls.enabled" }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -163,11 +199,71 @@ equal in both): args (root, component values).
 {{- toYaml $res }}
 {{- end }}
 
-{{/* A probe from values; one without a handler checks gRPC health on `port`: args (probe, port). */}}
+{{/*
+The exec probe that replaces an HTTPS httpGet probe when the gateway requires client
+certificates (tls.gatewayClientAuth; the kubelet cannot present one): the same GET from inside
+the pod with its own certificate, success on 200-399 as for httpGet. Python's standard library
+only (the image's python). args: root, port (number), path, timeout (seconds).
+*/}}
+{{- define "pdserve.httpsExecProbe" -}}
+{{- $dir := printf "%s/" (include "pdserve.tlsDir" .root) -}}
+command:
+  - python
+  - -c
+  - {{ printf "import http.client,ssl,sys;d=%q;c=ssl.create_default_context(cafile=d+\"ca.crt\");c.check_hostname=False;c.load_cert_chain(d+\"tls.crt\",d+\"tls.key\");h=http.client.HTTPSConnection(\"127.0.0.1\",int(sys.argv[1]),context=c,timeout=float(sys.argv[3]));h.request(\"GET\",sys.argv[2]);sys.exit(0 if 200<=h.getresponse().status<400 else 1)" $dir | quote }}
+  - {{ .port | int | quote }}
+  - {{ .path | quote }}
+  - {{ .timeout | int | quote }}
+{{- end }}
+
+{{/*
+A probe from values: args dict root, name (component), probe, grpcPort.
+Without TLS, a probe without a handler checks gRPC health on grpcPort. With tls.enabled the
+kubelet's gRPC probes cannot connect (they speak plaintext), so:
+  - a grpc handler fails the render;
+  - without a handler, the gateway fetches /health on its HTTP port (the status its gRPC health
+    reports) and a worker opens a TCP connection to its gRPC port (bound once the model has
+    loaded; the health it replaces is SERVING from then until shutdown);
+  - the gateway's httpGet probes use HTTPS; with tls.gatewayClientAuth they become exec probes
+    (pdserve.httpsExecProbe). Worker httpGet probes stay HTTP (the metrics port is plaintext).
+*/}}
 {{- define "pdserve.probe" -}}
-{{- $probe := deepCopy (index . 0) }}
-{{- if not (or $probe.grpc $probe.httpGet $probe.tcpSocket $probe.exec) }}
-{{- $_ := set $probe "grpc" (dict "port" (int (index . 1))) }}
+{{- $root := .root }}
+{{- $name := .name }}
+{{- $tls := $root.Values.tls }}
+{{- $probe := deepCopy .probe }}
+{{- $hasHandler := or $probe.grpc $probe.httpGet $probe.tcpSocket $probe.exec }}
+{{- if not $tls.enabled }}
+{{- if not $hasHandler }}
+{{- $_ := set $probe "grpc" (dict "port" (int .grpcPort)) }}
+{{- end }}
+{{- else }}
+{{- if $probe.grpc }}
+{{- fail (printf "%s.%s: gRPC probes cannot do TLS (tls.enabled); leave the handler out for a TLS-compatible one, or use tcpSocket or exec" $name .kind) }}
+{{- end }}
+{{- if not $hasHandler }}
+{{- if eq $name "gateway" }}
+{{- $_ := set $probe "httpGet" (dict "path" "/health" "port" "http") }}
+{{- else }}
+{{- $_ := set $probe "tcpSocket" (dict "port" "grpc") }}
+{{- end }}
+{{- end }}
+{{- if and $probe.httpGet (eq $name "gateway") }}
+{{- if $tls.gatewayClientAuth }}
+{{- $port := $probe.httpGet.port }}
+{{- if kindIs "string" $port }}
+{{- if ne $port "http" }}
+{{- fail (printf "gateway.%s: httpGet port %q is not the gateway's HTTP port" .kind $port) }}
+{{- end }}
+{{- $port = $root.Values.gateway.ports.http }}
+{{- end }}
+{{- $exec := include "pdserve.httpsExecProbe" (dict "root" $root "port" $port "path" (default "/" $probe.httpGet.path) "timeout" (default 1 $probe.timeoutSeconds)) | fromYaml }}
+{{- $_ := unset $probe "httpGet" }}
+{{- $_ := set $probe "exec" $exec }}
+{{- else }}
+{{- $_ := set $probe.httpGet "scheme" "HTTPS" }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- toYaml $probe }}
 {{- end }}
@@ -269,12 +365,10 @@ spec:
         {{- with $c.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      startupProbe:
-        {{- include "pdserve.probe" (list $c.startupProbe .grpcPort) | nindent 8 }}
-      readinessProbe:
-        {{- include "pdserve.probe" (list $c.readinessProbe .grpcPort) | nindent 8 }}
-      livenessProbe:
-        {{- include "pdserve.probe" (list $c.livenessProbe .grpcPort) | nindent 8 }}
+      {{- range $kind := list "startupProbe" "readinessProbe" "livenessProbe" }}
+      {{ $kind }}:
+        {{- include "pdserve.probe" (dict "root" $root "name" $name "kind" $kind "probe" (index $c $kind) "grpcPort" $.grpcPort) | nindent 8 }}
+      {{- end }}
       resources:
         {{- include "pdserve.resources" (list $root $c) | nindent 8 }}
       securityContext:
@@ -297,6 +391,11 @@ spec:
         {{- if $root.Values.redis.tls.enabled }}
         - name: redis-tls
           mountPath: {{ include "pdserve.redisTlsDir" $root }}
+          readOnly: true
+        {{- end }}
+        {{- if $root.Values.tls.enabled }}
+        - name: tls
+          mountPath: {{ include "pdserve.tlsDir" $root }}
           readOnly: true
         {{- end }}
   volumes:
@@ -329,6 +428,19 @@ spec:
           - key: {{ $root.Values.redis.tls.keyKey }}
             path: tls.key
           {{- end }}
+    {{- end }}
+    {{- if $root.Values.tls.enabled }}
+    - name: tls
+      secret:
+        secretName: {{ $root.Values.tls.existingSecret }}
+        defaultMode: 0440
+        items:
+          - key: {{ $root.Values.tls.certKey }}
+            path: tls.crt
+          - key: {{ $root.Values.tls.keyKey }}
+            path: tls.key
+          - key: {{ $root.Values.tls.caKey }}
+            path: ca.crt
     {{- end }}
 {{- end }}
 
