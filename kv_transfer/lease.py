@@ -18,8 +18,10 @@ Invariants (check_integrity() asserts the ones that are state):
   happen inside `writing()`, under the table lock, so a lease cannot end in mid-write.
 - A one-sided lease (shm, cuda_ipc: the sender writes into the pool itself) that is aborted
   while its sender may still be writing keeps its blocks until the sender acknowledges
-  (abort with writer_stopped=True) or the deadline passes; senders stop writing a margin
-  before the deadline (session.py). Deadlines are therefore only ever extended.
+  (abort with writer_stopped=True), or the deadline has passed and the sender's process
+  (pid + start time, kv_transfer/process.py) no longer runs; senders stop writing a margin
+  before the deadline (session.py), but a frozen one would finish its copy on resuming.
+  Deadlines are therefore only ever extended.
 - No block belongs to two leases that still hold blocks.
 - A lease past its deadline is EXPIRED for every verb, whether or not expire_due() ran.
   Deadlines follow progress: RESERVED gets ttl_s from open and from each renew() (the gateway
@@ -42,6 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from kv_transfer.errors import LeaseEndedError, LeaseError, UnknownLeaseError
+from kv_transfer.process import is_running
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -75,6 +78,7 @@ class Lease:
     transport: str = ""  # "grpc" | "shm" | "cuda_ipc" once a sender has begun
     is_one_sided: bool = False  # the sender writes into the pool directly (shm, cuda_ipc)
     is_writer_active: bool = False  # a one-sided sender may be writing right now
+    writer: tuple[int, int] = (0, 0)  # one-sided sender's (pid, start ticks); (0, 0): unknown
     layer_crc32: tuple[tuple[int, int], ...] = ()  # (layer, crc32) as announced by LayerDone
     num_bytes_received: int = 0  # two-sided only: payload bytes written, all layers
     reason: str = ""  # why it ended (terminal states)
@@ -91,12 +95,14 @@ class LeaseTable:
     """Thread-safe table of the leases of one decode worker (grpc.aio thread + engine thread)."""
 
     def __init__(self, on_release: ReleaseCallback, *, claim_ttl_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, max_remembered: int = 4096):
+                 clock: Callable[[], float] = time.monotonic, max_remembered: int = 4096,
+                 is_running: Callable[[int, int], bool] = is_running):
         if claim_ttl_s <= 0:
             raise ValueError(f"claim_ttl_s must be > 0, got {claim_ttl_s}")
         self._on_release = on_release
         self._claim_ttl_s = claim_ttl_s
         self._clock = clock
+        self._is_running = is_running  # (pid, start ticks) -> whether that process still runs
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}  # every lease that still holds its blocks
         self._block_owner: dict[int, str] = {}  # block id -> lease id, over self._leases
@@ -155,7 +161,7 @@ class LeaseTable:
             return self._put(replace(lease, deadline=max(lease.deadline, now + ttl_s)))
 
     def begin(self, lease_id: str, block_ids: Sequence[int], transport: str,
-              is_one_sided: bool) -> Lease:
+              is_one_sided: bool, writer: tuple[int, int] = (0, 0)) -> Lease:
         """A sender arrives: RESERVED -> RECEIVING. Its destination blocks must be the lease's.
         The transfer gets the lease's full ttl from now (however long the queue was)."""
         with self._transition(lease_id, LeaseState.RESERVED) as (lease, now):
@@ -164,6 +170,7 @@ class LeaseTable:
                                            f"lease's blocks {list(lease.block_ids)}")
             return self._put(replace(lease, state=LeaseState.RECEIVING, transport=transport,
                                      is_one_sided=is_one_sided, is_writer_active=is_one_sided,
+                                     writer=writer if is_one_sided else (0, 0),
                                      deadline=max(lease.deadline, now + lease.ttl_s)))
 
     @contextmanager
@@ -212,7 +219,7 @@ class LeaseTable:
             if lease is None:
                 return False
             if lease.state.is_terminal:  # aborted earlier, release deferred for the writer
-                if writer_stopped or now >= lease.deadline:
+                if writer_stopped or not self._may_write(lease, now):
                     self._retire(lease)
                 return False
             if now >= lease.deadline:
@@ -228,10 +235,10 @@ class LeaseTable:
         with self._locked(now) as now:
             due = [lease for lease in self._leases.values() if now >= lease.deadline]
             for lease in due:
-                if lease.state.is_terminal:
-                    self._retire(lease)
-                else:
+                if not lease.state.is_terminal:
                     self._end(lease, LeaseState.EXPIRED, self._expiry_reason(lease), now)
+                elif not self._may_write(lease, now):
+                    self._retire(lease)
             return list(self._released)
 
     def claim(self, lease_id: str) -> list[int]:
@@ -291,7 +298,7 @@ class LeaseTable:
                 raise LeaseEndedError(lease_id, ended.state.name, ended.reason)
             if not lease.state.is_terminal and now >= lease.deadline:
                 lease = self._end(lease, LeaseState.EXPIRED, self._expiry_reason(lease), now)
-            elif lease.state.is_terminal and now >= lease.deadline:
+            elif lease.state.is_terminal and not self._may_write(lease, now):
                 self._retire(lease)
             if lease.state.is_terminal:
                 raise LeaseEndedError(lease_id, lease.state.name, lease.reason)
@@ -307,8 +314,8 @@ class LeaseTable:
         """Move a held lease to a terminal state; its blocks go unless a one-sided writer
         may still be writing into them before the deadline."""
         lease = replace(lease, state=state, reason=reason)
-        if lease.is_writer_active and now < lease.deadline:
-            return self._put(lease)  # released on the writer's ack or at the deadline
+        if self._may_write(lease, now):
+            return self._put(lease)  # released on the writer's ack, its exit or the deadline
         self._retire(lease)
         return lease
 
@@ -322,6 +329,15 @@ class LeaseTable:
         self.num_ended[lease.state.name] += 1
         if lease.state is not LeaseState.CLAIMED:
             self._released.append(lease)
+
+    def _may_write(self, lease: Lease, now: float) -> bool:
+        """Whether a one-sided sender may still write into the lease's blocks: it has not
+        said it stopped and the deadline (which it stops writing before) has not passed, or
+        it still runs. A sender frozen past the deadline (SIGSTOP, a paused VM) would finish
+        the copy in progress when it resumes, so its blocks wait for its ack or its exit."""
+        if not lease.is_writer_active:
+            return False
+        return now < lease.deadline or self._is_running(*lease.writer)
 
     @staticmethod
     def _expiry_reason(lease: Lease) -> str:

@@ -102,11 +102,14 @@ class KVReceiver:
         return HandshakeResult(kind, self._shm_pool if kind == "shm" else None,
                                export_handle(self.kv_cache) if kind == "cuda_ipc" else None)
 
-    def begin(self, lease_id: str, dst_block_ids: Sequence[int], kind: str) -> float:
-        """A sender starts on a lease; returns the seconds left before its deadline."""
+    def begin(self, lease_id: str, dst_block_ids: Sequence[int], kind: str,
+              writer: tuple[int, int] = (0, 0)) -> float:
+        """A sender starts on a lease; returns the seconds left before its deadline.
+        writer: a one-sided sender's (pid, start ticks), see kv_transfer/process.py."""
         if kind not in self.allowed_kinds:
             raise TransportRefusedError(f"transport {kind} is not enabled on this receiver")
-        lease = self.leases.begin(lease_id, dst_block_ids, kind, is_one_sided=kind != "grpc")
+        lease = self.leases.begin(lease_id, dst_block_ids, kind, is_one_sided=kind != "grpc",
+                                  writer=writer)
         return lease.deadline - self.leases.now()
 
     def write_chunk(self, lease_id: str, layer: int, dst_block_ids: Sequence[int],

@@ -91,7 +91,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
     async def Begin(self, request, context):
         try:
             remaining_s = self.receiver.begin(request.lease_id, list(request.dst_block_ids),
-                                              wire.kind_from_proto(request.transport))
+                                              wire.kind_from_proto(request.transport),
+                                              (request.sender_pid, request.sender_start_ticks))
         except Exception as e:
             await _abort_with(context, e)
         return pb.BeginResponse(remaining_ms=_ms(remaining_s))

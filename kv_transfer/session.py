@@ -38,6 +38,7 @@ from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.blocks import gather_blocks
 from kv_transfer.errors import TransferError
+from kv_transfer.process import my_identity
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
 log = logging.getLogger("pdserve.kv_transfer")
@@ -225,9 +226,11 @@ class SendSession:
     def _run(self) -> None:
         try:
             sent = time.monotonic()
+            pid, ticks = (0, 0) if self.is_two_sided else my_identity()
             reply = self._stub.Begin(pb.BeginRequest(
                 lease_id=self.lease_id, dst_block_ids=self._dst_ids,
-                transport=wire.kind_to_proto(self.kind)), timeout=self._options.rpc_timeout_s)
+                transport=wire.kind_to_proto(self.kind), sender_pid=pid,
+                sender_start_ticks=ticks), timeout=self._options.rpc_timeout_s)
             self._lease_deadline = sent + reply.remaining_ms / 1000
             self._pump()
             if self._stop_reason:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import subprocess
 import threading
 import time
 
 import pytest
 
 from kv_transfer import LeaseEndedError, LeaseError, LeaseState, LeaseTable, UnknownLeaseError
+from kv_transfer.process import is_running, my_identity, start_ticks
 
 
 class Clock:
@@ -215,6 +217,42 @@ def test_one_sided_abort_without_ack_releases_at_the_deadline(table, released, c
     clock.now += 0.1
     assert len(table.expire_due()) == 1
     assert released == [(lease.lease_id, LeaseState.ABORTED, "decode cancelled")]
+
+
+def test_one_sided_writer_frozen_past_the_deadline_keeps_its_blocks(clock):
+    """A sender frozen (SIGSTOP) mid-copy would finish that copy on resuming: while its process
+    runs, the blocks stay held past the deadline; its exit or its ack releases them."""
+    released, running = [], {(4242, 77)}
+    table = LeaseTable(lambda lease, reason: released.append(lease.state), clock=clock,
+                       is_running=lambda pid, ticks: (pid, ticks) in running)
+    frozen = table.open("r1", [1, 2], ttl_s=10)
+    table.begin(frozen.lease_id, [1, 2], "shm", is_one_sided=True, writer=(4242, 77))
+    acked = table.open("r2", [3], ttl_s=10)
+    table.begin(acked.lease_id, [3], "shm", is_one_sided=True, writer=(4242, 77))
+    clock.now += 60  # far past both deadlines: expired, but the writer process still runs
+    assert table.expire_due() == [] and released == []
+    assert table.num_blocks_held == 3
+    with pytest.raises(LeaseEndedError, match="EXPIRED"):
+        table.record_layer(frozen.lease_id, 0, 1)  # no verb revives it
+    table.abort(acked.lease_id, "sender stopped", writer_stopped=True)  # its ack
+    assert released == [LeaseState.EXPIRED] and table.num_blocks_held == 2
+    running.clear()  # the frozen sender exits (killed, or it resumed and ended)
+    assert [x.lease_id for x in table.expire_due()] == [frozen.lease_id]
+    assert table.num_blocks_held == 0
+    table.check_integrity()
+
+
+def test_process_identity_of_real_processes():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        ticks = start_ticks(proc.pid)
+        assert ticks > 0 and is_running(proc.pid, ticks)
+        assert not is_running(proc.pid, ticks + 1)  # another process under a reused pid
+        assert is_running(*my_identity())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not is_running(proc.pid, ticks) and not is_running(0, 0)
 
 
 def test_a_failing_release_callback_does_not_break_the_table(clock):

@@ -89,7 +89,10 @@ def test_a_stalled_sender_lets_the_lease_expire(make_rig, kind):
     rig = make_rig(kind, LAYOUTS[0])
     conn, session, lease, src_kv = start(rig, kind, ttl_s=0.6)
     with conn:
-        assert wait_until(lambda: rig.releases_of(lease.lease_id), timeout_s=3)
+        # grpc: released at the deadline. shm: the sender's process runs, so its blocks wait
+        # for its word that it stopped writing: its session gives up rpc_timeout_s (5 s) after
+        # the deadline when no layer comes, and says so.
+        assert wait_until(lambda: rig.releases_of(lease.lease_id), timeout_s=15)
         [(released, reason)] = rig.releases_of(lease.lease_id)
         assert released.state is LeaseState.EXPIRED and "RECEIVING (1 layers" in reason
         assert rig.table.num_blocks_held == 0

@@ -107,14 +107,18 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device_index: _Optional[int] = ..., mem_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_size: _Optional[_Iterable[int]] = ..., tensor_stride: _Optional[_Iterable[int]] = ..., tensor_offset: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("lease_id", "dst_block_ids", "transport")
+    __slots__ = ("lease_id", "dst_block_ids", "transport", "sender_pid", "sender_start_ticks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_START_TICKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transport: TransportKind
-    def __init__(self, lease_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[_Union[TransportKind, str]] = ...) -> None: ...
+    sender_pid: int
+    sender_start_ticks: int
+    def __init__(self, lease_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., sender_pid: _Optional[int] = ..., sender_start_ticks: _Optional[int] = ...) -> None: ...
 
 class BeginResponse(_message.Message):
     __slots__ = ("remaining_ms",)
