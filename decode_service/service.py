@@ -102,7 +102,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return pb.AbortRequestResponse(found=found)
 
     async def Status(self, request: pb.StatusRequest, context) -> pb.WorkerStatus:
-        s = await self.worker.status()
+        s = self.worker.status_now()
         eng = self.worker.engine
         return pb.WorkerStatus(
             role="decode", model=eng.source.name, layout_fingerprint=eng.layout.fingerprint(),

@@ -133,6 +133,11 @@ class DecodeWorker(ColocatedBackend):
         result["num_leases"] = len(self.leases.leases())
         return result
 
+    def status_now(self) -> dict:
+        result = super().status_now()
+        result["num_reserved"] = len(self.reservations)
+        return result
+
     # -- the engine thread --------------------------------------------------------------------
     def _add(self, stream: _Stream) -> None:
         admission = self._admissions.pop(stream.inp.req_id, None)

@@ -9,6 +9,19 @@ from pdserve.tls import add_tls_arguments
 from pdserve.worker_args import add_redis_arguments, add_speculative_arguments
 
 
+def add_admission_arguments(p) -> None:
+    """How the disaggregated gateway holds decode room (also `pdserve up`'s, passed on)."""
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a decode worker holds reserved blocks without news: renewed "
+                        "every third of it while the prompt is queued for prefill; the KV "
+                        "transfer gets this long from its start and from each layer")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests that may wait at once for a decode worker with room; more "
+                        "get RESOURCE_EXHAUSTED (HTTP 429)")
+    p.add_argument("--max-queue-wait", type=float, default=300.0,
+                   help="seconds a request may wait for a decode worker with room")
+
+
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `pdserve gateway`. The disaggregated mode finds its workers at static
     addresses (--prefill ADDR... --decode ADDR...) or in Redis (--redis-url)."""
@@ -21,15 +34,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                       help="decode workers (disaggregated mode)")
     mode.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
                       help="KV transport between the pools (auto: by locality)")
-    mode.add_argument("--lease-ttl", type=float, default=30.0,
-                      help="seconds a decode worker holds reserved blocks without news: "
-                           "renewed every third of it while the prompt is queued for prefill; "
-                           "the KV transfer gets this long from its start")
-    mode.add_argument("--max-waiting", type=int, default=1024,
-                      help="requests that may wait at once for a decode worker with room; "
-                           "more get RESOURCE_EXHAUSTED (HTTP 429)")
-    mode.add_argument("--max-queue-wait", type=float, default=300.0,
-                      help="seconds a request may wait for a decode worker with room")
+    add_admission_arguments(mode)
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

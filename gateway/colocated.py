@@ -135,6 +135,17 @@ class ColocatedBackend:
         result["num_streams"] = len(self._streams)
         return result
 
+    def status_now(self) -> dict[str, Any]:
+        """The counters as they are, read from this thread without waiting for the engine
+        step in progress (a long prefill step takes seconds): each number is consistent on
+        its own, not with the others while requests run. Workers answer Status with this, so
+        a busy worker answers at once and only a stalled one times out."""
+        sched, kv = self.engine.scheduler, self.engine.kv
+        return {"num_running": sched.num_running, "num_waiting": sched.num_waiting,
+                "num_free_blocks": kv.num_free_blocks, "num_blocks": kv.pool.num_blocks,
+                **({"speculative": self.engine.spec.stats.as_dict()}
+                   if self.engine.spec is not None else {})}
+
     async def close(self) -> None:
         with self._cv:
             if self._closed:

@@ -10,8 +10,9 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
                                           against the queue from here: gateway/routing.py;
                                           equal: the prompt's first block picks one, so shared
                                           prefixes land on the same cache)
-      while P queues the prompt: D.RenewLease every lease_ttl / 3 (queues may be long; a
-                                          gateway that dies stops renewing, the lease expires)
+      while P runs it: D.RenewLease every lease_ttl / 3 (queues may be long; a gateway that
+                                          dies stops renewing, the lease expires); a lease that
+                                          ended or a P that stalled -> run it elsewhere
       P.Prefill(prompt, lease, blocks) -> KV pushed layer by layer, committed, verified;
                                           the first token
       D.Decode(first token)            -> stream of chunks to the client
@@ -31,7 +32,7 @@ import contextlib
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -63,6 +64,7 @@ from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 5.0
+STALL_STATUS_TIMEOUTS = 3  # Status timeouts in a row that make a worker count as stalled
 READY_TIMEOUT_S = 5.0
 REFRESH_S = 1.0
 MAX_ATTEMPTS = 3  # a request survives two lost workers (prefill, decode or transfer)
@@ -102,6 +104,7 @@ class Worker:
     is_healthy: bool = False
     worker_id: str = ""  # as discovery names it ("" for static addresses)
     epoch: int = 0  # discovery's restart epoch: another one at this address is a new process
+    num_slow_status: int = 0  # Status calls in a row that timed out
 
 
 class DisaggregatedBackend:
@@ -227,11 +230,14 @@ class DisaggregatedBackend:
         async def one(w: Worker) -> None:
             try:
                 w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
-                w.is_healthy = True
+                w.is_healthy, w.num_slow_status = True, 0
             except grpc.aio.AioRpcError as e:
-                # Status runs between two engine steps: a slow answer is a busy worker (a long
-                # prefill step), not a dead one; keep what we knew. Unreachable is unhealthy.
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.status is None:
+                # Status runs between two engine steps: one slow answer is a busy worker (a
+                # long prefill step), not a dead one; STALL_STATUS_TIMEOUTS in a row is a
+                # stalled one. Unreachable is unhealthy at once.
+                w.num_slow_status += e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if (e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.status is None
+                        or w.num_slow_status >= STALL_STATUS_TIMEOUTS):
                     w.is_healthy = False
 
         await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
@@ -333,9 +339,9 @@ class DisaggregatedBackend:
                     raise WorkerLost("decode", f"decode worker {decode.address}: "
                                            f"{e.details()}") from None
                 raise
-        except grpc.aio.AioRpcError as e:
-            if client_id not in self._aborted:
-                raise self._error(e, inp) from None
+        except (grpc.aio.AioRpcError, WorkerLost) as e:
+            if client_id not in self._aborted:  # (the client's abort also ends the handoff)
+                raise e if isinstance(e, WorkerLost) else self._error(e, inp) from None
             is_done = True  # aborted before decoding began: end the stream like the engine does
             yield GenerateChunk([], "", None, "abort", len(inp.prompt_token_ids), 0)
         finally:
@@ -417,13 +423,26 @@ class DisaggregatedBackend:
         first = res.num_cached_tokens // self.block_size
         prefill = await self._pick_prefill(inp.prompt_token_ids)  # <= PREFIX_QUERY_TIMEOUT_S
         prefill.in_flight += 1
-        renewer = asyncio.create_task(self._keep_reserved(decode, inp.req_id, res.lease_id))
+        call = prefill.stub.Prefill(pb.PrefillRequest(
+            request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
+            target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
+                               dst_block_ids=res.block_ids[first:], first_block=first,
+                               transport=self.transport)), timeout=self._remaining(inp))
+        lost: list[str] = []  # why the watcher gave up on this call
+
+        def give_up(why: str) -> None:
+            lost.append(why)
+            call.cancel()
+
+        watcher = asyncio.create_task(self._watch_lease(decode, prefill, inp.req_id,
+                                                        res.lease_id, give_up))
         try:
-            return await prefill.stub.Prefill(pb.PrefillRequest(
-                request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
-                target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
-                                   dst_block_ids=res.block_ids[first:], first_block=first,
-                                   transport=self.transport)), timeout=self._remaining(inp))
+            return await call
+        except asyncio.CancelledError:
+            if not lost:  # our own task is being cancelled (client gone, deadline)
+                raise
+            prefill.is_healthy = False
+            raise WorkerLost("prefill", lost[0]) from None
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
@@ -434,26 +453,36 @@ class DisaggregatedBackend:
             raise WorkerLost("prefill", f"prefill worker {prefill.address}: "
                                         f"{e.details()}") from None
         finally:
-            renewer.cancel()
+            watcher.cancel()
             prefill.in_flight -= 1
 
-    async def _keep_reserved(self, decode: Worker, req_id: str, lease_id: str) -> None:
-        """Renew the reservation's lease every third of its ttl while the prompt waits for a
-        prefill worker, however long the queue. Ends when the transfer begins (the deadline
-        then bounds it) or the lease has ended (the Prefill call reports why). Without this
-        gateway (crashed, partitioned) the lease expires within one ttl and frees the blocks."""
+    async def _watch_lease(self, decode: Worker, prefill: Worker, req_id: str, lease_id: str,
+                           give_up: Callable[[str], None]) -> None:
+        """While the Prefill call runs, every third of the lease ttl: renew the lease while
+        the prompt waits in the prefill queue, however long (RESERVED); once the transfer has
+        begun, only watch (its deadline stands: a transfer without progress for a ttl
+        expires). give_up(why) when the lease has ended (expired: the transfer stalled;
+        aborted) or the prefill worker stopped answering Status (stalled: a stopped process
+        keeps its connections). Without this gateway (crashed, partitioned) nobody renews and
+        the lease expires within one ttl, freeing the blocks."""
         request = pb.RenewLeaseRequest(request_id=req_id, lease_id=lease_id,
                                        lease_ttl_s=self.lease_ttl_s)
         period = self.lease_ttl_s / 3
         while True:
             await asyncio.sleep(period)
+            if not prefill.is_healthy:
+                give_up(f"prefill worker {prefill.address} stopped answering")
+                return
             try:
                 await decode.stub.RenewLease(request, timeout=period)
             except grpc.aio.AioRpcError as e:
-                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    give_up(f"the KV transfer from {prefill.address} did not complete: "
+                            f"{e.details()}")
                     return
-                logger.warning("renewing the lease of %s on %s failed (%s): %s; retrying",
-                               req_id, decode.address, e.code().name, e.details())
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # that: transfer running
+                    logger.warning("renewing the lease of %s on %s failed (%s): %s; retrying",
+                                   req_id, decode.address, e.code().name, e.details())
 
     @staticmethod
     async def _abort_on(decode: Worker, req_id: str) -> None:

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from gateway.cli import add_admission_arguments
 from pdserve.worker_args import add_speculative_arguments, speculative_argv
 
 READY_TIMEOUT_S = 600.0  # the first run may download the model
@@ -41,12 +42,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per worker")
     p.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     p.add_argument("--no-pin", action="store_true", help="do not pin pools to CPU cores")
-    p.add_argument("--lease-ttl", type=float, default=30.0,
-                   help="seconds reserved decode blocks wait without news (see pdserve gateway)")
-    p.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests waiting at once for decode room (see pdserve gateway)")
-    p.add_argument("--max-queue-wait", type=float, default=300.0,
-                   help="seconds a request may wait for decode room (see pdserve gateway)")
+    add_admission_arguments(p)  # passed to the gateway
     add_speculative_arguments(p)  # passed to the decode workers
 
 

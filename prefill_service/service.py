@@ -139,7 +139,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return reply
 
     async def Status(self, request: pb.StatusRequest, context) -> pb.WorkerStatus:
-        s = await self.backend.status()
+        s = self.backend.status_now()
         return pb.WorkerStatus(
             role="prefill", model=self.engine.source.name,
             layout_fingerprint=self.engine.layout.fingerprint(), num_blocks=s["num_blocks"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.cluster import Cluster
 from tests.e2e.stack import References, Stack, spawn_stack, stop_stack, wait_stack
 from tests.helpers import kill_tree, log_tail
 
@@ -54,3 +55,21 @@ def _idle_after(request):
     yield
     if "stack" in request.fixturenames:
         request.getfixturevalue("stack").wait_idle()
+
+
+@pytest.fixture(scope="module")
+def cluster(request) -> Cluster:
+    """2 prefill + 2 decode workers and a gateway as separate processes (tests/e2e/cluster.py),
+    one per module that asks: fault tests kill and restart its workers."""
+    c = Cluster()
+    c.start()
+    try:
+        request.getfixturevalue("ref")  # the offline engine loads while the workers load
+        c.wait_gateway()
+        yield c
+    except BaseException:
+        for name, (_proc, log) in c.procs.items():
+            print(f"--- {name}\n{log_tail(log)}")
+        raise
+    finally:
+        c.stop()
