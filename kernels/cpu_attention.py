@@ -28,6 +28,7 @@ from kernels.checks import check_decode_args, check_prefill_args, check_store_kv
 # buffer below glibc's mmap threshold (≤ 32 MB) is reused from the heap instead of being
 # page-faulted in on every call; smaller batches are unaffected (a single group).
 MAX_GATHER_BYTES = 16 << 20
+DECODE_CHUNK = 64  # keys per softmax chunk of decode attention (see _decode)
 
 
 def _flat_rows(kv_layer: torch.Tensor) -> torch.Tensor | None:
@@ -103,7 +104,8 @@ def gather_kv(
         kv = kv.view(2, num_seqs, max_len, num_kv_heads, head_dim)
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
     positions = torch.arange(max_len, device=kv_layer.device)  # [max_len]
-    blocks = block_tables[:, positions // block_size].long()  # [num_seqs, max_len]
+    columns = (positions // block_size).clamp_max(block_tables.shape[1] - 1)  # padding past
+    blocks = block_tables[:, columns].long()  # [num_seqs, max_len]     the table reads its end
     blocks = torch.where(positions < seq_lens[:, None], blocks, 0)  # [num_seqs, max_len]
     offsets = positions % block_size  # [max_len]
     if flat is None:
@@ -171,30 +173,57 @@ def _decode(
     step_cache: dict | None = None,
     group_start: int = 0,
 ) -> torch.Tensor:
-    """Decode attention of a group of sequences with one gather and one SDPA.
+    """Decode attention of a group of sequences, batch invariant: a sequence's output is bit
+    for bit the same whatever else shares the step (continuous batching must not change a
+    greedy token).
 
-    GQA without repeating K/V: the `group` query heads sharing a KV head are presented to SDPA
-    as `group` query rows of that head (measured fastest, notably in bf16).
+    SDPA's float sums regroup with the padded key length, so one SDPA over the batch padded
+    to its longest context would make a sequence's result depend on its neighbours. Instead
+    each sequence is padded to its own length rounded up to DECODE_CHUNK keys, and sequences
+    of the same padded length share one gather and one masked SDPA (a few calls per step, not
+    one per sequence). Exact on one intra-op thread, as every worker runs: torch 2.13's CPU
+    SDPA rounds differently on its worker threads than on the calling one, so with more
+    threads a row's result depends on which thread its batch position lands on (measured;
+    the difference is ~1e-7). GQA without repeating K/V: the `group` query heads sharing a KV head
+    are presented to SDPA as `group` query rows of that head (measured fastest, notably in
+    bf16).
     """
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
     group = num_q_heads // num_kv_heads
     plan = step_cache.get(("decode", group_start)) if step_cache is not None else None
     if plan is None:
-        max_len = int(context_lens.max())
-        mask = None
-        if not bool((context_lens == max_len).all()):
-            positions = torch.arange(max_len, device=query.device)  # [L]
-            mask = (positions < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
-        plan = (max_len, mask)
+        plan = _decode_plan(block_tables, context_lens)
         if step_cache is not None:
             step_cache[("decode", group_start)] = plan
-    max_len, mask = plan
-    key, value = gather_kv(kv_layer, block_tables, context_lens, max_len,
-                           step_cache, ("decode_rows", group_start))  # [S, H, L, D] each
     q = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, H, group, D]
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    out = None if len(plan) == 1 else torch.empty_like(q)
+    for padded, index, tables, lens, mask in plan:
+        key, value = gather_kv(kv_layer, tables, lens, padded, step_cache,
+                               ("decode_rows", group_start, padded))  # [s, H, L, D] each
+        part = F.scaled_dot_product_attention(q if index is None else q[index], key, value,
+                                              attn_mask=mask, scale=scale)
+        if out is None:
+            return part.reshape(num_seqs, num_q_heads, head_dim)
+        out[index] = part
     return out.reshape(num_seqs, num_q_heads, head_dim)  # [S, num_q_heads, D]
+
+
+def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor) -> list[tuple]:
+    """(padded length, sequence indices or None for all, their block tables, context lengths,
+    key mask [s, 1, 1, padded]) for each padded length present."""
+    padded_lens = (context_lens + DECODE_CHUNK - 1) // DECODE_CHUNK * DECODE_CHUNK
+    plan = []
+    for padded in padded_lens.unique().tolist():
+        index = None
+        tables, lens = block_tables, context_lens
+        if plan or bool((padded_lens != padded).any()):
+            index = torch.nonzero(padded_lens == padded).squeeze(1)
+            tables, lens = block_tables[index], context_lens[index]
+        positions = torch.arange(padded, device=context_lens.device)
+        mask = (positions < lens[:, None])[:, None, None, :]  # [s, 1, 1, padded]
+        plan.append((padded, index, tables, lens, mask))
+    return plan
 
 
 def paged_prefill_attention_torch(

@@ -11,6 +11,7 @@ from kernels import cpu_attention, paged_decode_attention
 from kernels.cpu_attention import _flat_rows, paged_decode_attention_torch
 from kernels.reference import paged_decode_attention_ref
 from kernels.testing import DecodeInputs, assert_close_to_reference, make_decode_inputs
+from tests.helpers import torch_threads
 
 # (num_q_heads, num_kv_heads): GQA ratios 1, 3 and 4.
 HEADS = [(4, 4), (6, 2), (8, 2)]
@@ -133,3 +134,31 @@ def test_decode_torch_in_sequence_groups(
     assert len(cpu_attention.sequence_chunks(5, 2 * 100 * 2 * 32 * 4)) > 1
     expected = paged_decode_attention_ref(*inputs.args())
     assert_close_to_reference(paged_decode_attention_torch(*inputs.args()), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_torch_is_batch_invariant(seed: int, dtype: torch.dtype) -> None:
+    """A sequence's output is bit for bit the same alone or in any batch, at any row: the
+    continuous-batching guarantee behind "batched tokens equal one-at-a-time tokens". On one
+    thread, as every worker runs (see `_decode` for why more threads round differently)."""
+    with torch_threads(1):
+        _check_batch_invariance(seed, dtype)
+
+
+def _check_batch_invariance(seed: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    context_lens = torch.randint(1, 300, (7,), generator=generator).tolist()
+    context_lens[0] = cpu_attention.DECODE_CHUNK + 1  # one key into a second chunk
+    inputs = _decode_inputs(context_lens, (9, 3), 64, 16, dtype, seed=seed)
+    batched = paged_decode_attention_torch(*inputs.args())
+    order = torch.randperm(len(context_lens), generator=generator)
+    permuted = paged_decode_attention_torch(
+        inputs.query[order], inputs.kv_layer, inputs.block_tables[order],
+        inputs.context_lens[order], inputs.scale)
+    assert torch.equal(permuted, batched[order])
+    for s in range(len(context_lens)):
+        alone = paged_decode_attention_torch(
+            inputs.query[s : s + 1], inputs.kv_layer, inputs.block_tables[s : s + 1],
+            inputs.context_lens[s : s + 1], inputs.scale)
+        assert torch.equal(alone[0], batched[s]), f"sequence {s} ({context_lens[s]} keys)"
