@@ -14,6 +14,13 @@ one-at-a-time output. Weights come from the GGUF's own Q4_0/Q4_1 blocks (exact, 
 scales rounded to bf16) where the file has them; any other matrix (the Q8_0 embedding used as
 lm_head, safetensors models) gets per-row int8, which is lossy. Measured on 2 AVX2 cores for a
 576x1536 projection: 0.26 ms for one row against 0.71 ms in fp32; 28 MB lm_head 4.4 ms vs 12.4.
+
+The quantized lm_head's logits are bf16: around 20 they are 0.125 apart, so two candidates often
+tie exactly and the smallest token id would win greedy decoding whatever the model meant. So the
+`REFINE_TOP_K` best candidates of each decode row are computed again in float32 with the dense
+weights (`DecodeQuantLMHead`): greedy picks, speculative verification and reported logprobs use
+exact logits; the rest of the vocabulary keeps the approximate ones, which only weigh in
+sampling at temperature > 0.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 
 logger = logging.getLogger(__name__)
 ACT_DTYPE = torch.bfloat16
+REFINE_TOP_K = 16  # decode logits recomputed in float32 per row (see DecodeQuantLMHead)
 
 
 class DecodeRows:
@@ -91,6 +99,24 @@ class DecodeQuantLinear(nn.Module):
         return torch.cat([out, self.dense(x[nd:])])
 
 
+class DecodeQuantLMHead(DecodeQuantLinear):
+    """The lm_head: quantized logits for decode rows, their best candidates made exact."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, vocab] float32
+        out = super().forward(x).float()
+        nd = min(self.rows.n, x.shape[0])
+        if nd == 0:
+            return out
+        k = min(REFINE_TOP_K, out.shape[1])
+        top = out[:nd].topk(k, dim=1).indices  # [nd, k]
+        w = self.dense.weight[top].float()  # [nd, k, K]
+        exact = torch.bmm(w, x[:nd].float().unsqueeze(2)).squeeze(2)  # [nd, k]
+        if self.dense.bias is not None:
+            exact = exact + self.dense.bias.float()[top]
+        out[:nd].scatter_(1, top, exact)
+        return out
+
+
 def quantize_for_decode(
     model: LlamaForCausalLM, q4: dict[str, Q4Weight] | None = None
 ) -> DecodeRows:
@@ -123,7 +149,7 @@ def quantize_for_decode(
             linear = getattr(module, attr)
             setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts), rows))
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
-    model.lm_head = DecodeQuantLinear(model.lm_head, quant_for(model.lm_head, lm_head_parts),
+    model.lm_head = DecodeQuantLMHead(model.lm_head, quant_for(model.lm_head, lm_head_parts),
                                       rows)
     total = 4 * len(model.layers) + 1
     logger.info("decode rows use weight-only quantized matmuls: %d int4 (from the GGUF), "

@@ -6,7 +6,14 @@ import pytest
 import torch
 from test_real_model import PROMPTS, assert_batched_equals_solo  # same folder (rootdir import)
 
-from engine_core.model.decode_quant import DecodeQuantLinear, DecodeRows, Int4Matmul, Int8Matmul
+from engine_core.model.decode_quant import (
+    REFINE_TOP_K,
+    DecodeQuantLinear,
+    DecodeQuantLMHead,
+    DecodeRows,
+    Int4Matmul,
+    Int8Matmul,
+)
 from engine_core.sampling_params import SamplingParams
 from engine_core.weights.gguf_loader import GGUFFile
 
@@ -47,6 +54,29 @@ def test_int8_matmul_and_row_split():
     out = layer(x)
     assert torch.equal(out[3:], linear(x[3:]))
     assert ((out[:3] - ref[:3]).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def test_lm_head_refines_its_best_candidates_in_float32():
+    """bf16 logits near 20 are 0.125 apart, so distinct logits tie; the best candidates of a
+    decode row are recomputed with the dense weights, the rest keep the quantized value."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 500, bias=True)
+    with torch.no_grad():
+        linear.weight.mul_(8.0)  # logits of ~±20
+    rows = DecodeRows()
+    head = DecodeQuantLMHead(linear, Int8Matmul(linear.weight), rows)
+    x = torch.randn(6, 32)
+    ref = linear(x)
+    rows.n = 4
+    out = head(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out[4:], ref[4:])  # prefill rows: dense, bit for bit
+    for r in range(4):
+        best = ref[r].topk(3).indices  # the true best three are among the refined ones
+        assert torch.allclose(out[r, best], ref[r, best], rtol=0, atol=1e-4)
+        assert int(out[r].argmax()) == int(ref[r].argmax())
+        exact = (out[r] - ref[r]).abs() < 1e-4
+        assert REFINE_TOP_K <= int(exact.sum()) < 100  # the others stay approximate
 
 
 def test_quantized_decode_is_batch_invariant(llm_quant):
