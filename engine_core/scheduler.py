@@ -193,9 +193,14 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
 
-        # a decode is one new token, plus the request's draft slots
-        decodes = [(r, n) for r, n in scheduled if n == 1 + r.num_lookahead_tokens]
-        others = [(r, n) for r, n in scheduled if n != 1 + r.num_lookahead_tokens]
+        # a decode is one new token after the prompt, plus the request's draft slots; a
+        # prompt's last token alone (the rest cached) is a prefill, so that it takes the same
+        # path as on a cache miss
+        def is_decode(r: Request, n: int) -> bool:
+            return n == 1 + r.num_lookahead_tokens and r.num_computed_tokens >= r.num_prompt_tokens
+
+        decodes = [(r, n) for r, n in scheduled if is_decode(r, n)]
+        others = [(r, n) for r, n in scheduled if not is_decode(r, n)]
         for r, n in decodes + others:
             out.reqs.append(r)
             out.num_scheduled_tokens.append(n)

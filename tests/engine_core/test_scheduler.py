@@ -68,8 +68,10 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
     assert sched.num_running <= sched.config.max_num_seqs
     assert len({r.req_id for r in out.reqs}) == len(out.reqs)
     assert out.num_scheduled_tokens[: out.num_decodes] == [1] * out.num_decodes
-    assert 1 not in out.num_scheduled_tokens[out.num_decodes :]
-    for r, n in zip(out.reqs, out.num_scheduled_tokens, strict=True):
+    for i, (r, n) in enumerate(zip(out.reqs, out.num_scheduled_tokens, strict=True)):
+        # decodes lead; a decode is one token after the prompt (a prompt's last token is not)
+        past_prompt = r.num_computed_tokens >= r.num_prompt_tokens
+        assert (i < out.num_decodes) == (n == 1 + r.num_lookahead_tokens and past_prompt)
         assert r.status == RequestStatus.RUNNING
         assert 1 <= n <= r.num_tokens - r.num_computed_tokens
         # the request holds the slots for everything it computes this step
@@ -178,8 +180,9 @@ def test_token_budget_is_shared_and_filled():
 
 
 def test_decodes_come_first():
-    """A request admitted with a 1-token chunk runs as a decode (one query token) and is placed
-    before the running request's prefill chunk."""
+    """Decodes lead the step, before prefill chunks. A 1-token chunk of a prompt is no decode:
+    it takes the prefill path, as it would in a longer chunk (the decode path rounds
+    differently, and a prompt's KV must not depend on how it was chunked or cached)."""
     sched = make_scheduler(max_num_batched_tokens=16)
     sched.add_request(make_req("r0", 31, max_tokens=4))
     sched.add_request(make_req("r1", 5, first_token=300, max_tokens=4))
@@ -188,9 +191,9 @@ def test_decodes_come_first():
     assert out.num_scheduled_tokens == [16]
 
     out, _ = step(sched)
-    assert [r.req_id for r in out.reqs] == ["r1", "r0"]
-    assert out.num_scheduled_tokens == [1, 15]
-    assert out.num_decodes == 1
+    assert [r.req_id for r in out.reqs] == ["r0", "r1"]
+    assert out.num_scheduled_tokens == [15, 1]  # r1's first prompt token
+    assert out.num_decodes == 0
 
     out, _ = step(sched)
     assert [r.req_id for r in out.reqs] == ["r0", "r1"]
