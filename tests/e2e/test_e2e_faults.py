@@ -22,7 +22,7 @@ import pytest
 
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
-from tests.e2e.cluster import xfail_on_greedy_mismatch
+from tests.e2e.cluster import assert_greedy_unchanged
 from tests.e2e.stack import LONG, greedy, out_ids, run
 from tests.helpers import wait_until
 
@@ -90,7 +90,7 @@ def test_prefill_worker_killed_requests_rerun_unchanged(cluster, stub, ref):
         assert len(out_ids(msgs)) == msgs[-1].usage.completion_tokens == 12
     assert migrations(cluster, "prefill") > before  # some requests did run again
     cluster.wait_idle()
-    xfail_on_greedy_mismatch(ref, PROMPTS, results, 12)
+    assert_greedy_unchanged(ref, PROMPTS, results, 12)
 
 
 def test_decode_worker_killed_streams_continue(cluster, stub, ref):
