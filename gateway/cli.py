@@ -16,8 +16,9 @@ def add_admission_arguments(p) -> None:
                         "every third of it while the prompt is queued for prefill; the KV "
                         "transfer gets this long from its start and from each layer")
     p.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests that may wait at once for a decode worker with room; more "
-                        "get RESOURCE_EXHAUSTED (HTTP 429)")
+                   help="requests that may wait at once for a decode worker with room (with "
+                        "--colocated: for their first token); more get RESOURCE_EXHAUSTED "
+                        "(HTTP 429)")
     p.add_argument("--max-queue-wait", type=float, default=300.0,
                    help="seconds a request may wait for a decode worker with room")
 

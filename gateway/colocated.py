@@ -31,6 +31,7 @@ from gateway.backend import (
     GenerateChunk,
     GenerateInput,
     ModelInfo,
+    Overloaded,
     Timing,
 )
 
@@ -58,7 +59,13 @@ class _Stream:
 class ColocatedBackend:
     """A Backend (gateway/backend.py) over an LLMEngine; create it inside the running loop."""
 
-    def __init__(self, engine: LLMEngine, model_name: str | None = None) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str | None = None,
+                 max_waiting: int | None = None) -> None:
+        """max_waiting: requests allowed to wait for their first token at once (queued or in
+        prefill); one more gets Overloaded (RESOURCE_EXHAUSTED, HTTP 429). None: no bound."""
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.max_waiting = max_waiting
         if engine.tokenizer is None:
             raise ValueError("the colocated backend needs an engine with a tokenizer")
         self.engine = engine
@@ -81,6 +88,11 @@ class ColocatedBackend:
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
         if inp.req_id in self._streams:
             raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
+        if self.max_waiting is not None:
+            waiting = sum(1 for s in self._streams.values() if s.t_first_token is None)
+            if waiting >= self.max_waiting:
+                raise Overloaded(f"{waiting} requests already wait for their first token on "
+                                 f"this engine (max_waiting {self.max_waiting})")
         stream = _Stream(inp)
         self._streams[inp.req_id] = stream
         if not self._submit(lambda: self._add(stream)):

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -248,12 +248,17 @@ class DisaggregatedBackend:
         free = {id(w): w.status.num_free_blocks if w.status else 0 for w in live}
         return sorted(live, key=lambda w: (w.in_flight, -free[id(w)]))
 
-    async def _pick_prefill(self, prompt: list[int]) -> Worker:
-        """gateway/routing.py's choice; overlaps from discovery when it knows them (one round
-        trip, bounded; unknown when it fails: queue depth alone)."""
+    async def _pick_prefill(self, prompt: list[int], full: Sequence[Worker] = ()) -> Worker:
+        """gateway/routing.py's choice among the workers not in `full` (their queues refused
+        this request); overlaps from discovery when it knows them (one round trip, bounded;
+        unknown when it fails: queue depth alone)."""
         live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
         if not live:
             raise BackendUnavailable("no prefill worker is known (discovery lists none)")
+        live = [w for w in live if all(w is not f for f in full)]
+        if not live:
+            raise Overloaded(f"the queue of every prefill worker is full ({len(full)} "
+                             f"refused the request: their --max-waiting)")
         overlap = None
         query = getattr(self.discovery, "prefix_overlap", None)
         if query is not None and len(live) > 1:
@@ -420,8 +425,21 @@ class DisaggregatedBackend:
 
     async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
                        res: pb.ReserveResponse) -> pb.PrefillResponse:
+        """Prefill on the best prefill worker whose queue takes the request (a full queue
+        answers RESOURCE_EXHAUSTED: the next one is asked; Overloaded when all refuse)."""
+        full: list[Worker] = []
+        while True:
+            prefill = await self._pick_prefill(inp.prompt_token_ids, full)  # bounded wait
+            try:
+                return await self._prefill_on(prefill, inp, sampling, decode, res)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                full.append(prefill)
+
+    async def _prefill_on(self, prefill: Worker, inp: GenerateInput, sampling, decode: Worker,
+                          res: pb.ReserveResponse) -> pb.PrefillResponse:
         first = res.num_cached_tokens // self.block_size
-        prefill = await self._pick_prefill(inp.prompt_token_ids)  # <= PREFIX_QUERY_TIMEOUT_S
         prefill.in_flight += 1
         call = prefill.stub.Prefill(pb.PrefillRequest(
             request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,

@@ -84,7 +84,7 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     )
 
     async def create() -> Backend:
-        return ColocatedBackend(engine)
+        return ColocatedBackend(engine, max_waiting=args.max_waiting)
 
     return create
 

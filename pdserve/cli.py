@@ -113,10 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(g)
     g.set_defaults(func=run_generate)
 
-    from pdserve.worker_args import add_decode_arguments, add_worker_arguments
+    from pdserve.worker_args import (
+        add_decode_arguments,
+        add_prefill_arguments,
+        add_worker_arguments,
+    )
 
     pf = sub.add_parser("prefill", help="run one prefill worker (gRPC)")
     add_worker_arguments(pf, default_port=50061)
+    add_prefill_arguments(pf)
     pf.set_defaults(func=_cmd_prefill)
 
     dc = sub.add_parser("decode", help="run one decode worker (gRPC, receives KV)")

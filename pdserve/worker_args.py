@@ -109,6 +109,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
+def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="prompts that may wait in this worker's queue at once; one more gets "
+                        "RESOURCE_EXHAUSTED and the gateway tries another prefill worker")
+
+
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_arguments(p)
     p.add_argument("--transports", default="grpc,shm",

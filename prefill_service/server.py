@@ -29,7 +29,7 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = PrefillEngine(quantize_decode=False, **engine_kwargs(args))
     registry = worker_registry("prefill", engine.source.name, engine)
     start_metrics(registry, "prefill", args)
-    backend = ColocatedBackend(engine)
+    backend = ColocatedBackend(engine, max_waiting=args.max_waiting)
     registration = worker_registration(redis_config, args, "prefill", engine)
     on_prefilled = None
     if registration is not None:

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import grpc
 
-from gateway.backend import BackendUnavailable, DeadlineExceeded, GenerateInput
+from gateway.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 from gateway.colocated import ColocatedBackend
 from kv_transfer import (
     Connection,
@@ -118,6 +118,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if getattr(e, "code", "") not in LEASE_ENDED_CODES:
                 self._forget(conn)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed: {e}")
+        except Overloaded as e:  # the queue is full: the gateway tries another prefill worker
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except DeadlineExceeded as e:  # the call's deadline, propagated by the gateway
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except BackendUnavailable as e:  # the engine failed or is shutting down

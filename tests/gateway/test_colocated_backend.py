@@ -17,6 +17,7 @@ from gateway.backend import (
     DeadlineExceeded,
     DuplicateRequestError,
     GenerateInput,
+    Overloaded,
 )
 from gateway.colocated import ColocatedBackend
 
@@ -204,3 +205,39 @@ def test_idle_engine_thread_does_not_spin():
 
     before, after = run(body, engine)
     assert before == after == 3
+
+
+def test_a_full_queue_refuses_the_next_request():
+    """max_waiting bounds the requests waiting for their first token: one more is refused at
+    once (Overloaded: RESOURCE_EXHAUSTED, HTTP 429), not queued; room comes back as soon as
+    a waiting request gets its first token."""
+    engine = FakeEngine(step_s=0.3)
+
+    async def body(backend):
+        gens = [backend.generate(inp(f"w{i}", 3)) for i in range(2)]
+        firsts = [asyncio.create_task(anext(g)) for g in gens]
+        await asyncio.sleep(0.05)  # both submitted, no step finished yet
+        with pytest.raises(Overloaded, match=r"2 requests already wait .* \(max_waiting 2\)"):
+            await anext(backend.generate(inp("x", 3)))
+        assert [len((await f).token_ids) for f in firsts] == [1, 1]
+        later = await collect(backend, inp("y", 2))  # the waiting ones started: room again
+        for g in gens:
+            await g.aclose()
+        return later
+
+    async def main():
+        backend = ColocatedBackend(engine, max_waiting=2)
+        try:
+            return await body(backend)
+        finally:
+            await backend.close()
+
+    later = asyncio.run(main())
+    assert [t for c in later for t in c.token_ids] == [1, 2]
+    assert "x" not in engine.aborted  # refused before it reached the engine
+    with pytest.raises(ValueError, match="max_waiting must be >= 1"):
+        asyncio.run(_make(engine, 0))
+
+
+async def _make(engine, max_waiting):
+    return ColocatedBackend(engine, max_waiting=max_waiting)
