@@ -8,6 +8,7 @@ workers and a gateway with static addresses (what a deployment without Redis run
    (re-prefilled with the tokens already streamed); every stream gets all its tokens.
 4. no decode worker left: a request fails fast with UNAVAILABLE.
 5. a decode worker restarts at its old address: the gateway uses it again, no restart.
+6. SIGTERM to a decode worker under a stream: it drains the stream, then exits 0.
 After each fault the surviving workers' pools are full and nothing runs.
 """
 
@@ -18,7 +19,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx2 as httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
@@ -52,8 +56,15 @@ def run_all(stub, max_tokens: int, when_started,
         return [f.result() for f in futures]
 
 
-def migrations(cluster, pool: str) -> int:
-    return cluster.status()["migrations"][pool]
+def migrations(cluster, pool: str) -> float:
+    """Requests the gateway ran again after losing a `pool` worker: its Prometheus counter
+    pdserve:request_migrations_total{pool}, which /internal/status agrees with."""
+    text = httpx.get(f"{cluster.http_url}/metrics", timeout=10).text
+    counted = sum(s.value for f in text_string_to_metric_families(text)
+                  if f.name == "pdserve:request_migrations" for s in f.samples
+                  if s.name.endswith("_total") and s.labels.get("pool") == pool)
+    assert counted == cluster.status()["migrations"][pool]
+    return counted
 
 
 def test_stalled_prefill_worker_requests_rerun_elsewhere(cluster, stub, ref):
@@ -138,3 +149,32 @@ def test_restarted_decode_worker_is_used_again(cluster, stub, ref):
                       interval_s=0.5)
     assert out_ids(msgs) == ref.generate(prompt, 8).outputs[0].token_ids
     cluster.wait_idle()
+
+
+def test_sigterm_drains_a_decode_worker_then_it_exits(cluster, stub, ref):
+    """Graceful shutdown: SIGTERM to the decode worker under a stream. It stops serving (health
+    NOT_SERVING, then new calls refused), the stream still gets every token (drained within
+    --grace), and the process exits 0."""
+    prompt = PROMPTS[1]
+    proc, _ = cluster.procs["decode-0"]
+    call = stub.Generate(pb.GenerateRequest(text=prompt, sampling=greedy(24, ignore_eos=True)),
+                         timeout=120)
+    first = next(call)
+    proc.send_signal(signal.SIGTERM)
+    with grpc.insecure_channel(cluster.address("decode-0")) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        wait_until(lambda: not _serving(health), 10, "decode-0 to stop serving")
+    msgs = [first, *call]
+    assert out_ids(msgs) == ref.generate(prompt, 24).outputs[0].token_ids
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert proc.wait(timeout=30) == 0
+    cluster.procs.pop("decode-0")
+    cluster.wait_idle()  # the prefill pool too
+
+
+def _serving(health) -> bool:
+    try:
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+    except grpc.RpcError:
+        return False  # the server no longer accepts calls
+    return status == health_pb2.HealthCheckResponse.SERVING
