@@ -28,7 +28,7 @@ from kernels.checks import check_decode_args, check_prefill_args, check_store_kv
 # buffer below glibc's mmap threshold (≤ 32 MB) is reused from the heap instead of being
 # page-faulted in on every call; smaller batches are unaffected (a single group).
 MAX_GATHER_BYTES = 16 << 20
-DECODE_CHUNK = 64  # keys per softmax chunk of decode attention (see _decode)
+DECODE_CHUNK = 64  # decode attention pads each sequence's keys to a multiple of this (_decode)
 
 
 def _flat_rows(kv_layer: torch.Tensor) -> torch.Tensor | None:
@@ -197,15 +197,16 @@ def _decode(
         if step_cache is not None:
             step_cache[("decode", group_start)] = plan
     q = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, H, group, D]
-    out = None if len(plan) == 1 else torch.empty_like(q)
+    out = q if len(plan) == 1 else torch.empty_like(q)
     for padded, index, tables, lens, mask in plan:
         key, value = gather_kv(kv_layer, tables, lens, padded, step_cache,
                                ("decode_rows", group_start, padded))  # [s, H, L, D] each
         part = F.scaled_dot_product_attention(q if index is None else q[index], key, value,
                                               attn_mask=mask, scale=scale)
-        if out is None:
-            return part.reshape(num_seqs, num_q_heads, head_dim)
-        out[index] = part
+        if index is None:
+            out = part
+        else:
+            out[index] = part
     return out.reshape(num_seqs, num_q_heads, head_dim)  # [S, num_q_heads, D]
 
 
@@ -213,11 +214,11 @@ def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor) -> list
     """(padded length, sequence indices or None for all, their block tables, context lengths,
     key mask [s, 1, 1, padded]) for each padded length present."""
     padded_lens = (context_lens + DECODE_CHUNK - 1) // DECODE_CHUNK * DECODE_CHUNK
+    lengths = padded_lens.unique().tolist()
     plan = []
-    for padded in padded_lens.unique().tolist():
-        index = None
-        tables, lens = block_tables, context_lens
-        if plan or bool((padded_lens != padded).any()):
+    for padded in lengths:
+        index, tables, lens = None, block_tables, context_lens  # one length: every sequence
+        if len(lengths) > 1:
             index = torch.nonzero(padded_lens == padded).squeeze(1)
             tables, lens = block_tables[index], context_lens[index]
         positions = torch.arange(padded, device=context_lens.device)
