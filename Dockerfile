@@ -2,11 +2,12 @@
 #
 #   CPU image (default):
 #     docker build -t pdserve:0.1.0 .
-#   GPU image: torch's CUDA build, and a C compiler, which Triton needs at run time to build its
-#   CUDA launcher:
+#   GPU image: torch's CUDA build:
 #     docker build -t pdserve:0.1.0-cuda \
-#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-#       --build-arg INSTALL_CC=1 .
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#
+# Both carry a C compiler: the CPU path's kernels (kernels/csrc) are compiled while the image
+# is built, and Triton builds its CUDA launcher at run time.
 #
 # The chart runs it as user 10001 with a read-only root filesystem; /tmp (also HOME) is an
 # emptyDir there. tests/helm/test_helm_dockerfile.py keeps the user, the ports and the torch pin
@@ -16,7 +17,6 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG INSTALL_CC=0
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -25,11 +25,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PDSERVE_HOME=/models \
     HOME=/tmp
 
-RUN if [ "$INSTALL_CC" = "1" ]; then \
-      apt-get update \
-      && apt-get install -y --no-install-recommends gcc libc6-dev \
-      && rm -rf /var/lib/apt/lists/*; \
-    fi
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 # torch first: the largest layer and the one that changes least. Pinned as in pyproject.toml.
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
@@ -46,9 +44,10 @@ COPY decode_service ./decode_service
 COPY pdserve ./pdserve
 RUN pip install . && rm -rf /src
 
-# The default model (SmolLM2-135M-Instruct GGUF, checked against its SHA-256) under
-# $PDSERVE_HOME, readable by any user; the running container never writes there.
-RUN pdserve model pull && chmod -R a+rX /models
+# The default model (SmolLM2-135M-Instruct GGUF, checked against its SHA-256) and the compiled
+# CPU kernels under $PDSERVE_HOME, readable by any user; the running container never writes
+# there.
+RUN pdserve model pull && python -m kernels.native && chmod -R a+rX /models
 
 RUN groupadd --gid 10001 pdserve \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp \

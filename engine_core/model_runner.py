@@ -128,6 +128,7 @@ class ModelRunner:
             prefill_block_tables=t(np.ascontiguousarray(tables[nd:])).to(self.device),
             prefill_query_start_loc=t(prefill_qsl).to(self.device),
             prefill_seq_lens=t(seq_lens[nd:]).to(self.device),
+            decode_max_len=int(decode_lens.max()) if ndt else 0,
         )
         return t(input_ids).to(self.device), t(positions).to(self.device), meta, cu
 

@@ -25,6 +25,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets after decodes
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
+    decode_max_len: int = 0  # decode_context_lens.max(), for kernels that size scratch by it
     # index arithmetic the CPU kernels share between layers; lives for one step
     kernel_cache: dict = field(default_factory=dict)
 
@@ -40,7 +41,17 @@ def paged_attention(
     kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    skip_decodes: int = 0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """skip_decodes: the step's decode rows were done elsewhere (the native CPU kernel) and
+    q/k/v are its prefill rows only; 0 or meta.num_decode_tokens."""
+    if skip_decodes:
+        cache = meta.kernel_cache.setdefault("prefill_rows", {})
+        kernels.store_kv(k, v, kv_layer, meta.slot_mapping[skip_decodes:], cache)
+        return kernels.paged_prefill_attention(
+            q, kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            meta.prefill_seq_lens, scale,
+        )
     kernels.store_kv(k, v, kv_layer, meta.slot_mapping, meta.kernel_cache)
     nd = meta.num_decode_tokens
     if meta.num_prefills == 0:

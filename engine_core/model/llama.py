@@ -16,6 +16,7 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.model.attention import AttentionMetadata, paged_attention
 from engine_core.model.rope import apply_rope, cos_sin_cache
+from kernels import native
 
 
 class RMSNorm(nn.Module):
@@ -23,8 +24,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.native = None  # the C kernels' library, set by quantize_for_decode on CPU
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with a residual stream: (norm(residual + x), residual + x).
+
+        The native kernel adds into `residual` in place: the stream belongs to the forward.
+        """
+        if self.native is not None:
+            if residual is None:
+                return native.add_rms_norm(self.native, x, None, self.weight, self.eps)
+            return native.add_rms_norm(self.native, residual, x, self.weight, self.eps), residual
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32 like the reference implementation, then scale in the model dtype
         if x.dtype == torch.float32:  # one fused op: per-op overhead dominates small batches
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -47,23 +65,41 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.native = None  # the C kernels' library, set by quantize_for_decode on CPU
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: torch.Tensor,  # [num_tokens, head_dim]: cos | sin of each token's position
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        nd = meta.num_decode_tokens
+        if self.native is None or nd == 0 or not kv_layer.is_contiguous():
+            return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta, 0))
+        # decode rows: rope, K/V store and attention in one C call (kernels/native.py)
+        out = native.decode_attention(
+            self.native, qkv[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
+            meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
+            meta.decode_max_len,
+        )
+        if nd < qkv.shape[0]:
+            out = torch.cat([out, self._attention(qkv[nd:], cos_sin[nd:], kv_layer, meta, nd)])
+        return self.o_proj(out)
+
+    def _attention(self, qkv, cos_sin, kv_layer, meta, skip_decodes: int) -> torch.Tensor:
+        """The torch path over rows skip_decodes.. of the step (all of them, or its prefills)."""
+        n = qkv.shape[0]
+        half = self.head_dim // 2
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotate together: one rope over [n, heads + kv_heads, head_dim]
-        qk = apply_rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = apply_rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim),
+                        cos_sin[:, None, :half], cos_sin[:, None, half:])
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [n, heads, head_dim]
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes)
+        return out.reshape(n, self.q_size)  # [n, heads * head_dim]
 
 
 class MLP(nn.Module):
@@ -86,9 +122,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_layer, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos_sin, kv_layer, meta):
+        """(this layer's output, the residual stream before it); the stream is None for the
+        first layer, whose input x is the embedding."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, kv_layer, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,14 +167,13 @@ class LlamaForCausalLM(nn.Module):
         num_layers: int | None = None,  # run only the first layers (a self-speculative draft)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
-        half = self.config.head_dim // 2
-        cs = self.cos_sin[positions].to(x.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        cos, sin = cs[..., :half], cs[..., half:]
+        cos_sin = self.cos_sin[positions].to(x.dtype)  # [num_tokens, head_dim]
+        residual = None
         for i, layer in enumerate(self.layers[:num_layers]):
-            x = layer(x, cos, sin, kv_cache[i], meta)
+            x, residual = layer(x, residual, cos_sin, kv_cache[i], meta)
             if self.layer_done_hook is not None:
                 self.layer_done_hook(i)
-        return self.norm(x)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         return self.lm_head(hidden).float()

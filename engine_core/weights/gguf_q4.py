@@ -6,9 +6,10 @@ llama.cpp stores 32 weights per block, each block a header and 16 bytes of nibbl
     Q4_1: [d: f16][m: f16][qs: 16 x u8]   w = d * q + m
     qs[j] & 0xF is weight j of the block, qs[j] >> 4 is weight j + 16.
 
-Both are returned in one form, w = (q - 8) * scale + zero with q in 0..15, which is what
-torch's CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`) computes, so the packed weights
-are exactly the file's (up to the scales' rounding to the activation dtype).
+Both are kept in the file's form, w = (q - offset) * d + m with q in 0..15 (offset 8 and m 0
+for Q4_0, offset 0 for Q4_1), so an expanded weight equals gguf's dequantization bit for bit.
+`scale`/`zero` give the form torch's CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`)
+wants, w = (q - 8) * scale + zero.
 """
 
 from __future__ import annotations
@@ -25,25 +26,38 @@ Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 
 @dataclass
 class Q4Weight:
-    """A [out_features, in_features] weight as 4-bit integers and per-group scale/zero."""
+    """A [out_features, in_features] weight as 4-bit integers and per-group d and m."""
 
     q: torch.Tensor  # [N, K] uint8, values 0..15
-    scale: torch.Tensor  # [N, K // 32] float32
-    zero: torch.Tensor  # [N, K // 32] float32
+    d: torch.Tensor  # [N, K // 32] float32
+    m: torch.Tensor  # [N, K // 32] float32
+    offset: torch.Tensor  # [N] float32: 8 (Q4_0) or 0 (Q4_1)
+
+    @property
+    def scale(self) -> torch.Tensor:  # [N, K // 32]
+        return self.d
+
+    @property
+    def zero(self) -> torch.Tensor:  # [N, K // 32]: (q - 8) * d + zero == (q - offset) * d + m
+        return self.m + (8 - self.offset[:, None]) * self.d
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
-        scale = self.scale.repeat_interleave(GROUP_SIZE, dim=1)
-        zero = self.zero.repeat_interleave(GROUP_SIZE, dim=1)
-        return (self.q.float() - 8) * scale + zero
+        d = self.d.repeat_interleave(GROUP_SIZE, dim=1)
+        m = self.m.repeat_interleave(GROUP_SIZE, dim=1)
+        return (self.q.float() - self.offset[:, None]) * d + m
 
     def permute_rows(self, index: torch.Tensor) -> Q4Weight:
-        return Q4Weight(self.q[index], self.scale[index], self.zero[index])
+        return Q4Weight(self.q[index], self.d[index], self.m[index], self.offset[index])
 
     @staticmethod
     def cat(parts: list[Q4Weight]) -> Q4Weight:
         """Stack weights along the output dimension (fused q/k/v or gate/up projections)."""
-        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale",
-                                                                                "zero")))
+        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts])
+                          for f in ("q", "d", "m", "offset")))
+
+    def packed_nibbles(self) -> torch.Tensor:  # [N, K // 32, 16] uint8, the file's byte order
+        q = self.q.view(self.q.shape[0], -1, 2, 16)  # weight j and j + 16 share byte j
+        return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
 
 
 def unpack_q4(data: np.ndarray, qtype: GGMLQuantizationType) -> Q4Weight:
@@ -55,9 +69,8 @@ def unpack_q4(data: np.ndarray, qtype: GGMLQuantizationType) -> Q4Weight:
     nibbles = blocks[..., header:]  # [N, K / 32, 16]
     q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1)  # [N, K / 32, 32]
     if qtype == GGMLQuantizationType.Q4_0:
-        zero = np.zeros_like(d)
+        m, offset = np.zeros_like(d), 8.0
     else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d  # d * q + m == d * (q - 8) + (m + 8 d)
+        m, offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), 0.0
     return Q4Weight(torch.from_numpy(q.reshape(rows, -1)), torch.from_numpy(d),
-                    torch.from_numpy(zero))
+                    torch.from_numpy(m), torch.full((rows,), offset))

@@ -89,8 +89,11 @@ def test_quantized_decode_tracks_dense_logprobs(llm_fp32, llm_quant):
     quant = llm_quant.generate(PROMPTS, params)
     for d, q in zip(dense, quant, strict=True):
         d, q = d.outputs[0], q.outputs[0]
-        # the first token comes from the (dense) prefill in both engines
-        assert d.token_ids[0] == q.token_ids[0] and d.logprobs[0] == q.logprobs[0]
+        # the first token comes from the (dense) prefill in both engines; the quantized one
+        # runs its RMSNorms in C (kernels/native.py), a float32 sum in another order
+        assert d.token_ids[0] == q.token_ids[0] and d.logprobs[0].keys() == q.logprobs[0].keys()
+        for tok, lp in d.logprobs[0].items():
+            assert abs(lp - q.logprobs[0][tok]) < 1e-4
         # the second from a decode step: same top token, log-probabilities within 0.1 nats
         assert d.token_ids[1] == q.token_ids[1]
         tok = d.token_ids[1]

@@ -1,0 +1,134 @@
+"""The C kernels of kernels/csrc, compiled on first use and called through ctypes.
+
+    kernels/csrc/cpu_decode.c --cc -O3 -mavx2 -mfma -fopenmp--> $PDSERVE_HOME/native/<hash>.so
+
+The library is built once per source version and compiler flags (the hash names the file),
+written under a temporary name and renamed, so processes starting together never load a
+half-written file. It needs a C compiler and a CPU with AVX2 and FMA; without them `load()`
+returns None, logs why once, and callers use their torch path. PDSERVE_NATIVE=0 turns it off.
+
+OpenMP: the library links the same libgomp.so.1 that torch has already loaded, so both share
+one thread pool; callers pass torch.get_num_threads().
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.c"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+LIBS = ["-lm"]
+ENV = "PDSERVE_NATIVE"
+
+_p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "pd_q4_matmul": [_p, _i64, _i64, _p, _p, _p, _p, _i64, _p, _p, _int],
+    "pd_q8_matmul": [_p, _i64, _i64, _p, _p, _i64, _p, _int],
+    "pd_decode_attention": [_p, _i64, _int, _int, _int, _p, _p, _p, _p, _i64, _p, _int, _f32,
+                            _p, _p, _i64, _int],
+    "pd_add_rms_norm": [_p, _p, _p, _f32, _p, _i64, _i64],
+}
+
+
+def _home() -> Path:
+    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+
+
+def cpu_supported() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the library (if this version is not built yet) and return its path."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join([compiler, *FLAGS, *LIBS]).encode()).hexdigest()[:16]
+    out_dir = out_dir or _home() / "native"
+    target = out_dir / f"cpu_decode-{digest}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None (logged once) when it cannot be used here."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return None
+    if not cpu_supported():
+        logger.info("native CPU kernels need AVX2 and FMA; using the torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError) as e:
+        logger.warning("native CPU kernels unavailable, using the torch path: %s", e)
+        return None
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    qkv: torch.Tensor,  # [S, (Hq + 2 Hkv) * D] float32, contiguous; q and k rotated in place
+    cos_sin: torch.Tensor,  # [S, D] float32: cos | sin of each row's position
+    kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D] float32, contiguous
+    slot_mapping: torch.Tensor,  # [S] int64
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    context_lens: torch.Tensor,  # [S] int32
+    num_heads: int,
+    scale: float,
+    max_len: int,  # context_lens.max()
+) -> torch.Tensor:  # [S, Hq * D] float32
+    """Rotary embedding, K/V store and decode attention of S decode rows in one call (see
+    pd_decode_attention in csrc/cpu_decode.c)."""
+    num_rows = qkv.shape[0]
+    num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
+    threads = torch.get_num_threads()
+    out = qkv.new_empty(num_rows, num_heads * head_dim)
+    scratch = qkv.new_empty(threads, max_len)
+    lib.pd_decode_attention(
+        qkv.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
+        kv_layer.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), context_lens.data_ptr(), kv_layer.shape[2], scale,
+        out.data_ptr(), scratch.data_ptr(), max_len, threads)
+    return out
+
+
+def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,
+                 weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += residual in place (when given), then rmsnorm(x) * weight; float32 [rows, dim]."""
+    y = torch.empty_like(x)
+    lib.pd_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                        weight.data_ptr(), eps, y.data_ptr(), x.shape[0], x.shape[1])
+    return y
+
+
+if __name__ == "__main__":  # build ahead of time (the Dockerfile does, into $PDSERVE_HOME)
+    print(build())
