@@ -33,7 +33,7 @@ ENV = "PDSERVE_NATIVE"
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
-    "pd_q4_matmul": [_p, _i64, _i64, _p, _p, _p, _p, _i64, _p, _p, _int],
+    "pd_q4_matmul": [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _int],
     "pd_q8_matmul": [_p, _i64, _i64, _p, _p, _i64, _p, _int],
     "pd_decode_attention": [_p, _i64, _int, _int, _int, _p, _p, _p, _p, _i64, _p, _int, _f32,
                             _p, _p, _i64, _int],

@@ -94,16 +94,16 @@ class NativeQ4Matmul(nn.Module):
         self.lib = lib
         self.register_buffer("qs", w.packed_nibbles())  # [N, K / 32, 16]
         self.register_buffer("d", w.d.float().contiguous())  # [N, K / 32]
-        self.register_buffer("m", w.m.float().contiguous())  # [N, K / 32]
-        self.register_buffer("offset", w.offset.float().contiguous())  # [N]
+        # w = q * d + c: the constant part of each group, multiplied into the group sums of x
+        self.register_buffer("c", (w.m - w.offset[:, None] * w.d).float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
         x = x.float().contiguous()
         out = x.new_empty(x.shape[0], self.qs.shape[0])
         xsum = x.new_empty(x.shape[0], x.shape[1] // GROUP_SIZE)  # scratch
         self.lib.pd_q4_matmul(x.data_ptr(), x.shape[0], x.shape[1], self.qs.data_ptr(),
-                              self.d.data_ptr(), self.m.data_ptr(), self.offset.data_ptr(),
-                              out.shape[1], out.data_ptr(), xsum.data_ptr(),
+                              self.d.data_ptr(), self.c.data_ptr(), out.shape[1],
+                              out.data_ptr(), xsum.data_ptr(),
                               torch.get_num_threads())
         return out
 

@@ -169,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos_sin = self.cos_sin[positions].to(x.dtype)  # [num_tokens, head_dim]
         residual = None
-        for i, layer in enumerate(self.layers[:num_layers]):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for i, layer in enumerate(layers):
             x, residual = layer(x, residual, cos_sin, kv_cache[i], meta)
             if self.layer_done_hook is not None:
                 self.layer_done_hook(i)

@@ -6,8 +6,8 @@
  * the dense model holds) and multiply it into float32 activations with AVX2 FMAs.
  *
  *   q4 weights: qs [N, K/32, 16] u8   weight j of a group: qs[j] & 0xF, weight j+16: qs[j] >> 4
- *               d, m [N, K/32] f32     off [N] f32 (8 for Q4_0, 0 for Q4_1)
- *               w = (q - off) * d + m                 (the GGUF's own Q4_0/Q4_1 blocks)
+ *               d, c [N, K/32] f32                    (from the GGUF's own Q4_0/Q4_1 blocks:
+ *               w = q * d + c                          c = m - off * d, off 8 for Q4_0, else 0)
  *   q8 weights: qs [N, K] i8, d [N, K/32] f32        w = q * d
  *
  * y[r, n] is computed by one thread in a fixed order (8 float lanes over K, then one
@@ -70,25 +70,34 @@ static inline __attribute__((always_inline)) void fma_rows(
     }
 }
 
-/* Rows r0 .. r0 + rows - 1 of column n: sum_g d_g * (x_g . q_g) + sum_g (m_g - off * d_g) *
- * sum(x_g). The nibbles are expanded to floats once per group and the group's scale applied to
- * the 8-lane partial product; the constant part of the weights multiplies the group sums of x
- * (xsum, computed per call). `rows` is a compile-time constant at every call (the tile is
- * unrolled and its accumulators stay in registers), and every row runs the same operations
- * whatever the tile size. */
+/* a . b over n floats: 8 lanes, a fixed tree, then the tail in order. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Rows 0 .. rows - 1 of one column: sum_g d_g * (x_g . q_g) + sum_g c_g * sum(x_g), with
+ * c = m - off * d the constant part of each group's weights. The nibbles are expanded to floats
+ * once per group and the group's scale applied to the 8-lane partial product; the constant
+ * part multiplies the group sums of x (xsum, computed per call). `rows` is a compile-time
+ * constant at every call (the tile is unrolled and its accumulators stay in registers), and
+ * every row runs the same operations whatever the tile size. */
 static inline __attribute__((always_inline)) void q4_tile(
         const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
-        const float *m, float off, float *y, int64_t N, const int rows) {
+        const float *c, float *y, int64_t N, const int rows) {
     const int64_t groups = K / GROUP;
     __m256 acc[ROW_TILE];
-    float bias[ROW_TILE];
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), bias[r] = 0.0f;
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 q[4];
         nibbles_q4(qs + g * 16, q);
         const __m256 dg = _mm256_set1_ps(d[g]);
-        const float mg = m[g] - off * d[g];
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const float *xr = x + r * K + g * GROUP;
@@ -97,23 +106,22 @@ static inline __attribute__((always_inline)) void q4_tile(
             t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], t);
             t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3], t);
             acc[r] = _mm256_fmadd_ps(t, dg, acc[r]);
-            bias[r] += mg * xsum[r * groups + g];
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; r++) y[r * N] = hsum(acc[r]) + bias[r];
+    for (int r = 0; r < rows; r++)
+        y[r * N] = hsum(acc[r]) + dot(c, xsum + r * groups, groups);
 }
 
 static void q4_column(const float *x, const float *xsum, int64_t M, int64_t K,
-                      const uint8_t *qs, const float *d, const float *m, float off, float *y,
-                      int64_t N) {
+                      const uint8_t *qs, const float *d, const float *c, float *y, int64_t N) {
     const int64_t groups = K / GROUP;
     int64_t r = 0;
     for (; r + 8 <= M; r += 8)
-        q4_tile(x + r * K, xsum + r * groups, K, qs, d, m, off, y + r * N, N, 8);
-    if (r + 4 <= M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, m, off, y + r * N, N, 4), r += 4;
-    if (r + 2 <= M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, m, off, y + r * N, N, 2), r += 2;
-    if (r < M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, m, off, y + r * N, N, 1);
+        q4_tile(x + r * K, xsum + r * groups, K, qs, d, c, y + r * N, N, 8);
+    if (r + 4 <= M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, c, y + r * N, N, 4), r += 4;
+    if (r + 2 <= M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, c, y + r * N, N, 2), r += 2;
+    if (r < M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, c, y + r * N, N, 1);
 }
 
 static inline __attribute__((always_inline)) void q8_tile(
@@ -144,8 +152,7 @@ static void q8_column(const float *x, int64_t M, int64_t K, const int8_t *qs, co
 /* y [M, N] = x [M, K] @ W.T, W as q4 (see the top of the file). K % 32 == 0.
  * xsum: scratch of M * K / 32 floats. */
 void pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
-                  const float *m, const float *off, int64_t N, float *y, float *xsum,
-                  int threads) {
+                  const float *c, int64_t N, float *y, float *xsum, int threads) {
     const int64_t groups = K / GROUP;
     const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
     for (int64_t i = 0; i < M * groups; i++) {
@@ -158,8 +165,8 @@ void pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const
     for (int64_t b = 0; b < blocks; b++) {
         int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
         for (int64_t n = b * COL_BLOCK; n < end; n++)
-            q4_column(x, xsum, M, K, qs + n * groups * 16, d + n * groups, m + n * groups,
-                      off[n], y + n, N);
+            q4_column(x, xsum, M, K, qs + n * groups * 16, d + n * groups, c + n * groups,
+                      y + n, N);
     }
 }
 
