@@ -1,11 +1,15 @@
 """Times the paged-attention kernels on representative shapes and prints a table.
 
-On CPU: the fast torch path (what serves here) against the torch reference. On CUDA: the
-Triton kernels against the torch path. Model shape: 9 query heads, 3 KV heads, head_dim 64,
-block_size 16 (SmolLM2-135M-like).
+On CPU: the fast torch path against the torch reference, then the C kernels that serve decode
+rows here (kernels/csrc, float32) against the torch path they replace: decode attention with
+its rope and K/V store, and the 4-bit matmuls of the model's projections. On CUDA: the Triton
+kernels against the torch path. Model shape: 9 query heads, 3 KV heads, head_dim 64,
+block_size 16, hidden 576, intermediate 1536 (SmolLM2-135M).
 
     python benchmarks/bench_kernels.py                    # fp32 and bf16, with the reference
     python benchmarks/bench_kernels.py --dtype bfloat16 --no-reference
+
+It prints a table and draws bench_results/kernels/kernels.png.
 """
 
 from __future__ import annotations
@@ -98,6 +102,78 @@ def implementations(device: torch.device) -> dict[str, dict[str, Callable]]:
     }
 
 
+def native_cases() -> list[tuple[str, str, Callable, Callable]]:
+    """(kind, shape, C kernel, the torch path it replaces) on CPU, float32."""
+    from engine_core.model.decode_quant import Int4Matmul, NativeQ4Matmul
+    from engine_core.model.rope import apply_rope, cos_sin_cache
+    from engine_core.weights.gguf_q4 import Q4Weight
+    from kernels import native
+
+    lib = native.load()
+    if lib is None:
+        return []
+    cases = []
+    for num_seqs, context_len in ((1, 2048), (32, 256), (64, 512)):
+        inputs = make_decode_inputs([context_len] * num_seqs, NUM_Q_HEADS, NUM_KV_HEADS,
+                                    HEAD_DIM, BLOCK_SIZE, torch.float32)
+        kv_layer = inputs.kv_layer.contiguous()
+        tables, lens = inputs.block_tables, inputs.context_lens
+        positions = lens.long() - 1
+        slots = tables.long().gather(1, (positions // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE
+        slots += positions % BLOCK_SIZE
+        cos_sin = cos_sin_cache(HEAD_DIM, 4096, 10000.0, None)[positions]
+        qkv = torch.randn(num_seqs, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
+        scale = HEAD_DIM**-0.5
+
+        def c_kernel(qkv=qkv, cos_sin=cos_sin, kv_layer=kv_layer, slots=slots, tables=tables,
+                     lens=lens, max_len=context_len, scale=scale):
+            return native.decode_attention(lib, qkv.clone(), cos_sin, kv_layer, slots, tables,
+                                           lens, NUM_Q_HEADS, scale, max_len)
+
+        def torch_path(qkv=qkv, cos_sin=cos_sin, kv_layer=kv_layer, slots=slots, tables=tables,
+                       lens=lens, scale=scale, n=num_seqs):
+            half, heads = HEAD_DIM // 2, NUM_Q_HEADS + NUM_KV_HEADS
+            qk, v = qkv.split([heads * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=1)
+            qk = apply_rope(qk.view(n, heads, HEAD_DIM), cos_sin[:, None, :half],
+                            cos_sin[:, None, half:])
+            q, k = qk.split([NUM_Q_HEADS, NUM_KV_HEADS], dim=1)
+            cpu_attention.store_kv_torch(k, v.view(n, NUM_KV_HEADS, HEAD_DIM), kv_layer, slots)
+            return cpu_attention.paged_decode_attention_torch(q, kv_layer, tables, lens, scale)
+
+        cases.append(("decode+rope", f"{num_seqs}x{context_len}", c_kernel, torch_path))
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((960, 576), (3072, 576), (576, 1536)):
+        w = Q4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                     torch.rand(n, k // 32, generator=g) * 0.01,
+                     torch.randn(n, k // 32, generator=g) * 0.1, torch.zeros(n))
+        c_mm, torch_mm = NativeQ4Matmul(w, lib), Int4Matmul(w)
+        for rows in (1, 32):
+            x = torch.randn(rows, k, generator=g)
+            cases.append(("q4 matmul", f"{rows}x{k} @ {k}x{n}", lambda m=c_mm, x=x: m(x),
+                          lambda m=torch_mm, x=x: m(x)))
+    return cases
+
+
+def plot(rows: list[tuple], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{kind} {name} {dtype_name}" for kind, name, dtype_name, *_ in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [r[4] for r in rows], height=0.4, label="measured")
+    ax.barh([i - 0.2 for i in y], [r[6] or 0 for r in rows], height=0.4, label="baseline")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("ms per call (log)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def time_ms(fn: Callable, args: tuple, min_run_time: float, device: torch.device) -> float:
     """Median milliseconds per call."""
     if device.type == "cuda":
@@ -140,14 +216,21 @@ def main() -> None:
             else:
                 base_ms = time_once_ms(base_fn, case.args)
         rows.append((case.kind, case.name, dtype_name, label, ms, base_label, base_ms))
+    if device.type == "cpu":
+        for kind, name, c_fn, torch_fn in tqdm(native_cases(), desc="C kernels", leave=False):
+            rows.append((kind, name, "float32", "C", time_ms(c_fn, (), args.min_run_time, device),
+                         "torch", time_ms(torch_fn, (), args.min_run_time, device)))
 
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
-    header = f"{'kernel':9} {'shape':22} {'dtype':9} {'impl':8} {'ms':>9}  {'baseline':10} {'ms':>10} {'speedup':>8}"
+    header = f"{'kernel':11} {'shape':22} {'dtype':9} {'impl':8} {'ms':>9}  {'baseline':10} {'ms':>10} {'speedup':>8}"
     print(header)
     print("-" * len(header))
     for kind, name, dtype_name, label, ms, base_label, base_ms in rows:
         base = f"{base_label:10} {base_ms:10.2f} {base_ms / ms:7.1f}x" if base_ms else ""
-        print(f"{kind:9} {name:22} {dtype_name:9} {label:8} {ms:9.3f}  {base}")
+        print(f"{kind:11} {name:22} {dtype_name:9} {label:8} {ms:9.3f}  {base}")
+    out = Path("bench_results/kernels/kernels.png")
+    plot(rows, out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
