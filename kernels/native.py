@@ -32,12 +32,12 @@ LIBS = ["-lm"]
 ENV = "PDSERVE_NATIVE"
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-SIGNATURES = {
-    "pd_q4_matmul": [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _int],
-    "pd_q8_matmul": [_p, _i64, _i64, _p, _p, _i64, _p, _int],
-    "pd_decode_attention": [_p, _i64, _int, _int, _int, _p, _p, _p, _p, _i64, _p, _int, _f32,
-                            _p, _p, _i64, _int],
-    "pd_add_rms_norm": [_p, _p, _p, _f32, _p, _i64, _i64],
+SIGNATURES = {  # name: (argument types, result type)
+    "pd_q4_matmul": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _int], _int),
+    "pd_q8_matmul": ([_p, _i64, _i64, _p, _p, _i64, _p, _int], None),
+    "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _p, _p, _i64, _p, _int, _f32,
+                             _p, _i64, _int], _int),
+    "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
 }
 
 
@@ -88,10 +88,16 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("native CPU kernels unavailable, using the torch path: %s", e)
         return None
-    for name, args in SIGNATURES.items():
+    for name, (args, result) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, result
     return lib
+
+
+def check(status: int) -> None:
+    """A kernel's status: 0, or -1 when it could not allocate its scratch."""
+    if status != 0:
+        raise MemoryError("native CPU kernel could not allocate its scratch memory")
 
 
 def decode_attention(
@@ -104,26 +110,36 @@ def decode_attention(
     context_lens: torch.Tensor,  # [S] int32
     num_heads: int,
     scale: float,
-    max_len: int,  # context_lens.max()
+    max_len: int,  # context_lens.max() (0: computed here)
 ) -> torch.Tensor:  # [S, Hq * D] float32
     """Rotary embedding, K/V store and decode attention of S decode rows in one call (see
     pd_decode_attention in csrc/cpu_decode.c)."""
     num_rows = qkv.shape[0]
     num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
-    threads = torch.get_num_threads()
-    out = qkv.new_empty(num_rows, num_heads * head_dim)
-    scratch = qkv.new_empty(threads, max_len)
-    lib.pd_decode_attention(
+    layouts = ((qkv, torch.float32), (cos_sin, torch.float32), (kv_layer, torch.float32),
+               (slot_mapping, torch.int64), (context_lens, torch.int32))
+    if (any(t.dtype != dtype or not t.is_contiguous() for t, dtype in layouts)
+            or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
+            or head_dim % 8 or head_dim > 128 or num_heads % num_kv_heads):
+        raise ValueError("decode_attention: float32/int64/int32 contiguous inputs, head_dim a "
+                         "multiple of 8 up to 128, query heads a multiple of KV heads")
+    if max_len <= 0:  # the caller did not know it
+        max_len = int(context_lens.max())
+    out = torch.empty((num_rows, num_heads * head_dim), dtype=torch.float32)
+    check(lib.pd_decode_attention(
         qkv.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
         kv_layer.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), kv_layer.shape[2], scale,
-        out.data_ptr(), scratch.data_ptr(), max_len, threads)
+        out.data_ptr(), max_len, torch.get_num_threads()))
     return out
 
 
 def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,
                  weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += residual in place (when given), then rmsnorm(x) * weight; float32 [rows, dim]."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        raise ValueError("add_rms_norm: contiguous float32 tensors")
     y = torch.empty_like(x)
     lib.pd_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
                         weight.data_ptr(), eps, y.data_ptr(), x.shape[0], x.shape[1])

@@ -87,24 +87,28 @@ class Int8Matmul(nn.Module):
 
 
 class NativeQ4Matmul(nn.Module):
-    """x @ W.T with the GGUF's 4-bit blocks, float32 activations (kernels/csrc/cpu_decode.c)."""
+    """x @ W.T with the GGUF's 4-bit blocks, float32 activations (kernels/csrc/cpu_decode.c).
+
+    The packed weights are plain attributes, not buffers: `.to()` leaves them where the kernel
+    reads them (its pointers are taken once, here), and the dense twin keeps the state dict.
+    """
 
     def __init__(self, w: Q4Weight, lib) -> None:
         super().__init__()
-        self.lib = lib
-        self.register_buffer("qs", w.packed_nibbles())  # [N, K / 32, 16]
-        self.register_buffer("d", w.d.float().contiguous())  # [N, K / 32]
+        self.n, self.k = w.q.shape
+        self.qs = w.packed_nibbles()  # [N, K / 32, 16]
+        self.d = w.d.float().contiguous()  # [N, K / 32]
         # w = q * d + c: the constant part of each group, multiplied into the group sums of x
-        self.register_buffer("c", (w.m - w.offset[:, None] * w.d).float().contiguous())
+        self.c = (w.m - w.offset[:, None] * w.d).float().contiguous()
+        self._fn = lib.pd_q4_matmul
+        self._weights = (self.qs.data_ptr(), self.d.data_ptr(), self.c.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
-        x = x.float().contiguous()
-        out = x.new_empty(x.shape[0], self.qs.shape[0])
-        xsum = x.new_empty(x.shape[0], x.shape[1] // GROUP_SIZE)  # scratch
-        self.lib.pd_q4_matmul(x.data_ptr(), x.shape[0], x.shape[1], self.qs.data_ptr(),
-                              self.d.data_ptr(), self.c.data_ptr(), out.shape[1],
-                              out.data_ptr(), xsum.data_ptr(),
-                              torch.get_num_threads())
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        out = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        native.check(self._fn(x.data_ptr(), x.shape[0], self.k, *self._weights, self.n,
+                              out.data_ptr(), torch.get_num_threads()))
         return out
 
 
@@ -113,23 +117,26 @@ class NativeQ8Matmul(nn.Module):
 
     A Q8_0 tensor (as the default model's embedding) is requantized exactly: its dense weight
     is d * q with |q| reaching 127 in every block, so amax / 127 gives d back and q follows.
+    Plain attributes, as in NativeQ4Matmul.
     """
 
     def __init__(self, weight: torch.Tensor, lib) -> None:  # [N, K] float
         super().__init__()
-        self.lib = lib
-        w = weight.float().view(weight.shape[0], -1, GROUP_SIZE)  # [N, K / 32, 32]
+        self.n, self.k = weight.shape
+        w = weight.float().view(self.n, -1, GROUP_SIZE)  # [N, K / 32, 32]
         d = w.abs().amax(dim=2) / 127  # [N, K / 32]
         q = torch.round(w / d.clamp(min=1e-30)[..., None]).to(torch.int8)
-        self.register_buffer("qs", q.view(weight.shape).contiguous())  # [N, K]
-        self.register_buffer("d", d.contiguous())
+        self.qs = q.view(self.n, self.k).contiguous()  # [N, K]
+        self.d = d.contiguous()
+        self._fn = lib.pd_q8_matmul
+        self._weights = (self.qs.data_ptr(), self.d.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
-        x = x.float().contiguous()
-        out = x.new_empty(x.shape[0], self.qs.shape[0])
-        self.lib.pd_q8_matmul(x.data_ptr(), x.shape[0], x.shape[1], self.qs.data_ptr(),
-                              self.d.data_ptr(), out.shape[1], out.data_ptr(),
-                              torch.get_num_threads())
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        out = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        self._fn(x.data_ptr(), x.shape[0], self.k, *self._weights, self.n, out.data_ptr(),
+                 torch.get_num_threads())
         return out
 
 
@@ -209,7 +216,9 @@ def quantize_for_decode(
         for (module, attr), parts in names.items():
             linear = getattr(module, attr)
             setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts), rows))
-    if lib is not None and model.embed_tokens.weight.dtype == torch.float32:
+    head_dim = model.config.head_dim
+    if (lib is not None and model.embed_tokens.weight.dtype == torch.float32
+            and head_dim % 8 == 0 and head_dim <= 128):
         # decode attention (rope, K/V store, attention) and every RMSNorm in C as well
         for layer in model.layers:
             layer.self_attn.native = lib

@@ -20,9 +20,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <stdlib.h>
 
 #define GROUP 32
 #define ROW_TILE 8 /* rows sharing one expanded weight group (8 accumulators + 4 weights) */
@@ -150,11 +148,13 @@ static void q8_column(const float *x, int64_t M, int64_t K, const int8_t *qs, co
 }
 
 /* y [M, N] = x [M, K] @ W.T, W as q4 (see the top of the file). K % 32 == 0.
- * xsum: scratch of M * K / 32 floats. */
-void pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
-                  const float *c, int64_t N, float *y, float *xsum, int threads) {
+ * Returns 0, or -1 when out of memory. */
+int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
+                 const float *c, int64_t N, float *y, int threads) {
     const int64_t groups = K / GROUP;
     const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
+    float *xsum = malloc((size_t)(M * groups) * sizeof(float));
+    if (xsum == 0) return -1;
     for (int64_t i = 0; i < M * groups; i++) {
         const float *xg = x + i * GROUP;
         float s = 0.0f;
@@ -168,6 +168,8 @@ void pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const
             q4_column(x, xsum, M, K, qs + n * groups * 16, d + n * groups, c + n * groups,
                       y + n, N);
     }
+    free(xsum);
+    return 0;
 }
 
 /* y [M, N] = x [M, K] @ W.T, W as q8 (see the top of the file). K % 32 == 0. */
@@ -305,11 +307,11 @@ static void head_output(float *scores, const float *kv, const int32_t *table, in
     for (int i = 0; i < nv; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
 
-/* scratch: threads * max(lens) floats. D % 8 == 0, D <= 128. */
-void pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
-                         float *kv, const int64_t *slots, const int32_t *tables,
-                         int64_t table_stride, const int32_t *lens, int bs, float scale,
-                         float *out, float *scratch, int64_t scratch_stride, int threads) {
+/* max_len >= every lens[s]. D % 8 == 0, D <= 128. Returns 0, or -1 when out of memory. */
+int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
+                        float *kv, const int64_t *slots, const int32_t *tables,
+                        int64_t table_stride, const int32_t *lens, int bs, float scale,
+                        float *out, int64_t max_len, int threads) {
     const int64_t row_stride = (int64_t)(Hq + 2 * Hkv) * D, token_stride = (int64_t)Hkv * D;
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * row_stride;
@@ -324,21 +326,28 @@ void pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const fl
         }
     }
     const int group = Hq / Hkv;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t item = 0; item < S * Hq; item++) {
-        int64_t s = item / Hq;
-        int hq = (int)(item % Hq), h = hq / group;
-#ifdef _OPENMP
-        float *scores = scratch + omp_get_thread_num() * scratch_stride;
-#else
-        float *scores = scratch;
-#endif
-        const int32_t *table = tables + s * table_stride;
-        head_scores(qkv + s * row_stride + hq * D, kv, table, lens[s], bs, token_stride, h, D,
-                    scale, scores);
-        head_output(scores, kv, table, lens[s], bs, token_stride, h, D,
-                    out + s * Hq * D + hq * D);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *scores = malloc((size_t)max_len * sizeof(float)); /* this thread's scratch */
+        if (scores == 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < S * Hq; item++) {
+            if (scores == 0) continue;
+            int64_t s = item / Hq;
+            int hq = (int)(item % Hq), h = hq / group;
+            const int32_t *table = tables + s * table_stride;
+            head_scores(qkv + s * row_stride + hq * D, kv, table, lens[s], bs, token_stride, h,
+                        D, scale, scores);
+            head_output(scores, kv, table, lens[s], bs, token_stride, h, D,
+                        out + s * Hq * D + hq * D);
+        }
+        free(scores);
     }
+    return failed ? -1 : 0;
 }
 
 /* x += residual (when given), then y = rmsnorm(x) * weight, per row of `dim`. Sum of squares
