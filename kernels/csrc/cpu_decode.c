@@ -14,6 +14,13 @@
  * horizontal sum), whatever the number of rows or threads: a row's result is the same bit
  * for bit alone or batched (continuous batching must not change a greedy token).
  *
+ * Work is handed to threads with schedule(guided): chunks that shrink as the work runs out.
+ * Which thread computes a column does not change its value. Behind a server, the gateway's and
+ * the clients' threads share the cores; when one of ours is descheduled, the other takes the
+ * remaining chunks instead of waiting at the barrier for its fixed half. Measured (colocated
+ * gateway, batch-1 decode on 2 cores): tokens 18.4 ms apart with guided, 23.3 ms with static;
+ * schedule(dynamic, 1) cost 30 % offline.
+ *
  * Built by kernels/native.py with -O3 -mavx2 -mfma -fopenmp (no -ffast-math: the order of
  * float operations is the one written here).
  */
@@ -161,7 +168,7 @@ int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const 
         for (int j = 0; j < GROUP; j++) s += xg[j];
         xsum[i] = s;
     }
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
         for (int64_t n = b * COL_BLOCK; n < end; n++)
@@ -177,7 +184,7 @@ void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const 
                   int64_t N, float *y, int threads) {
     const int64_t groups = K / GROUP;
     const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
         for (int64_t n = b * COL_BLOCK; n < end; n++)
@@ -334,7 +341,7 @@ int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const flo
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
         for (int64_t item = 0; item < S * Hq; item++) {
             if (scores == 0) continue;
             int64_t s = item / Hq;
