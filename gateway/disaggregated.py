@@ -19,6 +19,9 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
     Cancellation or a deadline at any point: the pending call is cancelled (gRPC propagates it
     to the worker, which aborts) and D.Abort ends the reservation or the decode.
 
+The pools themselves (following discovery, health from Status) are gateway/worker_pools.py;
+this backend is one.
+
 Timing (seconds since arrival): queue = routing and reservation + the prefill worker's queue,
 prefill = its compute, kv_transfer = first token sampled -> first token delivered by D (the
 un-overlapped transfer tail, verification and admission), so queue + prefill + kv_transfer =
@@ -33,7 +36,7 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -49,24 +52,19 @@ from gateway.backend import (
     Overloaded,
     Timing,
 )
-from gateway.discovery import Discovery, WorkerAddress
+from gateway.discovery import Discovery
 from gateway.routing import MAX_ROUTING_BLOCKS, QUEUE_WEIGHT_BLOCKS, pick_prefill
-from kv_transfer import GRPC_CHANNEL_OPTIONS
+from gateway.worker_pools import REFRESH_S, Worker, WorkerPools
 from pdserve.tls import TLSConfig
-from pdserve.tls import channel as tls_channel
 from protos.convert import (
     FINISH_REASON_NAMES,
     logprob_from_proto,
     sampling_to_proto,
 )
 from protos.pdserve.internal import workers_pb2 as pb
-from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-STATUS_TIMEOUT_S = 5.0
-STALL_STATUS_TIMEOUTS = 3  # Status timeouts in a row that make a worker count as stalled
 READY_TIMEOUT_S = 5.0
-REFRESH_S = 1.0
 MAX_ATTEMPTS = 3  # a request survives two lost workers (prefill, decode or transfer)
 
 
@@ -94,27 +92,13 @@ def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> Gener
                                   min_tokens=max(0, p.min_tokens - n)))
 
 
-@dataclass
-class Worker:
-    address: str
-    stub: Any
-    channel: grpc.aio.Channel
-    in_flight: int = 0  # requests this gateway has on the worker now
-    status: pb.WorkerStatus | None = None
-    is_healthy: bool = False
-    worker_id: str = ""  # as discovery names it ("" for static addresses)
-    epoch: int = 0  # discovery's restart epoch: another one at this address is a new process
-    num_slow_status: int = 0  # Status calls in a row that timed out
-
-
-class DisaggregatedBackend:
+class DisaggregatedBackend(WorkerPools):
     def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
                  lease_ttl_s: float = 30.0, model_name: str | None = None,
                  max_waiting: int = 1024, max_queue_wait_s: float = 300.0,
                  prefix_queue_weight: float = QUEUE_WEIGHT_BLOCKS,
                  tls: TLSConfig | None = None) -> None:
-        self.discovery = discovery
-        self.tls = tls  # mutual TLS to the workers (our certificate is the client's)
+        super().__init__(discovery, tls)
         self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
         # admission: requests no decode worker has room for wait here (at most max_waiting at
         # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED
@@ -130,70 +114,11 @@ class DisaggregatedBackend:
         self.lease_ttl_s = lease_ttl_s
         self._model_name = model_name
         self.model: ModelInfo | None = None
-        self.prefill: list[Worker] = []  # as discovery last answered
-        self.decode: list[Worker] = []
         # client's req_id -> (its decode worker, the attempt's request id on the workers)
         self._running: dict[str, tuple[Worker, str]] = {}
         self.num_migrations = {"prefill": 0, "decode": 0}  # requests run again, by lost stage
         self._aborted: set[str] = set()  # running requests the client aborted
         self.block_size = 16  # the workers' (from their status at start)
-        self.layout_fingerprint = ""  # the workers' (from their status at start)
-        self._refused: set[tuple[str, int]] = set()  # (address, epoch) of another layout
-        self._discovering = asyncio.Lock()
-        self._refresher: asyncio.Task | None = None
-
-    async def _discover(self) -> None:
-        """Follow discovery: connect to workers that joined, drop those that left, reconnect
-        to those that restarted (same address, new worker id or epoch)."""
-        async with self._discovering:  # the refresh loop and status() both call this
-            found = await self.discovery.workers()
-            for role, stub_cls in (("prefill", pb_grpc.PrefillStub),
-                                   ("decode", pb_grpc.DecodeStub)):
-                wanted = [w for w in found if w.role == role and self._fits(w)]
-                setattr(self, role, await self._follow(role, getattr(self, role), wanted,
-                                                       stub_cls))
-
-    async def _follow(self, role: str, workers: list[Worker], wanted: list[WorkerAddress],
-                      stub_cls) -> list[Worker]:
-        """One pool after discovery's answer: kept workers are the same objects."""
-        current = {w.address: w for w in workers}
-        kept = []
-        for found in wanted:
-            worker = current.pop(found.address, None)
-            if worker is not None and (worker.worker_id, worker.epoch) != (found.worker_id,
-                                                                           found.epoch):
-                logger.info("%s worker restarted: %s (epoch %d -> %d)", role, found.address,
-                            worker.epoch, found.epoch)
-                await self._forget(worker)
-                worker = None
-            if worker is None:
-                logger.info("%s worker joined: %s", role, found.address)
-                channel = tls_channel(found.address, self.tls, GRPC_CHANNEL_OPTIONS.items(),
-                                      is_aio=True)
-                worker = Worker(found.address, stub_cls(channel), channel,
-                                worker_id=found.worker_id, epoch=found.epoch)
-            kept.append(worker)
-        for gone in current.values():
-            logger.info("%s worker left: %s", role, gone.address)
-            await self._forget(gone)
-        return kept
-
-    def _fits(self, w: WorkerAddress) -> bool:
-        """False for a worker registered with another KV layout than the pools started with
-        (its handoffs would be refused); warned about once per process."""
-        if not (self.layout_fingerprint and w.layout_fingerprint) or (
-                w.layout_fingerprint == self.layout_fingerprint):
-            return True
-        if (w.address, w.epoch) not in self._refused:
-            self._refused.add((w.address, w.epoch))
-            logger.warning("ignoring %s worker %s: KV layout %s, the pools use %s", w.role,
-                           w.address, w.layout_fingerprint, self.layout_fingerprint)
-        return False
-
-    @staticmethod
-    async def _forget(worker: Worker) -> None:
-        if worker.in_flight == 0:  # else its in-flight requests still use the channel
-            await worker.channel.close()
 
     async def start(self, max_model_len: int, vocab_size: int, timeout_s: float = 120.0) -> None:
         """Wait until every worker answers and check they serve one model with one KV layout."""
@@ -217,30 +142,6 @@ class DisaggregatedBackend:
         self.model = ModelInfo(self._model_name or model, min(max_model_len, min_pool),
                                vocab_size)
         self._refresher = asyncio.create_task(self._refresh_loop())
-
-    async def _refresh_loop(self) -> None:
-        """Routing reads free blocks and health from here: refreshed every REFRESH_S."""
-        while True:
-            await asyncio.sleep(REFRESH_S)
-            await self.refresh()
-
-    async def refresh(self) -> None:
-        await self._discover()
-
-        async def one(w: Worker) -> None:
-            try:
-                w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
-                w.is_healthy, w.num_slow_status = True, 0
-            except grpc.aio.AioRpcError as e:
-                # Status runs between two engine steps: one slow answer is a busy worker (a
-                # long prefill step), not a dead one; STALL_STATUS_TIMEOUTS in a row is a
-                # stalled one. Unreachable is unhealthy at once.
-                w.num_slow_status += e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                if (e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.status is None
-                        or w.num_slow_status >= STALL_STATUS_TIMEOUTS):
-                    w.is_healthy = False
-
-        await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
 
     # -- routing --------------------------------------------------------------------------------
     def _decode_order(self) -> list[Worker]:
@@ -567,13 +468,6 @@ class DisaggregatedBackend:
                 "acceptance_rate_per_position": [a / d if d else 0.0
                                                  for a, d in zip(accepted, drafts, strict=True)]}
         return out
-
-    async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-        await self.discovery.close()
-        for w in self.prefill + self.decode:
-            await w.channel.close()
 
 
 def _sum_lists(lists) -> list[int]:
