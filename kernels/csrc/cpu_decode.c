@@ -118,15 +118,23 @@ static inline __attribute__((always_inline)) void q4_tile(
         y[r * N] = hsum(acc[r]) + dot(c, xsum + r * groups, groups);
 }
 
-static void q4_column(const float *x, const float *xsum, int64_t M, int64_t K,
-                      const uint8_t *qs, const float *d, const float *c, float *y, int64_t N) {
+/* Columns n0 .. n1 - 1 for all M rows. Row tiles are the outer loop: a tile's rows of x stay
+ * in L1 while every column of the block reads them. With columns outer, x came from L2 for
+ * each column: the 120 layer matmuls of a 32-row step took 96.6 ms, now 71.5 ms (2 threads). */
+static void q4_columns(const float *x, const float *xsum, int64_t M, int64_t K,
+                       const uint8_t *qs, const float *d, const float *c, int64_t n0,
+                       int64_t n1, float *y, int64_t N) {
     const int64_t groups = K / GROUP;
+#define Q4_TILE(ROWS)                                                                      \
+    for (int64_t n = n0; n < n1; n++)                                                      \
+        q4_tile(x + r * K, xsum + r * groups, K, qs + n * groups * 16, d + n * groups,     \
+                c + n * groups, y + r * N + n, N, ROWS)
     int64_t r = 0;
-    for (; r + 8 <= M; r += 8)
-        q4_tile(x + r * K, xsum + r * groups, K, qs, d, c, y + r * N, N, 8);
-    if (r + 4 <= M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, c, y + r * N, N, 4), r += 4;
-    if (r + 2 <= M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, c, y + r * N, N, 2), r += 2;
-    if (r < M) q4_tile(x + r * K, xsum + r * groups, K, qs, d, c, y + r * N, N, 1);
+    for (; r + 8 <= M; r += 8) Q4_TILE(8);
+    if (r + 4 <= M) { Q4_TILE(4); r += 4; }
+    if (r + 2 <= M) { Q4_TILE(2); r += 2; }
+    if (r < M) Q4_TILE(1);
+#undef Q4_TILE
 }
 
 static inline __attribute__((always_inline)) void q8_tile(
@@ -145,13 +153,19 @@ static inline __attribute__((always_inline)) void q8_tile(
     for (int r = 0; r < rows; r++) y[r * N] = hsum(acc[r]);
 }
 
-static void q8_column(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
-                      float *y, int64_t N) {
+/* Columns n0 .. n1 - 1 for all M rows, row tiles outer (see q4_columns). */
+static void q8_columns(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
+                       int64_t n0, int64_t n1, float *y, int64_t N) {
+    const int64_t groups = K / GROUP;
+#define Q8_TILE(ROWS)                                                                      \
+    for (int64_t n = n0; n < n1; n++)                                                      \
+        q8_tile(x + r * K, K, qs + n * K, d + n * groups, y + r * N + n, N, ROWS)
     int64_t r = 0;
-    for (; r + 8 <= M; r += 8) q8_tile(x + r * K, K, qs, d, y + r * N, N, 8);
-    if (r + 4 <= M) q8_tile(x + r * K, K, qs, d, y + r * N, N, 4), r += 4;
-    if (r + 2 <= M) q8_tile(x + r * K, K, qs, d, y + r * N, N, 2), r += 2;
-    if (r < M) q8_tile(x + r * K, K, qs, d, y + r * N, N, 1);
+    for (; r + 8 <= M; r += 8) Q8_TILE(8);
+    if (r + 4 <= M) { Q8_TILE(4); r += 4; }
+    if (r + 2 <= M) { Q8_TILE(2); r += 2; }
+    if (r < M) Q8_TILE(1);
+#undef Q8_TILE
 }
 
 /* y [M, N] = x [M, K] @ W.T, W as q4 (see the top of the file). K % 32 == 0.
@@ -171,9 +185,7 @@ int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const 
 #pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
-        for (int64_t n = b * COL_BLOCK; n < end; n++)
-            q4_column(x, xsum, M, K, qs + n * groups * 16, d + n * groups, c + n * groups,
-                      y + n, N);
+        q4_columns(x, xsum, M, K, qs, d, c, b * COL_BLOCK, end, y, N);
     }
     free(xsum);
     return 0;
@@ -182,13 +194,11 @@ int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const 
 /* y [M, N] = x [M, K] @ W.T, W as q8 (see the top of the file). K % 32 == 0. */
 void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
                   int64_t N, float *y, int threads) {
-    const int64_t groups = K / GROUP;
     const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
-        for (int64_t n = b * COL_BLOCK; n < end; n++)
-            q8_column(x, M, K, qs + n * K, d + n * groups, y + n, N);
+        q8_columns(x, M, K, qs, d, b * COL_BLOCK, end, y, N);
     }
 }
 
