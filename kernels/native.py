@@ -1,11 +1,15 @@
 """The C kernels of kernels/csrc, compiled on first use and called through ctypes.
 
-    kernels/csrc/cpu_decode.c --cc -O3 -mavx2 -mfma -fopenmp--> $PDSERVE_HOME/native/<hash>.so
+    kernels/csrc/cpu_decode.c --cc -O3 -mavx2 -mfma [-mavx512f ...] -fopenmp-->
+        $PDSERVE_HOME/native/cpu_decode-<isa>-<hash>.so
 
-The library is built once per source version and compiler flags (the hash names the file),
-written under a temporary name and renamed, so processes starting together never load a
-half-written file. It needs a C compiler and a CPU with AVX2 and FMA; without them `load()`
-returns None, logs why once, and callers use their torch path. PDSERVE_NATIVE=0 turns it off.
+Two builds of one source: "avx2" (AVX2 + FMA) and "avx512" (adds AVX-512 F/BW/VL/DQ, whose
+matmul tiles use 16-float vectors and 16-row tiles); `load()` takes the widest this CPU runs.
+Each is built once per source version and compiler flags (the hash names the file), written
+under a temporary name and renamed, so processes starting together never load a half-written
+file. It needs a C compiler and a CPU with AVX2 and FMA; without them `load()` returns None,
+logs why once, and callers use their torch path. PDSERVE_NATIVE=0 turns it off;
+PDSERVE_NATIVE=avx2 keeps the AVX2 build on an AVX-512 CPU.
 
 OpenMP: the library links the same libgomp.so.1 that torch has already loaded, so both share
 one thread pool; callers pass torch.get_num_threads().
@@ -28,6 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
 LIBS = ["-lm"]
 ENV = "PDSERVE_NATIVE"
 
@@ -35,8 +40,8 @@ _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 SIGNATURES = {  # name: (argument types, result type)
     "pd_q4_matmul": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _int], _int),
     "pd_q8_matmul": ([_p, _i64, _i64, _p, _p, _i64, _p, _int], None),
-    "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _p, _p, _i64, _p, _int, _f32,
-                             _p, _i64, _int], _int),
+    "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _int,
+                             _f32, _p, _i64, _int], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
 }
 
@@ -45,26 +50,30 @@ def _home() -> Path:
     return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
 
 
-def cpu_supported() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+def cpu_isas() -> list[str]:
+    """The builds this CPU runs, narrowest first (torch's AVX512 level has F, BW, VL and DQ)."""
+    level = torch.backends.cpu.get_cpu_capability()
+    return {"AVX2": ["avx2"], "AVX512": ["avx2", "avx512"]}.get(level, [])
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile the library (if this version is not built yet) and return its path."""
+def build(out_dir: Path | None = None, isa: str = "avx2") -> Path:
+    """Compile the library for `isa` (if this version is not built yet) and return its path.
+    Building needs no CPU support: an image can hold both builds."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    flags = FLAGS + ISA_FLAGS[isa]
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join([compiler, *FLAGS, *LIBS]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join([compiler, *flags, *LIBS]).encode()).hexdigest()[:16]
     out_dir = out_dir or _home() / "native"
-    target = out_dir / f"cpu_decode-{digest}.so"
+    target = out_dir / f"cpu_decode-{isa}-{digest}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS],
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, *LIBS],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
@@ -76,15 +85,23 @@ def build(out_dir: Path | None = None) -> Path:
 
 
 @cache
-def load() -> ctypes.CDLL | None:
-    """The compiled library, or None (logged once) when it cannot be used here."""
-    if os.environ.get(ENV, "1").strip() == "0":
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled library (the widest build this CPU runs, or `isa`), or None (logged once)
+    when it cannot be used here."""
+    setting = os.environ.get(ENV, "1").strip().lower()
+    if setting == "0":
         return None
-    if not cpu_supported():
+    isas = cpu_isas()
+    if not isas:
         logger.info("native CPU kernels need AVX2 and FMA; using the torch path")
         return None
+    isa = isa or (setting if setting in ISA_FLAGS else isas[-1])
+    if isa not in isas:
+        logger.info("this CPU cannot run the %s build of the native kernels; using %s",
+                    isa, isas[-1])
+        isa = isas[-1]
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(isa=isa)))
     except (OSError, RuntimeError) as e:
         logger.warning("native CPU kernels unavailable, using the torch path: %s", e)
         return None
@@ -104,7 +121,7 @@ def decode_attention(
     lib: ctypes.CDLL,
     qkv: torch.Tensor,  # [S, (Hq + 2 Hkv) * D] float32, contiguous; q and k rotated in place
     cos_sin: torch.Tensor,  # [S, D] float32: cos | sin of each row's position
-    kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D] float32, contiguous
+    kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D] float32 or bf16, contiguous
     slot_mapping: torch.Tensor,  # [S] int64
     block_tables: torch.Tensor,  # [S, max_blocks] int32
     context_lens: torch.Tensor,  # [S] int32
@@ -116,19 +133,22 @@ def decode_attention(
     pd_decode_attention in csrc/cpu_decode.c)."""
     num_rows = qkv.shape[0]
     num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
-    layouts = ((qkv, torch.float32), (cos_sin, torch.float32), (kv_layer, torch.float32),
-               (slot_mapping, torch.int64), (context_lens, torch.int32))
+    layouts = ((qkv, torch.float32), (cos_sin, torch.float32), (slot_mapping, torch.int64),
+               (context_lens, torch.int32))
     if (any(t.dtype != dtype or not t.is_contiguous() for t, dtype in layouts)
+            or kv_layer.dtype not in (torch.float32, torch.bfloat16) or not kv_layer.is_contiguous()
             or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
             or head_dim % 8 or head_dim > 128 or num_heads % num_kv_heads):
-        raise ValueError("decode_attention: float32/int64/int32 contiguous inputs, head_dim a "
-                         "multiple of 8 up to 128, query heads a multiple of KV heads")
+        raise ValueError("decode_attention: float32/int64/int32 contiguous inputs, a float32 or "
+                         "bfloat16 cache, head_dim a multiple of 8 up to 128, query heads a "
+                         "multiple of KV heads")
     if max_len <= 0:  # the caller did not know it
         max_len = int(context_lens.max())
     out = torch.empty((num_rows, num_heads * head_dim), dtype=torch.float32)
     check(lib.pd_decode_attention(
         qkv.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
-        kv_layer.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+        kv_layer.data_ptr(), kv_layer.dtype == torch.bfloat16, slot_mapping.data_ptr(),
+        block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), kv_layer.shape[2], scale,
         out.data_ptr(), max_len, torch.get_num_threads()))
     return out
@@ -147,4 +167,5 @@ def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | Non
 
 
 if __name__ == "__main__":  # build ahead of time (the Dockerfile does, into $PDSERVE_HOME)
-    print(build())
+    for name in ISA_FLAGS:
+        print(build(isa=name))

@@ -70,7 +70,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        cos_sin: torch.Tensor,  # [num_tokens, head_dim]: cos | sin of each token's position
+        cos_sin: torch.Tensor,  # [num_tokens, head_dim] float32: cos | sin of each position
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -78,12 +78,13 @@ class Attention(nn.Module):
         nd = meta.num_decode_tokens
         if self.native is None or nd == 0 or not kv_layer.is_contiguous():
             return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta, 0))
-        # decode rows: rope, K/V store and attention in one C call (kernels/native.py)
+        # decode rows: rope, K/V store and attention in one C call (kernels/native.py), in
+        # float32 over a float32 or bfloat16 cache
         out = native.decode_attention(
-            self.native, qkv[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
+            self.native, qkv[:nd].float(), cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
             meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
             meta.decode_max_len,
-        )
+        ).to(qkv.dtype)
         if nd < qkv.shape[0]:
             out = torch.cat([out, self._attention(qkv[nd:], cos_sin[nd:], kv_layer, meta, nd)])
         return self.o_proj(out)
@@ -92,6 +93,7 @@ class Attention(nn.Module):
         """The torch path over rows skip_decodes.. of the step (all of them, or its prefills)."""
         n = qkv.shape[0]
         half = self.head_dim // 2
+        cos_sin = cos_sin.to(qkv.dtype)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotate together: one rope over [n, heads + kv_heads, head_dim]
         qk = apply_rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim),
@@ -167,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         num_layers: int | None = None,  # run only the first layers (a self-speculative draft)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
-        cos_sin = self.cos_sin[positions].to(x.dtype)  # [num_tokens, head_dim]
+        cos_sin = self.cos_sin[positions]  # [num_tokens, head_dim] float32
         residual = None
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for i, layer in enumerate(layers):

@@ -3,16 +3,18 @@
  * A decode step reads every weight once to produce one token per sequence, so it is bound by
  * the weights' bytes, not by arithmetic. These kernels read 4-bit or 8-bit weights in groups
  * of 32 along K, expand each group to float32 in registers (exactly the dequantized weight
- * the dense model holds) and multiply it into float32 activations with AVX2 FMAs.
+ * the dense model holds) and multiply it into float32 activations with FMAs: AVX2, or AVX-512
+ * in the build for CPUs that have it (kernels/native.py builds both, loads the widest).
  *
  *   q4 weights: qs [N, K/32, 16] u8   weight j of a group: qs[j] & 0xF, weight j+16: qs[j] >> 4
  *               d, c [N, K/32] f32                    (from the GGUF's own Q4_0/Q4_1 blocks:
  *               w = q * d + c                          c = m - off * d, off 8 for Q4_0, else 0)
  *   q8 weights: qs [N, K] i8, d [N, K/32] f32        w = q * d
  *
- * y[r, n] is computed by one thread in a fixed order (8 float lanes over K, then one
+ * y[r, n] is computed by one thread in a fixed order (8 or 16 float lanes over K, then one
  * horizontal sum), whatever the number of rows or threads: a row's result is the same bit
- * for bit alone or batched (continuous batching must not change a greedy token).
+ * for bit alone or batched (continuous batching must not change a greedy token). The two
+ * builds round differently from each other; each is invariant in itself.
  *
  * Work is handed to threads with schedule(guided): chunks that shrink as the work runs out.
  * Which thread computes a column does not change its value. Behind a server, the gateway's and
@@ -21,16 +23,22 @@
  * gateway, batch-1 decode on 2 cores): tokens 18.4 ms apart with guided, 23.3 ms with static;
  * schedule(dynamic, 1) cost 30 % offline.
  *
- * Built by kernels/native.py with -O3 -mavx2 -mfma -fopenmp (no -ffast-math: the order of
- * float operations is the one written here).
+ * Built by kernels/native.py with -O3 -mavx2 -mfma -fopenmp, plus -mavx512f/bw/vl/dq for the
+ * AVX-512 build (no -ffast-math: the order of float operations is the one written here).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define GROUP 32
-#define ROW_TILE 8 /* rows sharing one expanded weight group (8 accumulators + 4 weights) */
+#ifdef __AVX512F__
+#define ROW_TILE 16 /* rows sharing one expanded weight group: 16 accumulators + 2 weights */
+#else
+#define ROW_TILE 8 /* 8 accumulators + 4 weights of the 16 AVX2 registers */
+#endif
+#define L1_ROWS_BYTES (40 * 1024) /* 16-row tiles only while their x fits in L1 (48 KiB) */
 #define COL_BLOCK 16 /* output columns per scheduling unit */
 
 static inline float hsum(__m256 v) {
@@ -92,6 +100,39 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * part multiplies the group sums of x (xsum, computed per call). `rows` is a compile-time
  * constant at every call (the tile is unrolled and its accumulators stay in registers), and
  * every row runs the same operations whatever the tile size. */
+#ifdef __AVX512F__
+/* AVX-512 (built when the CPU has it, see kernels/native.py): a group is two 16-float vectors.
+ * The group's weights are formed once, q * d + c with one FMA as in the dense model, and
+ * shared by the tile's rows: two FMAs per row and group (the AVX2 tile below needs five), and
+ * no constant-part epilogue (xsum is not used). */
+static inline __attribute__((always_inline)) void q4_tile(
+        const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
+        const float *c, float *y, int64_t N, const int rows) {
+    (void)xsum;
+    const int64_t groups = K / GROUP;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m512 acc[ROW_TILE];
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(qs + g * 16));
+        const __m512 dg = _mm512_set1_ps(d[g]), cg = _mm512_set1_ps(c[g]);
+        const __m512 w0 = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), dg, cg);
+        const __m512 w1 = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))),
+            dg, cg);
+#pragma GCC unroll 16
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * K + g * GROUP;
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+}
+#else
 static inline __attribute__((always_inline)) void q4_tile(
         const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
         const float *c, float *y, int64_t N, const int rows) {
@@ -117,6 +158,7 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int r = 0; r < rows; r++)
         y[r * N] = hsum(acc[r]) + dot(c, xsum + r * groups, groups);
 }
+#endif
 
 /* Columns n0 .. n1 - 1 for all M rows. Row tiles are the outer loop: a tile's rows of x stay
  * in L1 while every column of the block reads them. With columns outer, x came from L2 for
@@ -130,6 +172,10 @@ static void q4_columns(const float *x, const float *xsum, int64_t M, int64_t K,
         q4_tile(x + r * K, xsum + r * groups, K, qs + n * groups * 16, d + n * groups,     \
                 c + n * groups, y + r * N + n, N, ROWS)
     int64_t r = 0;
+#if ROW_TILE > 8
+    if (K * ROW_TILE * sizeof(float) <= L1_ROWS_BYTES)
+        for (; r + ROW_TILE <= M; r += ROW_TILE) Q4_TILE(ROW_TILE);
+#endif
     for (; r + 8 <= M; r += 8) Q4_TILE(8);
     if (r + 4 <= M) { Q4_TILE(4); r += 4; }
     if (r + 2 <= M) { Q4_TILE(2); r += 2; }
@@ -137,6 +183,33 @@ static void q4_columns(const float *x, const float *xsum, int64_t M, int64_t K,
 #undef Q4_TILE
 }
 
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void q8_tile(
+        const float *x, int64_t K, const int8_t *qs, const float *d, float *y, int64_t N,
+        const int rows) {
+    const int64_t groups = K / GROUP;
+    __m512 acc[ROW_TILE];
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *q = qs + g * GROUP;
+        const __m512 dg = _mm512_set1_ps(d[g]);
+        const __m512 w0 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), dg);
+        const __m512 w1 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
+            dg);
+#pragma GCC unroll 16
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * K + g * GROUP;
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+}
+#else
 static inline __attribute__((always_inline)) void q8_tile(
         const float *x, int64_t K, const int8_t *qs, const float *d, float *y, int64_t N,
         const int rows) {
@@ -152,6 +225,7 @@ static inline __attribute__((always_inline)) void q8_tile(
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++) y[r * N] = hsum(acc[r]);
 }
+#endif
 
 /* Columns n0 .. n1 - 1 for all M rows, row tiles outer (see q4_columns). */
 static void q8_columns(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
@@ -161,6 +235,10 @@ static void q8_columns(const float *x, int64_t M, int64_t K, const int8_t *qs, c
     for (int64_t n = n0; n < n1; n++)                                                      \
         q8_tile(x + r * K, K, qs + n * K, d + n * groups, y + r * N + n, N, ROWS)
     int64_t r = 0;
+#if ROW_TILE > 8
+    if (K * ROW_TILE * sizeof(float) <= L1_ROWS_BYTES)
+        for (; r + ROW_TILE <= M; r += ROW_TILE) Q8_TILE(ROW_TILE);
+#endif
     for (; r + 8 <= M; r += 8) Q8_TILE(8);
     if (r + 4 <= M) { Q8_TILE(4); r += 4; }
     if (r + 2 <= M) { Q8_TILE(2); r += 2; }
@@ -172,8 +250,11 @@ static void q8_columns(const float *x, int64_t M, int64_t K, const int8_t *qs, c
  * Returns 0, or -1 when out of memory. */
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                  const float *c, int64_t N, float *y, int threads) {
-    const int64_t groups = K / GROUP;
     const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
+#ifdef __AVX512F__
+    float *xsum = 0; /* the AVX-512 tile adds the constant part to its weights */
+#else
+    const int64_t groups = K / GROUP;
     float *xsum = malloc((size_t)(M * groups) * sizeof(float));
     if (xsum == 0) return -1;
     for (int64_t i = 0; i < M * groups; i++) {
@@ -182,6 +263,7 @@ int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const 
         for (int j = 0; j < GROUP; j++) s += xg[j];
         xsum[i] = s;
     }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
@@ -204,12 +286,12 @@ void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const 
 
 /* ---- decode attention --------------------------------------------------------------------
  *
- * One call per layer for the decode rows of a step, float32: rotary embedding of q and k,
- * K/V stored into the paged cache, then attention of each row over its own context.
+ * One call per layer for the decode rows of a step, computed in float32: rotary embedding of
+ * q and k, K/V stored into the paged cache, then attention of each row over its own context.
  *
  *   qkv      [S, (Hq + 2 Hkv) * D]   the qkv projection's rows; q and k are rotated in place
  *   cos_sin  [S, D]                  cos of each row's position in the first half, sin after
- *   kv       [num_blocks, 2, bs, Hkv, D]   (engine_core/kv_cache/layout.py)
+ *   kv       [num_blocks, 2, bs, Hkv, D]   float32 or bfloat16 (engine_core/kv_cache/layout.py)
  *   slots    [S] int64               block * bs + offset of each row's new K/V; < 0: not stored
  *   tables   [S, table_stride] int32, lens [S] int32 (keys to attend to, the row's own included)
  *   out      [S, Hq * D]
@@ -250,28 +332,51 @@ static void rope_row(float *x, const float *cs, int heads, int D) {
     }
 }
 
-static inline const float *kv_row(const float *kv, const int32_t *table, int64_t pos, int bs,
-                                  int64_t token_stride, int h, int D, int which) {
-    int64_t block = table[pos / bs];
-    return kv + ((block * 2 + which) * bs + pos % bs) * token_stride + (int64_t)h * D;
+/* The cache holds float32 or bfloat16 (a float32's upper half); the kernels compute in float32.
+ * `bf16` is a compile-time constant at every call below: each function exists in both forms. */
+static inline __attribute__((always_inline)) __m256 load8(const void *kv, int64_t i,
+                                                          const int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)kv + i))),
+            16));
+    return _mm256_loadu_ps((const float *)kv + i);
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch; no NaN here */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* keys[j] = element offset of position j's key, head 0, for j < len: walks the block table
+ * (no division per key). Its value is at keys[j] + bs * token_stride. */
+static void key_offsets(const int32_t *table, int64_t len, int bs, int64_t token_stride,
+                        int64_t *keys) {
+    int64_t j = 0;
+    for (int64_t b = 0; j < len; b++) {
+        const int64_t base = (int64_t)table[b] * 2 * bs;
+        for (int off = 0; off < bs && j < len; off++, j++) keys[j] = (base + off) * token_stride;
+    }
 }
 
 /* scores[j] = scale * q . k_j for j < len, 8 keys at a time (their 8 accumulators are summed
  * lane-wise by a fixed hadd tree), the tail one key at a time. D % 8 == 0. */
-static void head_scores(const float *q, const float *kv, const int32_t *table, int64_t len,
-                        int bs, int64_t token_stride, int h, int D, float scale, float *scores) {
+static inline __attribute__((always_inline)) void head_scores(
+        const float *q, const void *kv, const int64_t *keys, int64_t len, int64_t head,
+        int D, float scale, float *scores, const int bf16) {
     int64_t j = 0;
     for (; j + 8 <= len; j += 8) {
         __m256 acc[8];
-        const float *k[8];
+        int64_t k[8];
         for (int i = 0; i < 8; i++) {
-            k[i] = kv_row(kv, table, j + i, bs, token_stride, h, D, 0);
+            k[i] = keys[j + i] + head;
             acc[i] = _mm256_setzero_ps();
         }
         for (int d = 0; d < D; d += 8) {
             __m256 qd = _mm256_loadu_ps(q + d);
             for (int i = 0; i < 8; i++)
-                acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[i] + d), acc[i]);
+                acc[i] = _mm256_fmadd_ps(qd, load8(kv, k[i] + d, bf16), acc[i]);
         }
         __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
         __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -283,17 +388,18 @@ static void head_scores(const float *q, const float *kv, const int32_t *table, i
                                                    _mm256_set1_ps(scale)));
     }
     for (; j < len; j++) {
-        const float *k = kv_row(kv, table, j, bs, token_stride, h, D, 0);
+        const int64_t k = keys[j] + head;
         __m256 acc = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kv, k + d, bf16), acc);
         scores[j] = hsum(acc) * scale;
     }
 }
 
 /* out = softmax(scores) @ V for one head; scores is overwritten with the probabilities. */
-static void head_output(float *scores, const float *kv, const int32_t *table, int64_t len,
-                        int bs, int64_t token_stride, int h, int D, float *out) {
+static inline __attribute__((always_inline)) void head_output(
+        float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
+        int D, float *out, const int bf16) {
     float mx = scores[0];
     for (int64_t j = 1; j < len; j++) mx = scores[j] > mx ? scores[j] : mx;
     const __m256 vmx = _mm256_set1_ps(mx);
@@ -315,56 +421,79 @@ static void head_output(float *scores, const float *kv, const int32_t *table, in
     const int nv = D / 8;
     for (int i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
     for (j = 0; j < len; j++) {
-        const float *v = kv_row(kv, table, j, bs, token_stride, h, D, 1);
+        const int64_t v = keys[j] + value;
         const __m256 p = _mm256_set1_ps(scores[j]);
         for (int i = 0; i < nv; i++)
-            acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+            acc[i] = _mm256_fmadd_ps(p, load8(kv, v + 8 * i, bf16), acc[i]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
     for (int i = 0; i < nv; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
 
-/* max_len >= every lens[s]. D % 8 == 0, D <= 128. Returns 0, or -1 when out of memory. */
-int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
-                        float *kv, const int64_t *slots, const int32_t *tables,
-                        int64_t table_stride, const int32_t *lens, int bs, float scale,
-                        float *out, int64_t max_len, int threads) {
+static inline __attribute__((always_inline)) int decode_attention(
+        float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin, void *kv,
+        const int64_t *slots, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+        int bs, float scale, float *out, int64_t max_len, int threads, const int bf16) {
     const int64_t row_stride = (int64_t)(Hq + 2 * Hkv) * D, token_stride = (int64_t)Hkv * D;
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * row_stride;
         rope_row(row, cos_sin + s * D, Hq + Hkv, D); /* q heads, then k heads */
         if (slots[s] < 0) continue;
         int64_t block = slots[s] / bs, off = slots[s] % bs;
-        float *k = kv + ((block * 2) * bs + off) * token_stride;
-        float *v = kv + ((block * 2 + 1) * bs + off) * token_stride;
+        int64_t k = ((block * 2) * bs + off) * token_stride;
+        int64_t v = ((block * 2 + 1) * bs + off) * token_stride;
         for (int64_t i = 0; i < token_stride; i++) {
-            k[i] = row[Hq * D + i];
-            v[i] = row[(Hq + Hkv) * D + i];
+            if (bf16) {
+                ((uint16_t *)kv)[k + i] = to_bf16(row[Hq * D + i]);
+                ((uint16_t *)kv)[v + i] = to_bf16(row[(Hq + Hkv) * D + i]);
+            } else {
+                ((float *)kv)[k + i] = row[Hq * D + i];
+                ((float *)kv)[v + i] = row[(Hq + Hkv) * D + i];
+            }
         }
     }
     const int group = Hq / Hkv;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *scores = malloc((size_t)max_len * sizeof(float)); /* this thread's scratch */
-        if (scores == 0) {
+        /* this thread's scratch: one row's key offsets, one head's scores */
+        int64_t *keys = malloc((size_t)max_len * sizeof(int64_t)), row = -1;
+        float *scores = malloc((size_t)max_len * sizeof(float));
+        if (scores == 0 || keys == 0) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < S * Hq; item++) {
-            if (scores == 0) continue;
+            if (scores == 0 || keys == 0) continue;
             int64_t s = item / Hq;
             int hq = (int)(item % Hq), h = hq / group;
-            const int32_t *table = tables + s * table_stride;
-            head_scores(qkv + s * row_stride + hq * D, kv, table, lens[s], bs, token_stride, h,
-                        D, scale, scores);
-            head_output(scores, kv, table, lens[s], bs, token_stride, h, D,
-                        out + s * Hq * D + hq * D);
+            if (s != row) { /* a thread's items come in order: a row's heads share its keys */
+                key_offsets(tables + s * table_stride, lens[s], bs, token_stride, keys);
+                row = s;
+            }
+            head_scores(qkv + s * row_stride + hq * D, kv, keys, lens[s], (int64_t)h * D, D,
+                        scale, scores, bf16);
+            head_output(scores, kv, keys, lens[s], bs * token_stride + (int64_t)h * D, D,
+                        out + s * Hq * D + hq * D, bf16);
         }
+        free(keys);
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* kv_bf16: the cache holds bfloat16 (the new K/V are rounded to it), else float32.
+ * max_len >= every lens[s]. D % 8 == 0, D <= 128. Returns 0, or -1 when out of memory. */
+int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
+                        void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
+                        int64_t table_stride, const int32_t *lens, int bs, float scale,
+                        float *out, int64_t max_len, int threads) {
+    if (kv_bf16)
+        return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
+                                lens, bs, scale, out, max_len, threads, 1);
+    return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride, lens,
+                            bs, scale, out, max_len, threads, 0);
 }
 
 /* x += residual (when given), then y = rmsnorm(x) * weight, per row of `dim`. Sum of squares

@@ -32,6 +32,19 @@ def llm_quant(model_path):
 
 
 @pytest.fixture(scope="module")
+def llm_quant_bf16(model_path):
+    """A bf16 model (the CPU default where bf16 is native): decode attention in C over the bf16
+    cache, RMSNorms in torch."""
+    from engine_core.llm import LLM
+
+    llm = LLM(str(model_path), dtype="bfloat16", kv_cache_memory_gb=0.25, quantize_decode=True)
+    layer = llm.engine.model.layers[0]
+    assert (layer.self_attn.native is not None) == (native.load() is not None)
+    assert layer.input_layernorm.native is None
+    return llm
+
+
+@pytest.fixture(scope="module")
 def llm_quant_torch(model_path):
     """Decode rows on torch's int4/int8 matmuls: the path without a C compiler."""
     from engine_core.llm import LLM
@@ -95,7 +108,7 @@ def test_lm_head_refines_its_best_candidates_in_float32():
         assert REFINE_TOP_K <= int(exact.sum()) < 100  # the others stay approximate
 
 
-@pytest.mark.parametrize("engine", ["llm_quant", "llm_quant_torch"])
+@pytest.mark.parametrize("engine", ["llm_quant", "llm_quant_bf16", "llm_quant_torch"])
 def test_quantized_decode_is_batch_invariant(engine, request):
     assert_batched_equals_solo(request.getfixturevalue(engine))
 

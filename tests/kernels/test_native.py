@@ -1,7 +1,8 @@
 """The C kernels (kernels/csrc/cpu_decode.c) against torch references, on fresh random inputs.
 
 Each is also checked for batch invariance: a row's result is bit for bit the same alone,
-batched, permuted and on 1 or 2 threads.
+batched, permuted and on 1 or 2 threads. Every test runs on each build this CPU can run (avx2,
+and avx512 where it has AVX-512).
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from kernels.reference import paged_decode_attention_ref, store_kv_ref
 from kernels.testing import make_decode_inputs
 from tests.helpers import torch_threads
 
-lib = native.load()
-pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler or no AVX2/FMA here")
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler or no AVX2/FMA here")
+
+
+@pytest.fixture(params=native.cpu_isas())
+def lib(request):
+    return native.load(request.param)
 
 
 def random_q4(n: int, k: int, offset: float, seed: int) -> Q4Weight:
@@ -35,11 +40,14 @@ def test_build_is_cached_by_source_version(tmp_path):
     first = native.build(tmp_path)
     assert first.exists() and native.build(tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    wide = native.build(tmp_path, isa="avx512")  # builds without the CPU having AVX-512
+    assert wide != first and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [first.name, wide.name])
 
 
 @pytest.mark.parametrize("offset", [8.0, 0.0], ids=["q4_0", "q4_1"])
 @pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (100, 1536)])
-def test_q4_matmul_matches_dequantized_weights(n, k, offset):
+def test_q4_matmul_matches_dequantized_weights(lib, n, k, offset):
     from engine_core.model.decode_quant import NativeQ4Matmul
 
     w = random_q4(n, k, offset, seed=n + k)
@@ -56,7 +64,7 @@ def test_q4_nibbles_round_trip_in_file_order():
     assert torch.equal(packed >> 4, w.q.view(4, 2, 32)[..., 16:])
 
 
-def test_q8_matmul_requantizes_q8_0_exactly():
+def test_q8_matmul_requantizes_q8_0_exactly(lib):
     from engine_core.model.decode_quant import NativeQ8Matmul
 
     g = torch.Generator().manual_seed(5)
@@ -72,7 +80,7 @@ def test_q8_matmul_requantizes_q8_0_exactly():
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_matmul_rows_are_batch_and_thread_invariant(kind):
+def test_matmul_rows_are_batch_and_thread_invariant(lib, kind):
     from engine_core.model.decode_quant import NativeQ4Matmul, NativeQ8Matmul
 
     w = random_q4(200, 576, 0.0, seed=7)
@@ -101,7 +109,9 @@ def decode_rows(context_lens, num_heads, num_kv_heads, head_dim, seed):
     return qkv, cos_sin, kv_layer, slots, inputs.block_tables, inputs.context_lens
 
 
-def reference_decode(qkv, cos_sin, kv_layer, slots, tables, lens, num_heads, scale):
+def reference_decode(qkv, cos_sin, kv_layer, slots, tables, lens, num_heads, scale,
+                     cache_dtype=torch.float32):
+    """float32 reference; the new K/V are rounded to cache_dtype as the cache stores them."""
     num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
     rows = qkv.shape[0]
     half = head_dim // 2
@@ -111,7 +121,21 @@ def reference_decode(qkv, cos_sin, kv_layer, slots, tables, lens, num_heads, sca
     q = apply_rope(q.reshape(rows, num_heads, head_dim), cos, sin)
     k = apply_rope(k.reshape(rows, num_kv_heads, head_dim), cos, sin)
     store_kv_ref(k, v.reshape(rows, num_kv_heads, head_dim), kv_layer, slots)
+    kv_layer.copy_(kv_layer.to(cache_dtype))
     return paged_decode_attention_ref(q, kv_layer, tables, lens, scale).reshape(rows, -1)
+
+
+def test_decode_attention_over_a_bf16_cache(lib):
+    """The default CPU dtype where bf16 is native: the cache is bf16, the kernel computes in
+    float32 and stores the new K/V rounded to nearest even, as torch's conversion does."""
+    qkv, cos_sin, kv32, slots, tables, ctx = decode_rows([1, 9, 40, 130], 9, 3, 64, 41)
+    kv = kv32.to(torch.bfloat16)
+    expected_cache = kv.float()
+    expected = reference_decode(qkv.clone(), cos_sin, expected_cache, slots, tables, ctx, 9,
+                                0.125, torch.bfloat16)
+    out = native.decode_attention(lib, qkv, cos_sin, kv, slots, tables, ctx, 9, 0.125, 130)
+    assert torch.equal(kv, expected_cache.to(torch.bfloat16))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +143,7 @@ def reference_decode(qkv, cos_sin, kv_layer, slots, tables, lens, num_heads, sca
     [([1, 7, 16, 33, 100], 9, 3, 64), ([250, 5], 8, 8, 64), ([17, 64, 129], 4, 1, 128),
      ([3], 2, 2, 32)],
 )
-def test_decode_attention_matches_reference(lens, heads, kv_heads, head_dim):
+def test_decode_attention_matches_reference(lib, lens, heads, kv_heads, head_dim):
     qkv, cos_sin, kv_layer, slots, tables, ctx = decode_rows(lens, heads, kv_heads, head_dim, 11)
     expected_cache = kv_layer.clone()
     scale = head_dim**-0.5
@@ -132,7 +156,7 @@ def test_decode_attention_matches_reference(lens, heads, kv_heads, head_dim):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_decode_attention_sees_drafts_stored_in_the_same_call():
+def test_decode_attention_sees_drafts_stored_in_the_same_call(lib):
     """Rows of one sequence at consecutive positions (a token and its drafts): each attends to
     the K/V the earlier rows store in this very call."""
     qkv, cos_sin, kv_layer, slots, tables, ctx = decode_rows([40], 4, 2, 64, 21)
@@ -148,7 +172,7 @@ def test_decode_attention_sees_drafts_stored_in_the_same_call():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_decode_attention_is_batch_and_thread_invariant():
+def test_decode_attention_is_batch_and_thread_invariant(lib):
     lens = [5, 40, 77, 130, 16, 300, 9]
     qkv, cos_sin, kv_layer, slots, tables, ctx = decode_rows(lens, 9, 3, 64, 31)
     args = (kv_layer, slots, tables, ctx)
@@ -168,7 +192,7 @@ def test_decode_attention_is_batch_and_thread_invariant():
     del args
 
 
-def test_add_rms_norm_matches_torch():
+def test_add_rms_norm_matches_torch(lib):
     g = torch.Generator().manual_seed(8)
     x, res, w = torch.randn(7, 576, generator=g), torch.randn(7, 576, generator=g), torch.randn(576)
     expected_x = x + res
