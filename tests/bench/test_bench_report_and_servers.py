@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from engine_core.config import dtype_name, resolve_dtype
 from pdserve.bench import report
 from pdserve.bench.command import configs
 from pdserve.bench.metrics import SLO, RequestResult
@@ -71,6 +73,11 @@ def test_commands_pass_extra_stack_args_through():
     assert up.endswith("--transport shm --model /m.gguf --no-pin --speculative ngram")
     naive = command("naive", opts, 5001, 5002)
     assert "pdserve.bench.naive_server" in naive and "--speculative" not in naive
+    # transformers runs on the dtype our stacks resolve "auto" to, or the one asked for
+    auto = dtype_name(resolve_dtype(None, torch.device("cpu")))
+    assert naive[naive.index("--dtype") + 1] == auto
+    naive = command("naive", StackOptions(dtype="float32"), 5001, 5002)
+    assert naive[naive.index("--dtype") + 1] == "float32"
     with pytest.raises(ValueError, match="backend must be one of"):
         command("vllm", opts, 1, 2)
 
