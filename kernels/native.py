@@ -43,7 +43,23 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _int,
                              _f32, _p, _i64, _int], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
+    "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _i64,
+                          _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
 }
+
+
+class Matrix(ctypes.Structure):
+    """pd_matrix: a quantized weight as the C kernels read it (kind 4: q4, 8: q8)."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("unused", ctypes.c_int32), ("n", _i64), ("k", _i64),
+                ("qs", _p), ("d", _p), ("c", _p), ("bias", _p)]
+
+
+class Layer(ctypes.Structure):
+    """pd_layer: one decoder layer's float32 norm weights and quantized projections."""
+
+    _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", Matrix), ("o", Matrix),
+                ("gate_up", Matrix), ("down", Matrix)]
 
 
 def _home() -> Path:
@@ -151,6 +167,36 @@ def decode_attention(
         block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), kv_layer.shape[2], scale,
         out.data_ptr(), max_len, torch.get_num_threads()))
+    return out
+
+
+def decode_layers(
+    lib: ctypes.CDLL,
+    layers,  # ctypes array of Layer, at least num_layers long
+    num_layers: int,
+    h: torch.Tensor,  # [S, H] float32 contiguous: the embeddings; the residual stream after
+    cos_sin: torch.Tensor,  # [S, D] float32
+    kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, block_size, Hkv, D] contiguous
+    slot_mapping: torch.Tensor,  # [S] int64
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    context_lens: torch.Tensor,  # [S] int32
+    num_heads: int,
+    intermediate: int,
+    eps: float,
+    scale: float,
+    max_len: int,
+    final_norm: torch.Tensor,  # [H] float32
+) -> torch.Tensor:  # [S, H] float32: rmsnorm(h) * final_norm
+    """S decode rows through num_layers decoder layers in one call (pd_decode_layers)."""
+    num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
+    out = torch.empty_like(h)
+    check(lib.pd_decode_layers(
+        h.data_ptr(), h.shape[0], h.shape[1], ctypes.addressof(layers), num_layers,
+        intermediate, eps, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
+        kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.dtype == torch.bfloat16,
+        slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        context_lens.data_ptr(), kv_cache.shape[3], scale, max_len, final_norm.data_ptr(),
+        out.data_ptr(), torch.get_num_threads()))
     return out
 
 

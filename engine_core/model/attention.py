@@ -26,6 +26,8 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets after decodes
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
     decode_max_len: int = 0  # decode_context_lens.max(), for kernels that size scratch by it
+    # the rows are the step's prefill rows only: its decode rows ran elsewhere (the C layers)
+    decodes_done: bool = False
     # index arithmetic the CPU kernels share between layers; lives for one step
     kernel_cache: dict = field(default_factory=dict)
 

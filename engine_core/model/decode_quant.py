@@ -105,6 +105,10 @@ class NativeQ4Matmul(nn.Module):
         self._fn = lib.pd_q4_matmul
         self._weights = (self.qs.data_ptr(), self.d.data_ptr(), self.c.data_ptr())
 
+    def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
+        return native.Matrix(4, 0, self.n, self.k, *self._weights,
+                             None if bias is None else bias.data_ptr())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
@@ -133,6 +137,10 @@ class NativeQ8Matmul(nn.Module):
         self._fn = lib.pd_q8_matmul
         self._weights = (self.qs.data_ptr(), self.d.data_ptr())
 
+    def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
+        return native.Matrix(8, 0, self.n, self.k, *self._weights, None,
+                             None if bias is None else bias.data_ptr())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
@@ -156,13 +164,14 @@ class DecodeQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N]
         nd = min(self.rows.n, x.shape[0])
         if nd == 0:
-            return self.dense(x)
+            return self.dense(x.to(self.dense.weight.dtype))
         out = self.quant(x if nd == x.shape[0] else x[:nd]).to(x.dtype)  # [nd, N]
         if self.dense.bias is not None:
             out = out + self.dense.bias
         if nd == x.shape[0]:
             return out
-        return torch.cat([out, self.dense(x[nd:])])
+        # x may be float32 over a bf16 model: the decode rows' hidden states from C
+        return torch.cat([out, self.dense(x[nd:].to(self.dense.weight.dtype)).to(out.dtype)])
 
 
 class DecodeQuantLMHead(DecodeQuantLinear):
@@ -181,6 +190,60 @@ class DecodeQuantLMHead(DecodeQuantLinear):
             exact = exact + self.dense.bias.float()[top]
         out[:nd].scatter_(1, top, exact)
         return out
+
+
+class NativeDecodeLayers:
+    """A step's decode rows through the decoder layers in one C call (pd_decode_layers), float32
+    whatever the model dtype: no Python between a layer's operations. The model's prefill rows
+    take the torch path beside it (LlamaForCausalLM.forward)."""
+
+    def __init__(self, model: LlamaForCausalLM, lib, rows: DecodeRows) -> None:
+        cfg = model.config
+        self.lib, self.rows = lib, rows
+        self.num_heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
+        self._keep = []  # float32 copies the C side points into
+
+        def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = t.detach().float().contiguous()
+            self._keep.append(t)
+            return t
+
+        def matrix(linear: DecodeQuantLinear) -> native.Matrix:
+            return linear.quant.matrix(f32(linear.dense.bias))
+
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(native.Layer(
+                f32(layer.input_layernorm.weight).data_ptr(),
+                f32(layer.post_attention_layernorm.weight).data_ptr(),
+                matrix(attn.qkv_proj), matrix(attn.o_proj), matrix(mlp.gate_up_proj),
+                matrix(mlp.down_proj)))
+        self.layers = (native.Layer * len(layers))(*layers)
+        self.final_norm = f32(model.norm.weight)
+
+    @staticmethod
+    def applies(model: LlamaForCausalLM) -> bool:
+        return all(isinstance(getattr(m, a), DecodeQuantLinear)
+                   and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)
+                   for layer in model.layers
+                   for m, a in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")))
+
+    def __call__(self, embeddings: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                 meta, num_layers: int) -> torch.Tensor:  # [nd, hidden] float32, normed
+        h = embeddings.float().contiguous()  # becomes the residual stream, in place
+        if h.data_ptr() == embeddings.data_ptr():
+            h = h.clone()
+        nd = h.shape[0]
+        return native.decode_layers(
+            self.lib, self.layers, num_layers, h, cos_sin[:nd].contiguous(), kv_cache,
+            meta.slot_mapping[:nd], meta.decode_block_tables, meta.decode_context_lens,
+            self.num_heads, self.intermediate, self.eps, self.scale, meta.decode_max_len,
+            self.final_norm)
 
 
 def quantize_for_decode(
@@ -231,6 +294,9 @@ def quantize_for_decode(
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
     model.lm_head = DecodeQuantLMHead(model.lm_head, quant_for(model.lm_head, lm_head_parts),
                                       rows)
+    if lib is not None and head_dim % 8 == 0 and head_dim <= 128 and \
+            NativeDecodeLayers.applies(model):
+        model.decode_layers = NativeDecodeLayers(model, lib, rows)
     total = 4 * len(model.layers) + 1
     logger.info("decode rows use weight-only quantized matmuls (%s): %d int4 (from the GGUF), "
                 "%d int8", "native kernels" if lib is not None else "torch", num_int4,

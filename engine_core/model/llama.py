@@ -7,6 +7,7 @@ parallelism are applied from outside.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -76,6 +77,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         nd = meta.num_decode_tokens
+        if meta.decodes_done:
+            return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta, nd))
         if self.native is None or nd == 0 or not kv_layer.is_contiguous():
             return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta, 0))
         # decode rows: rope, K/V store and attention in one C call (kernels/native.py), in
@@ -149,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         # per-layer observers (the prefill worker ships each layer's KV as soon as it is done)
         self.layer_done_hook = None
+        # decode rows through all layers in C (decode_quant.NativeDecodeLayers), set on CPU
+        self.decode_layers = None
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -168,8 +173,28 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         num_layers: int | None = None,  # run only the first layers (a self-speculative draft)
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        x = self.embed_tokens(input_ids)
         cos_sin = self.cos_sin[positions]  # [num_tokens, head_dim] float32
+        nd = meta.num_decode_tokens
+        if (self.decode_layers is None or nd == 0 or self.layer_done_hook is not None
+                or not kv_cache.is_contiguous()):
+            return self._layers(input_ids, cos_sin, kv_cache, meta, num_layers)
+        # decode rows: every layer in one C call, float32 (NativeDecodeLayers); prefill rows
+        # beside them on the torch path, in the model dtype
+        decoded = self.decode_layers(self.embed_tokens(input_ids[:nd]), cos_sin, kv_cache, meta,
+                                     len(self.layers) if num_layers is None else num_layers)
+        if nd == input_ids.shape[0]:
+            return decoded
+        rows = self.decode_layers.rows
+        saved, rows.n = rows.n, 0  # the prefill rows' matmuls are all dense
+        try:
+            prefilled = self._layers(input_ids[nd:], cos_sin[nd:], kv_cache,
+                                     dataclasses.replace(meta, decodes_done=True), num_layers)
+        finally:
+            rows.n = saved
+        return torch.cat([decoded, prefilled.float()])
+
+    def _layers(self, input_ids, cos_sin, kv_cache, meta, num_layers) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
         residual = None
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for i, layer in enumerate(layers):

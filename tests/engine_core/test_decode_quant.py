@@ -136,3 +136,25 @@ def test_quantized_decode_tracks_dense_logprobs(llm_fp32, engine, request):
         for tok, lp in d.logprobs[1].items():
             if tok in q.logprobs[1]:
                 assert abs(lp - q.logprobs[1][tok]) < DECODE_LOGPROB_TOLERANCE[engine]
+
+
+def test_decode_layers_in_one_call_match_the_per_operation_path(llm_quant):
+    """NativeDecodeLayers (every layer of the decode rows in one C call) against the same C
+    kernels called one operation at a time from Python: same tokens, log-probabilities equal
+    up to float32 rounding (only silu is computed differently)."""
+    model = llm_quant.engine.model
+    if model.decode_layers is None:
+        pytest.skip("no native kernels here")
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    fused = llm_quant.generate(PROMPTS, params)
+    saved, model.decode_layers = model.decode_layers, None
+    try:
+        per_op = llm_quant.generate(PROMPTS, params)
+    finally:
+        model.decode_layers = saved
+    for a, b in zip(fused, per_op, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
