@@ -102,26 +102,34 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * every row runs the same operations whatever the tile size. */
 #ifdef __AVX512F__
 /* AVX-512 (built when the CPU has it, see kernels/native.py): a group is two 16-float vectors.
- * The group's weights are formed once, q * d + c with one FMA as in the dense model, and
- * shared by the tile's rows: two FMAs per row and group (the AVX2 tile below needs five), and
- * no constant-part epilogue (xsum is not used). */
-static inline __attribute__((always_inline)) void q4_tile(
-        const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
-        const float *c, float *y, int64_t N, const int rows) {
-    (void)xsum;
+ * The group's weights are formed once (q4: q * d + c with one FMA as in the dense model; q8:
+ * q * d) and shared by the tile's rows: two FMAs per row and group (the AVX2 q4 tile below
+ * needs five), and no constant-part epilogue (xsum is not used). `q4` is a compile-time
+ * constant at both calls. */
+static inline __attribute__((always_inline)) void tile512(
+        const float *x, int64_t K, const void *qs, const float *d, const float *c, float *y,
+        int64_t N, const int rows, const int q4) {
     const int64_t groups = K / GROUP;
     const __m128i mask = _mm_set1_epi8(0x0F);
     __m512 acc[ROW_TILE];
 #pragma GCC unroll 16
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(qs + g * 16));
-        const __m512 dg = _mm512_set1_ps(d[g]), cg = _mm512_set1_ps(c[g]);
-        const __m512 w0 = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), dg, cg);
-        const __m512 w1 = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))),
-            dg, cg);
+        const __m512 dg = _mm512_set1_ps(d[g]);
+        __m512 w0, w1;
+        if (q4) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + g * 16));
+            const __m512 cg = _mm512_set1_ps(c[g]);
+            w0 = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), dg, cg);
+            w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                     _mm_and_si128(_mm_srli_epi16(b, 4), mask))), dg, cg);
+        } else {
+            const __m128i *q = (const __m128i *)((const int8_t *)qs + g * GROUP);
+            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dg);
+            w1 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dg);
+        }
 #pragma GCC unroll 16
         for (int r = 0; r < rows; r++) {
             const float *xr = x + r * K + g * GROUP;
@@ -131,6 +139,13 @@ static inline __attribute__((always_inline)) void q4_tile(
     }
 #pragma GCC unroll 16
     for (int r = 0; r < rows; r++) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void q4_tile(
+        const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
+        const float *c, float *y, int64_t N, const int rows) {
+    (void)xsum;
+    tile512(x, K, qs, d, c, y, N, rows, 1);
 }
 #else
 static inline __attribute__((always_inline)) void q4_tile(
@@ -187,27 +202,7 @@ static void q4_columns(const float *x, const float *xsum, int64_t M, int64_t K,
 static inline __attribute__((always_inline)) void q8_tile(
         const float *x, int64_t K, const int8_t *qs, const float *d, float *y, int64_t N,
         const int rows) {
-    const int64_t groups = K / GROUP;
-    __m512 acc[ROW_TILE];
-#pragma GCC unroll 16
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const int8_t *q = qs + g * GROUP;
-        const __m512 dg = _mm512_set1_ps(d[g]);
-        const __m512 w0 = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), dg);
-        const __m512 w1 = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
-            dg);
-#pragma GCC unroll 16
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + r * K + g * GROUP;
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r]);
-        }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < rows; r++) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+    tile512(x, K, qs, d, 0, y, N, rows, 0);
 }
 #else
 static inline __attribute__((always_inline)) void q8_tile(
