@@ -235,9 +235,8 @@ class NativeDecodeLayers:
 
     def __call__(self, embeddings: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta, num_layers: int) -> torch.Tensor:  # [nd, hidden] float32, normed
-        h = embeddings.float().contiguous()  # becomes the residual stream, in place
-        if h.data_ptr() == embeddings.data_ptr():
-            h = h.clone()
+        # the embedding lookup is a fresh tensor: it becomes the residual stream, in place
+        h = embeddings.float().contiguous()
         nd = h.shape[0]
         return native.decode_layers(
             self.lib, self.layers, num_layers, h, cos_sin[:nd].contiguous(), kv_cache,
