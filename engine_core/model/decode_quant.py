@@ -281,7 +281,8 @@ def quantize_for_decode(
             linear = getattr(module, attr)
             setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts), rows))
     head_dim, dtype = model.config.head_dim, model.embed_tokens.weight.dtype
-    if lib is not None and head_dim % 8 == 0 and head_dim <= 128:
+    native_attention = lib is not None and head_dim % 8 == 0 and head_dim <= 128
+    if native_attention:
         # decode attention (rope, K/V store, attention over a float32 or bf16 cache) in C too,
         # and with float32 activations every RMSNorm
         for layer in model.layers:
@@ -293,8 +294,7 @@ def quantize_for_decode(
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
     model.lm_head = DecodeQuantLMHead(model.lm_head, quant_for(model.lm_head, lm_head_parts),
                                       rows)
-    if lib is not None and head_dim % 8 == 0 and head_dim <= 128 and \
-            NativeDecodeLayers.applies(model):
+    if native_attention and NativeDecodeLayers.applies(model):
         model.decode_layers = NativeDecodeLayers(model, lib, rows)
     total = 4 * len(model.layers) + 1
     logger.info("decode rows use weight-only quantized matmuls (%s): %d int4 (from the GGUF), "
