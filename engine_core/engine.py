@@ -48,9 +48,12 @@ class LLMEngine:
         quantize_decode: bool | None = None,
         kv_allocator: Callable[[KVLayout, int], torch.Tensor] | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        decode_activations: str | None = None,
     ) -> None:
-        """quantize_decode: decode tokens use weight-only 4/8-bit matmuls (model/decode_quant.py);
+        """quantize_decode: decode tokens use 4/8-bit weight matmuls (model/decode_quant.py);
         None means on for CPU. Pass False for exact dense math in every row.
+        decode_activations: what those matmuls multiply the weights with, "float32" or "int8"
+        (lossy, as llama.cpp's); "auto"/None: int8 for bfloat16 on a VNNI CPU.
         kv_allocator(layout, num_blocks): where the KV cache tensor lives (default: a plain
         zeroed tensor; the decode worker passes a shared-memory pool).
         speculative_config: speculative decoding (spec_decode.py); None decodes plainly."""
@@ -60,7 +63,7 @@ class LLMEngine:
         if quantize_decode is None:
             quantize_decode = self.device.type == "cpu"
         self.model, self.model_config, decode_rows = load_model(
-            self.source, self.dtype, self.device, quantize_decode
+            self.source, self.dtype, self.device, quantize_decode, decode_activations
         )
         cfg = self.model_config
         self.tokenizer: Tokenizer | None = (

@@ -35,9 +35,12 @@ class LLM:
         max_model_len: int | None = None,
         quantize_decode: bool | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
+        decode_activations: str | None = None,
     ) -> None:
         """speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
-        {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig."""
+        {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig.
+        decode_activations: "auto", "float32" or "int8", for the CPU's quantized decode
+        matmuls (see model/decode_quant.resolve_activations)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         self.engine = LLMEngine(
@@ -46,6 +49,7 @@ class LLM:
             dtype=dtype,
             device=device,
             quantize_decode=quantize_decode,
+            decode_activations=decode_activations,
             cache_config=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                      kv_cache_memory_gb=kv_cache_memory_gb,
                                      enable_prefix_caching=enable_prefix_caching),

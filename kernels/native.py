@@ -3,8 +3,9 @@
     kernels/csrc/cpu_decode.c --cc -O3 -mavx2 -mfma [-mavx512f ...] -fopenmp-->
         $PDSERVE_HOME/native/cpu_decode-<isa>-<hash>.so
 
-Two builds of one source: "avx2" (AVX2 + FMA) and "avx512" (adds AVX-512 F/BW/VL/DQ, whose
-matmul tiles use 16-float vectors and 16-row tiles); `load()` takes the widest this CPU runs.
+Three builds of one source: "avx2" (AVX2 + FMA), "avx512" (adds AVX-512 F/BW/VL/DQ, whose
+matmul tiles use 16-float vectors and 16-row tiles) and "avx512vnni" (adds VNNI and with it
+pd_i8_matmul, int8 activations); `load()` takes the widest this CPU runs.
 Each is built once per source version and compiler flags (the hash names the file), written
 under a temporary name and renamed, so processes starting together never load a half-written
 file. It needs a C compiler and a CPU with AVX2 and FMA; without them `load()` returns None,
@@ -32,9 +33,11 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+ISA_FLAGS = {"avx2": [], "avx512": AVX512, "avx512vnni": [*AVX512, "-mavx512vnni"]}
 LIBS = ["-lm"]
 ENV = "PDSERVE_NATIVE"
+I8_COLS = 16  # output columns per tile of pd_i8_matmul's packed weights
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name: (argument types, result type)
@@ -46,12 +49,14 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _i64,
                           _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
 }
+VNNI_SIGNATURES = {"pd_i8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int)}
 
 
 class Matrix(ctypes.Structure):
-    """pd_matrix: a quantized weight as the C kernels read it (kind 4: q4, 8: q8)."""
+    """pd_matrix: a quantized weight as the C kernels read it (kind 4: q4, 8: q8; int8_x: packed
+    for pd_i8_matmul, the activations quantized to int8)."""
 
-    _fields_ = [("kind", ctypes.c_int32), ("unused", ctypes.c_int32), ("n", _i64), ("k", _i64),
+    _fields_ = [("kind", ctypes.c_int32), ("int8_x", ctypes.c_int32), ("n", _i64), ("k", _i64),
                 ("qs", _p), ("d", _p), ("c", _p), ("bias", _p)]
 
 
@@ -66,10 +71,30 @@ def _home() -> Path:
     return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def cpu_isas() -> list[str]:
-    """The builds this CPU runs, narrowest first (torch's AVX512 level has F, BW, VL and DQ)."""
+    """The builds this CPU runs, narrowest first (torch's AVX512 level has F, BW, VL and DQ;
+    VNNI is read from /proc/cpuinfo)."""
     level = torch.backends.cpu.get_cpu_capability()
-    return {"AVX2": ["avx2"], "AVX512": ["avx2", "avx512"]}.get(level, [])
+    isas = {"AVX2": ["avx2"], "AVX512": ["avx2", "avx512"]}.get(level, [])
+    if "avx512" in isas and "avx512_vnni" in _cpu_flags():
+        isas.append("avx512vnni")
+    return isas
+
+
+def has_int8(lib: ctypes.CDLL | None) -> bool:
+    """Whether `lib` is a build with the int8-activation matmul (VNNI)."""
+    return lib is not None and hasattr(lib, "pd_i8_matmul")
 
 
 def build(out_dir: Path | None = None, isa: str = "avx2") -> Path:
@@ -121,10 +146,39 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("native CPU kernels unavailable, using the torch path: %s", e)
         return None
-    for name, (args, result) in SIGNATURES.items():
+    for name, (args, result) in (SIGNATURES | (VNNI_SIGNATURES if isa == "avx512vnni"
+                                                 else {})).items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
     return lib
+
+
+def _pad_columns(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [ceil(N / 16) * 16, ...]
+    pad = -t.shape[0] % I8_COLS
+    return torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:  # [N, K / 32] -> [N / 16, K / 32, 16] float32
+    t = _pad_columns(t.float())
+    return t.view(-1, I8_COLS, t.shape[1]).permute(0, 2, 1).contiguous()
+
+
+def pack_q4_int8(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor):
+    """q [N, K] 0..15, d and c [N, K / 32] as pd_i8_matmul's q4 tiles (csrc/cpu_decode.c):
+    byte (tile, group, j, n, i) holds k = 8j + i in its low nibble and 8j + 4 + i in its high."""
+    n, k = q.shape
+    q = _pad_columns(q.to(torch.uint8)).view(-1, I8_COLS, k // 32, 4, 2, 4)  # t n g j h i
+    q = q.permute(0, 2, 3, 1, 5, 4)  # t g j n i h
+    return (q[..., 0] | (q[..., 1] << 4)).contiguous(), _tiles(d), _tiles(c)
+
+
+def pack_q8_int8(q: torch.Tensor, d: torch.Tensor):
+    """q [N, K] int8, d [N, K / 32] as pd_i8_matmul's q8 tiles: byte (tile, group, m, n, i)
+    is q[n, 32 g + 4 m + i] + 128."""
+    n, k = q.shape
+    q = (_pad_columns(q).to(torch.int16) + 128).to(torch.uint8)
+    q = q.view(-1, I8_COLS, k // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()  # t g m n i
+    return q, _tiles(d)
 
 
 def check(status: int) -> None:

@@ -15,14 +15,19 @@ any other matrix (the Q8_0 embedding used as lm_head, safetensors models) is qua
 
 Two implementations:
 - **Native** (`kernels/csrc/cpu_decode.c`, used when kernels.native.load() succeeds: a C
-  compiler and AVX2/FMA; AVX-512 where the CPU has it). float32 activations; the 4-bit weights
-  expand to exactly the file's dequantized values, int8 has one scale per 32 weights along K
-  (a Q8_0 tensor is requantized exactly), so decode logits agree with the dense path to
-  float32 rounding. The decode rows' attention runs in C too, over a float32 or bf16 cache,
-  and with a float32 model every RMSNorm (`quantize_for_decode`). Measured on 2 AVX2 cores
-  (batch-1 decode step of the default model): 15.6 ms, against 26 ms for the torch
-  implementation below. On 2 AVX-512 cores (Zen 5) the 32-row step's 120 layer matmuls take
-  22.6 ms, 36 ms with the AVX2 build.
+  compiler and AVX2/FMA; AVX-512 where the CPU has it). The 4-bit weights expand to exactly
+  the file's dequantized values, int8 has one scale per 32 weights along K (a Q8_0 tensor is
+  requantized exactly). The decode rows' attention runs in C too, over a float32 or bf16
+  cache, and with a float32 model every RMSNorm (`quantize_for_decode`). The activations
+  are either
+  - float32: decode logits agree with the dense path to float32 rounding; or
+  - int8, one scale per 32 along K as llama.cpp's Q8 activations (`decode_activations`, the
+    default for bf16 models where the CPU has AVX-512 VNNI, see resolve_activations): a
+    third of the instructions (vpdpbusd), about 0.5 % error per matmul; decode
+    log-probabilities of the default model move by up to ~0.3 against float32, and greedy
+    text diverges from it after tens of tokens, as bf16 text does from float32.
+  Measured on 2 Zen 5 cores, a 32-row step's 120 layer matmuls: 22.6 ms with float32
+  activations, ~7 ms with int8; 36 ms with the AVX2 build.
 - **torch** (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`): bf16
   activations, scales rounded to bf16, int8 per output row. Its lm_head logits are bf16:
   around 20 they are 0.125 apart, so two candidates often tie exactly and the smallest token
@@ -89,24 +94,30 @@ class Int8Matmul(nn.Module):
 
 
 class NativeQ4Matmul(nn.Module):
-    """x @ W.T with the GGUF's 4-bit blocks, float32 activations (kernels/csrc/cpu_decode.c).
+    """x @ W.T with the GGUF's 4-bit blocks (kernels/csrc/cpu_decode.c): float32 activations,
+    or with int8 ones quantized per group of 32 (pd_i8_matmul, the VNNI build's tiles).
 
     The packed weights are plain attributes, not buffers: `.to()` leaves them where the kernel
     reads them (its pointers are taken once, here), and the dense twin keeps the state dict.
     """
 
-    def __init__(self, w: Q4Weight, lib) -> None:
+    def __init__(self, w: Q4Weight, lib, int8: bool = False) -> None:
         super().__init__()
         self.n, self.k = w.q.shape
-        self.qs = w.packed_nibbles()  # [N, K / 32, 16]
-        self.d = w.d.float().contiguous()  # [N, K / 32]
-        # w = q * d + c: the constant part of each group, multiplied into the group sums of x
-        self.c = (w.m - w.offset[:, None] * w.d).float().contiguous()
-        self._fn = lib.pd_q4_matmul
+        self.int8 = int8
+        # w = q * d + c: c the constant part of each group, multiplied into the group sums of x
+        c = w.m - w.offset[:, None] * w.d
+        if int8:
+            self.qs, self.d, self.c = native.pack_q4_int8(w.q, w.d, c)
+            self._fn = lambda x, m, k, *rest: lib.pd_i8_matmul(x, m, k, 4, *rest)
+        else:
+            self.qs = w.packed_nibbles()  # [N, K / 32, 16]
+            self.d, self.c = w.d.float().contiguous(), c.float().contiguous()  # [N, K / 32]
+            self._fn = lib.pd_q4_matmul
         self._weights = (self.qs.data_ptr(), self.d.data_ptr(), self.c.data_ptr())
 
     def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
-        return native.Matrix(4, 0, self.n, self.k, *self._weights,
+        return native.Matrix(4, self.int8, self.n, self.k, *self._weights,
                              None if bias is None else bias.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
@@ -119,34 +130,40 @@ class NativeQ4Matmul(nn.Module):
 
 
 class NativeQ8Matmul(nn.Module):
-    """x @ W.T with W as int8 and one scale per group of 32 along K, float32 activations.
+    """x @ W.T with W as int8 and one scale per group of 32 along K; float32 activations, or
+    int8 ones as in NativeQ4Matmul.
 
     A Q8_0 tensor (as the default model's embedding) is requantized exactly: its dense weight
     is d * q with |q| reaching 127 in every block, so amax / 127 gives d back and q follows.
     Plain attributes, as in NativeQ4Matmul.
     """
 
-    def __init__(self, weight: torch.Tensor, lib) -> None:  # [N, K] float
+    def __init__(self, weight: torch.Tensor, lib, int8: bool = False) -> None:  # [N, K] float
         super().__init__()
         self.n, self.k = weight.shape
+        self.int8 = int8
         w = weight.float().view(self.n, -1, GROUP_SIZE)  # [N, K / 32, 32]
         d = w.abs().amax(dim=2) / 127  # [N, K / 32]
-        q = torch.round(w / d.clamp(min=1e-30)[..., None]).to(torch.int8)
-        self.qs = q.view(self.n, self.k).contiguous()  # [N, K]
-        self.d = d.contiguous()
-        self._fn = lib.pd_q8_matmul
+        q = torch.round(w / d.clamp(min=1e-30)[..., None]).to(torch.int8).view(self.n, self.k)
+        if int8:
+            self.qs, self.d = native.pack_q8_int8(q, d)
+            self._fn = lambda x, m, k, qs, d, n, y, t: lib.pd_i8_matmul(x, m, k, 8, qs, d, None,
+                                                                       n, y, t)
+        else:
+            self.qs, self.d = q.contiguous(), d.contiguous()  # [N, K], [N, K / 32]
+            self._fn = lib.pd_q8_matmul  # returns nothing: it allocates no scratch
         self._weights = (self.qs.data_ptr(), self.d.data_ptr())
 
     def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
-        return native.Matrix(8, 0, self.n, self.k, *self._weights, None,
+        return native.Matrix(8, self.int8, self.n, self.k, *self._weights, None,
                              None if bias is None else bias.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         out = torch.empty((x.shape[0], self.n), dtype=torch.float32)
-        self._fn(x.data_ptr(), x.shape[0], self.k, *self._weights, self.n, out.data_ptr(),
-                 torch.get_num_threads())
+        native.check(self._fn(x.data_ptr(), x.shape[0], self.k, *self._weights, self.n,
+                              out.data_ptr(), torch.get_num_threads()) or 0)
         return out
 
 
@@ -245,27 +262,53 @@ class NativeDecodeLayers:
             self.final_norm)
 
 
+DECODE_ACTIVATIONS = ("auto", "float32", "int8")
+
+
+def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
+    """What the decode rows' matmuls multiply the weights with: "float32" activations, or "int8"
+    ones (one scale per 32 along K, as llama.cpp's Q8 activations; the VNNI build only).
+    "auto" (or None) is int8 for a bfloat16 model where the CPU has VNNI, else float32: a
+    float32 model asked for full precision."""
+    setting = setting or "auto"
+    if setting not in DECODE_ACTIVATIONS:
+        raise ValueError(f"decode_activations must be one of {', '.join(DECODE_ACTIVATIONS)}, "
+                         f"got {setting!r}")
+    vnni = native.has_int8(native.load())
+    if setting == "int8" and not vnni:
+        raise ValueError("decode_activations='int8' needs the native kernels' VNNI build (an "
+                         "AVX-512 VNNI CPU and a C compiler)")
+    if setting == "auto":
+        return "int8" if vnni and dtype == torch.bfloat16 else "float32"
+    return setting
+
+
 def quantize_for_decode(
-    model: LlamaForCausalLM, q4: dict[str, Q4Weight] | None = None
+    model: LlamaForCausalLM, q4: dict[str, Q4Weight] | None = None,
+    activations: str = "float32",
 ) -> DecodeRows:
     """Give every projection and the lm_head a quantized twin for decode rows, in place.
 
     q4: Hugging Face-named 4-bit weights from the GGUF (see GGUFFile.q4_weights); a fused
     projection uses them when all of its parts are 4-bit, else int8.
+    activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
     """
     q4 = q4 or {}
     rows = DecodeRows()
     num_int4 = 0
     lib = native.load()
+    int8 = activations == "int8"
+    if int8 and not native.has_int8(lib):
+        raise ValueError("int8 decode activations need the native kernels' VNNI build")
 
     def quant_for(linear: nn.Linear, parts: list[str]) -> nn.Module:
         nonlocal num_int4
         if parts and all(p in q4 for p in parts):
             num_int4 += 1
             w = Q4Weight.cat([q4[p] for p in parts])
-            return NativeQ4Matmul(w, lib) if lib is not None else Int4Matmul(w)
+            return NativeQ4Matmul(w, lib, int8) if lib is not None else Int4Matmul(w)
         if lib is not None and linear.weight.shape[1] % GROUP_SIZE == 0:
-            return NativeQ8Matmul(linear.weight, lib)
+            return NativeQ8Matmul(linear.weight, lib, int8)
         return Int8Matmul(linear.weight)
 
     for i, layer in enumerate(model.layers):
@@ -297,7 +340,7 @@ def quantize_for_decode(
     if native_attention and NativeDecodeLayers.applies(model):
         model.decode_layers = NativeDecodeLayers(model, lib, rows)
     total = 4 * len(model.layers) + 1
-    logger.info("decode rows use weight-only quantized matmuls (%s): %d int4 (from the GGUF), "
-                "%d int8", "native kernels" if lib is not None else "torch", num_int4,
-                total - num_int4)
+    logger.info("decode rows use quantized matmuls (%s, %s activations): %d int4 weights (from "
+                "the GGUF), %d int8", "native kernels" if lib is not None else "torch",
+                activations if lib is not None else "bf16", num_int4, total - num_int4)
     return rows

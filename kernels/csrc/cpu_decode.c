@@ -24,7 +24,8 @@
  * schedule(dynamic, 1) cost 30 % offline.
  *
  * Built by kernels/native.py with -O3 -mavx2 -mfma -fopenmp, plus -mavx512f/bw/vl/dq for the
- * AVX-512 build (no -ffast-math: the order of float operations is the one written here).
+ * AVX-512 build and -mavx512vnni for the VNNI build, which adds the int8-activation matmul
+ * below (no -ffast-math: the order of float operations is the one written here).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -289,6 +290,153 @@ void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const 
     }
 }
 
+/* ---- int8 activations on VNNI (AVX-512 build) ---------------------------------------------
+ *
+ * The weights above are expanded to float32 and multiplied with FMAs: 32 multiply-adds per
+ * instruction. VNNI's vpdpbusd does 64 u8 x s8 multiply-adds into 16 int32 lanes in one
+ * instruction, so with the activations quantized to int8 a step's matmuls need about a third
+ * of the instructions. It is lossy like llama.cpp's Q8 activations, and used only when asked
+ * (decode_quant.py: decode_activations="int8").
+ *
+ * Activations: each row of x is quantized per group of 32 along K, xq = round(x / sx) with
+ * sx = amax / 127 (0 for a zero group), in [-127, 127]; also kept per group: sx, the exact
+ * float sum of x (q4's constant part) and the sum of xq (q8's offset, below).
+ *
+ * Weights, packed once (decode_quant.py) in tiles of 16 output columns, lanes = columns, and
+ * within a 32-bit lane 4 consecutive k as vpdpbusd wants them:
+ *   q4: w [N/16, K/32, 4, 16, 4] u8: byte (j, n, i) = q[n, 8j + i] | q[n, 8j + 4 + i] << 4
+ *       d, c [N/16, K/32, 16] f32                      w = q * d + c as above
+ *   q8: w [N/16, K/32, 8, 16, 4] u8: byte (m, n, i) = q[n, 4m + i] + 128 (u8 for vpdpbusd)
+ *       d [N/16, K/32, 16] f32                        w = q * d; the + 128 is taken back
+ *                                                     as 128 * sum(xq) per row and group
+ * Columns past N are zero in the packing and not stored.
+ *
+ * y[r, n] = sum_g (d[n, g] * sx[r, g]) * dot_int(q[n, g], xq[r, g]) (+ c[n, g] * xsum[r, g]),
+ * summed over g in order by one thread, the same operations whatever the tile or batch: each
+ * row is batch and thread invariant here too. */
+#ifdef __AVX512VNNI__
+#define I8_COLS 16
+
+typedef struct {
+    int8_t *xq;    /* [M, K] */
+    float *sx;     /* [M, G] */
+    float *xsum;   /* [M, G] */
+    int32_t *xqs;  /* [M, G] */
+} pd_xq;
+
+static int quantize_rows(const float *x, int64_t M, int64_t K, pd_xq *q) {
+    const int64_t G = K / GROUP;
+    q->xq = malloc((size_t)(M * K));
+    q->sx = malloc((size_t)(M * G) * sizeof(float));
+    q->xsum = malloc((size_t)(M * G) * sizeof(float));
+    q->xqs = malloc((size_t)(M * G) * sizeof(int32_t));
+    if (q->xq == 0 || q->sx == 0 || q->xsum == 0 || q->xqs == 0) return -1;
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t i = 0; i < M * G; i++) {
+        const float *xg = x + i * GROUP;
+        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
+        const float sx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q->xq + i * GROUP), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(q->xq + i * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+        q->sx[i] = sx;
+        q->xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        q->xqs[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+    return 0;
+}
+
+static void free_xq(pd_xq *q) {
+    free(q->xq);
+    free(q->sx);
+    free(q->xsum);
+    free(q->xqs);
+}
+
+/* Rows 0 .. rows - 1 of one tile of 16 columns (`rows` and `q4` compile-time constants). */
+static inline __attribute__((always_inline)) void i8_tile(
+        const pd_xq *xq, int64_t r0, int64_t K, const uint8_t *w, const float *d,
+        const float *c, float *y, int64_t N, __mmask16 cols, const int rows, const int q4) {
+    const int64_t G = K / GROUP;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROW_TILE];
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i wv[8];
+        if (q4) {
+            const uint8_t *wg = w + g * 256;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512i b = _mm512_loadu_si512(wg + 64 * j);
+                wv[2 * j] = _mm512_and_si512(b, low);
+                wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int m = 0; m < 8; m++) wv[m] = _mm512_loadu_si512(w + g * 512 + 64 * m);
+        }
+        const __m512 dv = _mm512_loadu_ps(d + g * I8_COLS);
+        const __m512 cv = q4 ? _mm512_loadu_ps(c + g * I8_COLS) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int r = 0; r < rows; r++) {
+            const int64_t rg = (r0 + r) * G + g;
+            const int32_t *xr = (const int32_t *)(xq->xq + rg * GROUP);
+            __m512i ia = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * xq->xqs[rg]);
+#pragma GCC unroll 8
+            for (int m = 0; m < 8; m++)
+                ia = _mm512_dpbusd_epi32(ia, wv[m], _mm512_set1_epi32(xr[m]));
+            const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(xq->sx[rg]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
+            if (q4) acc[r] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xq->xsum[rg]), acc[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * N, cols, acc[r]);
+}
+
+static void i8_columns(const pd_xq *xq, int64_t M, int64_t K, int64_t t, const uint8_t *w,
+                       const float *d, const float *c, float *y, int64_t N, const int q4) {
+    const int64_t G = K / GROUP, n0 = t * I8_COLS;
+    const int64_t ncols = N - n0 < I8_COLS ? N - n0 : I8_COLS;
+    const __mmask16 cols = (__mmask16)((1u << ncols) - 1);
+    const uint8_t *wt = w + t * G * (q4 ? 256 : 512);
+    const float *dt = d + t * G * I8_COLS, *ct = q4 ? c + t * G * I8_COLS : 0;
+#define I8_TILE(ROWS)                                                                      \
+    do {                                                                                   \
+        if (q4)                                                                            \
+            i8_tile(xq, r, K, wt, dt, ct, y + r * N + n0, N, cols, ROWS, 1);               \
+        else                                                                               \
+            i8_tile(xq, r, K, wt, dt, ct, y + r * N + n0, N, cols, ROWS, 0);               \
+    } while (0)
+    int64_t r = 0;
+    for (; r + ROW_TILE <= M; r += ROW_TILE) I8_TILE(ROW_TILE);
+    for (; r + 8 <= M; r += 8) I8_TILE(8);
+    LAST_ROWS(I8_TILE, M - r);
+#undef I8_TILE
+}
+
+/* y [M, N] = x [M, K] @ W.T with W packed as above (kind 4 or 8) and x quantized to int8.
+ * Returns 0, or -1 when out of memory. */
+int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *w,
+                 const float *d, const float *c, int64_t N, float *y, int threads) {
+    pd_xq xq;
+    if (quantize_rows(x, M, K, &xq) != 0) {
+        free_xq(&xq);
+        return -1;
+    }
+    const int64_t tiles = (N + I8_COLS - 1) / I8_COLS;
+#pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++)
+        i8_columns(&xq, M, K, t, w, d, c, y, N, kind == 4);
+    free_xq(&xq);
+    return 0;
+}
+#endif
+
 /* ---- decode attention --------------------------------------------------------------------
  *
  * One call per layer for the decode rows of a step, computed in float32: rotary embedding of
@@ -401,10 +549,8 @@ static inline __attribute__((always_inline)) void head_scores(
     }
 }
 
-/* out = softmax(scores) @ V for one head; scores is overwritten with the probabilities. */
-static inline __attribute__((always_inline)) void head_output(
-        float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
-        int D, float *out, const int bf16) {
+/* scores := e^(scores - max), returns their sum (8 lanes, a fixed tree, the tail in order). */
+static inline float softmax_numerators(float *scores, int64_t len) {
     float mx = scores[0];
     for (int64_t j = 1; j < len; j++) mx = scores[j] > mx ? scores[j] : mx;
     const __m256 vmx = _mm256_set1_ps(mx);
@@ -422,10 +568,18 @@ static inline __attribute__((always_inline)) void head_output(
         scores[j] = p;
         sum += p;
     }
+    return sum;
+}
+
+/* out = softmax(scores) @ V for one head; scores is overwritten with the probabilities. */
+static inline __attribute__((always_inline)) void head_output(
+        float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
+        int D, float *out, const int bf16) {
+    const float sum = softmax_numerators(scores, len);
     __m256 acc[16]; /* D <= 128 */
     const int nv = D / 8;
     for (int i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
-    for (j = 0; j < len; j++) {
+    for (int64_t j = 0; j < len; j++) {
         const int64_t v = keys[j] + value;
         const __m256 p = _mm256_set1_ps(scores[j]);
         for (int i = 0; i < nv; i++)
@@ -434,6 +588,128 @@ static inline __attribute__((always_inline)) void head_output(
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
     for (int i = 0; i < nv; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
+
+#ifdef __AVX512F__
+/* AVX-512: the G query heads that share a KV head are computed together, so each key and
+ * value is loaded (and widened from bf16) once for all of them, 16 floats at a time. D and G
+ * are compile-time constants (GROUP_ATTENTION below). Per head, the score of a key is its
+ * 16-lane product folded to 8 lanes, then 8 keys are summed by head_scores' hadd tree; the
+ * output sums p * v per element in key order, the same sums as head_output's. */
+static inline __attribute__((always_inline)) __m512 load16(const void *kv, int64_t i,
+                                                           const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + i))), 16));
+    return _mm512_loadu_ps((const float *)kv + i);
+}
+
+/* q . k for each head of the group, 8 lanes (a 16-lane product folded once). */
+static inline __attribute__((always_inline)) void group_dots(
+        const float *q, const void *kv, int64_t k, const int D, const int G, __m256 *dots,
+        const int bf16) {
+    __m512 kd[8]; /* D <= 128 */
+#pragma GCC unroll 8
+    for (int c = 0; c < D / 16; c++) kd[c] = load16(kv, k + 16 * c, bf16);
+#pragma GCC unroll 8
+    for (int h = 0; h < G; h++) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kd[0]);
+#pragma GCC unroll 8
+        for (int c = 1; c < D / 16; c++)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kd[c], acc);
+        dots[h] = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    }
+}
+
+/* Ask for one head's key or value row ahead of use: a sequence's blocks lie anywhere in the
+ * pool and the hardware prefetchers do not follow the block table. */
+#define PREFETCH_KEYS 32
+static inline __attribute__((always_inline)) void prefetch_row(const void *kv, int64_t i,
+                                                               const int D, const int bf16) {
+    const char *p = (const char *)kv + i * (bf16 ? 2 : 4);
+#pragma GCC unroll 8
+    for (int b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) void group_attention(
+        const float *q, const void *kv, const int64_t *keys, int64_t len, int64_t head,
+        int64_t value, float scale, float *scores, int64_t score_stride, float *out,
+        const int D, const int G, const int bf16) {
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        __m256 d[8][8]; /* [key][head] */
+        if (j + PREFETCH_KEYS + 8 <= len)
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) prefetch_row(kv, keys[j + PREFETCH_KEYS + i] + head, D, bf16);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) group_dots(q, kv, keys[j + i] + head, D, G, d[i], bf16);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; h++) {
+            __m256 s01 = _mm256_hadd_ps(d[0][h], d[1][h]), s23 = _mm256_hadd_ps(d[2][h], d[3][h]);
+            __m256 s45 = _mm256_hadd_ps(d[4][h], d[5][h]), s67 = _mm256_hadd_ps(d[6][h], d[7][h]);
+            __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+            __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+            __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+            _mm256_storeu_ps(scores + h * score_stride + j,
+                             _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+        }
+    }
+    for (; j < len; j++) {
+        __m256 d[8];
+        group_dots(q, kv, keys[j] + head, D, G, d, bf16);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; h++) scores[h * score_stride + j] = hsum(d[h]) * scale;
+    }
+    for (j = 0; j < len && j < PREFETCH_KEYS; j++) prefetch_row(kv, keys[j] + value, D, bf16);
+    float inv[8];
+#pragma GCC unroll 8
+    for (int h = 0; h < G; h++) inv[h] = 1.0f / softmax_numerators(scores + h * score_stride, len);
+    __m512 acc[8][8]; /* [head][16 floats of D] */
+#pragma GCC unroll 8
+    for (int h = 0; h < G; h++)
+#pragma GCC unroll 8
+        for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_setzero_ps();
+    for (j = 0; j < len; j++) {
+        if (j + PREFETCH_KEYS < len) prefetch_row(kv, keys[j + PREFETCH_KEYS] + value, D, bf16);
+        __m512 vd[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < D / 16; c++) vd[c] = load16(kv, keys[j] + value + 16 * c, bf16);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; h++) {
+            const __m512 p = _mm512_set1_ps(scores[h * score_stride + j]);
+#pragma GCC unroll 8
+            for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_fmadd_ps(p, vd[c], acc[h][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < G; h++)
+#pragma GCC unroll 8
+        for (int c = 0; c < D / 16; c++)
+            _mm512_storeu_ps(out + h * D + 16 * c,
+                             _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
+}
+
+/* The (D, G) pairs with a compiled group kernel; others take the per-head path. */
+#define GROUP_ATTENTION(D_, G_)                                                            \
+    if (D == D_ && G == G_) {                                                              \
+        if (bf16)                                                                          \
+            group_attention(q, kv, keys, len, head, value, scale, scores, stride, out, D_, \
+                            G_, 1);                                                        \
+        else                                                                               \
+            group_attention(q, kv, keys, len, head, value, scale, scores, stride, out, D_, \
+                            G_, 0);                                                        \
+        return 1;                                                                          \
+    }
+
+static int group_kernel(const float *q, const void *kv, const int64_t *keys, int64_t len,
+                        int64_t head, int64_t value, float scale, float *scores,
+                        int64_t stride, float *out, int D, int G, int bf16) {
+    GROUP_ATTENTION(64, 1) GROUP_ATTENTION(64, 2) GROUP_ATTENTION(64, 3)
+    GROUP_ATTENTION(64, 4) GROUP_ATTENTION(128, 1) GROUP_ATTENTION(128, 2)
+    GROUP_ATTENTION(128, 4)
+    return 0;
+}
+#undef GROUP_ATTENTION
+#endif
 
 static inline __attribute__((always_inline)) int decode_attention(
         float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin, void *kv,
@@ -461,26 +737,33 @@ static inline __attribute__((always_inline)) int decode_attention(
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        /* this thread's scratch: one row's key offsets, one head's scores */
+        /* this thread's scratch: one row's key offsets, the scores of one KV head's group */
         int64_t *keys = malloc((size_t)max_len * sizeof(int64_t)), row = -1;
-        float *scores = malloc((size_t)max_len * sizeof(float));
+        float *scores = malloc((size_t)(max_len * group) * sizeof(float));
         if (scores == 0 || keys == 0) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(guided)
-        for (int64_t item = 0; item < S * Hq; item++) {
+        for (int64_t item = 0; item < S * Hkv; item++) { /* a row's KV head and its group */
             if (scores == 0 || keys == 0) continue;
-            int64_t s = item / Hq;
-            int hq = (int)(item % Hq), h = hq / group;
+            const int64_t s = item / Hkv, h = item % Hkv;
             if (s != row) { /* a thread's items come in order: a row's heads share its keys */
                 key_offsets(tables + s * table_stride, lens[s], bs, token_stride, keys);
                 row = s;
             }
-            head_scores(qkv + s * row_stride + hq * D, kv, keys, lens[s], (int64_t)h * D, D,
-                        scale, scores, bf16);
-            head_output(scores, kv, keys, lens[s], bs * token_stride + (int64_t)h * D, D,
-                        out + s * Hq * D + hq * D, bf16);
+            const float *q = qkv + s * row_stride + h * group * D;
+            float *o = out + s * Hq * D + h * group * D;
+            const int64_t value = bs * token_stride + h * D;
+#ifdef __AVX512F__
+            if (group_kernel(q, kv, keys, lens[s], h * D, value, scale, scores, max_len, o, D,
+                             group, bf16))
+                continue;
+#endif
+            for (int i = 0; i < group; i++) {
+                head_scores(q + i * D, kv, keys, lens[s], h * D, D, scale, scores, bf16);
+                head_output(scores, kv, keys, lens[s], value, D, o + i * D, bf16);
+            }
         }
         free(keys);
         free(scores);
@@ -540,8 +823,8 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
  * so every row is still batch and thread invariant. */
 
 typedef struct {
-    int32_t kind; /* 4: q4 (qs u8 [N, K/32, 16], d, c); 8: q8 (qs i8 [N, K], d) */
-    int32_t unused;
+    int32_t kind;   /* 4: q4 (qs u8 [N, K/32, 16], d, c); 8: q8 (qs i8 [N, K], d) */
+    int32_t int8_x; /* 1: qs, d, c packed in tiles for pd_i8_matmul (VNNI build only) */
     int64_t n, k;
     const void *qs;
     const float *d, *c, *bias; /* c: q4 only; bias [N] or NULL */
@@ -554,7 +837,14 @@ typedef struct {
 
 static int matmul(const float *x, int64_t M, const pd_matrix *w, float *y, int threads) {
     int status = 0;
-    if (w->kind == 4)
+    if (w->int8_x)
+#ifdef __AVX512VNNI__
+        status = pd_i8_matmul(x, M, w->k, w->kind, (const uint8_t *)w->qs, w->d, w->c, w->n, y,
+                              threads);
+#else
+        return -1; /* packed for a build this is not */
+#endif
+    else if (w->kind == 4)
         status = pd_q4_matmul(x, M, w->k, (const uint8_t *)w->qs, w->d, w->c, w->n, y, threads);
     else
         pd_q8_matmul(x, M, w->k, (const int8_t *)w->qs, w->d, w->n, y, threads);

@@ -209,8 +209,10 @@ def plain(model_path):
 
 @pytest.fixture(scope="module")
 def expected(plain):
-    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
-            for o in plain.generate(PROMPTS, mixed_params())]
+    """Plain decoding with the same arrivals: each prompt is prefilled in the same company as
+    with speculation. (The bf16 prefill's matmuls round differently in another batch; int8
+    decode activations can turn such a last-bit difference into another greedy token.)"""
+    return run_with_arrivals(plain, PROMPTS, mixed_params())
 
 
 SPEC_CONFIGS = {

@@ -2,7 +2,8 @@
 
 Each is also checked for batch invariance: a row's result is bit for bit the same alone,
 batched, permuted and on 1 or 2 threads. Every test runs on each build this CPU can run (avx2,
-and avx512 where it has AVX-512).
+avx512 where it has AVX-512, avx512vnni where it has VNNI too); the int8-activation matmul is in
+the last only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler or 
 @pytest.fixture(params=native.cpu_isas())
 def lib(request):
     return native.load(request.param)
+
+
+@pytest.fixture
+def vnni_lib():
+    if "avx512vnni" not in native.cpu_isas():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    return native.load("avx512vnni")
 
 
 def random_q4(n: int, k: int, offset: float, seed: int) -> Q4Weight:
@@ -79,12 +87,86 @@ def test_q8_matmul_requantizes_q8_0_exactly(lib):
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+def int8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+                   c: torch.Tensor | None) -> torch.Tensor:
+    """pd_i8_matmul's arithmetic in float64: x quantized per 32 along K (sx = amax / 127,
+    xq = round-half-even(x * (127 / amax)) in float32), integer dots per group, then
+    sum_g d * sx * dot (+ c * sum(x) of the group)."""
+    m, k = x.shape
+    xg = x.view(m, k // 32, 32)
+    amax = xg.abs().amax(dim=2)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as in C
+    xq = torch.round(xg * inv[..., None]).clamp(-128, 127)
+    dots = torch.einsum("mgk,ngk->mng", xq.double(), q.double().view(q.shape[0], -1, 32))
+    y = (dots * (d.double()[None] * (amax / 127).double()[:, None])).sum(dim=2)
+    if c is not None:
+        y = y + (c.double()[None] * xg.sum(dim=2).double()[:, None]).sum(dim=2)
+    return y
+
+
+@pytest.mark.parametrize("offset", [8.0, 0.0], ids=["q4_0", "q4_1"])
+@pytest.mark.parametrize("n,k", [(576, 576), (100, 1536), (16, 32)])
+def test_int8_q4_matmul_matches_its_reference(vnni_lib, n, k, offset):
+    from engine_core.model.decode_quant import NativeQ4Matmul
+
+    w = random_q4(n, k, offset, seed=n + k)
+    layer = NativeQ4Matmul(w, vnni_lib, int8=True)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
+    x[3] = 0.0  # a zero row: scale 0, no NaN
+    x[5, :32] *= 1000  # one group far larger than the rest of its row
+    y = layer(x).double()
+    c = w.m - w.offset[:, None] * w.d
+    expected = int8_reference(x, w.q, w.d, c)
+    # float32 sums: within 1e-5 of each row's largest output (row 5 sums terms 1000x apart)
+    scale = expected.abs().amax(dim=1, keepdim=True).clamp(min=1.0)
+    assert ((y - expected).abs() / scale).max().item() < 1e-5
+    # what the quantization costs against the exact product: about half a percent
+    exact = x.double() @ w.dequantize().double().T
+    assert ((y - exact).norm() / exact.norm()).item() < 2e-2
+    assert torch.equal(y[3], torch.zeros(n, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n,k", [(300, 576), (49, 64)])
+def test_int8_q8_matmul_matches_its_reference(vnni_lib, n, k):
+    from engine_core.model.decode_quant import NativeQ8Matmul
+
+    g = torch.Generator().manual_seed(n)
+    q = torch.randint(-127, 128, (n, k), generator=g).float()
+    q[:, ::32] = 127
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    dense = (q.view(n, -1, 32) * d[..., None]).view(n, k)
+    layer = NativeQ8Matmul(dense, vnni_lib, int8=True)
+    x = torch.randn(9, k, generator=g)
+    y = layer(x).double()
+    torch.testing.assert_close(y, int8_reference(x, q, d, None), atol=1e-5, rtol=1e-5)
+    exact = x.double() @ dense.double().T
+    assert ((y - exact).norm() / exact.norm()).item() < 2e-2
+
+
+def test_int8_packing_layout():
+    """Byte (tile, group, j, column, i) of the q4 packing holds k = 8j + i and 8j + 4 + i."""
+    w = random_q4(20, 64, 0.0, seed=11)
+    packed, d, _ = native.pack_q4_int8(w.q, w.d, w.m)
+    assert packed.shape == (2, 2, 4, 16, 4) and d.shape == (2, 2, 16)
+    t, g, j, col, i = 1, 1, 2, 3, 1
+    n, k = 16 * t + col, 32 * g + 8 * j + i
+    assert packed[t, g, j, col, i] == w.q[n, k] | (w.q[n, k + 4] << 4)
+    assert d[t, g, col] == w.d[n, g]
+    assert torch.all(packed[1, :, :, 4:] == 0)  # columns 20..31 do not exist: zero
+    q8, _ = native.pack_q8_int8(torch.full((3, 32), -5, dtype=torch.int8), torch.ones(3, 1))
+    assert q8.shape == (1, 1, 8, 16, 4) and q8[0, 0, :, :3].eq(123).all()
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "q4-int8", "q8-int8"])
 def test_matmul_rows_are_batch_and_thread_invariant(lib, kind):
     from engine_core.model.decode_quant import NativeQ4Matmul, NativeQ8Matmul
 
+    int8 = kind.endswith("int8")
+    if int8 and not native.has_int8(lib):
+        pytest.skip("int8 activations are in the VNNI build only")
     w = random_q4(200, 576, 0.0, seed=7)
-    layer = NativeQ4Matmul(w, lib) if kind == "q4" else NativeQ8Matmul(w.dequantize(), lib)
+    layer = (NativeQ4Matmul(w, lib, int8) if kind.startswith("q4")
+             else NativeQ8Matmul(w.dequantize(), lib, int8))
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(2))
     with torch_threads(2):
         batched = layer(x)
