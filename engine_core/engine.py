@@ -21,6 +21,7 @@ from engine_core.config import (
 )
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.model.decode_quant import resolve_activations
 from engine_core.model_files import resolve_model
 from engine_core.model_loader import load_model
 from engine_core.model_runner import ModelRunner
@@ -62,8 +63,11 @@ class LLMEngine:
         self.source = resolve_model(model)
         if quantize_decode is None:
             quantize_decode = self.device.type == "cpu"
+        # what the CPU's decode matmuls multiply with ("float32" or "int8"); None: dense rows
+        self.decode_activations = (resolve_activations(decode_activations, self.dtype)
+                                   if quantize_decode and self.device.type == "cpu" else None)
         self.model, self.model_config, decode_rows = load_model(
-            self.source, self.dtype, self.device, quantize_decode, decode_activations
+            self.source, self.dtype, self.device, quantize_decode, self.decode_activations
         )
         cfg = self.model_config
         self.tokenizer: Tokenizer | None = (

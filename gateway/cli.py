@@ -6,7 +6,11 @@ from __future__ import annotations
 import argparse
 
 from pdserve.tls import add_tls_arguments
-from pdserve.worker_args import add_redis_arguments, add_speculative_arguments
+from pdserve.worker_args import (
+    add_decode_activations_argument,
+    add_redis_arguments,
+    add_speculative_arguments,
+)
 
 
 def add_admission_arguments(p) -> None:
@@ -38,6 +42,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     add_admission_arguments(mode)
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_decode_activations_argument(mode)
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     mode.add_argument("--max-num-seqs", type=int, default=64)
     mode.add_argument("--max-model-len", type=int, default=None)

@@ -76,7 +76,7 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     from pdserve.worker_args import speculative_config
 
     engine = LLMEngine(
-        model=args.model, dtype=args.dtype,
+        model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         speculative_config=speculative_config(args),
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,

@@ -103,13 +103,15 @@ def run(args: argparse.Namespace) -> int:
     from engine_core.llm import LLM
 
     torch.manual_seed(0)
-    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
+    llm = LLM(args.model, dtype=args.dtype, decode_activations=args.decode_activations,
+              enable_prefix_caching=False,
               max_num_seqs=max(args.concurrency), kv_cache_memory_gb=1.0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype_name(llm.engine.dtype)  # what "auto" resolved to on this machine
     results = {"model": llm.engine.source.name, "dtype": dtype,
                "quantize_decode": llm.engine.runner.decode_rows is not None,
+               "decode_activations": llm.engine.decode_activations,
                "prompt_len": args.prompt_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "machine": platform.processor(),
                "engine": [], "transformers": None}

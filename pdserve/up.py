@@ -23,7 +23,11 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.cli import add_admission_arguments
-from pdserve.worker_args import add_speculative_arguments, speculative_argv
+from pdserve.worker_args import (
+    add_decode_activations_argument,
+    add_speculative_arguments,
+    speculative_argv,
+)
 
 READY_TIMEOUT_S = 600.0  # the first run may download the model
 STOP_TIMEOUT_S = 20.0
@@ -36,6 +40,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV transport (auto: shared memory on one host)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_decode_activations_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="the gateway's interface")
     p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (0: any free)")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free)")
@@ -130,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
 
     resolve_model(args.model)  # fetch the default model once, with a progress bar, up front
     common = [a for a in (["--model", args.model] if args.model else [])
-              + (["--dtype", args.dtype] if args.dtype else [])]
+              + (["--dtype", args.dtype] if args.dtype else [])
+              + ["--decode-activations", args.decode_activations]]
     cores = sorted(os.sched_getaffinity(0))
     pre_cores, dec_cores = (None, None) if args.no_pin else split_cores(cores)
     print(f"pdserve up: {args.prefill} prefill (cores {pre_cores or 'any'}) + {args.decode} "

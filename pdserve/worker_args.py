@@ -7,10 +7,19 @@ import argparse
 from pdserve.tls import add_tls_arguments
 
 
+def add_decode_activations_argument(p) -> None:
+    """--decode-activations, for every command that decodes on the CPU."""
+    p.add_argument("--decode-activations", default="auto", choices=["auto", "float32", "int8"],
+                   help="what the CPU's 4/8-bit decode matmuls multiply: float32 activations, "
+                        "or int8 ones (one scale per 32, as llama.cpp; needs AVX-512 VNNI); "
+                        "auto: int8 for bfloat16 on a VNNI CPU, else float32")
+
+
 def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     """Flags shared by `pdserve prefill` and `pdserve decode`."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_decode_activations_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in containers")
     p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -100,7 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     from engine_core.config import CacheConfig, SchedulerConfig
 
     return dict(
-        model=args.model, dtype=args.dtype,
+        model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         speculative_config=speculative_config(args),
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,

@@ -626,7 +626,6 @@ static inline __attribute__((always_inline)) void group_dots(
 static inline __attribute__((always_inline)) void prefetch_row(const void *kv, int64_t i,
                                                                const int D, const int bf16) {
     const char *p = (const char *)kv + i * (bf16 ? 2 : 4);
-#pragma GCC unroll 8
     for (int b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 

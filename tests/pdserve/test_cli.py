@@ -25,3 +25,20 @@ def test_defaults_without_env():
     assert (args.prefill, args.decode, args.port, args.http_port) == (1, 1, 50051, 8000)
     assert build_parser().parse_args(["prefill"]).port == 50061
     assert build_parser().parse_args(["decode"]).port == 50071
+
+
+def test_decode_activations_reach_every_engine_that_decodes():
+    import pytest
+
+    from pdserve.worker_args import engine_kwargs
+
+    parser = build_parser()
+    for cmd in (["decode"], ["prefill"], ["gateway", "--colocated"], ["up"], ["offline", "x"],
+                ["bench-engine"]):
+        assert parser.parse_args(cmd).decode_activations == "auto"
+        assert parser.parse_args([*cmd, "--decode-activations", "int8"]).decode_activations \
+            == "int8"
+    args = parser.parse_args(["decode", "--decode-activations", "float32"])
+    assert engine_kwargs(args)["decode_activations"] == "float32"
+    with pytest.raises(SystemExit):  # argparse names the choices on stderr
+        parser.parse_args(["decode", "--decode-activations", "int4"])
