@@ -147,10 +147,15 @@ def native_cases() -> list[tuple[str, str, Callable, Callable]]:
                      torch.rand(n, k // 32, generator=g) * 0.01,
                      torch.randn(n, k // 32, generator=g) * 0.1, torch.zeros(n))
         c_mm, torch_mm = NativeQ4Matmul(w, lib), Int4Matmul(w)
+        # int8 activations (VNNI build), against the float32-activation C kernel
+        i8_mm = NativeQ4Matmul(w, lib, int8=True) if native.has_int8(lib) else None
         for rows in (1, 32):
             x = torch.randn(rows, k, generator=g)
             cases.append(("q4 matmul", f"{rows}x{k} @ {k}x{n}", lambda m=c_mm, x=x: m(x),
                           lambda m=torch_mm, x=x: m(x)))
+            if i8_mm is not None:
+                cases.append(("q4 matmul int8 x", f"{rows}x{k} @ {k}x{n}",
+                              lambda m=i8_mm, x=x: m(x), lambda m=c_mm, x=x: m(x)))
     return cases
 
 
@@ -180,7 +185,9 @@ def time_ms(fn: Callable, args: tuple, min_run_time: float, device: torch.device
         import triton.testing
 
         return triton.testing.do_bench(lambda: fn(*args))
-    timer = benchmark.Timer("fn(*args)", globals={"fn": fn, "args": args})
+    # the Timer runs on one thread unless told: give it the threads everything else uses
+    timer = benchmark.Timer("fn(*args)", globals={"fn": fn, "args": args},
+                            num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 

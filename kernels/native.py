@@ -99,7 +99,7 @@ def has_int8(lib: ctypes.CDLL | None) -> bool:
 
 def build(out_dir: Path | None = None, isa: str = "avx2") -> Path:
     """Compile the library for `isa` (if this version is not built yet) and return its path.
-    Building needs no CPU support: an image can hold both builds."""
+    Building needs no CPU support: an image can hold every build."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
