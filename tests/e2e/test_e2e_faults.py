@@ -106,12 +106,12 @@ def test_prefill_worker_killed_requests_rerun_unchanged(cluster, stub, ref):
 
 def test_decode_worker_killed_streams_continue(cluster, stub, ref):
     before = migrations(cluster, "decode")
-    n = 40
+    n = 160  # long enough that decode-0 is still streaming when killed (~5 ms per token)
 
     def kill_when_streaming():
         wait_until(lambda: cluster.worker_status("decode-0").num_running > 0, 60,
                    "decode-0 streaming")
-        time.sleep(0.5)  # some tokens out
+        time.sleep(0.2)  # some tokens out
         cluster.kill("decode-0")
 
     results = run_all(stub, n, kill_when_streaming)
