@@ -46,6 +46,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _int,
                              _f32, _p, _i64, _int], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
+    "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _i64,
                           _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
 }
@@ -252,6 +253,20 @@ def decode_layers(
         context_lens.data_ptr(), kv_cache.shape[3], scale, max_len, final_norm.data_ptr(),
         out.data_ptr(), torch.get_num_threads()))
     return out
+
+
+TOPK_MAX = 64  # pd_topk's largest k
+
+
+def topk(lib: ctypes.CDLL, x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [rows, k] of each row's k largest values, largest first (equal values: lower
+    index first); x float32 contiguous [rows, n], k <= 64 <= n (pd_topk)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or not 0 < k <= min(TOPK_MAX, x.shape[1]):
+        raise ValueError(f"topk: a contiguous float32 [rows, n] tensor and 0 < k <= "
+                         f"min({TOPK_MAX}, n), got {x.dtype} {tuple(x.shape)} and k={k}")
+    idx = torch.empty((x.shape[0], k), dtype=torch.int64)
+    lib.pd_topk(x.data_ptr(), x.shape[0], x.shape[1], k, idx.data_ptr(), torch.get_num_threads())
+    return idx
 
 
 def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,

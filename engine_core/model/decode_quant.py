@@ -194,13 +194,18 @@ class DecodeQuantLinear(nn.Module):
 class DecodeQuantLMHead(DecodeQuantLinear):
     """The lm_head: quantized logits for decode rows, their best candidates made exact."""
 
+    native = None  # the C kernels' library: its one-pass top-k (quantize_for_decode sets it)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, vocab] float32
         out = super().forward(x).float()
         nd = min(self.rows.n, x.shape[0])
         if nd == 0:
             return out
         k = min(REFINE_TOP_K, out.shape[1])
-        top = out[:nd].topk(k, dim=1).indices  # [nd, k]
+        if self.native is not None and out.shape[1] >= native.TOPK_MAX:
+            top = native.topk(self.native, out[:nd], k)  # [nd, k]
+        else:
+            top = out[:nd].topk(k, dim=1).indices  # [nd, k]
         w = self.dense.weight[top].float()  # [nd, k, K]
         exact = torch.bmm(w, x[:nd].float().unsqueeze(2)).squeeze(2)  # [nd, k]
         if self.dense.bias is not None:
@@ -337,6 +342,7 @@ def quantize_for_decode(
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
     model.lm_head = DecodeQuantLMHead(model.lm_head, quant_for(model.lm_head, lm_head_parts),
                                       rows)
+    model.lm_head.native = lib
     if native_attention and NativeDecodeLayers.applies(model):
         model.decode_layers = NativeDecodeLayers(model, lib, rows)
     total = 4 * len(model.layers) + 1

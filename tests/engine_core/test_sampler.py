@@ -318,3 +318,18 @@ def test_logprobs_zero_gives_only_sampled() -> None:
     assert out.sampled_logprobs is not None and out.sampled_logprobs.shape == (2,)
     assert out.topk_logprobs is not None and out.topk_logprobs.shape == (2, 0)
     assert math.isfinite(out.sampled_logprobs.sum().item())
+
+
+def test_argmax_rows_is_torchs_argmax_ties_included():
+    from engine_core.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=g)
+    logits[1, [7, 300, 40000]] = 50.0  # tied maxima: the lowest index
+    logits[2] = float("-inf")
+    logits[2, 12345] = 0.0  # everything else blocked
+    logits[3, -1] = 99.0  # the very last
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits)[1] == 7
+    small = torch.randn(3, 10, generator=g)  # below the native kernel's width: torch's
+    assert torch.equal(argmax_rows(small), small.argmax(dim=-1))

@@ -177,6 +177,28 @@ def test_matmul_rows_are_batch_and_thread_invariant(lib, kind):
         assert torch.equal(layer(x[perm]), batched[perm])
 
 
+@pytest.mark.parametrize("n,k", [(49152, 16), (1000, 16), (70, 1), (64, 64)])
+def test_topk_matches_torch(lib, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(9, n, generator=g)
+    x[1] = torch.arange(n, dtype=torch.float32)  # rising: every value raises the bar
+    x[2] = 0.5  # all equal: the k lowest indices
+    x[3, n // 2 :: 7] = 100.0  # ties at the top
+    x[4] = -torch.arange(n, dtype=torch.float32)  # falling: the first k
+    idx = native.topk(lib, x, k)
+    values = x.gather(1, idx)
+    expected = x.topk(k, dim=1)
+    assert torch.equal(values, expected.values)  # the same values, largest first
+    for r in range(9):  # equal values in index order
+        for a, b in zip(idx[r, :-1].tolist(), idx[r, 1:].tolist(), strict=True):
+            assert x[r, a] > x[r, b] or (x[r, a] == x[r, b] and a < b)
+    assert torch.equal(idx[2], torch.arange(k))
+    assert torch.equal(idx[4], torch.arange(k))
+    assert torch.equal(native.topk(lib, x[5:6].contiguous(), k), idx[5:6])  # alone as batched
+    with pytest.raises(ValueError, match="k <= min"):
+        native.topk(lib, x, 65)
+
+
 def decode_rows(context_lens, num_heads, num_kv_heads, head_dim, seed):
     """Random decode rows: qkv, cos|sin rows, a cache and slots for each row's new token."""
     inputs = make_decode_inputs(context_lens, num_heads, num_kv_heads, head_dim, 16,
