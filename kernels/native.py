@@ -1,9 +1,9 @@
 """The C kernels of kernels/csrc, compiled on first use and called through ctypes.
 
-    kernels/csrc/cpu_decode.c --cc -O3 -mavx2 -mfma [-mavx512f ...] -fopenmp-->
+    kernels/csrc/*.c --cc -O3 -mavx2 -mfma [-mavx512f ...] -fopenmp-->
         $PDSERVE_HOME/native/cpu_decode-<isa>-<hash>.so
 
-Three builds of one source: "avx2" (AVX2 + FMA), "avx512" (adds AVX-512 F/BW/VL/DQ, whose
+(csrc/cpu_kernels.h lists the files.) Three builds of one source: "avx2" (AVX2 + FMA), "avx512" (adds AVX-512 F/BW/VL/DQ, whose
 matmul tiles use 16-float vectors and 16-row tiles) and "avx512vnni" (adds VNNI and with it
 pd_i8_matmul, int8 activations); `load()` takes the widest this CPU runs.
 Each is built once per source version and compiler flags (the hash names the file), written
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.c"
+CSRC = Path(__file__).parent / "csrc"  # every .c there, one library; cpu_kernels.h shared
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 ISA_FLAGS = {"avx2": [], "avx512": AVX512, "avx512vnni": [*AVX512, "-mavx512vnni"]}
@@ -105,7 +105,8 @@ def build(out_dir: Path | None = None, isa: str = "avx2") -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     flags = FLAGS + ISA_FLAGS[isa]
-    source = SOURCE.read_bytes()
+    sources = sorted(CSRC.glob("*.c"))
+    source = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))])
     digest = hashlib.sha256(source + " ".join([compiler, *flags, *LIBS]).encode()).hexdigest()[:16]
     out_dir = out_dir or _home() / "native"
     target = out_dir / f"cpu_decode-{isa}-{digest}.so"
@@ -115,10 +116,10 @@ def build(out_dir: Path | None = None, isa: str = "avx2") -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, *LIBS],
+        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", tmp, *LIBS],
                               capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
+            raise RuntimeError(f"compiling {CSRC} failed:\n{done.stderr.strip()}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -165,7 +166,7 @@ def _tiles(t: torch.Tensor) -> torch.Tensor:  # [N, K / 32] -> [N / 16, K / 32, 
 
 
 def pack_q4_int8(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor):
-    """q [N, K] 0..15, d and c [N, K / 32] as pd_i8_matmul's q4 tiles (csrc/cpu_decode.c):
+    """q [N, K] 0..15, d and c [N, K / 32] as pd_i8_matmul's q4 tiles (csrc/matmul_int8.c):
     byte (tile, group, j, n, i) holds k = 8j + i in its low nibble and 8j + 4 + i in its high."""
     n, k = q.shape
     q = _pad_columns(q.to(torch.uint8)).view(-1, I8_COLS, k // 32, 4, 2, 4)  # t n g j h i
@@ -201,7 +202,7 @@ def decode_attention(
     max_len: int,  # context_lens.max() (0: computed here)
 ) -> torch.Tensor:  # [S, Hq * D] float32
     """Rotary embedding, K/V store and decode attention of S decode rows in one call (see
-    pd_decode_attention in csrc/cpu_decode.c)."""
+    pd_decode_attention in csrc/attention.c)."""
     num_rows = qkv.shape[0]
     num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
     layouts = ((qkv, torch.float32), (cos_sin, torch.float32), (slot_mapping, torch.int64),

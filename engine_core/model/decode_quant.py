@@ -14,7 +14,7 @@ one-at-a-time output. Weights come from the GGUF's own Q4_0/Q4_1 blocks where th
 any other matrix (the Q8_0 embedding used as lm_head, safetensors models) is quantized to int8.
 
 Two implementations:
-- **Native** (`kernels/csrc/cpu_decode.c`, used when kernels.native.load() succeeds: a C
+- **Native** (`kernels/csrc/`, used when kernels.native.load() succeeds: a C
   compiler and AVX2/FMA; AVX-512 where the CPU has it). The 4-bit weights expand to exactly
   the file's dequantized values, int8 has one scale per 32 weights along K (a Q8_0 tensor is
   requantized exactly). The decode rows' attention runs in C too, over a float32 or bf16
@@ -94,7 +94,7 @@ class Int8Matmul(nn.Module):
 
 
 class NativeQ4Matmul(nn.Module):
-    """x @ W.T with the GGUF's 4-bit blocks (kernels/csrc/cpu_decode.c): float32 activations,
+    """x @ W.T with the GGUF's 4-bit blocks (kernels/csrc/matmul*.c): float32 activations,
     or with int8 ones quantized per group of 32 (pd_i8_matmul, the VNNI build's tiles).
 
     The packed weights are plain attributes, not buffers: `.to()` leaves them where the kernel

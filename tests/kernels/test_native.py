@@ -1,4 +1,4 @@
-"""The C kernels (kernels/csrc/cpu_decode.c) against torch references, on fresh random inputs.
+"""The C kernels (kernels/csrc/) against torch references, on fresh random inputs.
 
 Each is also checked for batch invariance: a row's result is bit for bit the same alone,
 batched, permuted and on 1 or 2 threads. Every test runs on each build this CPU can run (avx2,

@@ -1,0 +1,328 @@
+/* Decode attention
+ *
+ * One call per layer for the decode rows of a step, computed in float32: rotary embedding of
+ * q and k, K/V stored into the paged cache, then attention of each row over its own context.
+ *
+ *   qkv      [S, (Hq + 2 Hkv) * D]   the qkv projection's rows; q and k are rotated in place
+ *   cos_sin  [S, D]                  cos of each row's position in the first half, sin after
+ *   kv       [num_blocks, 2, bs, Hkv, D]   float32 or bfloat16 (engine_core/kv_cache/layout.py)
+ *   slots    [S] int64               block * bs + offset of each row's new K/V; < 0: not stored
+ *   tables   [S, table_stride] int32, lens [S] int32 (keys to attend to, the row's own included)
+ *   out      [S, Hq * D]
+ *
+ * Every row is stored before any row attends (a draft token attends to the drafts before it).
+ * A (row, head) is computed by one thread in a fixed order that depends only on its own
+ * context: the result is the same alone or batched, on any number of threads. Softmax is
+ * exact up to expf's rounding (exp256 in cpu_kernels.h, relative error ~2e-7). */
+
+#include "cpu_kernels.h"
+
+static void rope_row(float *x, const float *cs, int heads, int D) {
+    const int half = D / 2;
+    for (int h = 0; h < heads; h++) {
+        float *a = x + h * D, *b = a + half;
+        for (int i = 0; i < half; i++) {
+            float c = cs[i], s = cs[half + i], x1 = a[i], x2 = b[i];
+            a[i] = x1 * c - x2 * s;
+            b[i] = x2 * c + x1 * s;
+        }
+    }
+}
+
+/* The cache holds float32 or bfloat16 (a float32's upper half); the kernels compute in float32.
+ * `bf16` is a compile-time constant at every call below: each function exists in both forms. */
+static inline __attribute__((always_inline)) __m256 load8(const void *kv, int64_t i,
+                                                          const int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)kv + i))),
+            16));
+    return _mm256_loadu_ps((const float *)kv + i);
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch; no NaN here */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* keys[j] = element offset of position j's key, head 0, for j < len: walks the block table
+ * (no division per key). Its value is at keys[j] + bs * token_stride. */
+static void key_offsets(const int32_t *table, int64_t len, int bs, int64_t token_stride,
+                        int64_t *keys) {
+    int64_t j = 0;
+    for (int64_t b = 0; j < len; b++) {
+        const int64_t base = (int64_t)table[b] * 2 * bs;
+        for (int off = 0; off < bs && j < len; off++, j++) keys[j] = (base + off) * token_stride;
+    }
+}
+
+/* scores[j] = scale * q . k_j for j < len, 8 keys at a time (their 8 accumulators are summed
+ * lane-wise by a fixed hadd tree), the tail one key at a time. D % 8 == 0. */
+static inline __attribute__((always_inline)) void head_scores(
+        const float *q, const void *kv, const int64_t *keys, int64_t len, int64_t head,
+        int D, float scale, float *scores, const int bf16) {
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        __m256 acc[8];
+        int64_t k[8];
+        for (int i = 0; i < 8; i++) {
+            k[i] = keys[j + i] + head;
+            acc[i] = _mm256_setzero_ps();
+        }
+        for (int d = 0; d < D; d += 8) {
+            __m256 qd = _mm256_loadu_ps(q + d);
+            for (int i = 0; i < 8; i++)
+                acc[i] = _mm256_fmadd_ps(qd, load8(kv, k[i] + d, bf16), acc[i]);
+        }
+        __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+        __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+        __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+        /* lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of 0..3, likewise 4..7 */
+        __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+        __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+        _mm256_storeu_ps(scores + j, _mm256_mul_ps(_mm256_add_ps(lo, hi),
+                                                   _mm256_set1_ps(scale)));
+    }
+    for (; j < len; j++) {
+        const int64_t k = keys[j] + head;
+        __m256 acc = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kv, k + d, bf16), acc);
+        scores[j] = hsum(acc) * scale;
+    }
+}
+
+/* scores := e^(scores - max), returns their sum (8 lanes, a fixed tree, the tail in order). */
+static inline float softmax_numerators(float *scores, int64_t len) {
+    float mx = scores[0];
+    for (int64_t j = 1; j < len; j++) mx = scores[j] > mx ? scores[j] : mx;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmx));
+        _mm256_storeu_ps(scores + j, p);
+        vsum = _mm256_add_ps(vsum, p);
+    }
+    float sum = hsum(vsum);
+    for (; j < len; j++) {
+        float tail[8] = {scores[j] - mx};
+        float p = _mm256_cvtss_f32(exp256(_mm256_loadu_ps(tail)));
+        scores[j] = p;
+        sum += p;
+    }
+    return sum;
+}
+
+/* out = softmax(scores) @ V for one head; scores is overwritten with the probabilities. */
+static inline __attribute__((always_inline)) void head_output(
+        float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
+        int D, float *out, const int bf16) {
+    const float sum = softmax_numerators(scores, len);
+    __m256 acc[16]; /* D <= 128 */
+    const int nv = D / 8;
+    for (int i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; j++) {
+        const int64_t v = keys[j] + value;
+        const __m256 p = _mm256_set1_ps(scores[j]);
+        for (int i = 0; i < nv; i++)
+            acc[i] = _mm256_fmadd_ps(p, load8(kv, v + 8 * i, bf16), acc[i]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int i = 0; i < nv; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
+}
+
+#ifdef __AVX512F__
+/* AVX-512: the G query heads that share a KV head are computed together, so each key and
+ * value is loaded (and widened from bf16) once for all of them, 16 floats at a time. D and G
+ * are compile-time constants (GROUP_ATTENTION below). Per head, the score of a key is its
+ * 16-lane product folded to 8 lanes, then 8 keys are summed by head_scores' hadd tree; the
+ * output sums p * v per element in key order, the same sums as head_output's. */
+static inline __attribute__((always_inline)) __m512 load16(const void *kv, int64_t i,
+                                                           const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + i))), 16));
+    return _mm512_loadu_ps((const float *)kv + i);
+}
+
+/* q . k for each head of the group, 8 lanes (a 16-lane product folded once). */
+static inline __attribute__((always_inline)) void group_dots(
+        const float *q, const void *kv, int64_t k, const int D, const int G, __m256 *dots,
+        const int bf16) {
+    __m512 kd[8]; /* D <= 128 */
+#pragma GCC unroll 8
+    for (int c = 0; c < D / 16; c++) kd[c] = load16(kv, k + 16 * c, bf16);
+#pragma GCC unroll 8
+    for (int h = 0; h < G; h++) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kd[0]);
+#pragma GCC unroll 8
+        for (int c = 1; c < D / 16; c++)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kd[c], acc);
+        dots[h] = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    }
+}
+
+/* Ask for one head's key or value row ahead of use: a sequence's blocks lie anywhere in the
+ * pool and the hardware prefetchers do not follow the block table. */
+#define PREFETCH_KEYS 32
+static inline __attribute__((always_inline)) void prefetch_row(const void *kv, int64_t i,
+                                                               const int D, const int bf16) {
+    const char *p = (const char *)kv + i * (bf16 ? 2 : 4);
+    for (int b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) void group_attention(
+        const float *q, const void *kv, const int64_t *keys, int64_t len, int64_t head,
+        int64_t value, float scale, float *scores, int64_t score_stride, float *out,
+        const int D, const int G, const int bf16) {
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        __m256 d[8][8]; /* [key][head] */
+        if (j + PREFETCH_KEYS + 8 <= len)
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) prefetch_row(kv, keys[j + PREFETCH_KEYS + i] + head, D, bf16);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) group_dots(q, kv, keys[j + i] + head, D, G, d[i], bf16);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; h++) {
+            __m256 s01 = _mm256_hadd_ps(d[0][h], d[1][h]), s23 = _mm256_hadd_ps(d[2][h], d[3][h]);
+            __m256 s45 = _mm256_hadd_ps(d[4][h], d[5][h]), s67 = _mm256_hadd_ps(d[6][h], d[7][h]);
+            __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+            __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+            __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+            _mm256_storeu_ps(scores + h * score_stride + j,
+                             _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+        }
+    }
+    for (; j < len; j++) {
+        __m256 d[8];
+        group_dots(q, kv, keys[j] + head, D, G, d, bf16);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; h++) scores[h * score_stride + j] = hsum(d[h]) * scale;
+    }
+    for (j = 0; j < len && j < PREFETCH_KEYS; j++) prefetch_row(kv, keys[j] + value, D, bf16);
+    float inv[8];
+#pragma GCC unroll 8
+    for (int h = 0; h < G; h++) inv[h] = 1.0f / softmax_numerators(scores + h * score_stride, len);
+    __m512 acc[8][8]; /* [head][16 floats of D] */
+#pragma GCC unroll 8
+    for (int h = 0; h < G; h++)
+#pragma GCC unroll 8
+        for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_setzero_ps();
+    for (j = 0; j < len; j++) {
+        if (j + PREFETCH_KEYS < len) prefetch_row(kv, keys[j + PREFETCH_KEYS] + value, D, bf16);
+        __m512 vd[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < D / 16; c++) vd[c] = load16(kv, keys[j] + value + 16 * c, bf16);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; h++) {
+            const __m512 p = _mm512_set1_ps(scores[h * score_stride + j]);
+#pragma GCC unroll 8
+            for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_fmadd_ps(p, vd[c], acc[h][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < G; h++)
+#pragma GCC unroll 8
+        for (int c = 0; c < D / 16; c++)
+            _mm512_storeu_ps(out + h * D + 16 * c,
+                             _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
+}
+
+/* The (D, G) pairs with a compiled group kernel; others take the per-head path. */
+#define GROUP_ATTENTION(D_, G_)                                                            \
+    if (D == D_ && G == G_) {                                                              \
+        if (bf16)                                                                          \
+            group_attention(q, kv, keys, len, head, value, scale, scores, stride, out, D_, \
+                            G_, 1);                                                        \
+        else                                                                               \
+            group_attention(q, kv, keys, len, head, value, scale, scores, stride, out, D_, \
+                            G_, 0);                                                        \
+        return 1;                                                                          \
+    }
+
+static int group_kernel(const float *q, const void *kv, const int64_t *keys, int64_t len,
+                        int64_t head, int64_t value, float scale, float *scores,
+                        int64_t stride, float *out, int D, int G, int bf16) {
+    GROUP_ATTENTION(64, 1) GROUP_ATTENTION(64, 2) GROUP_ATTENTION(64, 3)
+    GROUP_ATTENTION(64, 4) GROUP_ATTENTION(128, 1) GROUP_ATTENTION(128, 2)
+    GROUP_ATTENTION(128, 4)
+    return 0;
+}
+#undef GROUP_ATTENTION
+#endif
+
+static inline __attribute__((always_inline)) int decode_attention(
+        float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin, void *kv,
+        const int64_t *slots, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+        int bs, float scale, float *out, int64_t max_len, int threads, const int bf16) {
+    const int64_t row_stride = (int64_t)(Hq + 2 * Hkv) * D, token_stride = (int64_t)Hkv * D;
+    for (int64_t s = 0; s < S; s++) {
+        float *row = qkv + s * row_stride;
+        rope_row(row, cos_sin + s * D, Hq + Hkv, D); /* q heads, then k heads */
+        if (slots[s] < 0) continue;
+        int64_t block = slots[s] / bs, off = slots[s] % bs;
+        int64_t k = ((block * 2) * bs + off) * token_stride;
+        int64_t v = ((block * 2 + 1) * bs + off) * token_stride;
+        for (int64_t i = 0; i < token_stride; i++) {
+            if (bf16) {
+                ((uint16_t *)kv)[k + i] = to_bf16(row[Hq * D + i]);
+                ((uint16_t *)kv)[v + i] = to_bf16(row[(Hq + Hkv) * D + i]);
+            } else {
+                ((float *)kv)[k + i] = row[Hq * D + i];
+                ((float *)kv)[v + i] = row[(Hq + Hkv) * D + i];
+            }
+        }
+    }
+    const int group = Hq / Hkv;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* this thread's scratch: one row's key offsets, the scores of one KV head's group */
+        int64_t *keys = malloc((size_t)max_len * sizeof(int64_t)), row = -1;
+        float *scores = malloc((size_t)(max_len * group) * sizeof(float));
+        if (scores == 0 || keys == 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(guided)
+        for (int64_t item = 0; item < S * Hkv; item++) { /* a row's KV head and its group */
+            if (scores == 0 || keys == 0) continue;
+            const int64_t s = item / Hkv, h = item % Hkv;
+            if (s != row) { /* a thread's items come in order: a row's heads share its keys */
+                key_offsets(tables + s * table_stride, lens[s], bs, token_stride, keys);
+                row = s;
+            }
+            const float *q = qkv + s * row_stride + h * group * D;
+            float *o = out + s * Hq * D + h * group * D;
+            const int64_t value = bs * token_stride + h * D;
+#ifdef __AVX512F__
+            if (group_kernel(q, kv, keys, lens[s], h * D, value, scale, scores, max_len, o, D,
+                             group, bf16))
+                continue;
+#endif
+            for (int i = 0; i < group; i++) {
+                head_scores(q + i * D, kv, keys, lens[s], h * D, D, scale, scores, bf16);
+                head_output(scores, kv, keys, lens[s], value, D, o + i * D, bf16);
+            }
+        }
+        free(keys);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* kv_bf16: the cache holds bfloat16 (the new K/V are rounded to it), else float32.
+ * max_len >= every lens[s]. D % 8 == 0, D <= 128. Returns 0, or -1 when out of memory. */
+int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
+                        void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
+                        int64_t table_stride, const int32_t *lens, int bs, float scale,
+                        float *out, int64_t max_len, int threads) {
+    if (kv_bf16)
+        return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
+                                lens, bs, scale, out, max_len, threads, 1);
+    return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride, lens,
+                            bs, scale, out, max_len, threads, 0);
+}

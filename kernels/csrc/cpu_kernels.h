@@ -1,0 +1,90 @@
+/* What the C kernels of kernels/csrc share: one library, built by kernels/native.py from every
+ * .c file here with -O3 -mavx2 -mfma -fopenmp, plus -mavx512f/bw/vl/dq for the AVX-512 build
+ * and -mavx512vnni for the VNNI build, which adds the int8-activation matmul (no -ffast-math:
+ * the order of float operations is the one written in each kernel).
+ *
+ *   matmul.c        4-bit / 8-bit weights, float32 activations   pd_q4_matmul, pd_q8_matmul
+ *   matmul_int8.c   the same weights, int8 activations (VNNI)    pd_i8_matmul
+ *   attention.c     rope, K/V store and decode attention         pd_decode_attention
+ *   topk.c          each row's k largest values                  pd_topk
+ *   layers.c        RMSNorm, and whole decoder layers            pd_add_rms_norm, pd_decode_layers
+ *
+ * Every kernel computes a row's result in an order that depends only on that row, so a row is
+ * the same bit for bit alone or batched, on any number of threads (continuous batching must
+ * not change a greedy token).
+ */
+#ifndef PD_CPU_KERNELS_H
+#define PD_CPU_KERNELS_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#ifdef __AVX512F__
+#define ROW_TILE 16 /* rows sharing one expanded weight group: 16 accumulators + 2 weights */
+#else
+#define ROW_TILE 8 /* 8 accumulators + 4 weights of the 16 AVX2 registers */
+#endif
+#define L1_ROWS_BYTES (40 * 1024) /* 16-row tiles only while their x fits in L1 (48 KiB) */
+#define COL_BLOCK 16 /* output columns per scheduling unit */
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for softmax and silu, relative error ~2e-7 */
+static inline __m256 exp256(__m256 x) {
+    /* e^x = 2^n * e^r with r = x - n ln2 in [-ln2/2, ln2/2], e^r by a degree-6 polynomial */
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The last 1..7 rows in one tile, so the weights expand once for them (a step verifying 4
+ * drafts has 5 rows: one pass, not a 4-row and a 1-row one). */
+#define LAST_ROWS(TILE, LEFT)                                                              \
+    switch (LEFT) {                                                                        \
+    case 7: TILE(7); break;                                                                \
+    case 6: TILE(6); break;                                                                \
+    case 5: TILE(5); break;                                                                \
+    case 4: TILE(4); break;                                                                \
+    case 3: TILE(3); break;                                                                \
+    case 2: TILE(2); break;                                                                \
+    case 1: TILE(1); break;                                                                \
+    default: break;                                                                        \
+    }
+
+int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
+                 const float *c, int64_t N, float *y, int threads);
+void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
+                  int64_t N, float *y, int threads);
+#ifdef __AVX512VNNI__
+int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *w,
+                 const float *d, const float *c, int64_t N, float *y, int threads);
+#endif
+int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
+                        void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
+                        int64_t table_stride, const int32_t *lens, int bs, float scale,
+                        float *out, int64_t max_len, int threads);
+void pd_add_rms_norm(float *x, const float *residual, const float *weight, float eps,
+                     float *y, int64_t rows, int64_t dim);
+
+#endif

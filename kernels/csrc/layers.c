@@ -1,0 +1,134 @@
+#include "cpu_kernels.h"
+
+/* x += residual (when given), then y = rmsnorm(x) * weight, per row of `dim`. Sum of squares
+ * in 8 float lanes then a fixed tree, per row: independent of the number of rows. */
+void pd_add_rms_norm(float *x, const float *residual, const float *weight, float eps,
+                     float *y, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * dim;
+        if (residual != 0) {
+            const float *a = residual + r * dim;
+            for (int64_t i = 0; i < dim; i++) xr[i] += a[i];
+        }
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum(acc);
+        for (; i < dim; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        float *yr = y + r * dim;
+        for (i = 0; i < dim; i++) yr[i] = (xr[i] * inv) * weight[i];
+    }
+}
+
+/* ---- whole decoder layers for decode rows ------------------------------------------------
+ *
+ * The decode rows of a step through num_layers Llama layers in one call, float32, with the
+ * kernels of matmul*.c and attention.c: no Python between the 10 operations of a layer. Per layer, with h the
+ * residual stream:
+ *
+ *   x = rmsnorm(h) * in_norm          (layer 0; later layers get it from the add below)
+ *   qkv = x @ Wqkv (+ bias); rope, K/V store, attention -> a; h += a @ Wo
+ *   x = rmsnorm(h) * post_norm;  g|u = x @ Wgate_up;  h += (silu(g) * u) @ Wdown
+ *
+ * and at the end out = rmsnorm(h) * final_norm. The operations and their order are those of
+ * the per-operation path (pd_add_rms_norm, pd_q4_matmul / pd_q8_matmul, pd_decode_attention),
+ * so every row is still batch and thread invariant. */
+
+typedef struct {
+    int32_t kind;   /* 4: q4 (qs u8 [N, K/32, 16], d, c); 8: q8 (qs i8 [N, K], d) */
+    int32_t int8_x; /* 1: qs, d, c packed in tiles for pd_i8_matmul (VNNI build only) */
+    int64_t n, k;
+    const void *qs;
+    const float *d, *c, *bias; /* c: q4 only; bias [N] or NULL */
+} pd_matrix;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [hidden] float32 */
+    pd_matrix qkv, o, gate_up, down;
+} pd_layer;
+
+static int matmul(const float *x, int64_t M, const pd_matrix *w, float *y, int threads) {
+    int status = 0;
+    if (w->int8_x)
+#ifdef __AVX512VNNI__
+        status = pd_i8_matmul(x, M, w->k, w->kind, (const uint8_t *)w->qs, w->d, w->c, w->n, y,
+                              threads);
+#else
+        return -1; /* packed for a build this is not */
+#endif
+    else if (w->kind == 4)
+        status = pd_q4_matmul(x, M, w->k, (const uint8_t *)w->qs, w->d, w->c, w->n, y, threads);
+    else
+        pd_q8_matmul(x, M, w->k, (const int8_t *)w->qs, w->d, w->n, y, threads);
+    if (w->bias != 0)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < w->n; j++) y[r * w->n + j] += w->bias[j];
+    return status;
+}
+
+/* act[r, :] = silu(gu[r, :I]) * gu[r, I:], silu(g) = g / (1 + e^-g) */
+static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = 0; r < M; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *a = act + r * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) {
+            float tail[8] = {-g[i]};
+            float e = _mm256_cvtss_f32(exp256(_mm256_loadu_ps(tail)));
+            a[i] = g[i] / (1.0f + e) * u[i];
+        }
+    }
+}
+
+/* h [S, H]: the rows' embeddings in, their residual stream after the last layer out.
+ * kv: layer l's cache at kv + l * layer_stride elements (float32 or bfloat16, kv_bf16).
+ * out [S, H]: rmsnorm(h) * final_norm. Returns 0, or -1 when out of memory. */
+int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int num_layers,
+                     int64_t I, float eps, int Hq, int Hkv, int D, const float *cos_sin,
+                     void *kv, int64_t layer_stride, int kv_bf16, const int64_t *slots,
+                     const int32_t *tables, int64_t table_stride, const int32_t *lens, int bs,
+                     float scale, int64_t max_len, const float *final_norm, float *out,
+                     int threads) {
+    const int64_t qkv_n = (int64_t)(Hq + 2 * Hkv) * D, att_n = (int64_t)Hq * D;
+    const int64_t widest = qkv_n > 2 * I ? qkv_n : 2 * I;
+    float *x = malloc((size_t)(S * H) * sizeof(float));
+    float *wide = malloc((size_t)(S * widest) * sizeof(float)); /* qkv, then gate|up */
+    float *att = malloc((size_t)(S * (att_n > I ? att_n : I)) * sizeof(float)); /* a, act */
+    float *tmp = malloc((size_t)(S * H) * sizeof(float));
+    int status = (x == 0 || wide == 0 || att == 0 || tmp == 0) ? -1 : 0;
+    const size_t elem = kv_bf16 ? 2 : 4;
+    for (int l = 0; l < num_layers && status == 0; l++) {
+        const pd_layer *L = layers + l;
+        if (l == 0)
+            pd_add_rms_norm(h, 0, L->in_norm, eps, x, S, H);
+        else
+            pd_add_rms_norm(h, tmp, L->in_norm, eps, x, S, H);
+        status |= matmul(x, S, &L->qkv, wide, threads);
+        status |= pd_decode_attention(wide, S, Hq, Hkv, D, cos_sin,
+                                      (char *)kv + (size_t)l * layer_stride * elem, kv_bf16,
+                                      slots, tables, table_stride, lens, bs, scale, att,
+                                      max_len, threads);
+        status |= matmul(att, S, &L->o, tmp, threads);
+        pd_add_rms_norm(h, tmp, L->post_norm, eps, x, S, H);
+        status |= matmul(x, S, &L->gate_up, wide, threads);
+        silu_mul(wide, S, I, att);
+        status |= matmul(att, S, &L->down, tmp, threads);
+    }
+    if (status == 0) pd_add_rms_norm(h, num_layers > 0 ? tmp : 0, final_norm, eps, out, S, H);
+    free(x);
+    free(wide);
+    free(att);
+    free(tmp);
+    return status ? -1 : 0;
+}

@@ -1,0 +1,254 @@
+/* Weight-only quantized matmuls for decode rows, float32 activations.
+ *
+ * A decode step reads every weight once to produce one token per sequence, so it is bound by
+ * the weights' bytes, not by arithmetic. These kernels read 4-bit or 8-bit weights in groups
+ * of 32 along K, expand each group to float32 in registers (exactly the dequantized weight
+ * the dense model holds) and multiply it into float32 activations with FMAs: AVX2, or AVX-512
+ * in the build for CPUs that have it (kernels/native.py builds both, loads the widest).
+ *
+ *   q4 weights: qs [N, K/32, 16] u8   weight j of a group: qs[j] & 0xF, weight j+16: qs[j] >> 4
+ *               d, c [N, K/32] f32                    (from the GGUF's own Q4_0/Q4_1 blocks:
+ *               w = q * d + c                          c = m - off * d, off 8 for Q4_0, else 0)
+ *   q8 weights: qs [N, K] i8, d [N, K/32] f32        w = q * d
+ *
+ * y[r, n] is computed by one thread in a fixed order (8 or 16 float lanes over K, then one
+ * horizontal sum), whatever the number of rows or threads: a row's result is the same bit
+ * for bit alone or batched (continuous batching must not change a greedy token). The two
+ * builds round differently from each other; each is invariant in itself.
+ *
+ * Work is handed to threads with schedule(guided): chunks that shrink as the work runs out.
+ * Which thread computes a column does not change its value. Behind a server, the gateway's and
+ * the clients' threads share the cores; when one of ours is descheduled, the other takes the
+ * remaining chunks instead of waiting at the barrier for its fixed half. Measured (colocated
+ * gateway, batch-1 decode on 2 cores): tokens 18.4 ms apart with guided, 23.3 ms with static;
+ * schedule(dynamic, 1) cost 30 % offline.
+ */
+
+#include "cpu_kernels.h"
+
+/* The 32 nibbles of a q4 group as floats 0..15, in weight order. */
+static inline void nibbles_q4(const uint8_t *qs, __m256 q[4]) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(b, mask);                      /* weights 0..15 */
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);   /* weights 16..31 */
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+static inline void expand_q8(const int8_t *qs, __m256 d, __m256 w[4]) {
+    for (int i = 0; i < 4; i++) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(qs + 8 * i));
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+    }
+}
+
+/* acc[r] += x[r, group] . w for the rows of a tile; each row's operations are the same
+ * whatever the tile size, so tiling does not change any result. */
+static inline __attribute__((always_inline)) void fma_rows(
+        const float *x, int64_t K, const int rows, const __m256 w[4], __m256 *acc) {
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + r * K;
+        __m256 a = acc[r];
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], a);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], a);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], a);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], a);
+        acc[r] = a;
+    }
+}
+
+/* a . b over n floats: 8 lanes, a fixed tree, then the tail in order. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Rows 0 .. rows - 1 of one column: sum_g d_g * (x_g . q_g) + sum_g c_g * sum(x_g), with
+ * c = m - off * d the constant part of each group's weights. The nibbles are expanded to floats
+ * once per group and the group's scale applied to the 8-lane partial product; the constant
+ * part multiplies the group sums of x (xsum, computed per call). `rows` is a compile-time
+ * constant at every call (the tile is unrolled and its accumulators stay in registers), and
+ * every row runs the same operations whatever the tile size. */
+#ifdef __AVX512F__
+/* AVX-512 (built when the CPU has it, see kernels/native.py): a group is two 16-float vectors.
+ * The group's weights are formed once (q4: q * d + c with one FMA as in the dense model; q8:
+ * q * d) and shared by the tile's rows: two FMAs per row and group (the AVX2 q4 tile below
+ * needs five), and no constant-part epilogue (xsum is not used). `q4` is a compile-time
+ * constant at both calls. */
+static inline __attribute__((always_inline)) void tile512(
+        const float *x, int64_t K, const void *qs, const float *d, const float *c, float *y,
+        int64_t N, const int rows, const int q4) {
+    const int64_t groups = K / GROUP;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m512 acc[ROW_TILE];
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 dg = _mm512_set1_ps(d[g]);
+        __m512 w0, w1;
+        if (q4) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + g * 16));
+            const __m512 cg = _mm512_set1_ps(c[g]);
+            w0 = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), dg, cg);
+            w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                     _mm_and_si128(_mm_srli_epi16(b, 4), mask))), dg, cg);
+        } else {
+            const __m128i *q = (const __m128i *)((const int8_t *)qs + g * GROUP);
+            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dg);
+            w1 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dg);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * K + g * GROUP;
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void q4_tile(
+        const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
+        const float *c, float *y, int64_t N, const int rows) {
+    (void)xsum;
+    tile512(x, K, qs, d, c, y, N, rows, 1);
+}
+#else
+static inline __attribute__((always_inline)) void q4_tile(
+        const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
+        const float *c, float *y, int64_t N, const int rows) {
+    const int64_t groups = K / GROUP;
+    __m256 acc[ROW_TILE];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 q[4];
+        nibbles_q4(qs + g * 16, q);
+        const __m256 dg = _mm256_set1_ps(d[g]);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * K + g * GROUP;
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xr), q[0]);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q[1], t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3], t);
+            acc[r] = _mm256_fmadd_ps(t, dg, acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+        y[r * N] = hsum(acc[r]) + dot(c, xsum + r * groups, groups);
+}
+#endif
+
+/* Columns n0 .. n1 - 1 for all M rows. Row tiles are the outer loop: a tile's rows of x stay
+ * in L1 while every column of the block reads them. With columns outer, x came from L2 for
+ * each column: the 120 layer matmuls of a 32-row step took 96.6 ms, now 71.5 ms (2 threads). */
+static void q4_columns(const float *x, const float *xsum, int64_t M, int64_t K,
+                       const uint8_t *qs, const float *d, const float *c, int64_t n0,
+                       int64_t n1, float *y, int64_t N) {
+    const int64_t groups = K / GROUP;
+#define Q4_TILE(ROWS)                                                                      \
+    for (int64_t n = n0; n < n1; n++)                                                      \
+        q4_tile(x + r * K, xsum + r * groups, K, qs + n * groups * 16, d + n * groups,     \
+                c + n * groups, y + r * N + n, N, ROWS)
+    int64_t r = 0;
+#if ROW_TILE > 8
+    if (K * ROW_TILE * sizeof(float) <= L1_ROWS_BYTES)
+        for (; r + ROW_TILE <= M; r += ROW_TILE) Q4_TILE(ROW_TILE);
+#endif
+    for (; r + 8 <= M; r += 8) Q4_TILE(8);
+    LAST_ROWS(Q4_TILE, M - r);
+#undef Q4_TILE
+}
+
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void q8_tile(
+        const float *x, int64_t K, const int8_t *qs, const float *d, float *y, int64_t N,
+        const int rows) {
+    tile512(x, K, qs, d, 0, y, N, rows, 0);
+}
+#else
+static inline __attribute__((always_inline)) void q8_tile(
+        const float *x, int64_t K, const int8_t *qs, const float *d, float *y, int64_t N,
+        const int rows) {
+    const int64_t groups = K / GROUP;
+    __m256 acc[ROW_TILE];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 w[4];
+        expand_q8(qs + g * GROUP, _mm256_set1_ps(d[g]), w);
+        fma_rows(x + g * GROUP, K, rows, w, acc);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) y[r * N] = hsum(acc[r]);
+}
+#endif
+
+/* Columns n0 .. n1 - 1 for all M rows, row tiles outer (see q4_columns). */
+static void q8_columns(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
+                       int64_t n0, int64_t n1, float *y, int64_t N) {
+    const int64_t groups = K / GROUP;
+#define Q8_TILE(ROWS)                                                                      \
+    for (int64_t n = n0; n < n1; n++)                                                      \
+        q8_tile(x + r * K, K, qs + n * K, d + n * groups, y + r * N + n, N, ROWS)
+    int64_t r = 0;
+#if ROW_TILE > 8
+    if (K * ROW_TILE * sizeof(float) <= L1_ROWS_BYTES)
+        for (; r + ROW_TILE <= M; r += ROW_TILE) Q8_TILE(ROW_TILE);
+#endif
+    for (; r + 8 <= M; r += 8) Q8_TILE(8);
+    LAST_ROWS(Q8_TILE, M - r);
+#undef Q8_TILE
+}
+
+/* y [M, N] = x [M, K] @ W.T, W as q4 (see the top of the file). K % 32 == 0.
+ * Returns 0, or -1 when out of memory. */
+int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
+                 const float *c, int64_t N, float *y, int threads) {
+    const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
+#ifdef __AVX512F__
+    float *xsum = 0; /* the AVX-512 tile adds the constant part to its weights */
+#else
+    const int64_t groups = K / GROUP;
+    float *xsum = malloc((size_t)(M * groups) * sizeof(float));
+    if (xsum == 0) return -1;
+    for (int64_t i = 0; i < M * groups; i++) {
+        const float *xg = x + i * GROUP;
+        float s = 0.0f;
+        for (int j = 0; j < GROUP; j++) s += xg[j];
+        xsum[i] = s;
+    }
+#endif
+#pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
+        q4_columns(x, xsum, M, K, qs, d, c, b * COL_BLOCK, end, y, N);
+    }
+    free(xsum);
+    return 0;
+}
+
+/* y [M, N] = x [M, K] @ W.T, W as q8 (see the top of the file). K % 32 == 0. */
+void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
+                  int64_t N, float *y, int threads) {
+    const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
+        q8_columns(x, M, K, qs, d, b * COL_BLOCK, end, y, N);
+    }
+}

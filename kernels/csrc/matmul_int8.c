@@ -1,0 +1,149 @@
+/* int8 activations on VNNI (AVX-512 build)
+ *
+ * matmul.c expands the weights to float32 and multiplies them with FMAs: 32 multiply-adds
+ * per instruction. VNNI's vpdpbusd does 64 u8 x s8 multiply-adds into 16 int32 lanes in one
+ * instruction, so with the activations quantized to int8 a step's matmuls need about a third
+ * of the instructions. It is lossy like llama.cpp's Q8 activations, and used only when asked
+ * (decode_quant.py: decode_activations="int8").
+ *
+ * Activations: each row of x is quantized per group of 32 along K, xq = round(x / sx) with
+ * sx = amax / 127 (0 for a zero group), in [-127, 127]; also kept per group: sx, the exact
+ * float sum of x (q4's constant part) and the sum of xq (q8's offset, below).
+ *
+ * Weights, packed once (decode_quant.py) in tiles of 16 output columns, lanes = columns, and
+ * within a 32-bit lane 4 consecutive k as vpdpbusd wants them:
+ *   q4: w [N/16, K/32, 4, 16, 4] u8: byte (j, n, i) = q[n, 8j + i] | q[n, 8j + 4 + i] << 4
+ *       d, c [N/16, K/32, 16] f32                      w = q * d + c as above
+ *   q8: w [N/16, K/32, 8, 16, 4] u8: byte (m, n, i) = q[n, 4m + i] + 128 (u8 for vpdpbusd)
+ *       d [N/16, K/32, 16] f32                        w = q * d; the + 128 is taken back
+ *                                                     as 128 * sum(xq) per row and group
+ * Columns past N are zero in the packing and not stored.
+ *
+ * y[r, n] = sum_g (d[n, g] * sx[r, g]) * dot_int(q[n, g], xq[r, g]) (+ c[n, g] * xsum[r, g]),
+ * summed over g in order by one thread, the same operations whatever the tile or batch: each
+ * row is batch and thread invariant here too. */
+
+#include "cpu_kernels.h"
+
+#ifdef __AVX512VNNI__
+#define I8_COLS 16
+
+typedef struct {
+    int8_t *xq;    /* [M, K] */
+    float *sx;     /* [M, G] */
+    float *xsum;   /* [M, G] */
+    int32_t *xqs;  /* [M, G] */
+} pd_xq;
+
+static int quantize_rows(const float *x, int64_t M, int64_t K, pd_xq *q) {
+    const int64_t G = K / GROUP;
+    q->xq = malloc((size_t)(M * K));
+    q->sx = malloc((size_t)(M * G) * sizeof(float));
+    q->xsum = malloc((size_t)(M * G) * sizeof(float));
+    q->xqs = malloc((size_t)(M * G) * sizeof(int32_t));
+    if (q->xq == 0 || q->sx == 0 || q->xsum == 0 || q->xqs == 0) return -1;
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t i = 0; i < M * G; i++) {
+        const float *xg = x + i * GROUP;
+        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
+        const float sx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q->xq + i * GROUP), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(q->xq + i * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+        q->sx[i] = sx;
+        q->xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        q->xqs[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+    return 0;
+}
+
+static void free_xq(pd_xq *q) {
+    free(q->xq);
+    free(q->sx);
+    free(q->xsum);
+    free(q->xqs);
+}
+
+/* Rows 0 .. rows - 1 of one tile of 16 columns (`rows` and `q4` compile-time constants). */
+static inline __attribute__((always_inline)) void i8_tile(
+        const pd_xq *xq, int64_t r0, int64_t K, const uint8_t *w, const float *d,
+        const float *c, float *y, int64_t N, __mmask16 cols, const int rows, const int q4) {
+    const int64_t G = K / GROUP;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROW_TILE];
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i wv[8];
+        if (q4) {
+            const uint8_t *wg = w + g * 256;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512i b = _mm512_loadu_si512(wg + 64 * j);
+                wv[2 * j] = _mm512_and_si512(b, low);
+                wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int m = 0; m < 8; m++) wv[m] = _mm512_loadu_si512(w + g * 512 + 64 * m);
+        }
+        const __m512 dv = _mm512_loadu_ps(d + g * I8_COLS);
+        const __m512 cv = q4 ? _mm512_loadu_ps(c + g * I8_COLS) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int r = 0; r < rows; r++) {
+            const int64_t rg = (r0 + r) * G + g;
+            const int32_t *xr = (const int32_t *)(xq->xq + rg * GROUP);
+            __m512i ia = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * xq->xqs[rg]);
+#pragma GCC unroll 8
+            for (int m = 0; m < 8; m++)
+                ia = _mm512_dpbusd_epi32(ia, wv[m], _mm512_set1_epi32(xr[m]));
+            const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(xq->sx[rg]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
+            if (q4) acc[r] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xq->xsum[rg]), acc[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * N, cols, acc[r]);
+}
+
+static void i8_columns(const pd_xq *xq, int64_t M, int64_t K, int64_t t, const uint8_t *w,
+                       const float *d, const float *c, float *y, int64_t N, const int q4) {
+    const int64_t G = K / GROUP, n0 = t * I8_COLS;
+    const int64_t ncols = N - n0 < I8_COLS ? N - n0 : I8_COLS;
+    const __mmask16 cols = (__mmask16)((1u << ncols) - 1);
+    const uint8_t *wt = w + t * G * (q4 ? 256 : 512);
+    const float *dt = d + t * G * I8_COLS, *ct = q4 ? c + t * G * I8_COLS : 0;
+#define I8_TILE(ROWS)                                                                      \
+    do {                                                                                   \
+        if (q4)                                                                            \
+            i8_tile(xq, r, K, wt, dt, ct, y + r * N + n0, N, cols, ROWS, 1);               \
+        else                                                                               \
+            i8_tile(xq, r, K, wt, dt, ct, y + r * N + n0, N, cols, ROWS, 0);               \
+    } while (0)
+    int64_t r = 0;
+    for (; r + ROW_TILE <= M; r += ROW_TILE) I8_TILE(ROW_TILE);
+    for (; r + 8 <= M; r += 8) I8_TILE(8);
+    LAST_ROWS(I8_TILE, M - r);
+#undef I8_TILE
+}
+
+/* y [M, N] = x [M, K] @ W.T with W packed as above (kind 4 or 8) and x quantized to int8.
+ * Returns 0, or -1 when out of memory. */
+int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *w,
+                 const float *d, const float *c, int64_t N, float *y, int threads) {
+    pd_xq xq;
+    if (quantize_rows(x, M, K, &xq) != 0) {
+        free_xq(&xq);
+        return -1;
+    }
+    const int64_t tiles = (N + I8_COLS - 1) / I8_COLS;
+#pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++)
+        i8_columns(&xq, M, K, t, w, d, c, y, N, kind == 4);
+    free_xq(&xq);
+    return 0;
+}
+#endif

@@ -1,0 +1,65 @@
+#include "cpu_kernels.h"
+
+/* idx [M, k]: the k largest values of each row of x [M, N], largest first (equal values:
+ * the lower index first), k <= 64 <= N. One pass per row: 16 values at a time are compared
+ * with the smallest kept one and only those above it are inserted, so a row of 49,152 logits
+ * costs little more than reading it. Rows are spread over the threads; each row's result does
+ * not depend on which thread or how many rows. */
+#define TOPK_MAX 64
+#ifdef __AVX512F__
+#define TOPK_LANES 16
+static inline unsigned above_mask(const float *p, float bar) {
+    return _mm512_cmp_ps_mask(_mm512_loadu_ps(p), _mm512_set1_ps(bar), _CMP_GT_OQ);
+}
+#else
+#define TOPK_LANES 8
+static inline unsigned above_mask(const float *p, float bar) {
+    return (unsigned)_mm256_movemask_ps(
+        _mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_set1_ps(bar), _CMP_GT_OQ));
+}
+#endif
+
+/* Keep x[j] when it beats the smallest kept value; `low` becomes the new smallest. */
+static inline void topk_offer(float *val, int64_t *at, int k, int *low, float v, int64_t j) {
+    if (!(v > val[*low])) return;
+    val[*low] = v;
+    at[*low] = j;
+    int m = 0;
+    for (int i = 1; i < k; i++)
+        if (val[i] < val[m] || (val[i] == val[m] && at[i] > at[m])) m = i;
+    *low = m;
+}
+
+void pd_topk(const float *x, int64_t M, int64_t N, int k, int64_t *idx, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+    for (int64_t r = 0; r < M; r++) {
+        const float *row = x + r * N;
+        float val[TOPK_MAX];
+        int64_t at[TOPK_MAX];
+        int low = 0;
+        for (int i = 0; i < k; i++) {
+            val[i] = row[i];
+            at[i] = i;
+            if (val[i] < val[low] || (val[i] == val[low] && at[i] > at[low])) low = i;
+        }
+        int64_t j = k;
+        for (; j + TOPK_LANES <= N; j += TOPK_LANES)
+            for (unsigned above = above_mask(row + j, val[low]); above; above &= above - 1) {
+                const int b = __builtin_ctz(above);
+                topk_offer(val, at, k, &low, row[j + b], j + b); /* the bar may have risen */
+            }
+        for (; j < N; j++) topk_offer(val, at, k, &low, row[j], j);
+        for (int i = 1; i < k; i++) { /* largest first, equal values by index */
+            const float v = val[i];
+            const int64_t a = at[i];
+            int p = i;
+            for (; p > 0 && (val[p - 1] < v || (val[p - 1] == v && at[p - 1] > a)); p--) {
+                val[p] = val[p - 1];
+                at[p] = at[p - 1];
+            }
+            val[p] = v;
+            at[p] = a;
+        }
+        memcpy(idx + r * k, at, (size_t)k * sizeof(int64_t));
+    }
+}
