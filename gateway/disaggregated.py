@@ -20,7 +20,8 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
     to the worker, which aborts) and D.Abort ends the reservation or the decode.
 
 The pools themselves (following discovery, health from Status) are gateway/worker_pools.py;
-this backend is one.
+this backend is one. Admission on the decode pool is gateway/decode_admission.py, the prefill
+step gateway/prefill_handoff.py.
 
 Timing (seconds since arrival): queue = routing and reservation + the prefill worker's queue,
 prefill = its compute, kv_transfer = first token sampled -> first token delivered by D (the
@@ -34,27 +35,26 @@ import asyncio
 import contextlib
 import logging
 import time
-import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 import grpc
 
-from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.backend import (
     BackendUnavailable,
-    DeadlineExceeded,
     DuplicateRequestError,
     GenerateChunk,
     GenerateInput,
     ModelInfo,
-    Overloaded,
     Timing,
 )
+from gateway.decode_admission import DecodeAdmission
 from gateway.discovery import Discovery
-from gateway.routing import MAX_ROUTING_BLOCKS, QUEUE_WEIGHT_BLOCKS, pick_prefill
-from gateway.worker_pools import REFRESH_S, Worker, WorkerPools
+from gateway.prefill_handoff import PrefillHandoff
+from gateway.routing import QUEUE_WEIGHT_BLOCKS
+from gateway.worker_calls import WorkerLost
+from gateway.worker_pools import Worker, WorkerPools
 from pdserve.tls import TLSConfig
 from protos.convert import (
     FINISH_REASON_NAMES,
@@ -66,15 +66,6 @@ from protos.pdserve.internal import workers_pb2 as pb
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 5.0
 MAX_ATTEMPTS = 3  # a request survives two lost workers (prefill, decode or transfer)
-
-
-class WorkerLost(Exception):
-    """A worker under a request failed UNAVAILABLE (died, restarted, unreachable); `pool`
-    says at which stage: "prefill" (before the first token) or "decode"."""
-
-    def __init__(self, pool: str, message: str) -> None:
-        super().__init__(message)
-        self.pool = pool
 
 
 def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> GenerateInput | None:
@@ -92,7 +83,7 @@ def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> Gener
                                   min_tokens=max(0, p.min_tokens - n)))
 
 
-class DisaggregatedBackend(WorkerPools):
+class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
     def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
                  lease_ttl_s: float = 30.0, model_name: str | None = None,
                  max_waiting: int = 1024, max_queue_wait_s: float = 300.0,
@@ -142,36 +133,6 @@ class DisaggregatedBackend(WorkerPools):
         self.model = ModelInfo(self._model_name or model, min(max_model_len, min_pool),
                                vocab_size)
         self._refresher = asyncio.create_task(self._refresh_loop())
-
-    # -- routing --------------------------------------------------------------------------------
-    def _decode_order(self) -> list[Worker]:
-        live = [w for w in self.decode if w.is_healthy] or list(self.decode)
-        free = {id(w): w.status.num_free_blocks if w.status else 0 for w in live}
-        return sorted(live, key=lambda w: (w.in_flight, -free[id(w)]))
-
-    async def _pick_prefill(self, prompt: list[int], full: Sequence[Worker] = ()) -> Worker:
-        """gateway/routing.py's choice among the workers not in `full` (their queues refused
-        this request); overlaps from discovery when it knows them (one round trip, bounded;
-        unknown when it fails: queue depth alone)."""
-        live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
-        if not live:
-            raise BackendUnavailable("no prefill worker is known (discovery lists none)")
-        live = [w for w in live if all(w is not f for f in full)]
-        if not live:
-            raise Overloaded(f"the queue of every prefill worker is full ({len(full)} "
-                             f"refused the request: their --max-waiting)")
-        overlap = None
-        query = getattr(self.discovery, "prefix_overlap", None)
-        if query is not None and len(live) > 1:
-            hashes = hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size],
-                                      self.block_size)
-            held = await query([w.worker_id for w in live], hashes) if hashes else None
-            if held is not None:
-                overlap = [held.get(w.worker_id, 0) for w in live]
-        key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker
-        # in_flight is read after the await: other requests' picks meanwhile are counted
-        return live[pick_prefill([w.in_flight for w in live], overlap, key,
-                                 self.prefix_queue_weight)]
 
     # -- the Backend interface --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
@@ -258,170 +219,6 @@ class DisaggregatedBackend(WorkerPools):
                 await self._abort_on(decode, inp.req_id)
             self._freed.set()  # wake the requests waiting for decode capacity
             self._freed = asyncio.Event()
-
-    async def _admit(self, inp: GenerateInput, sampling) -> tuple[Worker, pb.ReserveResponse]:
-        """Reserve on a decode worker, waiting while every worker is full: woken when a
-        request ends here, retried every REFRESH_S (other gateways' requests end unheard).
-        At most max_waiting requests wait at once, each at most max_queue_wait_s."""
-        got = await self._reserve(inp, sampling, self._remaining(inp))
-        if got is not None:
-            return got
-        if self.num_admission_waiting >= self.max_waiting:
-            raise Overloaded(f"every decode worker is full and {self.max_waiting} requests "
-                             f"already wait for one (max_waiting)")
-        self.num_admission_waiting += 1
-        try:
-            give_up = time.monotonic() + self.max_queue_wait_s
-            while got is None:
-                now = time.monotonic()
-                if inp.deadline is not None and now >= inp.deadline:
-                    raise DeadlineExceeded(f"request {inp.req_id!r} passed its deadline "
-                                           f"waiting for a decode worker with room")
-                if now >= give_up:
-                    raise Overloaded(f"no decode worker had room within "
-                                     f"{self.max_queue_wait_s} s (max_queue_wait_s)")
-                wait = min(REFRESH_S, give_up - now, *(
-                    () if inp.deadline is None else (inp.deadline - now,)))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._freed.wait(), timeout=wait)
-                got = await self._reserve(inp, sampling, self._remaining(inp))
-            return got
-        finally:
-            self.num_admission_waiting -= 1
-
-    async def _reserve(self, inp: GenerateInput, sampling,
-                       timeout) -> tuple[Worker, pb.ReserveResponse] | None:
-        """Reserve on the first decode worker (in routing order) with room; None when every
-        worker answered RESOURCE_EXHAUSTED; BackendUnavailable when none answered."""
-        request = pb.ReserveRequest(request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids,
-                                    sampling=sampling, lease_ttl_s=self.lease_ttl_s)
-        last_error, any_full = None, False
-        for decode in self._decode_order():
-            # in flight from the pick on, so that a burst of requests spreads over the workers
-            decode.in_flight += 1
-            is_reserved = False
-            try:
-                reservation = await decode.stub.Reserve(request, timeout=timeout)
-                is_reserved = True
-                return decode, reservation
-            except grpc.aio.AioRpcError as e:
-                if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-                    last_error = e
-                    decode.is_healthy = e.code() != grpc.StatusCode.UNAVAILABLE
-                    any_full |= decode.is_healthy
-                    continue
-                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                    await self._abort_on(decode, inp.req_id)  # it may have reserved in time
-                raise self._error(e, inp) from None
-            except asyncio.CancelledError:  # the worker may have reserved, unheard: undo it
-                await self._abort_on(decode, inp.req_id)
-                raise
-            finally:
-                if not is_reserved:
-                    decode.in_flight -= 1
-        if any_full:
-            return None
-        raise BackendUnavailable(f"no decode worker can take the request now: "
-                                 f"{last_error.details() if last_error else 'none known'}")
-
-    async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
-                       res: pb.ReserveResponse) -> pb.PrefillResponse:
-        """Prefill on the best prefill worker whose queue takes the request (a full queue
-        answers RESOURCE_EXHAUSTED: the next one is asked; Overloaded when all refuse)."""
-        full: list[Worker] = []
-        while True:
-            prefill = await self._pick_prefill(inp.prompt_token_ids, full)  # bounded wait
-            try:
-                return await self._prefill_on(prefill, inp, sampling, decode, res)
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
-                full.append(prefill)
-
-    async def _prefill_on(self, prefill: Worker, inp: GenerateInput, sampling, decode: Worker,
-                          res: pb.ReserveResponse) -> pb.PrefillResponse:
-        first = res.num_cached_tokens // self.block_size
-        prefill.in_flight += 1
-        call = prefill.stub.Prefill(pb.PrefillRequest(
-            request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
-            target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
-                               dst_block_ids=res.block_ids[first:], first_block=first,
-                               transport=self.transport)), timeout=self._remaining(inp))
-        lost: list[str] = []  # why the watcher gave up on this call
-
-        def give_up(why: str) -> None:
-            lost.append(why)
-            call.cancel()
-
-        watcher = asyncio.create_task(self._watch_lease(decode, prefill, inp.req_id,
-                                                        res.lease_id, give_up))
-        try:
-            return await call
-        except asyncio.CancelledError:
-            if not lost:  # our own task is being cancelled (client gone, deadline)
-                raise
-            prefill.is_healthy = False
-            raise WorkerLost("prefill", lost[0]) from None
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            # the prefill worker is gone, or the KV transfer failed (decode side gone, lease
-            # expired): either way nothing was decoded yet and the reservation is void
-            if not (e.details() or "").startswith("kv transfer failed"):
-                prefill.is_healthy = False  # routing avoids it until it answers Status again
-            raise WorkerLost("prefill", f"prefill worker {prefill.address}: "
-                                        f"{e.details()}") from None
-        finally:
-            watcher.cancel()
-            prefill.in_flight -= 1
-
-    async def _watch_lease(self, decode: Worker, prefill: Worker, req_id: str, lease_id: str,
-                           give_up: Callable[[str], None]) -> None:
-        """While the Prefill call runs, every third of the lease ttl: renew the lease while
-        the prompt waits in the prefill queue, however long (RESERVED); once the transfer has
-        begun, only watch (its deadline stands: a transfer without progress for a ttl
-        expires). give_up(why) when the lease has ended (expired: the transfer stalled;
-        aborted) or the prefill worker stopped answering Status (stalled: a stopped process
-        keeps its connections). Without this gateway (crashed, partitioned) nobody renews and
-        the lease expires within one ttl, freeing the blocks."""
-        request = pb.RenewLeaseRequest(request_id=req_id, lease_id=lease_id,
-                                       lease_ttl_s=self.lease_ttl_s)
-        period = self.lease_ttl_s / 3
-        while True:
-            await asyncio.sleep(period)
-            if not prefill.is_healthy:
-                give_up(f"prefill worker {prefill.address} stopped answering")
-                return
-            try:
-                await decode.stub.RenewLease(request, timeout=period)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    give_up(f"the KV transfer from {prefill.address} did not complete: "
-                            f"{e.details()}")
-                    return
-                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # that: transfer running
-                    logger.warning("renewing the lease of %s on %s failed (%s): %s; retrying",
-                                   req_id, decode.address, e.code().name, e.details())
-
-    @staticmethod
-    async def _abort_on(decode: Worker, req_id: str) -> None:
-        """End the request on the decode worker wherever it is (reserved or decoding); also
-        when this task is being cancelled."""
-        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-            await asyncio.shield(decode.stub.Abort(pb.AbortRequestRequest(
-                request_id=req_id, reason="ended at the gateway"), timeout=5.0))
-
-    @staticmethod
-    def _remaining(inp: GenerateInput) -> float | None:
-        return None if inp.deadline is None else max(0.0, inp.deadline - time.monotonic())
-
-    def _error(self, e: grpc.aio.AioRpcError, inp: GenerateInput) -> Exception:
-        code = e.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return DeadlineExceeded(f"request {inp.req_id!r} passed its deadline")
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ValueError(e.details())
-        return BackendUnavailable(f"{code.name}: {e.details()}")
 
     async def abort(self, req_id: str) -> bool:
         running = self._running.get(req_id)

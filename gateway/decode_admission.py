@@ -1,0 +1,93 @@
+"""Admission on the decode pool: a request reserves KV blocks on the first decode worker (in
+routing order: fewest requests in flight from this gateway, then most free blocks) that has
+room; when none has, it waits here, bounded in number (max_waiting) and time
+(max_queue_wait_s or its deadline), woken when a request ends. Part of DisaggregatedBackend
+(gateway/disaggregated.py), whose state it uses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+
+from gateway.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
+from gateway.worker_calls import WorkerCalls
+from gateway.worker_pools import REFRESH_S, Worker
+from protos.pdserve.internal import workers_pb2 as pb
+
+
+class DecodeAdmission(WorkerCalls):
+    """Mixed into DisaggregatedBackend: its decode pool, max_waiting, max_queue_wait_s,
+    num_admission_waiting, lease_ttl_s and _freed (an event set when a request ends)."""
+
+    def _decode_order(self) -> list[Worker]:
+        live = [w for w in self.decode if w.is_healthy] or list(self.decode)
+        free = {id(w): w.status.num_free_blocks if w.status else 0 for w in live}
+        return sorted(live, key=lambda w: (w.in_flight, -free[id(w)]))
+
+    async def _admit(self, inp: GenerateInput, sampling) -> tuple[Worker, pb.ReserveResponse]:
+        """Reserve on a decode worker, waiting while every worker is full: woken when a
+        request ends here, retried every REFRESH_S (other gateways' requests end unheard).
+        At most max_waiting requests wait at once, each at most max_queue_wait_s."""
+        got = await self._reserve(inp, sampling, self._remaining(inp))
+        if got is not None:
+            return got
+        if self.num_admission_waiting >= self.max_waiting:
+            raise Overloaded(f"every decode worker is full and {self.max_waiting} requests "
+                             f"already wait for one (max_waiting)")
+        self.num_admission_waiting += 1
+        try:
+            give_up = time.monotonic() + self.max_queue_wait_s
+            while got is None:
+                now = time.monotonic()
+                if inp.deadline is not None and now >= inp.deadline:
+                    raise DeadlineExceeded(f"request {inp.req_id!r} passed its deadline "
+                                           f"waiting for a decode worker with room")
+                if now >= give_up:
+                    raise Overloaded(f"no decode worker had room within "
+                                     f"{self.max_queue_wait_s} s (max_queue_wait_s)")
+                wait = min(REFRESH_S, give_up - now, *(
+                    () if inp.deadline is None else (inp.deadline - now,)))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), timeout=wait)
+                got = await self._reserve(inp, sampling, self._remaining(inp))
+            return got
+        finally:
+            self.num_admission_waiting -= 1
+
+    async def _reserve(self, inp: GenerateInput, sampling,
+                       timeout) -> tuple[Worker, pb.ReserveResponse] | None:
+        """Reserve on the first decode worker (in routing order) with room; None when every
+        worker answered RESOURCE_EXHAUSTED; BackendUnavailable when none answered."""
+        request = pb.ReserveRequest(request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids,
+                                    sampling=sampling, lease_ttl_s=self.lease_ttl_s)
+        last_error, any_full = None, False
+        for decode in self._decode_order():
+            # in flight from the pick on, so that a burst of requests spreads over the workers
+            decode.in_flight += 1
+            is_reserved = False
+            try:
+                reservation = await decode.stub.Reserve(request, timeout=timeout)
+                is_reserved = True
+                return decode, reservation
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                    last_error = e
+                    decode.is_healthy = e.code() != grpc.StatusCode.UNAVAILABLE
+                    any_full |= decode.is_healthy
+                    continue
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    await self._abort_on(decode, inp.req_id)  # it may have reserved in time
+                raise self._error(e, inp) from None
+            except asyncio.CancelledError:  # the worker may have reserved, unheard: undo it
+                await self._abort_on(decode, inp.req_id)
+                raise
+            finally:
+                if not is_reserved:
+                    decode.in_flight -= 1
+        if any_full:
+            return None
+        raise BackendUnavailable(f"no decode worker can take the request now: "
+                                 f"{last_error.details() if last_error else 'none known'}")

@@ -1,0 +1,130 @@
+"""The prefill step of a disaggregated request: pick a prefill worker (gateway/routing.py), send
+it the prompt with the decode worker's reservation (it pushes the KV there), and watch the
+reservation's lease while it runs. Part of DisaggregatedBackend (gateway/disaggregated.py),
+whose state it uses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from engine_core.kv_cache.block_hash import hash_full_blocks
+from gateway.backend import BackendUnavailable, GenerateInput, Overloaded
+from gateway.routing import MAX_ROUTING_BLOCKS, pick_prefill
+from gateway.worker_calls import WorkerCalls, WorkerLost
+from gateway.worker_pools import Worker
+from protos.pdserve.internal import workers_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillHandoff(WorkerCalls):
+    """Mixed into DisaggregatedBackend: its prefill pool, discovery, block_size,
+    prefix_queue_weight, transport and lease_ttl_s."""
+
+    async def _pick_prefill(self, prompt: list[int], full: Sequence[Worker] = ()) -> Worker:
+        """gateway/routing.py's choice among the workers not in `full` (their queues refused
+        this request); overlaps from discovery when it knows them (one round trip, bounded;
+        unknown when it fails: queue depth alone)."""
+        live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
+        if not live:
+            raise BackendUnavailable("no prefill worker is known (discovery lists none)")
+        live = [w for w in live if all(w is not f for f in full)]
+        if not live:
+            raise Overloaded(f"the queue of every prefill worker is full ({len(full)} "
+                             f"refused the request: their --max-waiting)")
+        overlap = None
+        query = getattr(self.discovery, "prefix_overlap", None)
+        if query is not None and len(live) > 1:
+            hashes = hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size],
+                                      self.block_size)
+            held = await query([w.worker_id for w in live], hashes) if hashes else None
+            if held is not None:
+                overlap = [held.get(w.worker_id, 0) for w in live]
+        key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker
+        # in_flight is read after the await: other requests' picks meanwhile are counted
+        return live[pick_prefill([w.in_flight for w in live], overlap, key,
+                                 self.prefix_queue_weight)]
+
+    async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
+                       res: pb.ReserveResponse) -> pb.PrefillResponse:
+        """Prefill on the best prefill worker whose queue takes the request (a full queue
+        answers RESOURCE_EXHAUSTED: the next one is asked; Overloaded when all refuse)."""
+        full: list[Worker] = []
+        while True:
+            prefill = await self._pick_prefill(inp.prompt_token_ids, full)  # bounded wait
+            try:
+                return await self._prefill_on(prefill, inp, sampling, decode, res)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                full.append(prefill)
+
+    async def _prefill_on(self, prefill: Worker, inp: GenerateInput, sampling, decode: Worker,
+                          res: pb.ReserveResponse) -> pb.PrefillResponse:
+        first = res.num_cached_tokens // self.block_size
+        prefill.in_flight += 1
+        call = prefill.stub.Prefill(pb.PrefillRequest(
+            request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
+            target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
+                               dst_block_ids=res.block_ids[first:], first_block=first,
+                               transport=self.transport)), timeout=self._remaining(inp))
+        lost: list[str] = []  # why the watcher gave up on this call
+
+        def give_up(why: str) -> None:
+            lost.append(why)
+            call.cancel()
+
+        watcher = asyncio.create_task(self._watch_lease(decode, prefill, inp.req_id,
+                                                        res.lease_id, give_up))
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if not lost:  # our own task is being cancelled (client gone, deadline)
+                raise
+            prefill.is_healthy = False
+            raise WorkerLost("prefill", lost[0]) from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            # the prefill worker is gone, or the KV transfer failed (decode side gone, lease
+            # expired): either way nothing was decoded yet and the reservation is void
+            if not (e.details() or "").startswith("kv transfer failed"):
+                prefill.is_healthy = False  # routing avoids it until it answers Status again
+            raise WorkerLost("prefill", f"prefill worker {prefill.address}: "
+                                        f"{e.details()}") from None
+        finally:
+            watcher.cancel()
+            prefill.in_flight -= 1
+
+    async def _watch_lease(self, decode: Worker, prefill: Worker, req_id: str, lease_id: str,
+                           give_up: Callable[[str], None]) -> None:
+        """While the Prefill call runs, every third of the lease ttl: renew the lease while
+        the prompt waits in the prefill queue, however long (RESERVED); once the transfer has
+        begun, only watch (its deadline stands: a transfer without progress for a ttl
+        expires). give_up(why) when the lease has ended (expired: the transfer stalled;
+        aborted) or the prefill worker stopped answering Status (stalled: a stopped process
+        keeps its connections). Without this gateway (crashed, partitioned) nobody renews and
+        the lease expires within one ttl, freeing the blocks."""
+        request = pb.RenewLeaseRequest(request_id=req_id, lease_id=lease_id,
+                                       lease_ttl_s=self.lease_ttl_s)
+        period = self.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            if not prefill.is_healthy:
+                give_up(f"prefill worker {prefill.address} stopped answering")
+                return
+            try:
+                await decode.stub.RenewLease(request, timeout=period)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    give_up(f"the KV transfer from {prefill.address} did not complete: "
+                            f"{e.details()}")
+                    return
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # that: transfer running
+                    logger.warning("renewing the lease of %s on %s failed (%s): %s; retrying",
+                                   req_id, decode.address, e.code().name, e.details())

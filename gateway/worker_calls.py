@@ -1,0 +1,49 @@
+"""What the disaggregated backend's steps share (gateway/disaggregated.py, decode_admission.py,
+prefill_handoff.py): a lost worker, a request's time left, a worker's gRPC error as the
+gateway's, and ending a request on a decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+
+from gateway.backend import BackendUnavailable, DeadlineExceeded, GenerateInput
+from gateway.worker_pools import Worker
+from protos.pdserve.internal import workers_pb2 as pb
+
+
+class WorkerLost(Exception):
+    """A worker under a request failed UNAVAILABLE (died, restarted, unreachable); `pool`
+    says at which stage: "prefill" (before the first token) or "decode"."""
+
+    def __init__(self, pool: str, message: str) -> None:
+        super().__init__(message)
+        self.pool = pool
+
+
+class WorkerCalls:
+    """Helpers of the disaggregated backend's parts (mixed into DisaggregatedBackend)."""
+
+    @staticmethod
+    async def _abort_on(decode: Worker, req_id: str) -> None:
+        """End the request on the decode worker wherever it is (reserved or decoding); also
+        when this task is being cancelled."""
+        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+            await asyncio.shield(decode.stub.Abort(pb.AbortRequestRequest(
+                request_id=req_id, reason="ended at the gateway"), timeout=5.0))
+
+    @staticmethod
+    def _remaining(inp: GenerateInput) -> float | None:
+        return None if inp.deadline is None else max(0.0, inp.deadline - time.monotonic())
+
+    @staticmethod
+    def _error(e: grpc.aio.AioRpcError, inp: GenerateInput) -> Exception:
+        code = e.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(f"request {inp.req_id!r} passed its deadline")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ValueError(e.details())
+        return BackendUnavailable(f"{code.name}: {e.details()}")
