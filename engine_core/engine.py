@@ -67,7 +67,8 @@ class LLMEngine:
         self.decode_activations = (resolve_activations(decode_activations, self.dtype)
                                    if quantize_decode and self.device.type == "cpu" else None)
         self.model, self.model_config, decode_rows = load_model(
-            self.source, self.dtype, self.device, quantize_decode, self.decode_activations
+            self.source, self.dtype, self.device, quantize_decode,
+            self.decode_activations or "float32"
         )
         cfg = self.model_config
         self.tokenizer: Tokenizer | None = (

@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine_core.config import ModelConfig
-from engine_core.model.decode_quant import DecodeRows, quantize_for_decode, resolve_activations
+from engine_core.model.decode_quant import DecodeRows, quantize_for_decode
 from engine_core.model.llama import LlamaForCausalLM
 from engine_core.model_files import ModelSource
 from engine_core.weights.gguf_loader import GGUFFile
@@ -19,11 +19,12 @@ logger = logging.getLogger(__name__)
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, quantize_decode: bool = False,
-    decode_activations: str | None = None,
+    decode_activations: str = "float32",
 ) -> tuple[LlamaForCausalLM, ModelConfig, DecodeRows | None]:
     """The model with real weights; with quantize_decode (CPU only), decode rows of every
-    matmul use 4/8-bit weights (see decode_quant.py), with float32 or int8 activations
-    (decode_activations, see resolve_activations), and the DecodeRows to set."""
+    matmul use 4/8-bit weights (see decode_quant.py), with "float32" or "int8" activations
+    (decode_activations, as decode_quant.resolve_activations gives it), and the DecodeRows to
+    set."""
     t0 = time.perf_counter()
     gguf = None
     if source.kind == "gguf":
@@ -45,7 +46,7 @@ def load_model(
         if device.type != "cpu":
             raise ValueError(f"quantize_decode is a CPU path, device is {device}")
         rows = quantize_for_decode(model, dict(gguf.q4_weights(config)) if gguf else None,
-                                   resolve_activations(decode_activations, dtype))
+                                   decode_activations)
     logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
                 time.perf_counter() - t0)
     return model, config, rows

@@ -3,9 +3,10 @@
     kernels/csrc/*.c --cc -O3 -mavx2 -mfma [-mavx512f ...] -fopenmp-->
         $PDSERVE_HOME/native/cpu_decode-<isa>-<hash>.so
 
-(csrc/cpu_kernels.h lists the files.) Three builds of one source: "avx2" (AVX2 + FMA), "avx512" (adds AVX-512 F/BW/VL/DQ, whose
-matmul tiles use 16-float vectors and 16-row tiles) and "avx512vnni" (adds VNNI and with it
-pd_i8_matmul, int8 activations); `load()` takes the widest this CPU runs.
+(csrc/cpu_kernels.h lists the files.) Three builds of one source: "avx2" (AVX2 + FMA),
+"avx512" (adds AVX-512 F/BW/VL/DQ, whose matmul tiles use 16-float vectors and 16-row tiles)
+and "avx512vnni" (adds VNNI and with it pd_i8_matmul, int8 activations); `load()` takes the
+widest this CPU runs.
 Each is built once per source version and compiler flags (the hash names the file), written
 under a temporary name and renamed, so processes starting together never load a half-written
 file. It needs a C compiler and a CPU with AVX2 and FMA; without them `load()` returns None,
