@@ -44,8 +44,8 @@ _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 SIGNATURES = {  # name: (argument types, result type)
     "pd_q4_matmul": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _int], _int),
     "pd_q8_matmul": ([_p, _i64, _i64, _p, _p, _i64, _p, _int], None),
-    "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _int,
-                             _f32, _p, _i64, _int], _int),
+    "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _p,
+                             _int, _f32, _p, _i64, _int], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _i64,
@@ -196,14 +196,16 @@ def decode_attention(
     cos_sin: torch.Tensor,  # [S, D] float32: cos | sin of each row's position
     kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D] float32 or bf16, contiguous
     slot_mapping: torch.Tensor,  # [S] int64
-    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    block_tables: torch.Tensor,  # [S, max_blocks] int32, or [T, max_blocks] with table_of_row
     context_lens: torch.Tensor,  # [S] int32
     num_heads: int,
     scale: float,
     max_len: int,  # context_lens.max() (0: computed here)
+    table_of_row: torch.Tensor | None = None,  # [S] int32: each row's block table
 ) -> torch.Tensor:  # [S, Hq * D] float32
-    """Rotary embedding, K/V store and decode attention of S decode rows in one call (see
-    pd_decode_attention in csrc/attention.c)."""
+    """Rotary embedding, K/V store and attention of S query rows in one call, each over its
+    own context (see pd_decode_attention in csrc/attention.c): decode rows, a token and its
+    drafts, or the rows of prefill chunks (several rows sharing a sequence's table)."""
     num_rows = qkv.shape[0]
     num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
     layouts = ((qkv, torch.float32), (cos_sin, torch.float32), (slot_mapping, torch.int64),
@@ -211,6 +213,8 @@ def decode_attention(
     if (any(t.dtype != dtype or not t.is_contiguous() for t, dtype in layouts)
             or kv_layer.dtype not in (torch.float32, torch.bfloat16) or not kv_layer.is_contiguous()
             or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
+            or (table_of_row is not None and (table_of_row.dtype != torch.int32
+                                              or not table_of_row.is_contiguous()))
             or head_dim % 8 or head_dim > 128 or num_heads % num_kv_heads):
         raise ValueError("decode_attention: float32/int64/int32 contiguous inputs, a float32 or "
                          "bfloat16 cache, head_dim a multiple of 8 up to 128, query heads a "
@@ -221,8 +225,9 @@ def decode_attention(
     check(lib.pd_decode_attention(
         qkv.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
         kv_layer.data_ptr(), kv_layer.dtype == torch.bfloat16, slot_mapping.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0), context_lens.data_ptr(), kv_layer.shape[2], scale,
+        block_tables.data_ptr(), block_tables.stride(0),
+        None if table_of_row is None else table_of_row.data_ptr(), context_lens.data_ptr(),
+        kv_layer.shape[2], scale,
         out.data_ptr(), max_len, torch.get_num_threads()))
     return out
 

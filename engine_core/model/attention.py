@@ -26,10 +26,26 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets after decodes
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
     decode_max_len: int = 0  # decode_context_lens.max(), for kernels that size scratch by it
+    # the prefill rows one by one, for kernels that attend row by row (the native CPU kernel):
+    # each row's index into prefill_block_tables and its KV length (position + 1); derived
+    prefill_row_tables: torch.Tensor = field(init=False)  # [num_prefill_tokens] int32
+    prefill_row_lens: torch.Tensor = field(init=False)  # [num_prefill_tokens] int32
+    prefill_max_len: int = field(init=False)  # prefill_seq_lens.max(), 0 without prefills
     # the rows are the step's prefill rows only: its decode rows ran elsewhere (the C layers)
     decodes_done: bool = False
     # index arithmetic the CPU kernels share between layers; lives for one step
     kernel_cache: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        qsl, seq_lens = self.prefill_query_start_loc, self.prefill_seq_lens
+        query_lens = qsl[1:] - qsl[:-1]  # [num_prefills]
+        self.prefill_row_tables = torch.repeat_interleave(
+            torch.arange(len(query_lens), dtype=torch.int32, device=qsl.device), query_lens)
+        # a row's KV length: its sequence's length after the step, less the rows after it
+        rows = torch.arange(int(qsl[-1]) if len(qsl) else 0, device=qsl.device)
+        ends = torch.repeat_interleave(seq_lens - qsl[1:], query_lens)  # seq_len - chunk end
+        self.prefill_row_lens = (rows + ends + 1).to(torch.int32)
+        self.prefill_max_len = int(seq_lens.max()) if len(seq_lens) else 0
 
     @property
     def num_prefills(self) -> int:

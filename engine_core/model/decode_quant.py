@@ -17,8 +17,8 @@ Two implementations:
 - **Native** (`kernels/csrc/`, used when kernels.native.load() succeeds: a C
   compiler and AVX2/FMA; AVX-512 where the CPU has it). The 4-bit weights expand to exactly
   the file's dequantized values, int8 has one scale per 32 weights along K (a Q8_0 tensor is
-  requantized exactly). The decode rows' attention runs in C too, over a float32 or bf16
-  cache, and with a float32 model every RMSNorm (`quantize_for_decode`). The activations
+  requantized exactly). Attention runs in C too, over a float32 or bf16 cache (prefill
+  rows' as well, each row over its own context, see Attention.forward), and with a float32 model every RMSNorm (`quantize_for_decode`). The activations
   are either
   - float32: decode logits agree with the dense path to float32 rounding; or
   - int8, one scale per 32 along K as llama.cpp's Q8 activations (`decode_activations`, the

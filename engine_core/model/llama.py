@@ -77,20 +77,29 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         nd = meta.num_decode_tokens
-        if meta.decodes_done:
-            return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta, nd))
-        if self.native is None or nd == 0 or not kv_layer.is_contiguous():
-            return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta, 0))
-        # decode rows: rope, K/V store and attention in one C call (kernels/native.py), in
-        # float32 over a float32 or bfloat16 cache
-        out = native.decode_attention(
-            self.native, qkv[:nd].float(), cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
-            meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
-            meta.decode_max_len,
-        ).to(qkv.dtype)
-        if nd < qkv.shape[0]:
-            out = torch.cat([out, self._attention(qkv[nd:], cos_sin[nd:], kv_layer, meta, nd)])
-        return self.o_proj(out)
+        if self.native is None or not kv_layer.is_contiguous():
+            return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta,
+                                               nd if meta.decodes_done else 0))
+        # rope, K/V store and attention in C (kernels/native.py), in float32 over a float32 or
+        # bfloat16 cache: each row over its own context, decode rows and prefill rows alike
+        # (one call for each kind). Rows here are the prefill rows only when decodes_done.
+        rows = qkv.float()  # rotated in place by the kernel
+        first = 0 if meta.decodes_done else nd  # this call's first prefill row
+        parts = []
+        if first:
+            parts.append(native.decode_attention(
+                self.native, rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
+                meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
+                meta.decode_max_len,
+            ))
+        if first < rows.shape[0]:
+            parts.append(native.decode_attention(
+                self.native, rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
+                meta.prefill_block_tables, meta.prefill_row_lens, self.num_heads, self.scale,
+                meta.prefill_max_len, meta.prefill_row_tables,
+            ))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.to(qkv.dtype))
 
     def _attention(self, qkv, cos_sin, kv_layer, meta, skip_decodes: int) -> torch.Tensor:
         """The torch path over rows skip_decodes.. of the step (all of them, or its prefills)."""

@@ -1,13 +1,20 @@
-/* Decode attention
+/* Row attention: decode rows, and on CPU prefill rows too
  *
- * One call per layer for the decode rows of a step, computed in float32: rotary embedding of
- * q and k, K/V stored into the paged cache, then attention of each row over its own context.
+ * One call per layer for a step's decode rows (and one for its prefill rows), computed in
+ * float32: rotary embedding of q and k, K/V stored into the paged cache, then attention of
+ * each row over its own context. A prefill token is a row whose context ends at its own
+ * position, so causal varlen prefill over a cached prefix needs nothing more. Per row, the
+ * keys stay in L2 across its heads; measured on 2 Zen 5 cores over a bf16 cache, 2,048 rows
+ * (16 prompts of 128) take 2.6 ms against 5.3 ms for torch's SDPA, and one 2,048-token prompt
+ * 24 ms against 35 ms.
  *
  *   qkv      [S, (Hq + 2 Hkv) * D]   the qkv projection's rows; q and k are rotated in place
  *   cos_sin  [S, D]                  cos of each row's position in the first half, sin after
  *   kv       [num_blocks, 2, bs, Hkv, D]   float32 or bfloat16 (engine_core/kv_cache/layout.py)
  *   slots    [S] int64               block * bs + offset of each row's new K/V; < 0: not stored
- *   tables   [S, table_stride] int32, lens [S] int32 (keys to attend to, the row's own included)
+ *   tables   [T, table_stride] int32 block tables; row s reads table table_of_row[s], or
+ *            table s when table_of_row is NULL (a prefill chunk's rows share their sequence's)
+ *   lens     [S] int32 (keys to attend to, the row's own included)
  *   out      [S, Hq * D]
  *
  * Every row is stored before any row attends (a draft token attends to the drafts before it).
@@ -256,8 +263,9 @@ static int group_kernel(const float *q, const void *kv, const int64_t *keys, int
 
 static inline __attribute__((always_inline)) int decode_attention(
         float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin, void *kv,
-        const int64_t *slots, const int32_t *tables, int64_t table_stride, const int32_t *lens,
-        int bs, float scale, float *out, int64_t max_len, int threads, const int bf16) {
+        const int64_t *slots, const int32_t *tables, int64_t table_stride,
+        const int32_t *table_of_row, const int32_t *lens, int bs, float scale, float *out,
+        int64_t max_len, int threads, const int bf16) {
     const int64_t row_stride = (int64_t)(Hq + 2 * Hkv) * D, token_stride = (int64_t)Hkv * D;
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * row_stride;
@@ -292,7 +300,8 @@ static inline __attribute__((always_inline)) int decode_attention(
             if (scores == 0 || keys == 0) continue;
             const int64_t s = item / Hkv, h = item % Hkv;
             if (s != row) { /* a thread's items come in order: a row's heads share its keys */
-                key_offsets(tables + s * table_stride, lens[s], bs, token_stride, keys);
+                const int64_t t = table_of_row ? table_of_row[s] : s;
+                key_offsets(tables + t * table_stride, lens[s], bs, token_stride, keys);
                 row = s;
             }
             const float *q = qkv + s * row_stride + h * group * D;
@@ -318,11 +327,11 @@ static inline __attribute__((always_inline)) int decode_attention(
  * max_len >= every lens[s]. D % 8 == 0, D <= 128. Returns 0, or -1 when out of memory. */
 int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
-                        int64_t table_stride, const int32_t *lens, int bs, float scale,
-                        float *out, int64_t max_len, int threads) {
+                        int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
+                        int bs, float scale, float *out, int64_t max_len, int threads) {
     if (kv_bf16)
         return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
-                                lens, bs, scale, out, max_len, threads, 1);
-    return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride, lens,
-                            bs, scale, out, max_len, threads, 0);
+                                table_of_row, lens, bs, scale, out, max_len, threads, 1);
+    return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
+                            table_of_row, lens, bs, scale, out, max_len, threads, 0);
 }

@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_core.model.attention import AttentionMetadata
 from engine_core.model.rope import apply_rope, cos_sin_cache
 from engine_core.weights.gguf_q4 import Q4Weight
 from kernels import native
-from kernels.reference import paged_decode_attention_ref, store_kv_ref
-from kernels.testing import make_decode_inputs
+from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
+from kernels.testing import make_decode_inputs, make_prefill_inputs
 from tests.helpers import torch_threads
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler or no AVX2/FMA here")
@@ -274,6 +275,51 @@ def test_decode_attention_sees_drafts_stored_in_the_same_call(lib):
     expected = reference_decode(rows[0].clone(), rows[1], expected_cache, *rows[3:], 4, 0.125)
     out = native.decode_attention(lib, *rows, 4, 0.125, 40)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_of_prefill_rows_matches_prefill_reference(lib, cache_dtype):
+    """Prefill chunks after cached prefixes, one row per token, each row reading its sequence's
+    block table through table_of_row (rows and lengths derived by AttentionMetadata): the
+    causal varlen prefill attention, rope and K/V store of those tokens included."""
+    query_lens, prefix_lens = [5, 40, 17, 1], [0, 23, 16, 70]
+    inputs = make_prefill_inputs(query_lens, prefix_lens, 9, 3, 64, 16, torch.float32, seed=5)
+    kv_layer = inputs.kv_layer.contiguous().to(cache_dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=inputs.block_tables, prefill_query_start_loc=inputs.query_start_loc,
+        prefill_seq_lens=inputs.seq_lens)
+    positions = meta.prefill_row_lens.long() - 1
+    expected_positions = torch.cat([torch.arange(p, p + q)
+                                    for q, p in zip(query_lens, prefix_lens, strict=True)])
+    assert torch.equal(positions, expected_positions)
+    assert meta.prefill_max_len == 71
+    tables = inputs.block_tables[meta.prefill_row_tables.long()]  # [T, max_blocks]
+    slots = tables.long().gather(1, (positions // 16)[:, None])[:, 0] * 16 + positions % 16
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(len(positions), 15 * 64, generator=g)
+    cos_sin = cos_sin_cache(64, 4096, 10000.0, None)[positions]
+    q, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1)
+    cos, sin = cos_sin[:, None, :32], cos_sin[:, None, 32:]
+    expected_cache = kv_layer.float()
+    store_kv_ref(apply_rope(k.reshape(-1, 3, 64), cos, sin), v.reshape(-1, 3, 64),
+                 expected_cache, slots)
+    expected_cache = expected_cache.to(cache_dtype)
+    expected = paged_prefill_attention_ref(
+        apply_rope(q.reshape(-1, 9, 64), cos, sin), expected_cache.float(), inputs.block_tables,
+        inputs.query_start_loc, inputs.seq_lens, 0.125).reshape(len(positions), -1)
+    out = native.decode_attention(lib, qkv.clone(), cos_sin, kv_layer, slots,
+                                  inputs.block_tables, meta.prefill_row_lens, 9, 0.125,
+                                  meta.prefill_max_len, meta.prefill_row_tables)
+    assert torch.equal(kv_layer, expected_cache)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    # a row's result does not depend on the chunk around it: the last sequence's one row alone
+    alone = native.decode_attention(lib, qkv[-1:].clone(), cos_sin[-1:], kv_layer, slots[-1:],
+                                    inputs.block_tables[-1:], meta.prefill_row_lens[-1:], 9,
+                                    0.125, 71)
+    assert torch.equal(alone, out[-1:])
 
 
 def test_decode_attention_is_batch_and_thread_invariant(lib):
