@@ -5,6 +5,10 @@
 transformers runs requests one at a time (what `generate` behind a server does); the engine
 runs `c` requests at once with continuous batching. Both get prompts of the same length and
 produce exactly `output_len` tokens (EOS is ignored), prefix caching off.
+
+Each concurrency runs once untimed (first-use costs of its shapes: oneDNN primitives, kernel
+scratch), then `--repeats` timed runs with fresh prompts each; the median is reported. On a
+shared 2-core machine single runs of the same build differ by up to ~10 %.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ SEED_TEXT = (
 )
 
 
-def make_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
+def make_prompts(tokenizer, n: int, prompt_len: int, first: int = 0) -> list[list[int]]:
     base = tokenizer.encode(SEED_TEXT * (prompt_len // 20 + 2), add_special_tokens=False)
     prompts = []
-    for i in range(n):
+    for i in range(first, first + n):
         head = tokenizer.encode(f"Request {i}: ", add_special_tokens=False)
         prompts.append((head + base)[:prompt_len])  # distinct heads: no shared prefix blocks
     return prompts
@@ -40,12 +44,17 @@ def bench_hf(model_path, dtype, prompts, output_len) -> dict:
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path.parent), gguf_file=model_path.name, dtype=dtype
     ).eval()
-    start = time.perf_counter()
-    for ids in tqdm(prompts, desc="transformers generate (one at a time)"):
+
+    def generate(ids: list[int], n: int) -> None:
         x = torch.tensor([ids])
         with torch.inference_mode():
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=output_len,
-                           min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    generate(prompts[0], 4)  # untimed, as the engine's first run: first-use costs
+    start = time.perf_counter()
+    for ids in tqdm(prompts, desc="transformers generate (one at a time)"):
+        generate(ids, output_len)
     elapsed = time.perf_counter() - start
     return {"requests": len(prompts), "seconds": elapsed,
             "output_tokens_per_s": len(prompts) * output_len / elapsed}
@@ -115,12 +124,21 @@ def run(args: argparse.Namespace) -> int:
                "prompt_len": args.prompt_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "machine": platform.processor(),
                "engine": [], "transformers": None}
-    # one warm-up request so one-time costs (allocation, first kernels) are not measured
-    bench_engine(llm, make_prompts(llm.tokenizer, 1, args.prompt_len), 4)
-    for c in tqdm(args.concurrency, desc="engine concurrency sweep"):
-        results["engine"].append(
-            bench_engine(llm, make_prompts(llm.tokenizer, c, args.prompt_len), args.output_len)
-        )
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    runs = [(c, i) for c in args.concurrency for i in range(args.repeats + 1)]
+    timed: dict[int, list[dict]] = {c: [] for c in args.concurrency}
+    for c, i in tqdm(runs, desc="engine runs (each concurrency: 1 untimed + repeats)"):
+        # distinct prompts per run: no run finds another's blocks (prefix caching is off too)
+        prompts = make_prompts(llm.tokenizer, c, args.prompt_len, first=i * c)
+        result = bench_engine(llm, prompts, args.output_len)
+        if i > 0:
+            timed[c].append(result)
+    for c in args.concurrency:
+        ordered = sorted(timed[c], key=lambda r: r["output_tokens_per_s"])
+        median = dict(ordered[len(ordered) // 2])
+        median["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in timed[c]]
+        results["engine"].append(median)
     if not args.skip_hf:
         prompts = make_prompts(llm.tokenizer, args.hf_requests, args.prompt_len)
         results["transformers"] = bench_hf(llm.engine.source.path, llm.engine.dtype, prompts,
@@ -132,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     for r in results["engine"]:
         ratio = f"{r['output_tokens_per_s'] / base:>16.1f}" if base else ""
         r["ratio_vs_transformers"] = r["output_tokens_per_s"] / base if base else None
+        runs = " / ".join(f"{x:.1f}" for x in r["runs_tokens_per_s"])
         print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<34}"
-              f"{r['output_tokens_per_s']:>10.1f}{ratio}")
+              f"{r['output_tokens_per_s']:>10.1f}{ratio}   (median of {runs})")
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out_dir / "throughput.png")
     print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'throughput.png'}")

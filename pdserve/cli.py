@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     b.add_argument("--hf-requests", type=int, default=2,
                    help="requests run one at a time through transformers generate")
+    b.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each concurrency after an untimed one; the median is "
+                        "reported, every run is kept in results.json")
     b.add_argument("--skip-hf", action="store_true")
     b.add_argument("--out", default="bench_results/engine")
     b.set_defaults(func=_cmd_bench_engine)
