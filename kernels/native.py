@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import huge_pages
+
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"  # every .c there, one library; cpu_kernels.h shared
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -172,7 +174,8 @@ def pack_q4_int8(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor):
     n, k = q.shape
     q = _pad_columns(q.to(torch.uint8)).view(-1, I8_COLS, k // 32, 4, 2, 4)  # t n g j h i
     q = q.permute(0, 2, 3, 1, 5, 4)  # t g j n i h
-    return (q[..., 0] | (q[..., 1] << 4)).contiguous(), _tiles(d), _tiles(c)
+    return (huge_pages.copy(q[..., 0] | (q[..., 1] << 4)), huge_pages.copy(_tiles(d)),
+            huge_pages.copy(_tiles(c)))
 
 
 def pack_q8_int8(q: torch.Tensor, d: torch.Tensor):
@@ -180,8 +183,8 @@ def pack_q8_int8(q: torch.Tensor, d: torch.Tensor):
     is q[n, 32 g + 4 m + i] + 128."""
     n, k = q.shape
     q = (_pad_columns(q).to(torch.int16) + 128).to(torch.uint8)
-    q = q.view(-1, I8_COLS, k // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()  # t g m n i
-    return q, _tiles(d)
+    q = q.view(-1, I8_COLS, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # t g m n i
+    return huge_pages.copy(q), huge_pages.copy(_tiles(d))
 
 
 def check(status: int) -> None:

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kernels import huge_pages
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,4 +85,8 @@ class KVLayout:
         return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        return torch.zeros(self.cache_shape(num_blocks), dtype=self.torch_dtype, device=device)
+        """The zeroed cache; on CPU on 2 MiB pages where the OS allows (kernels/huge_pages.py)."""
+        shape = self.cache_shape(num_blocks)
+        if torch.device(device).type == "cpu":
+            return huge_pages.zeros(shape, self.torch_dtype)
+        return torch.zeros(shape, dtype=self.torch_dtype, device=device)
