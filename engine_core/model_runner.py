@@ -185,10 +185,13 @@ class ModelRunner:
         # completed prefills (dense) follow them, so reorder to put them last
         is_prefill = np.zeros(len(token_idx), dtype=bool)
         is_prefill[: len(plain)] = np.asarray(plain) >= nd
-        order = np.concatenate([np.flatnonzero(~is_prefill), np.flatnonzero(is_prefill)])
-        logits = self.logits(hidden[torch.from_numpy(token_idx[order])],
-                             int((~is_prefill).sum()))
-        logits = logits[torch.from_numpy(np.argsort(order))]  # back to token_idx order
+        if is_prefill.any():
+            order = np.concatenate([np.flatnonzero(~is_prefill), np.flatnonzero(is_prefill)])
+            logits = self.logits(hidden[torch.from_numpy(token_idx[order])],
+                                 int((~is_prefill).sum()))
+            logits = logits[torch.from_numpy(np.argsort(order))]  # back to token_idx order
+        else:  # already in order: no copy of the [rows, vocab] logits
+            logits = self.logits(hidden[torch.from_numpy(token_idx)], len(token_idx))
         result = None
         if plain:
             reqs = [out.reqs[i] for i in plain]

@@ -28,11 +28,17 @@ class Tokenizer:
             ids.append(hf.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
         self.vocab_size = len(hf)
+        # detokenizing runs for every streamed token: call the Rust tokenizer directly when
+        # transformers would add nothing to its output (~1 us against ~3 us through decode)
+        backend = getattr(hf, "backend_tokenizer", None)
+        self._backend = None if getattr(hf, "clean_up_tokenization_spaces", True) else backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:

@@ -38,6 +38,10 @@ class AttentionMetadata:
 
     def __post_init__(self) -> None:
         qsl, seq_lens = self.prefill_query_start_loc, self.prefill_seq_lens
+        if len(seq_lens) == 0:  # a decode-only step
+            self.prefill_row_tables = self.prefill_row_lens = seq_lens
+            self.prefill_max_len = 0
+            return
         query_lens = qsl[1:] - qsl[:-1]  # [num_prefills]
         self.prefill_row_tables = torch.repeat_interleave(
             torch.arange(len(query_lens), dtype=torch.int32, device=qsl.device), query_lens)

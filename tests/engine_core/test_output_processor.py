@@ -53,6 +53,19 @@ def test_tokenizer_round_trip_and_vocab(tokenizer: Tokenizer):
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("Hello world")) == ["Hello", "Ġworld"]
 
 
+def test_decode_equals_transformers_decode(tokenizer: Tokenizer):
+    """decode may skip transformers for the Rust tokenizer: the text must not change, with
+    special tokens kept or skipped, on random ids (pieces of characters included)."""
+    rng = random.Random(3)
+    special = list(tokenizer.hf.all_special_ids)
+    for _ in range(500):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 8))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(special))
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(
+                ids, skip_special_tokens=skip)
+
+
 def test_tokenizer_eos_ids_merge_config_and_tokenizer(tokenizer: Tokenizer):
     hf_eos = tokenizer.hf.eos_token_id
     assert tokenizer.eos_token_ids == (hf_eos,)
