@@ -70,9 +70,11 @@ static int matmul(const float *x, int64_t M, const pd_matrix *w, float *y, int t
     return status;
 }
 
-/* act[r, :] = silu(gu[r, :I]) * gu[r, I:], silu(g) = g / (1 + e^-g) */
-static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
+/* act[r, :] = silu(gu[r, :I]) * gu[r, I:], silu(g) = g / (1 + e^-g); rows split over the
+ * threads (32 rows of 1,536 take ~16 us on one Zen 5 core, 30 times a step) */
+static void silu_mul(const float *gu, int64_t M, int64_t I, float *act, int threads) {
     const __m256 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
     for (int64_t r = 0; r < M; r++) {
         const float *g = gu + r * 2 * I, *u = g + I;
         float *a = act + r * I;
@@ -122,7 +124,7 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
         status |= matmul(att, S, &L->o, tmp, threads);
         pd_add_rms_norm(h, tmp, L->post_norm, eps, x, S, H);
         status |= matmul(x, S, &L->gate_up, wide, threads);
-        silu_mul(wide, S, I, att);
+        silu_mul(wide, S, I, att, threads);
         status |= matmul(att, S, &L->down, tmp, threads);
     }
     if (status == 0) pd_add_rms_norm(h, num_layers > 0 ? tmp : 0, final_norm, eps, out, S, H);
