@@ -6,9 +6,11 @@ transformers runs requests one at a time (what `generate` behind a server does);
 runs `c` requests at once with continuous batching. Both get prompts of the same length and
 produce exactly `output_len` tokens (EOS is ignored), prefix caching off.
 
-Each concurrency runs once untimed (first-use costs of its shapes: oneDNN primitives, kernel
-scratch), then `--repeats` timed runs with fresh prompts each; the median is reported. On a
-shared 2-core machine single runs of the same build differ by up to ~10 %.
+Round 0 runs every concurrency and one short transformers request untimed (first-use costs
+of every shape), then each of `--repeats` rounds times every concurrency on fresh prompts and
+then transformers. Reported: the median run of each, and the median of the rounds' ratios
+(each engine run against the transformers run of its own round). On this shared 2-core
+machine single runs of the same build differ by up to ~10 % from one minute to the next.
 """
 
 from __future__ import annotations
@@ -38,26 +40,29 @@ def make_prompts(tokenizer, n: int, prompt_len: int, first: int = 0) -> list[lis
     return prompts
 
 
-def bench_hf(model_path, dtype, prompts, output_len) -> dict:
-    from transformers import AutoModelForCausalLM
+class HFGenerate:
+    """transformers' own GGUF loading of the same file, `generate` one request at a time."""
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=dtype
-    ).eval()
+    def __init__(self, model_path, dtype) -> None:
+        from transformers import AutoModelForCausalLM
 
-    def generate(ids: list[int], n: int) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_path.parent), gguf_file=model_path.name, dtype=dtype
+        ).eval()
+
+    def generate(self, ids: list[int], n: int) -> None:
         x = torch.tensor([ids])
         with torch.inference_mode():
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+            self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    generate(prompts[0], 4)  # untimed, as the engine's first run: first-use costs
-    start = time.perf_counter()
-    for ids in tqdm(prompts, desc="transformers generate (one at a time)"):
-        generate(ids, output_len)
-    elapsed = time.perf_counter() - start
-    return {"requests": len(prompts), "seconds": elapsed,
-            "output_tokens_per_s": len(prompts) * output_len / elapsed}
+    def bench(self, prompts, output_len) -> dict:
+        start = time.perf_counter()
+        for ids in prompts:
+            self.generate(ids, output_len)
+        elapsed = time.perf_counter() - start
+        return {"requests": len(prompts), "seconds": elapsed,
+                "output_tokens_per_s": len(prompts) * output_len / elapsed}
 
 
 def bench_engine(llm, prompts, output_len) -> dict:
@@ -107,6 +112,14 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput, with every run's throughput beside it."""
+    ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    median = dict(ordered[len(ordered) // 2])
+    median["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+    return median
+
+
 def run(args: argparse.Namespace) -> int:
     from engine_core.config import dtype_name
     from engine_core.llm import LLM
@@ -126,33 +139,48 @@ def run(args: argparse.Namespace) -> int:
                "engine": [], "transformers": None}
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    runs = [(c, i) for c in args.concurrency for i in range(args.repeats + 1)]
+    hf = None if args.skip_hf else HFGenerate(llm.engine.source.path, llm.engine.dtype)
+    hf_prompts = make_prompts(llm.tokenizer, args.hf_requests, args.prompt_len)
+    # round 0 is untimed (first-use costs of every shape: oneDNN primitives, kernel scratch);
+    # each later round times every concurrency and then transformers, so that a ratio
+    # compares runs a few seconds apart: this machine's speed drifts by ~10 % within minutes
     timed: dict[int, list[dict]] = {c: [] for c in args.concurrency}
-    for c, i in tqdm(runs, desc="engine runs (each concurrency: 1 untimed + repeats)"):
-        # distinct prompts per run: no run finds another's blocks (prefix caching is off too)
-        prompts = make_prompts(llm.tokenizer, c, args.prompt_len, first=i * c)
-        result = bench_engine(llm, prompts, args.output_len)
-        if i > 0:
-            timed[c].append(result)
+    hf_runs: list[dict] = []
+    for i in tqdm(range(args.repeats + 1), desc="rounds (1 untimed + repeats)"):
+        for c in args.concurrency:
+            # distinct prompts per run: no run reuses another's blocks (prefix caching is off)
+            prompts = make_prompts(llm.tokenizer, c, args.prompt_len, first=(i + 1) * c)
+            result = bench_engine(llm, prompts, args.output_len)
+            if i > 0:
+                timed[c].append(result)
+        if hf is not None:
+            if i == 0:
+                hf.generate(hf_prompts[0], 4)
+            else:
+                hf_runs.append(hf.bench(hf_prompts, args.output_len))
+    if hf_runs:
+        results["transformers"] = median_run(hf_runs)
+    base = results["transformers"]["output_tokens_per_s"] if hf_runs else None
     for c in args.concurrency:
-        ordered = sorted(timed[c], key=lambda r: r["output_tokens_per_s"])
-        median = dict(ordered[len(ordered) // 2])
-        median["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in timed[c]]
-        results["engine"].append(median)
-    if not args.skip_hf:
-        prompts = make_prompts(llm.tokenizer, args.hf_requests, args.prompt_len)
-        results["transformers"] = bench_hf(llm.engine.source.path, llm.engine.dtype, prompts,
-                                           args.output_len)
-    base = results["transformers"]["output_tokens_per_s"] if results["transformers"] else None
-    print(f"\n{'system':<34}{'tok/s':>10}{'x transformers':>16}")
+        r = median_run(timed[c])
+        if hf_runs:  # the median of each round's ratio against the transformers run beside it
+            ratios = sorted(e["output_tokens_per_s"] / h["output_tokens_per_s"]
+                            for e, h in zip(timed[c], hf_runs, strict=True))
+            r["ratios_vs_transformers"] = ratios
+            r["ratio_vs_transformers"] = ratios[len(ratios) // 2]
+        results["engine"].append(r)
+    print(f"\n{'system (median of ' + str(args.repeats) + ' rounds)':<34}{'tok/s':>10}"
+          f"{'x transformers':>16}   runs")
     if base:
-        print(f"{'transformers generate, 1 at a time':<34}{base:>10.1f}{1.0:>16.1f}")
+        hf_list = " / ".join(f"{x:.1f}" for x in results["transformers"]["runs_tokens_per_s"])
+        print(f"{'transformers generate, 1 at a time':<34}{base:>10.1f}{1.0:>16.1f}   {hf_list}")
     for r in results["engine"]:
-        ratio = f"{r['output_tokens_per_s'] / base:>16.1f}" if base else ""
-        r["ratio_vs_transformers"] = r["output_tokens_per_s"] / base if base else None
+        ratio = f"{r['ratio_vs_transformers']:>16.1f}" if base else f"{'':>16}"
         runs = " / ".join(f"{x:.1f}" for x in r["runs_tokens_per_s"])
+        if base:
+            runs += "   (x " + " / ".join(f"{x:.1f}" for x in r["ratios_vs_transformers"]) + ")"
         print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<34}"
-              f"{r['output_tokens_per_s']:>10.1f}{ratio}   (median of {runs})")
+              f"{r['output_tokens_per_s']:>10.1f}{ratio}   {runs}")
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out_dir / "throughput.png")
     print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'throughput.png'}")

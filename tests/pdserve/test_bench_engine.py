@@ -1,5 +1,6 @@
-"""`pdserve bench-engine` end to end on the real model, kept small: an untimed run and the
-timed repeats of each concurrency, the median reported, every run kept."""
+"""`pdserve bench-engine` end to end on the real model, kept small: an untimed round, then
+timed rounds of each concurrency and transformers beside them; medians reported, every run
+kept, each ratio taken within its round."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pdserve.cli import build_parser
 def test_bench_engine_reports_the_median_of_its_repeats(tmp_path, model_path):
     args = build_parser().parse_args([
         "bench-engine", "--model", str(model_path), "--concurrency", "1", "3",
-        "--prompt-len", "24", "--output-len", "5", "--repeats", "3", "--skip-hf",
+        "--prompt-len", "24", "--output-len", "5", "--repeats", "3", "--hf-requests", "1",
         "--out", str(tmp_path),
     ])
     assert run(args) == 0
@@ -23,6 +24,11 @@ def test_bench_engine_reports_the_median_of_its_repeats(tmp_path, model_path):
         assert len(runs) == 3 and all(x > 0 for x in runs)
         assert r["output_tokens_per_s"] == sorted(runs)[1]
         assert r["steps"] >= 5  # one token per step at least after the prefill
+        hf_runs = results["transformers"]["runs_tokens_per_s"]
+        ratios = [e / h for e, h in zip(runs, hf_runs, strict=True)]
+        assert r["ratios_vs_transformers"] == sorted(ratios)
+        assert r["ratio_vs_transformers"] == sorted(ratios)[1]
+    assert len(results["transformers"]["runs_tokens_per_s"]) == 3
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
