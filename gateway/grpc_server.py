@@ -98,7 +98,7 @@ class GenerationServicer:
         except DuplicateRequestError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except DeadlineExceeded as e:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            await _abort_past_deadline(context, e)
         except BackendUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Overloaded as e:
@@ -120,6 +120,25 @@ class GenerationServicer:
         m = self.backend.model
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=m.name, max_model_len=m.max_model_len, vocab_size=m.vocab_size)])
+
+
+async def _abort_past_deadline(context: grpc.aio.ServicerContext, e: DeadlineExceeded) -> None:
+    """DEADLINE_EXCEEDED, unless gRPC has ended the call already.
+
+    The request's deadline is the client's: when it passes, gRPC ends the call with that
+    status itself, and a status sent after it fails inside grpc (logged with a traceback,
+    though the client has its answer). Which side notices first is a race.
+    """
+    remaining = context.time_remaining()
+    if context.done() or (remaining is not None and remaining <= 0):
+        return
+    try:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+    except grpc.aio.AbortError:
+        raise
+    except Exception:  # the call ended between the check and the send
+        if not context.done():
+            raise
 
 
 async def _invalid(context: grpc.aio.ServicerContext, e: ValidationError) -> None:
