@@ -129,8 +129,7 @@ async def _abort_past_deadline(context: grpc.aio.ServicerContext, e: DeadlineExc
     status itself, and a status sent after it fails inside grpc (logged with a traceback,
     though the client has its answer). Which side notices first is a race.
     """
-    remaining = context.time_remaining()
-    if context.done() or (remaining is not None and remaining <= 0):
+    if context.done():
         return
     try:
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
