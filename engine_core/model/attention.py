@@ -46,10 +46,10 @@ class AttentionMetadata:
         self.prefill_row_tables = torch.repeat_interleave(
             torch.arange(len(query_lens), dtype=torch.int32, device=qsl.device), query_lens)
         # a row's KV length: its sequence's length after the step, less the rows after it
-        rows = torch.arange(int(qsl[-1]) if len(qsl) else 0, device=qsl.device)
+        rows = torch.arange(int(qsl[-1]), device=qsl.device)
         ends = torch.repeat_interleave(seq_lens - qsl[1:], query_lens)  # seq_len - chunk end
         self.prefill_row_lens = (rows + ends + 1).to(torch.int32)
-        self.prefill_max_len = int(seq_lens.max()) if len(seq_lens) else 0
+        self.prefill_max_len = int(seq_lens.max())
 
     @property
     def num_prefills(self) -> int:
