@@ -10,9 +10,11 @@ import torch
 from engine_core.config import ModelConfig
 from engine_core.model.decode_quant import DecodeRows, quantize_for_decode
 from engine_core.model.llama import LlamaForCausalLM
+from engine_core.model.native_cpu import use_native_kernels
 from engine_core.model_files import ModelSource
 from engine_core.weights.gguf_loader import GGUFFile
 from engine_core.weights.safetensors_loader import iter_safetensors, load_hf_config
+from kernels import native
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +23,8 @@ def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, quantize_decode: bool = False,
     decode_activations: str = "float32",
 ) -> tuple[LlamaForCausalLM, ModelConfig, DecodeRows | None]:
-    """The model with real weights; with quantize_decode (CPU only), decode rows of every
+    """The model with real weights. On CPU, attention runs in the C kernels where they load
+    (native_cpu.py). With quantize_decode (CPU only), decode rows of every
     matmul use 4/8-bit weights (see decode_quant.py), with "float32" or "int8" activations
     (decode_activations, as decode_quant.resolve_activations gives it), and the DecodeRows to
     set."""
@@ -41,6 +44,9 @@ def load_model(
     model.load_weights(weights)
     model.init_rope(device)
     model.eval().requires_grad_(False)
+    lib = native.load() if device.type == "cpu" else None
+    if lib is not None:
+        use_native_kernels(model, lib)
     rows = None
     if quantize_decode:
         if device.type != "cpu":

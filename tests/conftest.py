@@ -42,20 +42,21 @@ def hf_reference(model_path):
 
 
 class Offline:
-    """Greedy references from the offline engine, each computed once per session."""
+    """Greedy references from an offline engine, each computed once per session."""
 
     def __init__(self, llm) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self._cache: dict = {}
 
-    def generate(self, prompt: str, max_tokens: int):
-        """RequestOutput of LLM.generate(prompt), greedy."""
+    def generate(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool = False):
+        """RequestOutput of LLM.generate(prompt), greedy; prompt as text or token ids."""
         from engine_core.sampling_params import SamplingParams
 
-        key = ("generate", prompt, max_tokens)
+        key = ("generate", repr(prompt), max_tokens, ignore_eos)
         if key not in self._cache:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                    ignore_eos=ignore_eos)
             self._cache[key] = self.llm.generate(prompt, params)[0]
         return self._cache[key]
 
@@ -78,3 +79,13 @@ def offline(model_path):
     from engine_core.llm import LLM
 
     return Offline(LLM(str(model_path), dtype="float32", kv_cache_memory_gb=0.25))
+
+
+@pytest.fixture(scope="session")
+def offline_default(model_path):
+    """The offline engine as a user gets it: LLM() with every default (the dtype "auto"
+    picks: bf16 where the CPU has it, and then int8 decode activations where it has VNNI).
+    The reference for the served stacks, which run on the same defaults."""
+    from engine_core.llm import LLM
+
+    return Offline(LLM(str(model_path), kv_cache_memory_gb=0.25))

@@ -17,9 +17,9 @@ Two implementations:
 - **Native** (`kernels/csrc/`, used when kernels.native.load() succeeds: a C
   compiler and AVX2/FMA; AVX-512 where the CPU has it). The 4-bit weights expand to exactly
   the file's dequantized values, int8 has one scale per 32 weights along K (a Q8_0 tensor is
-  requantized exactly). Attention runs in C too, over a float32 or bf16 cache (prefill
-  rows' as well, each row over its own context, see Attention.forward), and with a float32 model every RMSNorm (`quantize_for_decode`). The activations
-  are either
+  requantized exactly). Attention runs in C as well, with or without quantized decode
+  (native_cpu.py); with it, a step's decode rows go through all layers in one C call
+  (NativeDecodeLayers). The activations are either
   - float32: decode logits agree with the dense path to float32 rounding; or
   - int8, one scale per 32 along K as llama.cpp's Q8 activations (`decode_activations`, the
     default for bf16 models where the CPU has AVX-512 VNNI, see resolve_activations): a
@@ -328,21 +328,12 @@ def quantize_for_decode(
         for (module, attr), parts in names.items():
             linear = getattr(module, attr)
             setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts), rows))
-    head_dim, dtype = model.config.head_dim, model.embed_tokens.weight.dtype
-    native_attention = lib is not None and head_dim % 8 == 0 and head_dim <= 128
-    if native_attention:
-        # decode attention (rope, K/V store, attention over a float32 or bf16 cache) in C too,
-        # and with float32 activations every RMSNorm
-        for layer in model.layers:
-            layer.self_attn.native = lib
-            if dtype == torch.float32:
-                layer.input_layernorm.native = layer.post_attention_layernorm.native = lib
-        if dtype == torch.float32:
-            model.norm.native = lib
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
     model.lm_head = DecodeQuantLMHead(model.lm_head, quant_for(model.lm_head, lm_head_parts),
                                       rows)
     model.lm_head.native = lib
+    # the layers in one C call need its attention: use_native_kernels (load_model) set it
+    native_attention = model.layers[0].self_attn.native is not None
     if native_attention and NativeDecodeLayers.applies(model):
         model.decode_layers = NativeDecodeLayers(model, lib, rows)
     total = 4 * len(model.layers) + 1

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.native = None  # the C kernels' library, set by quantize_for_decode on CPU
+        self.native = None  # the C kernels' library, set by native_cpu.use_native_kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
-        self.native = None  # the C kernels' library, set by quantize_for_decode on CPU
+        self.native = None  # the C kernels' library, set by native_cpu.use_native_kernels
 
     def forward(
         self,

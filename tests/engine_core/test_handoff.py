@@ -65,6 +65,32 @@ def test_handoff_equals_colocated(prefill_llm, llm_fp32, params):
     assert kv.num_free_blocks == kv.pool.num_blocks
 
 
+@pytest.fixture(scope="module")
+def prefill_llm_default(model_path):
+    """The prefill worker's engine on the defaults: dtype auto, no quantized decode (it never
+    decodes), attention in the C kernels as a colocated engine's prefill."""
+    from engine_core.llm import LLM
+
+    return LLM(str(model_path), kv_cache_memory_gb=0.05, enable_prefix_caching=False,
+               quantize_decode=False)
+
+
+def test_handoff_on_the_defaults_equals_colocated(prefill_llm_default, offline_default):
+    """What `pdserve up` runs by default (bf16 prefill, int8 decode activations where the CPU
+    has them): the prefill worker's KV and first token continue on the decode engine exactly
+    as the same engine continues its own prefill. (It did not while the prefill worker's
+    attention ran in torch: bf16 rounding moved the KV by an ulp, and greedy text diverged.)"""
+    llm = offline_default.llm
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = llm.tokenizer.encode("A short history of the printing press: it began")
+    llm.engine.kv.pool.reset_prefix_cache()
+    expected = llm.generate(ids, params)[0].outputs[0].token_ids
+    llm.engine.kv.pool.reset_prefix_cache()
+    got, _ = handoff(prefill_llm_default, llm, ids, params, "h-default")
+    assert got == expected
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
 def test_reserve_refuses_when_full_and_abort_frees(model_path):
     from engine_core.llm import LLM
 
