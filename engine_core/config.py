@@ -112,6 +112,13 @@ class CacheConfig:
     num_blocks: int | None = None  # None: derived from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True
+    # Also publish full blocks that hold generated tokens. Their KV came from decode steps,
+    # whose matmuls differ from a prefill's (4/8-bit weights, int8 activations by default):
+    # a later prompt that hits them continues differently from the same prompt computed
+    # afresh. Off, the prefix cache holds prefill-computed KV only, so greedy output depends
+    # only on the tokens (offline, colocated and disaggregated alike); a follow-up turn then
+    # prefills the previous reply again.
+    cache_decoded_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

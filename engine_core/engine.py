@@ -93,7 +93,8 @@ class LLMEngine:
             // (self.layout.block_nbytes * cfg.num_layers)
         )
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching,
+                                 cache_config.cache_decoded_blocks)
         self.num_kv_blocks = num_blocks
         self.scheduler = Scheduler(
             scheduler_config, self.kv, self.max_model_len,

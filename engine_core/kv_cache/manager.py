@@ -17,10 +17,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_decoded_blocks: bool = False):
+        """cache_decoded_blocks: publish full blocks that hold generated tokens too, not only
+        the prompt's (see CacheConfig.cache_decoded_blocks)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_decoded_blocks = cache_decoded_blocks
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks
         self.req_num_published: dict[str, int] = {}  # blocks already published in the cache
@@ -83,10 +87,14 @@ class KVCacheManager:
         return new
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Publish the request's full blocks whose KV is now computed."""
+        """Publish the request's full blocks whose KV is now computed: the prompt's only,
+        unless cache_decoded_blocks (a block with a generated token was filled by decode)."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_computed = req.num_computed_tokens
+        if not self.cache_decoded_blocks:
+            num_computed = min(num_computed, req.num_prompt_tokens)
+        num_full = num_computed // self.block_size
         done = self.req_num_published.get(req.req_id, 0)
         if num_full <= done:
             return

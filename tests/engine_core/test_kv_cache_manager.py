@@ -117,8 +117,8 @@ def test_never_hits_the_whole_prompt(prompt_len, num_hit_blocks):
     assert num_hit < b.num_tokens
 
 
-def test_hit_includes_blocks_filled_by_output_tokens():
-    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+def _prompt_then_outputs(kv: KVCacheManager) -> Request:
+    """A 6-token prompt computed, then 3 generated tokens (blocks [1 2 3 4][5 6 7 8][9])."""
     a = make_req("a", [1, 2, 3, 4, 5, 6])
     kv.allocate_slots(a, 6)
     compute(kv, a, 6)
@@ -127,6 +127,22 @@ def test_hit_includes_blocks_filled_by_output_tokens():
         kv.allocate_slots(a, total)
         compute(kv, a, total)
     assert a.all_token_ids == list(range(1, 10))
+    return a
+
+
+def test_blocks_filled_by_output_tokens_are_not_published_by_default():
+    """The second block holds generated tokens (decode-computed KV): only the prompt's whole
+    block serves a later prompt, which then computes the rest as a prefill would."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    _prompt_then_outputs(kv)
+    b = make_req("b", list(range(1, 10)) + [42])
+    assert kv.get_computed_blocks(b) == ([0], 4)
+    kv.check_integrity()
+
+
+def test_hit_includes_blocks_filled_by_output_tokens_when_asked():
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, cache_decoded_blocks=True)
+    _prompt_then_outputs(kv)
     b = make_req("b", list(range(1, 10)) + [42])
     assert kv.get_computed_blocks(b) == ([0, 1], 8)
     kv.check_integrity()
