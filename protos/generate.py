@@ -38,7 +38,8 @@ def generate(out_dir: Path) -> list[Path]:
             f"--grpc_python_out={out_dir}", f"--pyi_out={out_dir}", *protos]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    return sorted(p for p in out_dir.rglob("*") if p.name.endswith(SUFFIXES))
+    # the stubs land beside their protos, under out_dir/protos (out_dir may be the repository)
+    return sorted(p for p in (out_dir / "protos").rglob("*") if p.name.endswith(SUFFIXES))
 
 
 def stale_stubs() -> list[str]:
