@@ -61,7 +61,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
     def add(server) -> list[str]:
         add_kv_transfer_servicer(server, KVTransferServicer(receiver))
-        servicer_box["s"] = DecodeServicer(worker, "")
+        servicer_box["s"] = DecodeServicer(worker, "", receiver.instance_id)
         pb_grpc.add_DecodeServicer_to_server(servicer_box["s"], server)
         return [workers_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
                 kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name]

@@ -25,9 +25,11 @@ MAX_LEASE_TTL_S = 600.0
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, transfer_address: str) -> None:
+    def __init__(self, worker: DecodeWorker, transfer_address: str,
+                 transfer_instance: str = "") -> None:
         self.worker = worker
         self.transfer_address = transfer_address
+        self.transfer_instance = transfer_instance  # the KV receiver's instance_id
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         try:
@@ -50,7 +52,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                                 "decode worker full: no free sequence slot or KV blocks now")
         return pb.ReserveResponse(lease_id=res.lease_id, block_ids=res.block_ids,
                                   num_cached_tokens=res.num_cached_tokens,
-                                  transfer_address=self.transfer_address)
+                                  transfer_address=self.transfer_address,
+                                  transfer_instance=self.transfer_instance)
 
     async def Decode(self, request: pb.DecodeRequest, context):
         first_lp = (logprob_from_proto(request.first_logprob)

@@ -72,7 +72,9 @@ class PrefillHandoff(WorkerCalls):
             request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
             target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
                                dst_block_ids=res.block_ids[first:], first_block=first,
-                               transport=self.transport)), timeout=self._remaining(inp))
+                               transport=self.transport,
+                               transfer_instance=res.transfer_instance)),
+            timeout=self._remaining(inp))
         lost: list[str] = []  # why the watcher gave up on this call
 
         def give_up(why: str) -> None:

@@ -18,6 +18,7 @@ also expire a lease they find overdue, so the reaper only bounds how late a rele
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -77,6 +78,8 @@ class KVReceiver:
         self.layout, self.kv_cache, self.leases = layout, kv_cache, lease_table
         self.allowed_kinds = frozenset(allowed)
         self.host_id = host or host_id()
+        # this process's receiver: a sender's mapping of the pool is only valid for it
+        self.instance_id = secrets.token_hex(8)
         self.device = str(kv_cache.device)
         self.num_blocks = kv_cache.shape[1]
         self.max_chunk_bytes = max_chunk_bytes
@@ -103,9 +106,16 @@ class KVReceiver:
                                export_handle(self.kv_cache) if kind == "cuda_ipc" else None)
 
     def begin(self, lease_id: str, dst_block_ids: Sequence[int], kind: str,
-              writer: tuple[int, int] = (0, 0)) -> float:
+              writer: tuple[int, int] = (0, 0), receiver_instance: str = "") -> float:
         """A sender starts on a lease; returns the seconds left before its deadline.
-        writer: a one-sided sender's (pid, start ticks), see kv_transfer/process.py."""
+        writer: a one-sided sender's (pid, start ticks), see kv_transfer/process.py.
+        receiver_instance: the instance_id the sender handshook with ("": unchecked); another
+        one means its connection (and a one-sided sender's mapping) is of a previous process
+        at this address, and the lease is refused before anything is written."""
+        if receiver_instance and receiver_instance != self.instance_id:
+            raise TransportRefusedError(
+                f"the sender's connection is to a previous receiver at this address (instance "
+                f"{receiver_instance}, now {self.instance_id}): handshake again")
         if kind not in self.allowed_kinds:
             raise TransportRefusedError(f"transport {kind} is not enabled on this receiver")
         lease = self.leases.begin(lease_id, dst_block_ids, kind, is_one_sided=kind != "grpc",

@@ -79,7 +79,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         reply = pb.HandshakeResponse(
             transport=wire.kind_to_proto(result.kind), receiver_host_id=r.host_id,
             receiver_device=r.device, num_blocks=r.num_blocks,
-            layout_fingerprint=r.layout.fingerprint(), max_chunk_bytes=r.max_chunk_bytes)
+            layout_fingerprint=r.layout.fingerprint(), max_chunk_bytes=r.max_chunk_bytes,
+            receiver_instance=r.instance_id)
         if result.shm_pool is not None:
             pool = result.shm_pool
             reply.shm.CopyFrom(pb.ShmPool(path=pool.path, size_bytes=pool.size_bytes,
@@ -92,7 +93,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         try:
             remaining_s = self.receiver.begin(request.lease_id, list(request.dst_block_ids),
                                               wire.kind_from_proto(request.transport),
-                                              (request.sender_pid, request.sender_start_ticks))
+                                              (request.sender_pid, request.sender_start_ticks),
+                                              request.receiver_instance)
         except Exception as e:
             await _abort_with(context, e)
         return pb.BeginResponse(remaining_ms=_ms(remaining_s))

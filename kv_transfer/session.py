@@ -117,8 +117,10 @@ class SendSession:
     is_two_sided = False
 
     def __init__(self, stub, layout: KVLayout, lease_id: str, src_block_ids: Sequence[int],
-                 dst_block_ids: Sequence[int], options: SenderOptions) -> None:
+                 dst_block_ids: Sequence[int], options: SenderOptions,
+                 receiver_instance: str = "") -> None:
         self.lease_id = lease_id
+        self._receiver_instance = receiver_instance  # checked by the receiver at Begin
         self._stub, self._layout, self._options = stub, layout, options
         self._src_ids = [int(b) for b in src_block_ids]
         self._dst_ids = [int(b) for b in dst_block_ids]
@@ -230,7 +232,8 @@ class SendSession:
             reply = self._stub.Begin(pb.BeginRequest(
                 lease_id=self.lease_id, dst_block_ids=self._dst_ids,
                 transport=wire.kind_to_proto(self.kind), sender_pid=pid,
-                sender_start_ticks=ticks), timeout=self._options.rpc_timeout_s)
+                sender_start_ticks=ticks, receiver_instance=self._receiver_instance),
+                timeout=self._options.rpc_timeout_s)
             self._lease_deadline = sent + reply.remaining_ms / 1000
             self._pump()
             if self._stop_reason:

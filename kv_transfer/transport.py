@@ -118,6 +118,8 @@ class Connection:
         self.receiver_host_id = reply.receiver_host_id
         self.receiver_device = reply.receiver_device
         self.num_blocks = reply.num_blocks  # blocks in the receiver's pool
+        # the receiver process handshaken with: Begin carries it, a restarted one refuses
+        self.receiver_instance = reply.receiver_instance
         self.options = options
         self._channel = channel
         self._stub = pb_grpc.KVTransferStub(channel)
@@ -136,7 +138,8 @@ class Connection:
             raise ValueError(f"destination blocks repeat: {list(dst_block_ids)}")
         if not all(0 <= b < self.num_blocks for b in dst_block_ids):
             raise ValueError(f"destination blocks must be in [0, {self.num_blocks})")
-        args = (self._stub, self.layout, lease_id, src_block_ids, dst_block_ids, self.options)
+        args = (self._stub, self.layout, lease_id, src_block_ids, dst_block_ids, self.options,
+                self.receiver_instance)
         if self.kind == "grpc":
             session: SendSession = GrpcSendSession(*args)
         else:

@@ -79,7 +79,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         # the first token only: stop strings and the token budget are the decode worker's
         first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
         try:
-            conn = await self._connection(target.transfer_address, target.transport or "auto")
+            conn = await self._connection(target.transfer_address, target.transport or "auto",
+                                          target.transfer_instance)
         except (LayoutMismatchError, TransportRefusedError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KVTransferError as e:
@@ -148,11 +149,19 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             num_free_blocks=s["num_free_blocks"], num_running=s["num_running"],
             num_waiting=s["num_waiting"], block_size=self.engine.layout.block_size)
 
-    async def _connection(self, address: str, kind: str) -> Connection:
+    async def _connection(self, address: str, kind: str, instance: str = "") -> Connection:
+        """The cached connection to the decode worker at `address`, or a new handshake when
+        there is none or it is to another receiver `instance` than the reservation's (the
+        worker restarted at the same address: a mapping of its old pool must not be used)."""
         key = (address, kind)
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:  # one handshake per decode worker, however many requests wait on it
             conn = self._connections.get(key)
+            if conn is not None and instance and conn.receiver_instance != instance:
+                logger.info("decode worker %s restarted (receiver instance %s, was %s): "
+                            "handshaking again", address, instance, conn.receiver_instance)
+                self._forget(conn)
+                conn = None
             if conn is None:
                 conn = await asyncio.to_thread(
                     connect, kind, address, self.engine.layout,

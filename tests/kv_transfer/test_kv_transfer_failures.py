@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kv_helpers import LAYOUTS, wait_until
+from kv_helpers import LAYOUTS, same_bits, wait_until
 
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import (
@@ -162,6 +162,35 @@ def test_a_ticket_with_other_blocks_fails_and_frees_the_lease(make_rig):
         with pytest.raises(TransferError, match="FAILED_PRECONDITION.*not the lease's blocks"):
             session.commit(timeout=5)
     assert [x.state for x, _ in rig.releases_of(lease.lease_id)] == [LeaseState.ABORTED]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_connection_to_a_previous_receiver_writes_nothing(make_rig, kind):
+    """A decode worker restarted at the same address has a new receiver instance (and, for
+    shm, a new pool file): a sender still holding the old connection is refused at Begin,
+    before any byte lands in the old mapping, and a new handshake then works."""
+    rig = make_rig(kind, LAYOUTS[0])
+    lease = rig.open(3)
+    src_kv, src_ids = rig.source(3)
+    before = rig.kv.clone()
+    with connect(kind, rig.target, rig.layout) as conn:
+        assert conn.receiver_instance == rig.receiver.instance_id
+        rig.receiver.instance_id = "a-restarted-process"  # what a new process would have
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        for layer in range(rig.layout.num_layers):
+            session.send_layer(layer, src_kv)  # False once Begin has been refused
+        with pytest.raises(TransferError, match="FAILED_PRECONDITION.*handshake again"):
+            session.commit(timeout=5)
+    assert same_bits(rig.kv, before)  # nothing was written
+    assert [x.state for x, _ in rig.releases_of(lease.lease_id)] == [LeaseState.ABORTED]
+    lease = rig.open(3)
+    with connect(kind, rig.target, rig.layout) as conn:  # the new handshake's instance works
+        assert conn.receiver_instance == "a-restarted-process"
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        for layer in range(rig.layout.num_layers):
+            assert session.send_layer(layer, src_kv)
+        session.commit(timeout=5)
+    assert same_bits(rig.kv[:, lease.block_ids], src_kv[:, src_ids])
 
 
 _KILLED_SENDER = """

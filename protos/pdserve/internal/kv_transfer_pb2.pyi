@@ -47,7 +47,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., sender_host_id: _Optional[str] = ..., sender_device: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("transport", "receiver_host_id", "receiver_device", "num_blocks", "layout_fingerprint", "max_chunk_bytes", "shm", "cuda_ipc")
+    __slots__ = ("transport", "receiver_host_id", "receiver_device", "num_blocks", "layout_fingerprint", "max_chunk_bytes", "shm", "cuda_ipc", "receiver_instance")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class HandshakeResponse(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     transport: TransportKind
     receiver_host_id: str
     receiver_device: str
@@ -64,7 +65,8 @@ class HandshakeResponse(_message.Message):
     max_chunk_bytes: int
     shm: ShmPool
     cuda_ipc: CudaIpcHandle
-    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., receiver_host_id: _Optional[str] = ..., receiver_device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    receiver_instance: str
+    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., receiver_host_id: _Optional[str] = ..., receiver_device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., receiver_instance: _Optional[str] = ...) -> None: ...
 
 class ShmPool(_message.Message):
     __slots__ = ("path", "size_bytes", "st_dev", "st_ino")
@@ -107,18 +109,20 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device_index: _Optional[int] = ..., mem_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_size: _Optional[_Iterable[int]] = ..., tensor_stride: _Optional[_Iterable[int]] = ..., tensor_offset: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("lease_id", "dst_block_ids", "transport", "sender_pid", "sender_start_ticks")
+    __slots__ = ("lease_id", "dst_block_ids", "transport", "sender_pid", "sender_start_ticks", "receiver_instance")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SENDER_PID_FIELD_NUMBER: _ClassVar[int]
     SENDER_START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transport: TransportKind
     sender_pid: int
     sender_start_ticks: int
-    def __init__(self, lease_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., sender_pid: _Optional[int] = ..., sender_start_ticks: _Optional[int] = ...) -> None: ...
+    receiver_instance: str
+    def __init__(self, lease_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., sender_pid: _Optional[int] = ..., sender_start_ticks: _Optional[int] = ..., receiver_instance: _Optional[str] = ...) -> None: ...
 
 class BeginResponse(_message.Message):
     __slots__ = ("remaining_ms",)

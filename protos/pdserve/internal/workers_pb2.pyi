@@ -20,18 +20,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("transfer_address", "lease_id", "dst_block_ids", "first_block", "transport")
+    __slots__ = ("transfer_address", "lease_id", "dst_block_ids", "first_block", "transport", "transfer_instance")
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     transfer_address: str
     lease_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     first_block: int
     transport: str
-    def __init__(self, transfer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    transfer_instance: str
+    def __init__(self, transfer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., transport: _Optional[str] = ..., transfer_instance: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "queue_s", "compute_s", "transfer_tail_s", "transfer_bytes", "transport", "num_cached_tokens")
@@ -66,16 +68,18 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "block_ids", "num_cached_tokens", "transfer_address")
+    __slots__ = ("lease_id", "block_ids", "num_cached_tokens", "transfer_address", "transfer_instance")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     transfer_address: str
-    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+    transfer_instance: str
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., transfer_address: _Optional[str] = ..., transfer_instance: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "lease_ttl_s")
