@@ -5,24 +5,30 @@
 starts N prefill and M decode workers and a gateway as separate processes (workers on free
 ports, the gateway on 127.0.0.1:50051 / HTTP 8000 unless told otherwise), pins the prefill and
 decode pools to disjoint CPU cores when there are at least two, waits until every process is
-ready, prints the addresses, and on Ctrl-C / SIGTERM stops the gateway first (it drains), then
-the workers; the exit code is 0 only if every process exited with 0 by itself. If any process
-dies, everything is stopped and the exit code is non-zero.
+ready, and prints the addresses. Then it supervises (pdserve/supervisor.py):
+
+- a process that dies is restarted at its old ports after a backoff (1 s, doubling, at most
+  30 s), and the log says so; meanwhile the gateway serves on the workers that are left and
+  retries or migrates the dead worker's requests;
+- a process that exits --max-restarts times (5) within 300 s stops the stack (exit code 1);
+- Ctrl-C / SIGTERM stops the gateway first (it drains), then the workers; the exit code is 0
+  only if every process exited with 0 by itself;
+- if `pdserve up` itself dies (SIGKILL, OOM), its children get SIGKILL: no worker outlives it
+  holding its ports.
+A worker that fails to start the first time stops everything at once (the model or a flag
+is wrong; restarting would not help).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 from gateway.cli import add_admission_arguments
+from pdserve.supervisor import Child, RestartPolicy, supervise
 from pdserve.worker_args import (
     add_decode_activations_argument,
     add_speculative_arguments,
@@ -47,17 +53,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per worker")
     p.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     p.add_argument("--no-pin", action="store_true", help="do not pin pools to CPU cores")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_crashes,
+                   help=f"a process that exits this many times within "
+                        f"{RestartPolicy.window_s:.0f} s stops the stack (each exit before "
+                        f"that is restarted, with backoff)")
     add_admission_arguments(p)  # passed to the gateway
     add_speculative_arguments(p)  # passed to the decode workers
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    address: str | None = None
-    metrics_url: str | None = None  # its Prometheus /metrics (workers; printed at start)
-    lines: queue.Queue = field(default_factory=queue.Queue)
 
 
 def split_cores(cores: list[int]) -> tuple[list[int] | None, list[int] | None]:
@@ -68,63 +69,72 @@ def split_cores(cores: list[int]) -> tuple[list[int] | None, list[int] | None]:
     return cores[:half], cores[half:]
 
 
-def _spawn(name: str, argv: list[str], cores: list[int] | None) -> Child:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if cores:
-        env["OMP_NUM_THREADS"] = str(len(cores))  # torch's thread pool = the pinned cores
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
-    child = Child(name, proc)
-    threading.Thread(target=_pump, args=(child,), daemon=True).start()
-    return child
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
-def _pump(child: Child) -> None:
-    """Forward a child's output, prefixed; ready lines also go to the waiter."""
-    for line in child.proc.stdout:
-        child.lines.put(line)
-        print(f"[{child.name}] {line}", end="", flush=True)
-    child.lines.put(None)
+class Stack:
+    """The children of one `pdserve up` and what their ready lines taught: the ports a
+    restart binds again."""
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workers: list[Child] = []
+        self.gateway: Child | None = None
+        self.addresses: dict[str, str] = {}  # worker name -> host:port (first ready line)
+        self.metrics_ports: dict[str, int] = {}
+        self.gateway_ports: tuple[int, int] = (args.port, args.http_port)
+        self.started: dict[str, float] = {}  # name -> when its latest process was spawned
 
-def _wait_ready(child: Child, marker: str, deadline: float) -> str:
-    while True:
-        try:
-            line = child.lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            raise RuntimeError(f"{child.name} was not ready in {READY_TIMEOUT_S:.0f} s") from None
-        if line is None:
-            raise RuntimeError(f"{child.name} exited with code {child.proc.wait()} before "
-                               f"it was ready (its output is above)")
-        if line.startswith("METRICS "):
-            child.metrics_url = line.split()[2]
-        if line.startswith(marker):
-            return line
+    @property
+    def children(self) -> list[Child]:
+        """Stop order: the gateway first (it drains), then the workers."""
+        return [c for c in [self.gateway, *self.workers] if c is not None]
 
+    def add_worker(self, name: str, argv: list[str], cores: list[int] | None) -> Child:
+        def worker_argv() -> list[str]:
+            port = _port(self.addresses[name]) if name in self.addresses else 0
+            return [argv[0], "--port", str(port), "--metrics-port",
+                    str(self.metrics_ports.get(name, 0)), *argv[1:]]
 
-def _stop(children: list[Child]) -> bool:
-    """SIGTERM each child in turn and wait for it (killed after STOP_TIMEOUT_S). True if every
-    child exited with code 0 by itself; otherwise says which did not."""
-    is_clean = True
-    for c in children:  # the gateway is first: it drains before the workers go
-        if c.proc.poll() is None:
-            c.proc.send_signal(signal.SIGTERM)
-            try:
-                c.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
-                print(f"pdserve up: {c.name} did not stop within {STOP_TIMEOUT_S:.0f} s; "
-                      f"killed", file=sys.stderr, flush=True)
-                is_clean = False
-                continue
-        if c.proc.returncode != 0:
-            print(f"pdserve up: {c.name} exited with code {c.proc.returncode}", file=sys.stderr,
-                  flush=True)
-            is_clean = False
-    return is_clean
+        child = Child(name, worker_argv, cores, "READY ")
+        self.workers.append(child)
+        self.spawn(child)
+        return child
+
+    def add_gateway(self, argv: list[str]) -> Child:
+        def gateway_argv() -> list[str]:
+            grpc_port, http_port = self.gateway_ports
+            return ["gateway", *argv, "--port", str(grpc_port), "--http-port", str(http_port)]
+
+        self.gateway = Child("gateway", gateway_argv, None, "pdserve gateway:")
+        self.spawn(self.gateway)
+        return self.gateway
+
+    def spawn(self, child: Child) -> None:
+        self.started[child.name] = time.monotonic()
+        child.spawn(self._on_ready)
+
+    def _on_ready(self, child: Child) -> None:
+        """From the child's output thread: learn its ports; announce a restarted child."""
+        line = child.ready_line
+        if child is self.gateway:
+            grpc_addr, http_url = line.split("gRPC ")[1].split()[0], line.split("HTTP ")[1]
+            self.gateway_ports = (_port(grpc_addr), _port(http_url.split()[0]))
+            address = grpc_addr
+        else:
+            address = line.split()[2]
+            self.addresses.setdefault(child.name, address)
+            if child.metrics_url:
+                self.metrics_ports.setdefault(child.name, _port(child.metrics_url.split("/")[2]))
+        if child.crash_times:
+            took = time.monotonic() - child.crash_times[-1]
+            print(f"pdserve up: {child.name} is serving again at {address} (pid "
+                  f"{child.proc.pid}), {took:.1f} s after it exited", flush=True)
+
+    def stop(self) -> bool:
+        """Stop every child (the gateway first). True if each exited with 0 by itself."""
+        return all([c.stop(STOP_TIMEOUT_S) for c in self.children])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,8 +151,7 @@ def run(args: argparse.Namespace) -> int:
     pre_cores, dec_cores = (None, None) if args.no_pin else split_cores(cores)
     print(f"pdserve up: {args.prefill} prefill (cores {pre_cores or 'any'}) + {args.decode} "
           f"decode (cores {dec_cores or 'any'}), transport {args.transport}", flush=True)
-    workers: list[Child] = []
-    children: list[Child] = []  # stop order: the gateway first, then the workers
+    stack = Stack(args)
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -151,48 +160,39 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
-    is_stopped = False
+    transports = "grpc" if args.transport == "grpc" else "grpc,shm"
     try:
         for i in range(args.prefill):
-            workers.append(_spawn(f"prefill-{i}", ["prefill", "--port", "0", "--metrics-port",
-                                                   "0", *kv, *common], pre_cores))
-            children.append(workers[-1])
-        transports = "grpc" if args.transport == "grpc" else "grpc,shm"
+            stack.add_worker(f"prefill-{i}", ["prefill", *kv, *common], pre_cores)
         for i in range(args.decode):
-            workers.append(_spawn(f"decode-{i}", [
-                "decode", "--port", "0", "--metrics-port", "0", "--transports", transports,
-                "--max-num-seqs",
-                str(args.max_num_seqs), *kv, *speculative_argv(args), *common], dec_cores))
-            children.append(workers[-1])
+            stack.add_worker(f"decode-{i}", [
+                "decode", "--transports", transports, "--max-num-seqs", str(args.max_num_seqs),
+                *kv, *speculative_argv(args), *common], dec_cores)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for w in workers:
-            w.address = _wait_ready(w, "READY ", deadline).split()[2]
-        prefill = [w.address for w in workers if w.name.startswith("prefill")]
-        decode = [w.address for w in workers if w.name.startswith("decode")]
-        gateway = _spawn("gateway", [
-            "gateway", "--prefill", *prefill, "--decode", *decode, "--transport",
-            args.transport, "--host", args.host, "--port", str(args.port), "--http-port",
-            str(args.http_port), "--lease-ttl", str(args.lease_ttl),
+        for w in stack.workers:  # a worker that cannot start once will not start again
+            w.wait_ready(deadline)
+        prefill = [stack.addresses[w.name] for w in stack.workers if w.name.startswith("pre")]
+        decode = [stack.addresses[w.name] for w in stack.workers if w.name.startswith("dec")]
+        gateway = stack.add_gateway([
+            "--prefill", *prefill, "--decode", *decode, "--transport", args.transport,
+            "--host", args.host, "--lease-ttl", str(args.lease_ttl),
             "--max-waiting", str(args.max_waiting), "--max-queue-wait", str(args.max_queue_wait),
-            *common], None)
-        children.insert(0, gateway)
-        line = _wait_ready(gateway, "pdserve gateway:", deadline)
+            *common])
+        line = gateway.wait_ready(deadline)
         http_url = line.split("HTTP ")[1].split()[0]
-        metrics = [f"{http_url}/metrics"] + [w.metrics_url or "?" for w in workers]
+        metrics = [f"{http_url}/metrics"] + [w.metrics_url or "?" for w in stack.workers]
+        pids = " ".join(f"{c.name}={c.proc.pid}" for c in stack.children)
         print(f"pdserve up: ready. {line.removeprefix('pdserve gateway: ').strip()}\n"
               f"  prefill workers: {' '.join(prefill)}\n  decode workers:  {' '.join(decode)}\n"
-              f"  metrics: {' '.join(metrics)}\n"
+              f"  metrics: {' '.join(metrics)}\n  pids: {pids}\n"
               f"  try: pdserve generate --chat \"What is the capital of France?\"", flush=True)
-        while not stopping.is_set():
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                print(f"pdserve up: {dead[0].name} exited with code {dead[0].proc.returncode}; "
-                      f"stopping everything", file=sys.stderr, flush=True)
-                return 1
-            stopping.wait(0.5)
+        code = supervise(stack.children, stopping, RestartPolicy(max_crashes=args.max_restarts),
+                         stack.spawn)
+        if code is not None:
+            return code
         print("pdserve up: stopping", flush=True)
-        is_stopped = True
-        return 0 if _stop(children) else 1
+        return 0 if stack.stop() else 1
     finally:
-        if not is_stopped:
-            _stop(children)
+        for c in stack.children:  # after a failed start or a crash loop
+            if c.is_running:
+                c.stop(STOP_TIMEOUT_S)
