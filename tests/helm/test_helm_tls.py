@@ -24,6 +24,8 @@ from chart_testkit import (
     render,
 )
 
+from pdserve import cli
+
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 FILES = {"--tls-cert": "tls.crt", "--tls-key": "tls.key", "--tls-ca": "ca.crt"}
 DEFAULT_SERVER_NAME = f"{RELEASE}-gateway.pdserve.svc"  # the gateway Service's DNS name
@@ -130,7 +132,6 @@ def test_gateway_client_auth_only_when_asked(tls_rendered, rendered_default):
 
 def test_command_lines_parse_with_the_cli(tls_rendered):
     """The real parser takes the TLS flags and they land where pdserve/tls.py reads them."""
-    cli = pytest.importorskip("pdserve.cli")
     parser = cli.build_parser()
     for component in COMPONENTS:
         args = [a.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "pod-0")
