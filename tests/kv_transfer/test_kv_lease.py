@@ -11,6 +11,7 @@ import pytest
 
 from kv_transfer import LeaseEndedError, LeaseError, LeaseState, LeaseTable, UnknownLeaseError
 from kv_transfer.process import is_running, my_identity, start_ticks
+from tests.threads import CheckedThread, join_checked
 
 
 class Clock:
@@ -184,12 +185,12 @@ def test_abort_waits_for_a_write_in_progress(table, released):
             time.sleep(0.05)
             events.append("write done")
 
-    t = threading.Thread(target=writer)
+    t = CheckedThread(writer)
     t.start()
-    in_write.wait()
+    assert in_write.wait(10), t.error
     table.abort(lease.lease_id, "cancel")
     events.append("released" if released else "not released")
-    t.join()
+    join_checked([t], timeout_s=10)
     assert events == ["write done", "released"]
 
 
@@ -296,11 +297,10 @@ def test_concurrent_verbs_release_each_lease_at_most_once(seed):
             except LeaseError:
                 pass
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    threads = [CheckedThread(worker, k) for k in range(6)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_checked(threads, timeout_s=60)  # anything but a LeaseError fails the test
     time.sleep(0.25)  # past every deadline, including the claim ttl
     table.expire_due()
     table.check_integrity()

@@ -14,6 +14,7 @@ from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import KVTransferServicer, LeaseState, SenderOptions, SendState, connect
 from kv_transfer.grpc_transport import plan_chunks
 from kv_transfer.one_sided import MAX_LAYER_DONE_IN_FLIGHT
+from tests.threads import CheckedThread, join_checked
 
 KINDS = ["grpc", "shm"]
 
@@ -132,7 +133,7 @@ def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind)
                 session.send_layer(layer, src_kv)
                 returned.append(layer)
 
-        thread = threading.Thread(target=model_thread)
+        thread = CheckedThread(model_thread)
         thread.start()
 
         def is_settled() -> bool:  # send_layer stuck, the queue full
@@ -140,12 +141,12 @@ def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind)
             time.sleep(0.2)
             return len(returned) == num_returned and session.num_queued_layers == 2
 
-        assert wait_until(is_settled)
-        assert len(returned) < num_layers and thread.is_alive()
+        assert wait_until(is_settled), thread.error
+        assert len(returned) < num_layers and thread.is_alive(), thread.error
         if kind == "shm":  # 8 layers written and unacknowledged, 1 held back, 2 queued
             assert returned == list(range(MAX_LAYER_DONE_IN_FLIGHT + 1 + 2))
         GatedServicer.gate.set()
-        thread.join(timeout=10)
+        join_checked([thread], timeout_s=10)
         assert returned == list(range(layout.num_layers))
         session.commit(timeout=10)
     assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])
