@@ -8,6 +8,7 @@
  *   attention.c     rope, K/V store and decode attention         pd_decode_attention
  *   topk.c          each row's k largest values                  pd_topk
  *   layers.c        RMSNorm, and whole decoder layers            pd_add_rms_norm, pd_decode_layers
+ *   layout.c        the ctypes structs' layout, checked at load  pd_struct_layout
  *
  * Every kernel computes a row's result in an order that depends only on that row, so a row is
  * the same bit for bit alone or batched, on any number of threads (continuous batching must
@@ -72,6 +73,21 @@ static inline __m256 exp256(__m256 x) {
     default: break;                                                                        \
     }
 
+/* The structs Python passes in through ctypes (kernels/native.py mirrors them, and checks the
+ * mirror against pd_struct_layout of layout.c when it loads the library). */
+typedef struct {
+    int32_t kind;   /* 4: q4 (qs u8 [N, K/32, 16], d, c); 8: q8 (qs i8 [N, K], d) */
+    int32_t int8_x; /* 1: qs, d, c packed in tiles for pd_i8_matmul (VNNI build only) */
+    int64_t n, k;
+    const void *qs;
+    const float *d, *c, *bias; /* c: q4 only; bias [N] or NULL */
+} pd_matrix;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [hidden] float32 */
+    pd_matrix qkv, o, gate_up, down;
+} pd_layer;
+
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                  const float *c, int64_t N, float *y, int threads);
 void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
@@ -86,5 +102,6 @@ int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const flo
                         int bs, float scale, float *out, int64_t max_len, int threads);
 void pd_add_rms_norm(float *x, const float *residual, const float *weight, float eps,
                      float *y, int64_t rows, int64_t dim);
+int pd_struct_layout(int s, int i, const char **name, int64_t *offset, int64_t *size);
 
 #endif

@@ -38,19 +38,6 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
  * the per-operation path (pd_add_rms_norm, pd_q4_matmul / pd_q8_matmul, pd_decode_attention),
  * so every row is still batch and thread invariant. */
 
-typedef struct {
-    int32_t kind;   /* 4: q4 (qs u8 [N, K/32, 16], d, c); 8: q8 (qs i8 [N, K], d) */
-    int32_t int8_x; /* 1: qs, d, c packed in tiles for pd_i8_matmul (VNNI build only) */
-    int64_t n, k;
-    const void *qs;
-    const float *d, *c, *bias; /* c: q4 only; bias [N] or NULL */
-} pd_matrix;
-
-typedef struct {
-    const float *in_norm, *post_norm; /* [hidden] float32 */
-    pd_matrix qkv, o, gate_up, down;
-} pd_layer;
-
 static int matmul(const float *x, int64_t M, const pd_matrix *w, float *y, int threads) {
     int status = 0;
     if (w->int8_x)
