@@ -12,6 +12,8 @@ under a temporary name and renamed, so processes starting together never load a 
 file. It needs a C compiler and a CPU with AVX2 and FMA; without them `load()` returns None,
 logs why once, and callers use their torch path. PDSERVE_NATIVE=0 turns it off;
 PDSERVE_NATIVE=avx2 keeps the AVX2 build on an AVX-512 CPU.
+A library whose structs disagree with the ctypes mirrors (native_structs.py) is never used:
+`load()` raises LayoutError.
 
 OpenMP: the library links the same libgomp.so.1 that torch has already loaded, so both share
 one thread pool; callers pass torch.get_num_threads().
@@ -32,6 +34,10 @@ from pathlib import Path
 import torch
 
 from kernels import huge_pages
+from kernels.native_structs import Layer as Layer  # re-exported: callers build the structs
+from kernels.native_structs import LayoutError as LayoutError
+from kernels.native_structs import Matrix as Matrix
+from kernels.native_structs import check_structs
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"  # every .c there, one library; cpu_kernels.h shared
@@ -54,21 +60,6 @@ SIGNATURES = {  # name: (argument types, result type)
                           _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
 }
 VNNI_SIGNATURES = {"pd_i8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int)}
-
-
-class Matrix(ctypes.Structure):
-    """pd_matrix: a quantized weight as the C kernels read it (kind 4: q4, 8: q8; int8_x: packed
-    for pd_i8_matmul, the activations quantized to int8)."""
-
-    _fields_ = [("kind", ctypes.c_int32), ("int8_x", ctypes.c_int32), ("n", _i64), ("k", _i64),
-                ("qs", _p), ("d", _p), ("c", _p), ("bias", _p)]
-
-
-class Layer(ctypes.Structure):
-    """pd_layer: one decoder layer's float32 norm weights and quantized projections."""
-
-    _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", Matrix), ("o", Matrix),
-                ("gate_up", Matrix), ("down", Matrix)]
 
 
 def _home() -> Path:
@@ -151,6 +142,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("native CPU kernels unavailable, using the torch path: %s", e)
         return None
+    check_structs(lib)  # LayoutError: never call into a library the mirrors disagree with
     for name, (args, result) in (SIGNATURES | (VNNI_SIGNATURES if isa == "avx512vnni"
                                                  else {})).items():
         fn = getattr(lib, name)
