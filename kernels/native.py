@@ -1,19 +1,28 @@
-"""The C kernels of kernels/csrc, compiled on first use and called through ctypes.
+"""The C kernels of kernels/csrc, built by kernels/native_build.py and called through ctypes.
 
     kernels/csrc/*.c --cc -O3 -mavx2 -mfma [-mavx512f ...] -fopenmp-->
-        $PDSERVE_HOME/native/cpu_decode-<isa>-<hash>.so
+        cpu_decode-<isa>-<source key>-<compiler key>.so
 
 (csrc/cpu_kernels.h lists the files.) Three builds of one source: "avx2" (AVX2 + FMA),
 "avx512" (adds AVX-512 F/BW/VL/DQ, whose matmul tiles use 16-float vectors and 16-row tiles)
 and "avx512vnni" (adds VNNI and with it pd_i8_matmul, int8 activations); `load()` takes the
-widest this CPU runs.
-Each is built once per source version and compiler flags (the hash names the file), written
-under a temporary name and renamed, so processes starting together never load a half-written
-file. It needs a C compiler and a CPU with AVX2 and FMA; without them `load()` returns None,
-logs why once, and callers use their torch path. PDSERVE_NATIVE=0 turns it off;
-PDSERVE_NATIVE=avx2 keeps the AVX2 build on an AVX-512 CPU.
-A library whose structs disagree with the ctypes mirrors (native_structs.py) is never used:
-`load()` raises LayoutError.
+widest this CPU runs. PDSERVE_NATIVE=0 turns them off; PDSERVE_NATIVE=avx2 (or avx512) keeps
+a narrower build.
+
+Where `load()` finds the library, first that exists:
+1. $PDSERVE_NATIVE_DIR, a directory of prebuilt libraries: a build of these sources and flags
+   there is used whichever compiler made it, and no compiler is needed;
+2. $PDSERVE_HOME/native (default ~/.cache/pdserve/native), the build cache: with a compiler,
+   the build of this compiler's version (compiled there on first use, once, under a file lock,
+   while processes starting together wait for it); without one, any build of these sources.
+`python -m kernels.native [DIR]` builds every ISA into DIR (default $PDSERVE_NATIVE_DIR, else
+the cache), for an image; the Dockerfile does.
+
+`load()` returns None (logged once; callers use their torch path) when there is no way: a CPU
+without AVX2 and FMA, or no compiler and no prebuilt library. A build that failed (compiler
+errors, timeout) also returns None but is an error: `build_error()` returns its message and
+`require()` raises it. A library whose structs disagree with the ctypes mirrors
+(native_structs.py) is never used: `load()` raises LayoutError.
 
 OpenMP: the library links the same libgomp.so.1 that torch has already loaded, so both share
 one thread pool; callers pass torch.get_num_threads().
@@ -22,30 +31,32 @@ one thread pool; callers pass torch.get_num_threads().
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
+import sys
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from kernels import huge_pages
+from kernels.native_build import (
+    ISA_FLAGS,
+    BuildError,
+    NoCompilerError,
+    build,
+    default_dir,
+    find_prebuilt,
+)
 from kernels.native_structs import Layer as Layer  # re-exported: callers build the structs
 from kernels.native_structs import LayoutError as LayoutError
 from kernels.native_structs import Matrix as Matrix
 from kernels.native_structs import check_structs
 
 logger = logging.getLogger(__name__)
-CSRC = Path(__file__).parent / "csrc"  # every .c there, one library; cpu_kernels.h shared
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-ISA_FLAGS = {"avx2": [], "avx512": AVX512, "avx512vnni": [*AVX512, "-mavx512vnni"]}
-LIBS = ["-lm"]
 ENV = "PDSERVE_NATIVE"
+DIR_ENV = "PDSERVE_NATIVE_DIR"
 I8_COLS = 16  # output columns per tile of pd_i8_matmul's packed weights
 
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -62,8 +73,8 @@ SIGNATURES = {  # name: (argument types, result type)
 VNNI_SIGNATURES = {"pd_i8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int)}
 
 
-def _home() -> Path:
-    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+class NativeUnavailable(RuntimeError):
+    """require() has no library to give: why, or the failed build's error."""
 
 
 def _cpu_flags() -> set[str]:
@@ -92,62 +103,78 @@ def has_int8(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and hasattr(lib, "pd_i8_matmul")
 
 
-def build(out_dir: Path | None = None, isa: str = "avx2") -> Path:
-    """Compile the library for `isa` (if this version is not built yet) and return its path.
-    Building needs no CPU support: an image can hold every build."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    flags = FLAGS + ISA_FLAGS[isa]
-    sources = sorted(CSRC.glob("*.c"))
-    source = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))])
-    digest = hashlib.sha256(source + " ".join([compiler, *flags, *LIBS]).encode()).hexdigest()[:16]
-    out_dir = out_dir or _home() / "native"
-    target = out_dir / f"cpu_decode-{isa}-{digest}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+def library_path(isa: str) -> Path:
+    """The library load() opens for `isa`: a prebuilt one in $PDSERVE_NATIVE_DIR, else
+    build() in $PDSERVE_HOME/native."""
+    prebuilt_dir = os.environ.get(DIR_ENV)
+    if prebuilt_dir:
+        found = find_prebuilt(Path(prebuilt_dir), isa)
+        if found is not None:
+            return found
     try:
-        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", tmp, *LIBS],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling {CSRC} failed:\n{done.stderr.strip()}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        return build(isa=isa)
+    except NoCompilerError as e:
+        if prebuilt_dir:
+            raise NoCompilerError(f"{e}, nor in {DIR_ENV}={prebuilt_dir}") from None
+        raise
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    lib: ctypes.CDLL | None
+    reason: str | None = None  # why lib is None
+    error: str | None = None  # the failed build's (or load's) error; None when there was no way
 
 
 @cache
-def load(isa: str | None = None) -> ctypes.CDLL | None:
-    """The compiled library (the widest build this CPU runs, or `isa`), or None (logged once)
-    when it cannot be used here."""
+def _load(isa: str | None) -> _Loaded:
     setting = os.environ.get(ENV, "1").strip().lower()
     if setting == "0":
-        return None
+        return _Loaded(None, f"turned off by {ENV}=0")
     isas = cpu_isas()
     if not isas:
         logger.info("native CPU kernels need AVX2 and FMA; using the torch path")
-        return None
+        return _Loaded(None, "this CPU has no AVX2 and FMA")
     isa = isa or (setting if setting in ISA_FLAGS else isas[-1])
     if isa not in isas:
         logger.info("this CPU cannot run the %s build of the native kernels; using %s",
                     isa, isas[-1])
         isa = isas[-1]
     try:
-        lib = ctypes.CDLL(str(build(isa=isa)))
-    except (OSError, RuntimeError) as e:
+        lib = ctypes.CDLL(str(library_path(isa)))
+    except NoCompilerError as e:
         logger.warning("native CPU kernels unavailable, using the torch path: %s", e)
-        return None
+        return _Loaded(None, str(e))
+    except (OSError, BuildError) as e:
+        logger.warning("native CPU kernels failed to build or load, using the torch path: %s", e)
+        return _Loaded(None, str(e), str(e))
     check_structs(lib)  # LayoutError: never call into a library the mirrors disagree with
     for name, (args, result) in (SIGNATURES | (VNNI_SIGNATURES if isa == "avx512vnni"
                                                  else {})).items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
-    return lib
+    return _Loaded(lib)
+
+
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled library (the widest build this CPU runs, or `isa`), or None (logged once)
+    when it cannot be used here; see build_error() for whether that is a failure."""
+    return _load(isa).lib
+
+
+def build_error(isa: str | None = None) -> str | None:
+    """Why load(isa) failed when a compiler was there (its error output, the timeout) or the
+    library would not open; None when it loaded or there was no way (no AVX2/FMA, no compiler
+    and no prebuilt library, PDSERVE_NATIVE=0)."""
+    return _load(isa).error
+
+
+def require(isa: str | None = None) -> ctypes.CDLL:
+    """load(isa), raising NativeUnavailable with the reason or the build error for None."""
+    loaded = _load(isa)
+    if loaded.lib is None:
+        raise NativeUnavailable(f"native CPU kernels unavailable: {loaded.reason}")
+    return loaded.lib
 
 
 def _pad_columns(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [ceil(N / 16) * 16, ...]
@@ -283,6 +310,7 @@ def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | Non
     return y
 
 
-if __name__ == "__main__":  # build ahead of time (the Dockerfile does, into $PDSERVE_HOME)
+if __name__ == "__main__":  # python -m kernels.native [DIR]: every ISA's build, for an image
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get(DIR_ENV) or default_dir())
     for name in ISA_FLAGS:
-        print(build(isa=name))
+        print(build(out_dir, isa=name))

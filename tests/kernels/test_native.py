@@ -48,15 +48,6 @@ def random_q4(n: int, k: int, offset: float, seed: int) -> Q4Weight:
     )
 
 
-def test_build_is_cached_by_source_version(tmp_path):
-    first = native.build(tmp_path)
-    assert first.exists() and native.build(tmp_path) == first
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
-    wide = native.build(tmp_path, isa="avx512")  # builds without the CPU having AVX-512
-    assert wide != first and sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [first.name, wide.name])
-
-
 @pytest.mark.parametrize("offset", [8.0, 0.0], ids=["q4_0", "q4_1"])
 @pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (100, 1536)])
 def test_q4_matmul_matches_dequantized_weights(lib, n, k, offset):
