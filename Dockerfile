@@ -23,6 +23,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PDSERVE_HOME=/models \
+    PDSERVE_NATIVE_DIR=/models/native \
     HOME=/tmp
 
 RUN apt-get update \
@@ -44,9 +45,10 @@ COPY decode_service ./decode_service
 COPY pdserve ./pdserve
 RUN pip install . && rm -rf /src
 
-# The default model (SmolLM2-135M-Instruct GGUF, checked against its SHA-256) and the compiled
-# CPU kernels under $PDSERVE_HOME, readable by any user; the running container never writes
-# there.
+# The default model (SmolLM2-135M-Instruct GGUF, checked against its SHA-256) under
+# $PDSERVE_HOME and the compiled CPU kernels in $PDSERVE_NATIVE_DIR (every ISA's build, loaded
+# from there whatever compiler the running container has), readable by any user; the running
+# container never writes there.
 RUN pdserve model pull && python -m kernels.native && chmod -R a+rX /models
 
 RUN groupadd --gid 10001 pdserve \
