@@ -80,6 +80,15 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def is_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (dead, waiting to be reaped)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
     """SIGTERM, then the exit code. If it does not exit in time, it and its direct children
     are killed and TimeoutExpired is raised."""

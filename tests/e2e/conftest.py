@@ -45,7 +45,14 @@ def spec_stack(stack_factory) -> Stack:
 
 
 @pytest.fixture(scope="session")
-def ref(offline) -> References:
+def ref(offline_default) -> References:
+    """The reference of the `pdserve up` stacks: the offline engine on the same defaults."""
+    return References(offline_default)
+
+
+@pytest.fixture(scope="session")
+def ref_fp32(offline) -> References:
+    """The reference of the float32 cluster (tests/e2e/cluster.py): the exact path."""
     return References(offline)
 
 
@@ -54,7 +61,9 @@ def _idle_after(request):
     """Every test that uses a module's `stack` leaves both pools full and nothing running."""
     yield
     if "stack" in request.fixturenames:
-        request.getfixturevalue("stack").wait_idle()
+        stack = request.getfixturevalue("stack")
+        if stack.proc.poll() is None:  # (a test may have killed `pdserve up` on purpose)
+            stack.wait_idle()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +73,7 @@ def cluster(request) -> Cluster:
     c = Cluster()
     c.start()
     try:
-        request.getfixturevalue("ref")  # the offline engine loads while the workers load
+        request.getfixturevalue("ref_fp32")  # the offline engine loads meanwhile
         c.wait_gateway()
         yield c
     except BaseException:

@@ -1,5 +1,6 @@
 """End-to-end helpers: whole `pdserve up` stacks (gateway + prefill + decode workers as separate
-processes on loopback, the real default model, float32 on CPU), and the checks every end-to-end
+processes on loopback, the real default model on the settings a user gets: dtype "auto", bf16
+prefill and int8 decode activations on a CPU that has them), and the checks every end-to-end
 module shares.
 
     stack = wait_stack(*spawn_stack("--transport", "shm"))   # once `pdserve up` is ready
@@ -127,9 +128,9 @@ def _fmt(statuses: dict[str, wpb.WorkerStatus]) -> str:
 
 
 def spawn_stack(*up_args: str) -> tuple[subprocess.Popen, Path]:
-    """`pdserve up --dtype float32` on free ports (returns at once; see wait_stack)."""
-    return spawn_pdserve("up", "--dtype", "float32", "--port", "0", "--http-port", "0",
-                         "--kv-cache-memory-gb", "0.25", *up_args, name="up")
+    """`pdserve up` on its defaults, on free ports (returns at once; see wait_stack)."""
+    return spawn_pdserve("up", "--port", "0", "--http-port", "0", "--kv-cache-memory-gb", "0.25",
+                         *up_args, name="up")
 
 
 def wait_stack(proc: subprocess.Popen, log: Path) -> Stack:
@@ -186,17 +187,17 @@ def cacheable_tokens(num_prompt_tokens: int) -> int:
 
 
 class References:
-    """The offline engine's greedy outputs (the session's `offline` fixture), computed on one
+    """An offline engine's greedy outputs (tests/conftest.py's Offline), computed on one
     thread: each worker of `pdserve up` runs on one pinned core with one thread too."""
 
     def __init__(self, offline) -> None:
         self.offline = offline
         self.tokenizer = offline.tokenizer
-        self.layout = offline.llm.engine.layout  # the workers' KV layout (float32 too)
+        self.layout = offline.llm.engine.layout  # the workers' KV layout (same settings)
 
-    def generate(self, prompt: str, max_tokens: int):
+    def generate(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool = False):
         with torch_threads(1):
-            return self.offline.generate(prompt, max_tokens)
+            return self.offline.generate(prompt, max_tokens, ignore_eos)
 
     def chat(self, conv: list[dict[str, str]], max_tokens: int):
         with torch_threads(1):
@@ -290,3 +291,34 @@ def check_repeat_hits_decode_cache(stack: Stack, ref: References, transport: str
     reply, num_sent = handoff(stack, stack.prefill[0], ids, holder, transport)
     assert num_sent == 1
     assert reply.transfer_bytes == ref.layout.num_layers * ref.layout.block_nbytes
+
+
+# -- a stream that moved to another decode worker ----------------------------------------------
+# the gateway's log line when it runs a request again elsewhere (gateway/disaggregated.py)
+RESUMED = re.compile(r"request (\S+): .*; running it again elsewhere \((\d+) tokens streamed "
+                     r"so far\)")
+
+
+def resume_points(log_text: str) -> dict[str, list[int]]:
+    """Request id -> the numbers of tokens streamed when the gateway ran it again elsewhere."""
+    points: dict[str, list[int]] = {}
+    for m in RESUMED.finditer(log_text):
+        points.setdefault(m.group(1), []).append(int(m.group(2)))
+    return points
+
+
+def check_continuation(ref: References, prompt: str, got: list[int], points: list[int]) -> None:
+    """Token for token: each stretch of a greedy stream is the offline engine's greedy output
+    for the prompt plus every token streamed before that stretch (its first stretch: the
+    prompt's own). `points` are where the gateway resumed it (resume_points)."""
+    n = len(got)
+    prompt_ids = ref.generate(prompt, 1).prompt_token_ids
+    bounds = [0, *sorted(points), n]
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        if end == start:
+            continue
+        expected = ref.generate([*prompt_ids, *got[:start]], n - start,
+                                ignore_eos=True).outputs[0].token_ids
+        assert got[start:end] == expected[: end - start], (
+            f"tokens {start}..{end} of the stream (resumed at {points}) differ from the offline "
+            f"greedy continuation of the prompt + the {start} tokens before them")

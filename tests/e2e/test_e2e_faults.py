@@ -5,7 +5,9 @@ workers and a gateway with static addresses (what a deployment without Redis run
 2. kill -9 of a prefill worker with prompts on it: they are prefilled again on the other one;
    every request completes with the offline engine's greedy output.
 3. kill -9 of a decode worker with streams on it: they continue on the other decode worker
-   (re-prefilled with the tokens already streamed); every stream gets all its tokens.
+   (re-prefilled with the tokens already streamed); every stream gets all its tokens, each
+   stretch equal to the offline engine's greedy continuation of the prompt + the tokens
+   streamed before it.
 4. no decode worker left: a request fails fast with UNAVAILABLE.
 5. a decode worker restarts at its old address: the gateway uses it again, no restart.
 6. SIGTERM to a decode worker under a stream: it drains the stream, then exits 0.
@@ -27,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.cluster import assert_greedy_unchanged
-from tests.e2e.stack import LONG, greedy, out_ids, run
-from tests.helpers import wait_until
+from tests.e2e.stack import LONG, check_continuation, greedy, out_ids, resume_points, run
+from tests.helpers import log_tail, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +46,15 @@ def stub(cluster):
 
 def run_all(stub, max_tokens: int, when_started,
             prompts: list[str] = PROMPTS) -> list[list[pb.GenerateResponse]]:
-    """The prompts at once (greedy, max_tokens each, no early EOS); `when_started()` runs
-    while they are in flight."""
-    def one(prompt: str):
+    """The prompts at once (greedy, max_tokens each, no early EOS, request ids
+    fault-<max_tokens>-<i>); `when_started()` runs while they are in flight."""
+    def one(i: int):
         return run(stub, pb.GenerateRequest(
-            text=prompt, sampling=greedy(max_tokens, ignore_eos=True)), timeout=300)
+            text=prompts[i], request_id=f"fault-{max_tokens}-{i}",
+            sampling=greedy(max_tokens, ignore_eos=True)), timeout=300)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(one, p) for p in prompts]
+        futures = [pool.submit(one, i) for i in range(len(prompts))]
         when_started()
         return [f.result() for f in futures]
 
@@ -67,7 +70,7 @@ def migrations(cluster, pool: str) -> float:
     return counted
 
 
-def test_stalled_prefill_worker_requests_rerun_elsewhere(cluster, stub, ref):
+def test_stalled_prefill_worker_requests_rerun_elsewhere(cluster, stub, ref_fp32):
     """SIGSTOP freezes prefill-1 with prompts on it (its connections stay open, so nothing
     fails by itself): the gateway sees its Status time out, gives up on its calls and runs
     them on prefill-0; all complete with the greedy output. Resumed, prefill-1 ends idle."""
@@ -84,12 +87,12 @@ def test_stalled_prefill_worker_requests_rerun_elsewhere(cluster, stub, ref):
     finally:
         proc.send_signal(signal.SIGCONT)
     for prompt, msgs in zip(LONG_PROMPTS, results, strict=True):
-        assert out_ids(msgs) == ref.generate(prompt, 4).outputs[0].token_ids
+        assert out_ids(msgs) == ref_fp32.generate(prompt, 4).outputs[0].token_ids
     assert migrations(cluster, "prefill") > before
     cluster.wait_idle()
 
 
-def test_prefill_worker_killed_requests_rerun_unchanged(cluster, stub, ref):
+def test_prefill_worker_killed_requests_rerun_unchanged(cluster, stub, ref_fp32):
     before = migrations(cluster, "prefill")
 
     def kill_when_busy():
@@ -101,10 +104,10 @@ def test_prefill_worker_killed_requests_rerun_unchanged(cluster, stub, ref):
         assert len(out_ids(msgs)) == msgs[-1].usage.completion_tokens == 12
     assert migrations(cluster, "prefill") > before  # some requests did run again
     cluster.wait_idle()
-    assert_greedy_unchanged(ref, PROMPTS, results, 12)
+    assert_greedy_unchanged(ref_fp32, PROMPTS, results, 12)
 
 
-def test_decode_worker_killed_streams_continue(cluster, stub, ref):
+def test_decode_worker_killed_streams_continue(cluster, stub, ref_fp32):
     before = migrations(cluster, "decode")
     n = 160  # long enough that decode-0 is still streaming when killed (~5 ms per token)
 
@@ -115,13 +118,16 @@ def test_decode_worker_killed_streams_continue(cluster, stub, ref):
         cluster.kill("decode-0")
 
     results = run_all(stub, n, kill_when_streaming)
-    for prompt, msgs in zip(PROMPTS, results, strict=True):
+    points = resume_points(log_tail(cluster.procs["gateway"][1], 10**7))
+    resumed = 0
+    for i, (prompt, msgs) in enumerate(zip(PROMPTS, results, strict=True)):
         got = out_ids(msgs)
         assert len(got) == msgs[-1].usage.completion_tokens == n  # every token, once
         assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        expected = ref.generate(prompt, n).outputs[0].token_ids
-        assert got[:8] == expected[:8]  # at least the start is the unbroken greedy output
-    assert migrations(cluster, "decode") > before
+        at = points.get(f"fault-{n}-{i}", [])
+        resumed += bool(at)
+        check_continuation(ref_fp32, prompt, got, at)  # token for token, every stretch
+    assert resumed > 0 and migrations(cluster, "decode") > before
     cluster.wait_idle()
 
 
@@ -134,7 +140,7 @@ def test_no_decode_worker_left_fails_fast(cluster, stub):
     assert time.monotonic() - t0 < 10
 
 
-def test_restarted_decode_worker_is_used_again(cluster, stub, ref):
+def test_restarted_decode_worker_is_used_again(cluster, stub, ref_fp32):
     cluster.spawn_worker("decode-0")  # the same address as the worker killed above
     cluster.wait_worker("decode-0")
     prompt = PROMPTS[0]
@@ -147,11 +153,11 @@ def test_restarted_decode_worker_is_used_again(cluster, stub, ref):
 
     msgs = wait_until(serves, 30, "the gateway serving through the restarted decode worker",
                       interval_s=0.5)
-    assert out_ids(msgs) == ref.generate(prompt, 8).outputs[0].token_ids
+    assert out_ids(msgs) == ref_fp32.generate(prompt, 8).outputs[0].token_ids
     cluster.wait_idle()
 
 
-def test_sigterm_drains_a_decode_worker_then_it_exits(cluster, stub, ref):
+def test_sigterm_drains_a_decode_worker_then_it_exits(cluster, stub, ref_fp32):
     """Graceful shutdown: SIGTERM to the decode worker under a stream. It stops serving (health
     NOT_SERVING, then new calls refused), the stream still gets every token (drained within
     --grace), and the process exits 0."""
@@ -165,7 +171,7 @@ def test_sigterm_drains_a_decode_worker_then_it_exits(cluster, stub, ref):
         health = health_pb2_grpc.HealthStub(channel)
         wait_until(lambda: not _serving(health), 10, "decode-0 to stop serving")
     msgs = [first, *call]
-    assert out_ids(msgs) == ref.generate(prompt, 24).outputs[0].token_ids
+    assert out_ids(msgs) == ref_fp32.generate(prompt, 24).outputs[0].token_ids
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert proc.wait(timeout=30) == 0
     cluster.procs.pop("decode-0")

@@ -1,8 +1,8 @@
 """End to end through one `pdserve up --transport shm` stack (1 prefill + 1 decode worker and the
-gateway, separate processes, float32): exact greedy output against the offline engine, a decode
-prefix-cache hit, streaming over gRPC and the official `openai` client with the timing breakdown,
-cancellation and deadlines (both pools back to full), and a KV layout mismatch refused at
-handshake by a bfloat16 decode worker."""
+gateway, separate processes, on the defaults a user gets): exact greedy output against the
+offline engine on the same defaults, a decode prefix-cache hit, streaming over gRPC and the
+official `openai` client with the timing breakdown, cancellation and deadlines (both pools back
+to full), and a KV layout mismatch refused at handshake by a decode worker of another dtype."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
+import torch
 
+from engine_core.config import dtype_name, resolve_dtype
 from protos.pdserve.internal import workers_pb2 as wpb
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.e2e.stack import (
@@ -55,12 +57,17 @@ MAX_WAITING = 4
 MAX_QUEUE_WAIT_S = 10.0
 
 
+# the stack's KV dtype (what dtype "auto" resolves to here) and another one
+STACK_DTYPE = dtype_name(resolve_dtype(None, torch.device("cpu")))
+OTHER_DTYPE = "float32" if STACK_DTYPE == "bfloat16" else "bfloat16"
+
+
 @pytest.fixture(scope="module")
-def bf16_decode():
-    """A lone decode worker with a bfloat16 KV cache, whose layout differs from the stack's:
-    (process, log). It loads alongside the stack; the test waits for its READY line."""
-    proc, log = spawn_pdserve("decode", "--dtype", "bfloat16", "--port", "0",
-                              "--kv-cache-memory-gb", "0.05", name="decode-bf16")
+def other_decode():
+    """A lone decode worker whose KV cache has OTHER_DTYPE, a layout that differs from the
+    stack's: (process, log). It loads alongside the stack; the test waits for its READY line."""
+    proc, log = spawn_pdserve("decode", "--dtype", OTHER_DTYPE, "--port", "0",
+                              "--kv-cache-memory-gb", "0.05", name="decode-other-dtype")
     try:
         yield proc, log
         assert stop_process(proc, 30) == 0, log_tail(log)
@@ -72,7 +79,7 @@ def bf16_decode():
 
 
 @pytest.fixture(scope="module")
-def stack(stack_factory, bf16_decode):  # the bf16 worker loads alongside the stack
+def stack(stack_factory, other_decode):  # the other worker loads alongside the stack
     start, stop = stack_factory
     s = start("--transport", "shm", "--lease-ttl", str(LEASE_TTL_S), "--max-waiting",
               str(MAX_WAITING), "--max-queue-wait", str(MAX_QUEUE_WAIT_S))
@@ -296,16 +303,28 @@ def test_renew_lease_rpc(stack, ref):
 
 
 # -- 6. a full decode pool: requests wait at the gateway, within bounds -------------------------
-def _fill_decode_pool(stack: Stack, ids_per_block: int) -> str:
-    """Reserve all but 2 free blocks of the decode worker (a prompt whose KV never comes):
-    the reservation's request id."""
+def _fill_decode_pool(stack: Stack, ref, ids_per_block: int) -> list[str]:
+    """Reserve all but 2 free blocks of the decode worker (prompts whose KV never comes, each
+    within the model's length): the reservations' request ids."""
     decode = stack.decode_stub(stack.decode[0])
-    free = decode.Status(wpb.StatusRequest(), timeout=10).num_free_blocks
-    rid = f"filler-{uuid.uuid4().hex}"
-    decode.Reserve(wpb.ReserveRequest(request_id=rid,
-                                      prompt_token_ids=[ids_per_block] * (free - 2) * BLOCK_SIZE,
-                                      sampling=greedy(1), lease_ttl_s=120), timeout=10)
-    return rid
+    # a prompt leaves room for its one token
+    max_blocks = ref.offline.llm.engine.max_model_len // BLOCK_SIZE - 1
+    left = decode.Status(wpb.StatusRequest(), timeout=10).num_free_blocks - 2
+    rids = []
+    while left > 0:
+        n = min(left, max_blocks)
+        rids.append(f"filler-{uuid.uuid4().hex}")
+        decode.Reserve(wpb.ReserveRequest(
+            request_id=rids[-1], prompt_token_ids=[ids_per_block + len(rids)] * n * BLOCK_SIZE,
+            sampling=greedy(1), lease_ttl_s=120), timeout=10)
+        left -= n
+    return rids
+
+
+def _abort_all(stack: Stack, rids: list[str], reason: str) -> None:
+    decode = stack.decode_stub(stack.decode[0])
+    for rid in rids:
+        decode.Abort(wpb.AbortRequestRequest(request_id=rid, reason=reason), timeout=10)
 
 
 def test_full_decode_pool_requests_wait_then_complete(stack, stub, ref):
@@ -313,8 +332,7 @@ def test_full_decode_pool_requests_wait_then_complete(stack, stub, ref):
     one more gets RESOURCE_EXHAUSTED naming the bound) and complete with the offline greedy
     output once room frees; a deadline passes while waiting -> DEADLINE_EXCEEDED; no room
     within max_queue_wait -> RESOURCE_EXHAUSTED naming it. Both pools end full."""
-    decode = stack.decode_stub(stack.decode[0])
-    filler = _fill_decode_pool(stack, 42)
+    filler = _fill_decode_pool(stack, ref, 42)
     prompt = PROMPTS["long"]  # 4 blocks + output: more than the 2 left
     with ThreadPoolExecutor(MAX_WAITING) as pool:
         waiting = [pool.submit(run, stub, pb.GenerateRequest(text=prompt, sampling=greedy(N)))
@@ -326,10 +344,10 @@ def test_full_decode_pool_requests_wait_then_complete(stack, stub, ref):
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
         assert "max_waiting" in info.value.details()
         assert not any(f.done() for f in waiting)
-        decode.Abort(wpb.AbortRequestRequest(request_id=filler, reason="room"), timeout=10)
+        _abort_all(stack, filler, "room")
         expected = ref.generate(prompt, N).outputs[0].token_ids
         assert [out_ids(f.result(timeout=120)) for f in waiting] == [expected] * MAX_WAITING
-    filler = _fill_decode_pool(stack, 43)
+    filler = _fill_decode_pool(stack, ref, 43)
     try:
         with pytest.raises(grpc.RpcError) as info:
             run(stub, pb.GenerateRequest(text=prompt, sampling=greedy(N)), timeout=1.5)
@@ -342,18 +360,19 @@ def test_full_decode_pool_requests_wait_then_complete(stack, stub, ref):
         assert time.monotonic() - t0 >= MAX_QUEUE_WAIT_S
         assert stack.gateway_status()["num_admission_waiting"] == 0
     finally:
-        decode.Abort(wpb.AbortRequestRequest(request_id=filler, reason="done"), timeout=10)
+        _abort_all(stack, filler, "done")
 
 
 # -- 7. a KV layout mismatch is refused at handshake ---------------------------------------------
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
-def test_layout_mismatch_refused_at_handshake(stack, bf16_decode, ref, transport):
-    """The stack's float32 prefill worker is asked to ship KV into a bfloat16 decode worker's
-    reservation: FAILED_PRECONDITION naming the dtype field; the decode worker's reservation
-    is released (by its lease's expiry when nobody aborts it, at once on Decode.Abort)."""
-    proc, log = bf16_decode
+def test_layout_mismatch_refused_at_handshake(stack, other_decode, ref, transport):
+    """The stack's prefill worker is asked to ship KV into the reservation of a decode worker
+    with another KV dtype: FAILED_PRECONDITION naming the dtype field; the decode worker's
+    reservation is released (by its lease's expiry when nobody aborts it, at once on
+    Decode.Abort)."""
+    proc, log = other_decode
     address = wait_for_output(proc, log, re.compile(r"READY decode (\S+)"), STARTUP_TIMEOUT_S,
-                              "the bf16 decode worker")[1]
+                              "the other-dtype decode worker")[1]
     decode = stack.decode_stub(address)
     prefill = stack.prefill_stub(stack.prefill[0])
     ids = ref.tokenizer.encode(LONG)
@@ -379,12 +398,13 @@ def test_layout_mismatch_refused_at_handshake(stack, bf16_decode, ref, transport
     _, err = attempt(ttl_s=1.0)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
     details = err.details()
-    assert "layout mismatch" in details and "dtype: 'float32' != 'bfloat16'" in details, details
-    wait_until(released, 15, "the expired lease to free the bf16 worker's blocks")
+    assert "layout mismatch" in details, details
+    assert f"dtype: '{STACK_DTYPE}' != '{OTHER_DTYPE}'" in details, details
+    wait_until(released, 15, "the expired lease to free the other worker's blocks")
     # what the gateway does after a failed prefill: Decode.Abort frees them at once
     rid, err = attempt(ttl_s=60.0)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "dtype" in err.details()
     assert decode.Abort(wpb.AbortRequestRequest(request_id=rid, reason="test"), timeout=10).found
-    wait_until(released, 5, "Decode.Abort to free the bf16 worker's blocks")
+    wait_until(released, 5, "Decode.Abort to free the other worker's blocks")
     # the stack's prefill worker is unharmed
     assert is_idle(stack.status_all()[stack.prefill[0]])

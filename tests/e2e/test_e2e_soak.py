@@ -1,7 +1,7 @@
 """A bounded soak through the full stack (2 prefill + 2 decode workers, a gateway; real
 processes, the real model): many short requests at once while a decode worker is killed and
-started again midway. Every request completes or gets a clear error status, counted and
-reported; the pools end full. CI runs a short form; the full soak is
+started again midway. Every outcome is counted and reported, and every request must
+complete; the pools end full. CI runs a short form; the full soak is
 
     PDSERVE_SOAK_REQUESTS=2000 PDSERVE_SOAK_CONCURRENCY=64 python -m pytest tests/e2e/test_e2e_soak.py -s
 """
@@ -39,7 +39,8 @@ CLEAR_ERRORS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
 def test_soak_with_a_decode_worker_restarted_midway(cluster, stub):
     """SOAK_REQUESTS short requests at SOAK_CONCURRENCY (the full soak: PDSERVE_SOAK_REQUESTS
     =2000 PDSERVE_SOAK_CONCURRENCY=64); halfway, decode-1 is killed and started again. Every
-    request completes or ends with a clear status; none hangs or is lost; pools end full."""
+    outcome is counted and printed; every request completes (a clear error status is still
+    a failure here: a decode worker was left throughout); pools end full."""
     outcomes: dict[str, int] = {}
     done = 0
 
@@ -72,12 +73,14 @@ def test_soak_with_a_decode_worker_restarted_midway(cluster, stub):
           f"migrations {cluster.status()['migrations']}")
     assert sum(outcomes.values()) == SOAK_REQUESTS  # every request accounted for
     assert not [r for r in outcomes if r.startswith(("unclear", "wrong"))], outcomes
-    assert outcomes.get("completed", 0) >= 0.9 * SOAK_REQUESTS, outcomes
+    # decode-0 lives throughout and decode-1 comes back: the gateway migrates what the kill
+    # interrupted, so every request completes; a failure, even with a clear status, is a bug
+    assert outcomes == {"completed": SOAK_REQUESTS}, outcomes
     cluster.wait_worker("decode-1")
     cluster.wait_idle()
 
 
-def test_greedy_after_the_soak_matches_offline(cluster, stub, ref):
+def test_greedy_after_the_soak_matches_offline(cluster, stub, ref_fp32):
     """After the soak and its restart, greedy outputs are still the offline engine's."""
     prompts = [f"Story {i}. {LONG}" for i in range(6)]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -86,4 +89,4 @@ def test_greedy_after_the_soak_matches_offline(cluster, stub, ref):
     cluster.wait_idle()
     for msgs in results:
         assert len(out_ids(msgs)) == msgs[-1].usage.completion_tokens == 12
-    assert_greedy_unchanged(ref, prompts, results, 12)
+    assert_greedy_unchanged(ref_fp32, prompts, results, 12)
