@@ -39,6 +39,7 @@ COPY protos ./protos
 COPY engine_core ./engine_core
 COPY kernels ./kernels
 COPY kv_transfer ./kv_transfer
+COPY service_infra ./service_infra
 COPY gateway ./gateway
 COPY prefill_service ./prefill_service
 COPY decode_service ./decode_service

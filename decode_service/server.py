@@ -22,17 +22,17 @@ from kv_transfer import (
     SharedKVPool,
     add_kv_transfer_servicer,
 )
-from pdserve.metrics.worker import start_metrics, worker_registry
-from pdserve.tls import tls_from_args
-from pdserve.worker_args import engine_kwargs
-from pdserve.worker_registration import (
+from protos.pdserve.internal import kv_transfer_pb2, workers_pb2
+from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.metrics.worker import start_metrics, worker_registry
+from service_infra.tls import tls_from_args
+from service_infra.worker_args import engine_kwargs
+from service_infra.worker_registration import (
     advertise_host,
     checked_redis_config,
     worker_registration,
 )
-from pdserve.worker_server import serve_worker
-from protos.pdserve.internal import kv_transfer_pb2, workers_pb2
-from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.worker_server import serve_worker
 
 logger = logging.getLogger(__name__)
 

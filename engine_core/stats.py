@@ -1,6 +1,6 @@
 """Counters the engine keeps for metrics exporters: plain numbers, updated once per step.
 
-Nothing here knows Prometheus: the exporters (pdserve/metrics/) read these at scrape time, so
+Nothing here knows Prometheus: the exporters (service_infra/metrics/) read these at scrape time, so
 the step pays a few integer additions and one bucket search, never a per-sequence loop.
 """
 

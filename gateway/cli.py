@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.tls import add_tls_arguments
-from pdserve.worker_args import (
+from service_infra.tls import add_tls_arguments
+from service_infra.worker_args import (
     add_decode_activations_argument,
     add_redis_arguments,
     add_speculative_arguments,

@@ -55,13 +55,13 @@ from gateway.prefill_handoff import PrefillHandoff
 from gateway.routing import QUEUE_WEIGHT_BLOCKS
 from gateway.worker_calls import WorkerLost
 from gateway.worker_pools import Worker, WorkerPools
-from pdserve.tls import TLSConfig
 from protos.convert import (
     FINISH_REASON_NAMES,
     logprob_from_proto,
     sampling_to_proto,
 )
 from protos.pdserve.internal import workers_pb2 as pb
+from service_infra.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 5.0

@@ -37,8 +37,8 @@ from gateway.backend import (
     Overloaded,
 )
 from gateway.validation import ValidationError
-from pdserve.tls import TLSConfig, add_port
 from protos.pdserve.v1 import generate_pb2 as pb
+from service_infra.tls import TLSConfig, add_port
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
 MAX_REQUEST_BYTES = 4 << 20  # larger requests: INVALID_ARGUMENT naming the bound

@@ -2,7 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models   GET /health   GET /internal/status (counts and free KV blocks)
-    GET  /metrics (Prometheus; pdserve/metrics/gateway.py)
+    GET  /metrics (Prometheus; gateway/metrics.py)
 
 Each generation runs in its own task, watched by a second task that waits for the client's
 `http.disconnect`: a client that goes away cancels the generation, which aborts the request in

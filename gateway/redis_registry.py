@@ -1,5 +1,5 @@
 """Discovery through Redis: the key schema both sides share and the gateway's view of the
-pools (the workers' side: pdserve/worker_registration.py).
+pools (the workers' side: service_infra/worker_registration.py).
 
 Keys (ns = --redis-namespace; three per worker, so cardinality follows the number of workers):
 
@@ -89,7 +89,7 @@ class RedisConfig:
 
     @classmethod
     def from_args(cls, args) -> RedisConfig | None:
-        """From the --redis-* flags (pdserve/worker_args.py); None without --redis-url."""
+        """From the --redis-* flags (service_infra/worker_args.py); None without --redis-url."""
         if not getattr(args, "redis_url", None):
             return None
         return cls(args.redis_url, args.redis_password or None, args.redis_tls_ca,

@@ -31,8 +31,8 @@ from gateway import grpc_server
 from gateway.auth import APIKeys
 from gateway.backend import Backend, BackendUnavailable
 from gateway.http_api import build_app
-from pdserve.metrics.gateway import GatewayMetrics, MeteredBackend
-from pdserve.tls import TLSConfig, tls_from_args
+from gateway.metrics import GatewayMetrics, MeteredBackend
+from service_infra.tls import TLSConfig, tls_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class GatewayConfig:
     # NOT_SERVING -> still serving for this long (load balancers notice) -> stop accepting
     shutdown_delay_s: float = 0.0
     api_keys: APIKeys = field(default_factory=APIKeys)  # none: the public APIs are open
-    tls: TLSConfig | None = None  # TLS on both public ports (pdserve/tls.py); None: plaintext
+    tls: TLSConfig | None = None  # TLS on both public ports (service_infra/tls.py); None: plaintext
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -73,7 +73,7 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     from engine_core.config import CacheConfig, SchedulerConfig
     from engine_core.engine import LLMEngine
     from gateway.colocated import ColocatedBackend
-    from pdserve.worker_args import speculative_config
+    from service_infra.worker_args import speculative_config
 
     engine = LLMEngine(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,

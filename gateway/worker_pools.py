@@ -19,10 +19,10 @@ import grpc
 
 from gateway.discovery import Discovery, WorkerAddress
 from kv_transfer import GRPC_CHANNEL_OPTIONS
-from pdserve.tls import TLSConfig
-from pdserve.tls import channel as tls_channel
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.tls import TLSConfig
+from service_infra.tls import channel as tls_channel
 
 logger = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 5.0

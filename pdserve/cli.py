@@ -8,7 +8,7 @@ import logging
 import sys
 
 from gateway.cli import add_gateway_arguments, add_generate_arguments, run_gateway, run_generate
-from pdserve.worker_args import add_decode_activations_argument
+from service_infra.worker_args import add_decode_activations_argument
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(g)
     g.set_defaults(func=run_generate)
 
-    from pdserve.worker_args import (
+    from service_infra.worker_args import (
         add_decode_arguments,
         add_prefill_arguments,
         add_worker_arguments,

@@ -29,7 +29,7 @@ import time
 
 from gateway.cli import add_admission_arguments
 from pdserve.supervisor import Child, RestartPolicy, supervise
-from pdserve.worker_args import (
+from service_infra.worker_args import (
     add_decode_activations_argument,
     add_speculative_arguments,
     speculative_argv,

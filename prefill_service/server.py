@@ -9,15 +9,15 @@ import uvloop
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.colocated import ColocatedBackend
-from pdserve.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
-from pdserve.tls import tls_from_args
-from pdserve.worker_args import engine_kwargs
-from pdserve.worker_registration import checked_redis_config, worker_registration
-from pdserve.worker_server import serve_worker
 from prefill_service.engine import PrefillEngine
 from prefill_service.service import PrefillServicer
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
+from service_infra.tls import tls_from_args
+from service_infra.worker_args import engine_kwargs
+from service_infra.worker_registration import checked_redis_config, worker_registration
+from service_infra.worker_server import serve_worker
 
 logger = logging.getLogger(__name__)
 

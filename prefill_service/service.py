@@ -32,12 +32,12 @@ from kv_transfer import (
     TransportRefusedError,
     connect,
 )
-from pdserve.metrics.worker import KVTransferMetrics
-from pdserve.tls import TLSConfig
 from prefill_service.engine import HandoffTarget, PrefillEngine
 from protos.convert import logprob_to_proto, sampling_from_proto
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.metrics.worker import KVTransferMetrics
+from service_infra.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0

@@ -12,7 +12,7 @@ from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.disaggregated import DisaggregatedBackend
 from gateway.redis_registry import RedisConfig, RedisDiscovery
 from gateway.routing import QUEUE_WEIGHT_BLOCKS, pick_prefill
-from pdserve.worker_registration import WorkerInfo, WorkerRegistration
+from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 
 BLOCK_SIZE = 16
 

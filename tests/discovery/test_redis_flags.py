@@ -12,7 +12,7 @@ import pytest
 from gateway.redis_registry import RedisConfig
 from gateway.server import run_gateway
 from pdserve.cli import apply_env_defaults, build_parser
-from pdserve.worker_registration import advertise_host, worker_registration
+from service_infra.worker_registration import advertise_host, worker_registration
 from tests.helpers import ROOT
 
 ENGINE = SimpleNamespace(source=SimpleNamespace(name="m"), num_kv_blocks=100,

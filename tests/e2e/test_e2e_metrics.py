@@ -14,8 +14,8 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.metrics.gpu import GPUCollector
 from protos.pdserve.v1 import generate_pb2 as pb
+from service_infra.metrics.gpu import GPUCollector
 from tests.e2e.stack import MODEL, Stack, greedy, out_ids, run
 
 pytestmark = pytest.mark.slow

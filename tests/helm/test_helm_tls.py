@@ -131,7 +131,7 @@ def test_gateway_client_auth_only_when_asked(tls_rendered, rendered_default):
 
 
 def test_command_lines_parse_with_the_cli(tls_rendered):
-    """The real parser takes the TLS flags and they land where pdserve/tls.py reads them."""
+    """The real parser takes the TLS flags and they land where service_infra/tls.py reads them."""
     parser = cli.build_parser()
     for component in COMPONENTS:
         args = [a.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "pod-0")

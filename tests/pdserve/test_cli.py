@@ -30,7 +30,7 @@ def test_defaults_without_env():
 def test_decode_activations_reach_every_engine_that_decodes():
     import pytest
 
-    from pdserve.worker_args import engine_kwargs
+    from service_infra.worker_args import engine_kwargs
 
     parser = build_parser()
     for cmd in (["decode"], ["prefill"], ["gateway", "--colocated"], ["up"], ["offline", "x"],

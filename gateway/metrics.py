@@ -31,7 +31,7 @@ from gateway.backend import (
     GenerateInput,
     Overloaded,
 )
-from pdserve.metrics.names import (
+from service_infra.metrics.names import (
     ITL_BUCKETS,
     PREFIX,
     REQUEST_LATENCY_BUCKETS,

@@ -48,7 +48,7 @@ class WorkerInfo:
 
 
 class WorkerRegistration:
-    """A worker's entry in Redis while it serves (pdserve/worker_server.py's Announcer).
+    """A worker's entry in Redis while it serves (service_infra/worker_server.py's Announcer).
 
     start(port) registers it once it is SERVING; a heartbeat rewrites the entry every ttl / 3;
     stop() deletes it, first thing on SIGTERM. publish_prefix() records blocks this worker

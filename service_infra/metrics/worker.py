@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine_core.stats import ITERATION_TOKENS_BUCKETS
-from pdserve.metrics.gpu import GPUCollector
-from pdserve.metrics.names import KV_TRANSFER_BYTES_BUCKETS, KV_TRANSFER_TIME_BUCKETS, PREFIX
+from service_infra.metrics.gpu import GPUCollector
+from service_infra.metrics.names import KV_TRANSFER_BYTES_BUCKETS, KV_TRANSFER_TIME_BUCKETS, PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""pdserve/tls.py on a real grpc server on loopback with generated certificates: mutual TLS
+"""service_infra/tls.py on a real grpc server on loopback with generated certificates: mutual TLS
 admits a client certificate signed by the CA and refuses no certificate, a stranger's
 certificate and plaintext; flag and environment errors are clear."""
 
@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.tls import TLSConfig, add_port, add_tls_arguments, channel, tls_from_args
+from service_infra.tls import TLSConfig, add_port, add_tls_arguments, channel, tls_from_args
 from tests.tls_certs import make_certs
 
 

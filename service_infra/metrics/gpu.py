@@ -11,7 +11,7 @@ import logging
 
 from prometheus_client.core import GaugeMetricFamily
 
-from pdserve.metrics.names import PREFIX
+from service_infra.metrics.names import PREFIX
 
 logger = logging.getLogger(__name__)
 

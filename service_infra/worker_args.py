@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.tls import add_tls_arguments
+from service_infra.tls import add_tls_arguments
 
 
 def add_decode_activations_argument(p) -> None:

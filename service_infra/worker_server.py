@@ -23,13 +23,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kv_transfer import GRPC_SERVER_OPTIONS
-from pdserve.tls import TLSConfig, add_port
+from service_infra.tls import TLSConfig, add_port
 
 logger = logging.getLogger(__name__)
 
 
 class Announcer(Protocol):
-    """Tells gateways this worker serves (pdserve/worker_registration.py registers in Redis)."""
+    """Tells gateways this worker serves (service_infra/worker_registration.py registers it in
+    Redis)."""
 
     async def start(self, port: int) -> None:
         """Announce the worker at the bound port; raises if it cannot (the worker exits)."""
@@ -53,7 +54,7 @@ async def serve_worker(
     """Serve until SIGINT/SIGTERM. add_servicers registers the servicers and returns their
     full service names; on_bound(port) runs after binding, before SERVING; the announcer
     starts once SERVING and stops first thing on shutdown. With `tls`, the port takes only
-    mutual-TLS peers (a client certificate signed by the CA: pdserve/tls.py)."""
+    mutual-TLS peers (a client certificate signed by the CA: service_infra/tls.py)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

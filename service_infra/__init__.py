@@ -1,0 +1,9 @@
+"""What the gateway and the two workers stand on: everything a service process needs that is
+neither the engine nor one service's own logic.
+
+    tls.py                  TLS and mutual TLS on every gRPC hop
+    worker_args.py          the flags of the workers, shared with the gateway and `pdserve up`
+    worker_server.py        the gRPC server shell of a worker (health, reflection, drain)
+    worker_registration.py  a worker's entry in Redis: register, heartbeat, publish prefixes
+    metrics/                metric names, the workers' exporters, GPU telemetry
+"""
