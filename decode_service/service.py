@@ -9,7 +9,6 @@ import time
 import grpc
 
 from decode_service.worker import DecodeWorker, LeaseNotReady
-from gateway.backend import BackendUnavailable
 from kv_transfer import LeaseEndedError, LeaseError, UnknownLeaseError
 from protos.convert import (
     FINISH_REASONS,
@@ -19,6 +18,7 @@ from protos.convert import (
 )
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.backend import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_TTL_S = 600.0

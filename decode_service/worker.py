@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from engine_core.engine import LLMEngine
 from engine_core.sampling_params import SamplingParams
-from gateway.backend import GenerateChunk, GenerateInput
-from gateway.colocated import ColocatedBackend, _Stream
 from kv_transfer import Lease, LeaseState, LeaseTable, UnknownLeaseError
+from service_infra.backend import GenerateChunk, GenerateInput
+from service_infra.colocated import ColocatedBackend, _Stream
 
 logger = logging.getLogger(__name__)
 READY_POLL_S = 0.002

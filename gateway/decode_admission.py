@@ -12,10 +12,10 @@ import time
 
 import grpc
 
-from gateway.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 from gateway.worker_calls import WorkerCalls
 from gateway.worker_pools import REFRESH_S, Worker
 from protos.pdserve.internal import workers_pb2 as pb
+from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 
 
 class DecodeAdmission(WorkerCalls):

@@ -41,14 +41,6 @@ from typing import Any
 
 import grpc
 
-from gateway.backend import (
-    BackendUnavailable,
-    DuplicateRequestError,
-    GenerateChunk,
-    GenerateInput,
-    ModelInfo,
-    Timing,
-)
 from gateway.decode_admission import DecodeAdmission
 from gateway.discovery import Discovery
 from gateway.prefill_handoff import PrefillHandoff
@@ -61,6 +53,14 @@ from protos.convert import (
     sampling_to_proto,
 )
 from protos.pdserve.internal import workers_pb2 as pb
+from service_infra.backend import (
+    BackendUnavailable,
+    DuplicateRequestError,
+    GenerateChunk,
+    GenerateInput,
+    ModelInfo,
+    Timing,
+)
 from service_infra.tls import TLSConfig
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,9 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway import validation
 from gateway.auth import APIKeys, key_from_metadata
-from gateway.backend import (
+from gateway.validation import ValidationError
+from protos.pdserve.v1 import generate_pb2 as pb
+from service_infra.backend import (
     Backend,
     BackendUnavailable,
     DeadlineExceeded,
@@ -36,8 +38,6 @@ from gateway.backend import (
     GenerateChunk,
     Overloaded,
 )
-from gateway.validation import ValidationError
-from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.tls import TLSConfig, add_port
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"

@@ -6,7 +6,7 @@
 
 Each generation runs in its own task, watched by a second task that waits for the client's
 `http.disconnect`: a client that goes away cancels the generation, which aborts the request in
-the backend (gateway/backend.py), whether it is streamed or not.
+the backend (service_infra/backend.py), whether it is streamed or not.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from gateway import openai_protocol as oai
 from gateway.auth import APIKeys, bearer_token
-from gateway.backend import (
+from gateway.validation import UnknownModelError, ValidationError
+from service_infra.backend import (
     Backend,
     BackendUnavailable,
     DeadlineExceeded,
     GenerateChunk,
     Overloaded,
 )
-from gateway.validation import UnknownModelError, ValidationError
 
 MAX_BODY_BYTES = 4 << 20  # larger request bodies are refused with 400
 Parser = Callable[[Any, Backend], Awaitable[oai.OpenAIRequest]]

@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.backend import (
+from service_infra.backend import (
     Backend,
     BackendUnavailable,
     DeadlineExceeded,

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.backend import Backend, GenerateChunk, GenerateInput, Timing
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
     ValidationError,
@@ -25,6 +24,7 @@ from gateway.validation import (
     request_id,
     sampling_params,
 )
+from service_infra.backend import Backend, GenerateChunk, GenerateInput, Timing
 
 # body field -> SamplingParams field, copied when present and not null
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.backend import BackendUnavailable, GenerateInput, Overloaded
 from gateway.routing import MAX_ROUTING_BLOCKS, pick_prefill
 from gateway.worker_calls import WorkerCalls, WorkerLost
 from gateway.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
+from service_infra.backend import BackendUnavailable, GenerateInput, Overloaded
 
 logger = logging.getLogger(__name__)
 

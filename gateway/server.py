@@ -29,9 +29,9 @@ from prometheus_client import CollectorRegistry
 
 from gateway import grpc_server
 from gateway.auth import APIKeys
-from gateway.backend import Backend, BackendUnavailable
 from gateway.http_api import build_app
 from gateway.metrics import GatewayMetrics, MeteredBackend
+from service_infra.backend import Backend, BackendUnavailable
 from service_infra.tls import TLSConfig, tls_from_args
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     """Loads the engine now (before the event loop exists), wraps it inside the loop."""
     from engine_core.config import CacheConfig, SchedulerConfig
     from engine_core.engine import LLMEngine
-    from gateway.colocated import ColocatedBackend
+    from service_infra.colocated import ColocatedBackend
     from service_infra.worker_args import speculative_config
 
     engine = LLMEngine(

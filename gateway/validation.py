@@ -19,8 +19,8 @@ from typing import Any
 import jinja2
 
 from engine_core.sampling_params import SamplingParams
-from gateway.backend import Backend, GenerateInput
 from protos.pdserve.v1 import generate_pb2 as pb
+from service_infra.backend import Backend, GenerateInput
 
 DEFAULT_MAX_TOKENS = 16  # gRPC and /v1/completions when max_tokens is unset (OpenAI's default)
 MAX_REQUEST_ID_LEN = 128

@@ -10,9 +10,9 @@ import time
 
 import grpc
 
-from gateway.backend import BackendUnavailable, DeadlineExceeded, GenerateInput
 from gateway.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
+from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput
 
 
 class WorkerLost(Exception):

@@ -8,11 +8,11 @@ import logging
 import uvloop
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.colocated import ColocatedBackend
 from prefill_service.engine import PrefillEngine
 from prefill_service.service import PrefillServicer
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
 from service_infra.tls import tls_from_args
 from service_infra.worker_args import engine_kwargs

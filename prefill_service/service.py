@@ -22,8 +22,6 @@ from dataclasses import replace
 
 import grpc
 
-from gateway.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
-from gateway.colocated import ColocatedBackend
 from kv_transfer import (
     Connection,
     KVTransferError,
@@ -36,6 +34,8 @@ from prefill_service.engine import HandoffTarget, PrefillEngine
 from protos.convert import logprob_to_proto, sampling_from_proto
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
+from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics
 from service_infra.tls import TLSConfig
 

@@ -1,6 +1,10 @@
 """What the gateway and the two workers stand on: everything a service process needs that is
 neither the engine nor one service's own logic.
 
+    backend.py              the Backend interface: GenerateInput in, GenerateChunk out, and the
+                            errors every backend raises
+    colocated.py            ColocatedBackend: an LLMEngine on its own thread behind asyncio
+                            (the gateway's colocated mode; the engine loop of both workers)
     tls.py                  TLS and mutual TLS on every gRPC hop
     worker_args.py          the flags of the workers, shared with the gateway and `pdserve up`
     worker_server.py        the gRPC server shell of a worker (health, reflection, drain)

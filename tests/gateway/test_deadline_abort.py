@@ -9,8 +9,8 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.backend import DeadlineExceeded
 from gateway.grpc_server import _abort_past_deadline
+from service_infra.backend import DeadlineExceeded
 
 ERR = DeadlineExceeded("request 'r' passed its deadline")
 

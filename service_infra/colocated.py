@@ -24,7 +24,7 @@ from typing import Any
 
 from engine_core.engine import LLMEngine
 from engine_core.outputs import RequestOutput
-from gateway.backend import (
+from service_infra.backend import (
     BackendUnavailable,
     DeadlineExceeded,
     DuplicateRequestError,
@@ -57,7 +57,7 @@ class _Stream:
 
 
 class ColocatedBackend:
-    """A Backend (gateway/backend.py) over an LLMEngine; create it inside the running loop."""
+    """A Backend (service_infra/backend.py) over an LLMEngine; create it inside the running loop."""
 
     def __init__(self, engine: LLMEngine, model_name: str | None = None,
                  max_waiting: int | None = None) -> None:

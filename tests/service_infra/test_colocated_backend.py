@@ -12,14 +12,14 @@ import pytest
 
 from engine_core.outputs import CompletionOutput, RequestOutput
 from engine_core.sampling_params import SamplingParams
-from gateway.backend import (
+from service_infra.backend import (
     BackendUnavailable,
     DeadlineExceeded,
     DuplicateRequestError,
     GenerateInput,
     Overloaded,
 )
-from gateway.colocated import ColocatedBackend
+from service_infra.colocated import ColocatedBackend
 
 
 class FakeEngine:

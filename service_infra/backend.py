@@ -5,8 +5,10 @@
 A front end validates and tokenizes a request into a `GenerateInput`, then iterates
 `backend.generate(inp)`: each `GenerateChunk` carries the tokens and text produced since the
 previous one; the last has `finish_reason` set, the usage and a `Timing`. Two backends
-implement it: `ColocatedBackend` (the engine in this process, gateway/colocated.py) and the
-disaggregated one (prefill and decode pools behind gRPC).
+implement it: `ColocatedBackend` (the engine in this process, service_infra/colocated.py) and
+the gateway's disaggregated one (prefill and decode pools behind gRPC). The prefill and decode
+workers run their engines through `ColocatedBackend` too, so these types and errors live below
+the gateway and both services.
 
 Contract of `generate`, for every backend:
 - Cancelling the consuming task (client gone, server shutdown) or closing the iterator before
