@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine_core.engine import LLMEngine
+from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
 from kv_transfer import Lease, LeaseState, LeaseTable, UnknownLeaseError
 from service_infra.backend import GenerateChunk, GenerateInput
-from service_infra.colocated import ColocatedBackend, _Stream
+from service_infra.colocated import ColocatedBackend
 
 logger = logging.getLogger(__name__)
 READY_POLL_S = 0.002
@@ -49,14 +50,13 @@ class DecodeWorker(ColocatedBackend):
         super().__init__(engine)
         self.leases = lease_table
         self.reservations: dict[str, Reservation] = {}  # loop side; until claimed or ended
-        self._admissions: dict[str, tuple[int, dict[int, float] | None]] = {}
 
     # -- called by the lease table, from any thread -------------------------------------------
     def on_lease_released(self, lease: Lease, reason: str) -> None:
         logger.info("lease %s of %s released (%s): %s", lease.lease_id, lease.req_id,
                     lease.state.value, reason)
-        self._submit(lambda: self.engine.abort_request(lease.req_id))
-        self._loop.call_soon_threadsafe(self.reservations.pop, lease.req_id, None)
+        self.submit_to_engine(lambda: self.engine.abort_request(lease.req_id))
+        self.loop.call_soon_threadsafe(self.reservations.pop, lease.req_id, None)
 
     # -- the decode verbs (event loop) ----------------------------------------------------------
     async def reserve(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -65,11 +65,12 @@ class DecodeWorker(ColocatedBackend):
         if req_id in self.reservations:
             raise ValueError(f"request_id {req_id!r} is already reserved")
         try:
-            got = await self._call(lambda: self.engine.reserve(prompt_token_ids, params, req_id))
+            got = await self.call_in_engine(
+                lambda: self.engine.reserve(prompt_token_ids, params, req_id))
         except asyncio.CancelledError:
             # the caller is gone (cancel, deadline) while the engine thread had not yet run the
             # reservation, which it still will: undo it right after (the inbox is in order)
-            self._submit(lambda: self.engine.abort_request(req_id))
+            self.submit_to_engine(lambda: self.engine.abort_request(req_id))
             raise
         if got is None:
             return None
@@ -78,7 +79,7 @@ class DecodeWorker(ColocatedBackend):
         try:
             lease = self.leases.open(req_id, blocks[first:], ttl_s)
         except ValueError:
-            await self._call(lambda: self.engine.abort_request(req_id))
+            await self.call_in_engine(lambda: self.engine.abort_request(req_id))
             raise
         res = Reservation(req_id, lease.lease_id, list(prompt_token_ids), params, blocks,
                           num_cached)
@@ -106,9 +107,15 @@ class DecodeWorker(ColocatedBackend):
             await asyncio.sleep(READY_POLL_S)
         self.leases.claim(res.lease_id)  # the engine's reservation now owns the blocks
         del self.reservations[req_id]
-        self._admissions[req_id] = (first_token, first_logprobs)
+
+        def admit() -> list[RequestOutput]:  # the engine thread: the first token's output
+            try:
+                return [self.engine.admit_prefilled(req_id, first_token, first_logprobs)]
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"cannot admit: {e!r}") from e
+
         inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
-        async for chunk in self.generate(inp):
+        async for chunk in self.generate(inp, start=admit):
             yield chunk
 
     def renew(self, req_id: str, lease_id: str, ttl_s: float) -> float:
@@ -137,17 +144,3 @@ class DecodeWorker(ColocatedBackend):
         result = super().status_now()
         result["num_reserved"] = len(self.reservations)
         return result
-
-    # -- the engine thread --------------------------------------------------------------------
-    def _add(self, stream: _Stream) -> None:
-        admission = self._admissions.pop(stream.inp.req_id, None)
-        if admission is None:  # a plain request (the worker can also run whole requests)
-            return super()._add(stream)
-        stream.t_add = time.monotonic()
-        try:
-            out = self.engine.admit_prefilled(stream.inp.req_id, *admission)
-        except (KeyError, ValueError) as e:
-            self._loop.call_soon_threadsafe(self._post_error, stream.inp.req_id,
-                                            ValueError(f"cannot admit: {e!r}"))
-            return
-        self._loop.call_soon_threadsafe(self._dispatch, [out], time.monotonic())

@@ -11,6 +11,11 @@ engine_core has no asyncio and is not thread-safe, so exactly one thread touches
 every add, abort and status query goes through the inbox and runs between two steps. The
 thread sleeps on a condition while there is nothing to do (no busy-waiting) and posts each
 step's outputs to the event loop with one `call_soon_threadsafe`, whatever the batch size.
+
+The decode worker (decode_service/worker.py) builds on three public verbs: `call_in_engine`
+(await a function run between two steps), `submit_to_engine` (queue one, from any thread) and
+`generate(inp, start=...)` (stream a request that enters the engine some other way than
+`add_request`: admitted with KV and a first token computed elsewhere).
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ from service_infra.backend import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Runs in the engine thread and puts one request into the engine; returns the outputs the
+# engine produced for it at once (none for a request that waits for its first step).
+StartRequest = Callable[[], list[RequestOutput]]
 
 _ABORTED = "aborted"  # queue sentinels
 _DEADLINE = "deadline"
@@ -75,7 +84,7 @@ class ColocatedBackend:
         self.model = ModelInfo(model_name or engine.source.name,
                                min(engine.max_model_len, pool_tokens),
                                engine.model_config.vocab_size)
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()  # where every stream and future lives
         self._streams: dict[str, _Stream] = {}  # loop side only
         self._cv = threading.Condition()
         self._inbox: list[Callable[[], None]] = []  # guarded by _cv, run by the engine thread
@@ -85,7 +94,11 @@ class ColocatedBackend:
         self._thread.start()
 
     # -- the Backend interface (event loop) -----------------------------------------------
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, inp: GenerateInput, *,
+                       start: StartRequest | None = None) -> AsyncIterator[GenerateChunk]:
+        """The Backend contract (service_infra/backend.py). start: how the engine thread puts
+        the request into the engine, instead of `engine.add_request(inp.prompt_token_ids,
+        inp.params)`; a ValueError it raises ends the stream with that error."""
         if inp.req_id in self._streams:
             raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
         if self.max_waiting is not None:
@@ -95,12 +108,12 @@ class ColocatedBackend:
                                  f"this engine (max_waiting {self.max_waiting})")
         stream = _Stream(inp)
         self._streams[inp.req_id] = stream
-        if not self._submit(lambda: self._add(stream)):
+        if not self.submit_to_engine(lambda: self._add(stream, start)):
             del self._streams[inp.req_id]
             raise self._unavailable()
         timer = None
         if inp.deadline is not None:
-            timer = self._loop.call_later(max(0.0, inp.deadline - time.monotonic()),
+            timer = self.loop.call_later(max(0.0, inp.deadline - time.monotonic()),
                                           stream.queue.put_nowait, _DEADLINE)
         is_done = False
         try:
@@ -116,13 +129,13 @@ class ColocatedBackend:
                 timer.cancel()
             del self._streams[inp.req_id]
             if not is_done:  # cancelled, closed early, deadline, or an error
-                self._submit(lambda: self.engine.abort_request(inp.req_id))
+                self.submit_to_engine(lambda: self.engine.abort_request(inp.req_id))
 
     async def abort(self, req_id: str) -> bool:
         stream = self._streams.get(req_id)
         if stream is None:
             return False
-        self._submit(lambda: self.engine.abort_request(req_id))
+        self.submit_to_engine(lambda: self.engine.abort_request(req_id))
         stream.queue.put_nowait(_ABORTED)
         return True
 
@@ -143,7 +156,7 @@ class ColocatedBackend:
                     **({"speculative": self.engine.spec.stats.as_dict()}
                        if self.engine.spec is not None else {})}
 
-        result = await self._call(snapshot)
+        result = await self.call_in_engine(snapshot)
         result["num_streams"] = len(self._streams)
         return result
 
@@ -167,6 +180,35 @@ class ColocatedBackend:
         for stream in self._streams.values():
             stream.queue.put_nowait(BackendUnavailable("the backend is shutting down"))
         await asyncio.to_thread(self._thread.join)
+
+    # -- the engine thread's inbox (public: subclasses and wrappers build on it) --------------
+    async def call_in_engine(self, fn: Callable[[], Any]) -> Any:
+        """Run fn in the engine thread between two steps and return its result, or raise its
+        exception here; BackendUnavailable once the backend is closed or failed. Event loop
+        only."""
+        fut = self.loop.create_future()
+
+        def run() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as e:  # handed to the caller
+                result, error = None, e
+            self.loop.call_soon_threadsafe(_settle, fut, result, error)
+
+        if not self.submit_to_engine(run):
+            raise self._unavailable()
+        return await fut
+
+    def submit_to_engine(self, command: Callable[[], None]) -> bool:
+        """Queue a command for the engine thread, which runs the queue in order between two
+        steps; False once it takes no more (closed or failed). Thread-safe, never waits for a
+        step."""
+        with self._cv:
+            if self._closed or self._failure is not None:
+                return False
+            self._inbox.append(command)
+            self._cv.notify()
+            return True
 
     # -- event loop helpers ------------------------------------------------------------------
     def _merge(self, stream: _Stream, items: list[Any]) -> GenerateChunk:
@@ -231,38 +273,21 @@ class ColocatedBackend:
             return BackendUnavailable(f"the engine failed: {self._failure!r}")
         return BackendUnavailable("the backend is shut down")
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn in the engine thread between two steps; its result or exception."""
-        fut = self._loop.create_future()
-
-        def run() -> None:
-            try:
-                result, error = fn(), None
-            except Exception as e:  # handed to the caller
-                result, error = None, e
-            self._loop.call_soon_threadsafe(_settle, fut, result, error)
-
-        if not self._submit(run):
-            raise self._unavailable()
-        return await fut
-
-    def _submit(self, command: Callable[[], None]) -> bool:
-        """Queue a command for the engine thread; False once it no longer takes any."""
-        with self._cv:
-            if self._closed or self._failure is not None:
-                return False
-            self._inbox.append(command)
-            self._cv.notify()
-            return True
-
     # -- the engine thread ----------------------------------------------------------------------
-    def _add(self, stream: _Stream) -> None:
+    def _add(self, stream: _Stream, start: StartRequest | None) -> None:
         inp = stream.inp
         stream.t_add = time.monotonic()
         try:
-            self.engine.add_request(inp.prompt_token_ids, inp.params, req_id=inp.req_id)
+            if start is None:
+                self.engine.add_request(inp.prompt_token_ids, inp.params, req_id=inp.req_id)
+                outputs = []
+            else:
+                outputs = start()
         except ValueError as e:
-            self._loop.call_soon_threadsafe(self._post_error, inp.req_id, e)
+            self.loop.call_soon_threadsafe(self._post_error, inp.req_id, e)
+            return
+        if outputs:
+            self.loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
 
     def _run(self) -> None:
         engine = self.engine
@@ -283,7 +308,7 @@ class ColocatedBackend:
                 self._fail(e)
                 return
             if outputs:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
+                self.loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
             elif engine.has_unfinished_requests() and engine.scheduler.num_running == 0:
                 # waiting requests that cannot be admitted yet (ModelInfo.max_model_len keeps a
                 # single request within the pool): nap instead of spinning
@@ -300,7 +325,7 @@ class ColocatedBackend:
                 command()
             except Exception:
                 logger.debug("command after engine failure raised", exc_info=True)
-        self._loop.call_soon_threadsafe(self._fail_streams, self._unavailable())
+        self.loop.call_soon_threadsafe(self._fail_streams, self._unavailable())
 
 
 def _timing(stream: _Stream, t_end: float) -> Timing:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -20,59 +20,7 @@ from service_infra.backend import (
     Overloaded,
 )
 from service_infra.colocated import ColocatedBackend
-
-
-class FakeEngine:
-    """One token per step for every request (token i is i); finishes at max_tokens."""
-
-    def __init__(self, step_s: float = 0.002) -> None:
-        self.tokenizer = object()
-        self.source = SimpleNamespace(name="fake")
-        self.max_model_len = 64
-        self.model_config = SimpleNamespace(vocab_size=100)
-        self.kv = SimpleNamespace(pool=SimpleNamespace(num_blocks=8), block_size=16,
-                                  num_free_blocks=8, check_integrity=lambda: None)
-        self.scheduler = SimpleNamespace(requests={}, num_running=0, num_waiting=0,
-                                         num_preemptions=0)
-        self.step_s = step_s
-        self.num_steps = 0
-        self.aborted: list[str] = []
-        self.fail = False
-        self.spec = None  # no speculative decoding
-
-    def add_request(self, prompt, params, req_id):
-        self.scheduler.requests[req_id] = [params, prompt, [], time.monotonic()]
-        self.scheduler.num_running = len(self.scheduler.requests)
-
-    def abort_request(self, req_ids):
-        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
-            if self.scheduler.requests.pop(req_id, None) is not None:
-                self.aborted.append(req_id)
-        self.scheduler.num_running = len(self.scheduler.requests)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.requests)
-
-    def step(self) -> list[RequestOutput]:
-        self.num_steps += 1
-        if self.fail:
-            raise RuntimeError("boom")
-        time.sleep(self.step_s)
-        outputs = []
-        for req_id, (params, prompt, out, arrival) in list(self.scheduler.requests.items()):
-            out.append(len(out) + 1)
-            done = len(out) == params.max_tokens
-            since = time.monotonic() - arrival
-            metrics = {"first_scheduled": 0.0, "first_token": since}
-            if done:
-                metrics["finished"] = since
-                del self.scheduler.requests[req_id]
-            outputs.append(RequestOutput(
-                req_id, None, prompt, [CompletionOutput(0, "", list(out),
-                                                        "length" if done else None)],
-                done, metrics=metrics, delta_text=f"t{out[-1]} ", delta_token_ids=[out[-1]]))
-        self.scheduler.num_running = len(self.scheduler.requests)
-        return outputs
+from tests.service_infra.fake_engine import FakeEngine
 
 
 def inp(req_id: str, max_tokens: int, deadline: float | None = None) -> GenerateInput:
@@ -105,6 +53,36 @@ def test_streams_every_token_then_the_timing():
     t = last.timing
     assert t.ttft_s == pytest.approx(t.queue_s + t.prefill_s) and t.first_decode_step_s > 0
 
+
+
+def test_a_request_can_enter_the_engine_another_way():
+    """generate(start=...): the engine thread runs start instead of add_request (the decode
+    worker admits a prefilled request so); what start returns streams first, and a ValueError
+    it raises ends the stream with that error."""
+    engine = FakeEngine()
+    seen_threads: list[str] = []
+
+    def admit() -> list[RequestOutput]:
+        seen_threads.append(threading.current_thread().name)
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), "p")
+        engine.scheduler.requests["p"][2].append(0)  # the first token, computed elsewhere
+        return [RequestOutput("p", None, [1, 2, 3], [CompletionOutput(0, "", [0], None)], False,
+                              metrics={"first_scheduled": 0.0, "first_token": 0.0},
+                              delta_text="t0 ", delta_token_ids=[0])]
+
+    def refuse() -> list[RequestOutput]:
+        raise ValueError("cannot admit: no reservation")
+
+    async def body(backend):
+        chunks = [c async for c in backend.generate(inp("p", 4), start=admit)]
+        with pytest.raises(ValueError, match="no reservation"):
+            [c async for c in backend.generate(inp("q", 4), start=refuse)]
+        return chunks
+
+    chunks = run(body, engine)
+    assert [t for c in chunks for t in c.token_ids] == [0, 2, 3, 4]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_output_tokens == 4
+    assert seen_threads == ["engine-loop"]
 
 def test_concurrent_requests_and_a_duplicate_id():
     async def body(backend):

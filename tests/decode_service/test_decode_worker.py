@@ -1,0 +1,92 @@
+"""DecodeWorker over a fake engine (no model, milliseconds): a reservation whose KV is verified
+is admitted with the first token computed elsewhere and streams from it; a lease that ends
+before the claim aborts the reserved request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_service.worker import DecodeWorker, LeaseNotReady
+from engine_core.outputs import CompletionOutput, RequestOutput
+from engine_core.sampling_params import SamplingParams
+from kv_transfer import LeaseTable
+from tests.service_infra.fake_engine import FakeEngine
+
+BLOCK_SIZE = 16
+
+
+class FakeDecodeEngine(FakeEngine):
+    """FakeEngine plus the two decode verbs: reserve blocks, admit with a first token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layout = type("Layout", (), {"block_size": BLOCK_SIZE})()
+        self.reserved: dict[str, SamplingParams] = {}
+
+    def reserve(self, prompt, params, req_id):
+        self.reserved[req_id] = params
+        return list(range(-(-len(prompt) // BLOCK_SIZE))), 0
+
+    def admit_prefilled(self, req_id, first_token, first_logprobs=None):
+        params = self.reserved.pop(req_id)  # KeyError: nothing reserved under this id
+        self.add_request([1, 2, 3], params, req_id)
+        self.scheduler.requests[req_id][2].append(first_token)
+        return RequestOutput(req_id, None, [1, 2, 3],
+                             [CompletionOutput(0, "", [first_token], None)], False,
+                             metrics={"first_scheduled": 0.0, "first_token": 0.0},
+                             delta_token_ids=[first_token])
+
+    def abort_request(self, req_ids):
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            if self.reserved.pop(req_id, None) is not None:
+                self.aborted.append(req_id)
+        super().abort_request(req_ids)
+
+
+def run(body):
+    async def main():
+        engine = FakeDecodeEngine()
+        holder: dict[str, DecodeWorker] = {}
+        table = LeaseTable(on_release=lambda lease, why: holder["w"].on_lease_released(lease,
+                                                                                      why))
+        worker = holder["w"] = DecodeWorker(engine, table)
+        try:
+            return await body(worker, table, engine)
+        finally:
+            await worker.close()
+
+    return asyncio.run(main())
+
+
+def deliver(table: LeaseTable, lease_id: str, block_ids: list[int]) -> None:
+    """What a prefill worker's transfer does to the lease, short of moving bytes."""
+    table.begin(lease_id, block_ids, "grpc", is_one_sided=False)
+    table.start_verify(lease_id)
+    table.complete(lease_id, ok=True)
+
+
+def test_verified_kv_is_claimed_and_streams_from_the_first_token():
+    async def body(worker, table, engine):
+        res = await worker.reserve("r", [1, 2, 3], SamplingParams(max_tokens=3), ttl_s=5.0)
+        deliver(table, res.lease_id, res.block_ids)
+        chunks = [c async for c in worker.decode("r", 7, None, ready_timeout_s=1.0)]
+        return chunks, worker.reservations, table.leases()
+
+    chunks, reservations, leases = run(body)
+    assert [t for c in chunks for t in c.token_ids] == [7, 2, 3]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_output_tokens == 3
+    assert reservations == {} and leases == []  # claimed: the engine owns the blocks now
+
+
+def test_a_lease_aborted_before_the_claim_aborts_the_reserved_request():
+    async def body(worker, table, engine):
+        await worker.reserve("r", [1, 2, 3], SamplingParams(max_tokens=3), ttl_s=5.0)
+        assert await worker.abort_anywhere("r", "client gone")
+        with pytest.raises(LeaseNotReady):
+            [c async for c in worker.decode("r", 7, None, ready_timeout_s=0.1)]
+        await worker.status()  # runs in the engine thread after the abort
+        return engine.aborted
+
+    assert run(body) == ["r"]

@@ -1,0 +1,62 @@
+"""An engine stand-in for the tests of what runs an engine on its thread (ColocatedBackend,
+the decode worker): no model, one token per step, milliseconds."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from engine_core.outputs import CompletionOutput, RequestOutput
+
+
+class FakeEngine:
+    """One token per step for every request (token i is i); finishes at max_tokens."""
+
+    def __init__(self, step_s: float = 0.002) -> None:
+        self.tokenizer = object()
+        self.source = SimpleNamespace(name="fake")
+        self.max_model_len = 64
+        self.model_config = SimpleNamespace(vocab_size=100)
+        self.kv = SimpleNamespace(pool=SimpleNamespace(num_blocks=8), block_size=16,
+                                  num_free_blocks=8, check_integrity=lambda: None)
+        self.scheduler = SimpleNamespace(requests={}, num_running=0, num_waiting=0,
+                                         num_preemptions=0)
+        self.step_s = step_s
+        self.num_steps = 0
+        self.aborted: list[str] = []
+        self.fail = False
+        self.spec = None  # no speculative decoding
+
+    def add_request(self, prompt, params, req_id):
+        self.scheduler.requests[req_id] = [params, prompt, [], time.monotonic()]
+        self.scheduler.num_running = len(self.scheduler.requests)
+
+    def abort_request(self, req_ids):
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            if self.scheduler.requests.pop(req_id, None) is not None:
+                self.aborted.append(req_id)
+        self.scheduler.num_running = len(self.scheduler.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        if self.fail:
+            raise RuntimeError("boom")
+        time.sleep(self.step_s)
+        outputs = []
+        for req_id, (params, prompt, out, arrival) in list(self.scheduler.requests.items()):
+            out.append(len(out) + 1)
+            done = len(out) == params.max_tokens
+            since = time.monotonic() - arrival
+            metrics = {"first_scheduled": 0.0, "first_token": since}
+            if done:
+                metrics["finished"] = since
+                del self.scheduler.requests[req_id]
+            outputs.append(RequestOutput(
+                req_id, None, prompt, [CompletionOutput(0, "", list(out),
+                                                        "length" if done else None)],
+                done, metrics=metrics, delta_text=f"t{out[-1]} ", delta_token_ids=[out[-1]]))
+        self.scheduler.num_running = len(self.scheduler.requests)
+        return outputs
