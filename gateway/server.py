@@ -99,7 +99,8 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
 
     redis_config = None
     if args.redis_url:
-        from gateway.redis_registry import RedisConfig, RedisDiscovery
+        from gateway.redis_discovery import RedisDiscovery
+        from service_infra.redis_registry import RedisConfig
 
         redis_config = RedisConfig.from_args(args)  # bad flags fail here, before the loop
     source = resolve_model(args.model)

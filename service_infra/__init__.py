@@ -8,6 +8,7 @@ neither the engine nor one service's own logic.
     tls.py                  TLS and mutual TLS on every gRPC hop
     worker_args.py          the flags of the workers, shared with the gateway and `pdserve up`
     worker_server.py        the gRPC server shell of a worker (health, reflection, drain)
+    redis_registry.py       the Redis key schema and connection config, shared with the gateway
     worker_registration.py  a worker's entry in Redis: register, heartbeat, publish prefixes
     metrics/                metric names, the workers' exporters, GPU telemetry
 """

@@ -39,7 +39,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def add_redis_arguments(p: argparse.ArgumentParser, is_worker: bool) -> None:
-    """Discovery through Redis (gateway/redis_registry.py): workers register themselves, the
+    """Discovery through Redis (service_infra/redis_registry.py): workers register themselves, the
     gateway finds them. Shared by `pdserve prefill`, `pdserve decode` and `pdserve gateway`."""
     g = p.add_argument_group("discovery (Redis)")
     g.add_argument("--redis-url", default=None, metavar="URL",

@@ -1,4 +1,4 @@
-"""A worker's registration in Redis (the key schema: gateway/redis_registry.py).
+"""A worker's registration in Redis (the key schema: service_infra/redis_registry.py).
 
     serving -> start(port): INCR {ns}:epoch:{id}, then HSET {ns}:worker:{role}:{id} + PEXPIRE ttl
             -> every ttl / 3: the whole hash again + PEXPIRE (a Redis that lost it gets it back)
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import redis.asyncio as aioredis
 
-from gateway.redis_registry import (
+from service_infra.redis_registry import (
     EPOCH_TTL_S,
     PREFIX_TTL_S,
     REDIS_ERRORS,

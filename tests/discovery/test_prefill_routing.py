@@ -10,8 +10,9 @@ import pytest
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.disaggregated import DisaggregatedBackend
-from gateway.redis_registry import RedisConfig, RedisDiscovery
+from gateway.redis_discovery import RedisDiscovery
 from gateway.routing import QUEUE_WEIGHT_BLOCKS, pick_prefill
+from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 
 BLOCK_SIZE = 16

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.redis_registry import RedisConfig
 from gateway.server import run_gateway
 from pdserve.cli import apply_env_defaults, build_parser
+from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import advertise_host, worker_registration
 from tests.helpers import ROOT
 

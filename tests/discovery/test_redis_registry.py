@@ -16,7 +16,8 @@ import redis
 
 from gateway.disaggregated import DisaggregatedBackend
 from gateway.discovery import WorkerAddress
-from gateway.redis_registry import RedisConfig, RedisDiscovery, RedisUnavailable, block_member
+from gateway.redis_discovery import RedisDiscovery
+from service_infra.redis_registry import RedisConfig, RedisUnavailable, block_member
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 from tests.discovery.conftest import PASSWORD
 from tests.helpers import ROOT
@@ -149,7 +150,7 @@ def test_restart_bumps_the_epoch_and_the_gateway_reconnects(redis_server):
 
 WORKER = """
 import asyncio, sys
-from gateway.redis_registry import RedisConfig
+from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 
 async def main():

@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.redis_registry import block_member
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
+from service_infra.redis_registry import block_member
 from tests.e2e.stack import BLOCK_SIZE, LONG, N, greedy, out_ids, out_text, run
 from tests.helpers import (
     kill_tree,

@@ -1,0 +1,104 @@
+"""The gateway's view of the workers registered in Redis (the key schema and its config:
+service_infra/redis_registry.py; the workers' side: service_infra/worker_registration.py).
+
+The gateway: SCAN + pipelined HGETALL per refresh (once a second); per routed prompt one
+pipelined ZMSCORE per candidate prefill worker (one round trip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from gateway.discovery import WorkerAddress
+from service_infra.redis_registry import REDIS_ERRORS, OutageLog, RedisConfig, block_member
+
+logger = logging.getLogger(__name__)
+PREFIX_QUERY_TIMEOUT_S = 0.25  # routing waits this long for prefix information at most
+
+
+class RedisDiscovery:
+    """The gateway's Discovery (gateway/discovery.py) over the registered workers, and which
+    prefill workers hold a prompt's leading blocks. While Redis is down, workers() answers
+    what it last saw and prefix_overlap() None (routing by queue depth); each outage is
+    logged once."""
+
+    def __init__(self, config: RedisConfig, client: aioredis.Redis) -> None:
+        self.config = config
+        self._redis = client
+        self._last: list[WorkerAddress] = []
+        self._bad_keys: set[str] = set()  # malformed entries, warned about once
+        self._workers_outage = OutageLog("discovery")
+        self._prefix_outage = OutageLog("prefix routing (routing by queue depth meanwhile)")
+
+    @classmethod
+    async def connect(cls, config: RedisConfig) -> RedisDiscovery:
+        return cls(config, await config.connect())
+
+    async def workers(self) -> list[WorkerAddress]:
+        try:
+            keys = [k async for k in self._redis.scan_iter(
+                match=f"{self.config.namespace}:worker:*", count=1000)]
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(key)
+            rows = await pipe.execute() if keys else []
+            self._workers_outage.ok()
+        except REDIS_ERRORS as e:
+            self._workers_outage.failed(f"keeping the last known workers: "
+                                        f"{self.config.describe(e)}")
+            return list(self._last)
+        newest: dict[str, tuple[float, WorkerAddress]] = {}  # address -> its newest entry
+        for key, row in zip(keys, rows, strict=True):
+            if not row:  # expired between SCAN and HGETALL
+                continue
+            try:
+                w = WorkerAddress(row["role"], row["address"], worker_id=row["worker_id"],
+                                  model=row["model"], layout_fingerprint=row["layout_fingerprint"],
+                                  epoch=int(row["epoch"]), num_blocks=int(row["num_blocks"]),
+                                  max_num_seqs=int(row["max_num_seqs"]))
+                started = float(row["started_at"])
+            except (KeyError, ValueError) as e:
+                if key not in self._bad_keys:
+                    logger.warning("ignoring malformed worker entry %s: %r", key, e)
+                    self._bad_keys.add(key)
+                continue
+            # a restarted worker under a new id may leave its old entry until that expires
+            if w.address not in newest or started > newest[w.address][0]:
+                newest[w.address] = (started, w)
+        self._last = sorted((w for _, w in newest.values()), key=lambda w: (w.role, w.address))
+        return list(self._last)
+
+    async def prefix_overlap(self, worker_ids: Sequence[str],
+                             block_hashes: Sequence[int]) -> dict[str, int] | None:
+        """{worker_id: how many of the leading block_hashes it holds, unexpired}; None when
+        Redis did not answer within PREFIX_QUERY_TIMEOUT_S."""
+        if not worker_ids or not block_hashes:
+            return dict.fromkeys(worker_ids, 0)
+        members = [block_member(h) for h in block_hashes]
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id in worker_ids:
+            pipe.zmscore(self.config.prefix_key(worker_id), members)
+        try:
+            scores = await asyncio.wait_for(pipe.execute(), PREFIX_QUERY_TIMEOUT_S)
+            self._prefix_outage.ok()
+        except REDIS_ERRORS as e:
+            self._prefix_outage.failed(self.config.describe(e))
+            return None
+        now = time.time()  # the workers' clocks wrote the expiries: skew << PREFIX_TTL_S
+        out = {}
+        for worker_id, held in zip(worker_ids, scores, strict=True):
+            n = 0
+            while n < len(held) and held[n] is not None and held[n] > now:
+                n += 1
+            out[worker_id] = n
+        return out
+
+    async def close(self) -> None:
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self._redis.aclose()
