@@ -10,15 +10,15 @@ import grpc
 
 from decode_service.worker import DecodeWorker, LeaseNotReady
 from kv_transfer import LeaseEndedError, LeaseError, UnknownLeaseError
-from protos.convert import (
+from protos.pdserve.internal import workers_pb2 as pb
+from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.backend import BackendUnavailable
+from service_infra.proto_convert import (
     FINISH_REASONS,
     logprob_from_proto,
     logprob_to_proto,
     sampling_from_proto,
 )
-from protos.pdserve.internal import workers_pb2 as pb
-from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
-from service_infra.backend import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_TTL_S = 600.0

@@ -47,11 +47,6 @@ from gateway.prefill_handoff import PrefillHandoff
 from gateway.routing import QUEUE_WEIGHT_BLOCKS
 from gateway.worker_calls import WorkerLost
 from gateway.worker_pools import Worker, WorkerPools
-from protos.convert import (
-    FINISH_REASON_NAMES,
-    logprob_from_proto,
-    sampling_to_proto,
-)
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import (
     BackendUnavailable,
@@ -60,6 +55,11 @@ from service_infra.backend import (
     GenerateInput,
     ModelInfo,
     Timing,
+)
+from service_infra.proto_convert import (
+    FINISH_REASON_NAMES,
+    logprob_from_proto,
+    sampling_to_proto,
 )
 from service_infra.tls import TLSConfig
 

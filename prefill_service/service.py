@@ -31,12 +31,12 @@ from kv_transfer import (
     connect,
 )
 from prefill_service.engine import HandoffTarget, PrefillEngine
-from protos.convert import logprob_to_proto, sampling_from_proto
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics
+from service_infra.proto_convert import logprob_to_proto, sampling_from_proto
 from service_infra.tls import TLSConfig
 
 logger = logging.getLogger(__name__)

@@ -5,6 +5,7 @@ neither the engine nor one service's own logic.
                             errors every backend raises
     colocated.py            ColocatedBackend: an LLMEngine on its own thread behind asyncio
                             (the gateway's colocated mode; the engine loop of both workers)
+    proto_convert.py        protobuf <-> engine types (sampling parameters, logprobs)
     tls.py                  TLS and mutual TLS on every gRPC hop
     worker_args.py          the flags of the workers, shared with the gateway and `pdserve up`
     worker_server.py        the gRPC server shell of a worker (health, reflection, drain)

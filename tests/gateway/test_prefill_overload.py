@@ -12,10 +12,10 @@ import pytest
 from engine_core.sampling_params import SamplingParams
 from gateway.disaggregated import DisaggregatedBackend
 from gateway.discovery import StaticDiscovery
-from protos.convert import sampling_to_proto
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.backend import GenerateInput, Overloaded
+from service_infra.proto_convert import sampling_to_proto
 
 
 class QueuePrefill(pb_grpc.PrefillServicer):

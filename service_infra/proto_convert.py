@@ -1,7 +1,6 @@
-"""Hand-written conversions between proto messages and engine types, shared by every hop.
-
-(The generated stubs next to this file are never edited; this module is not generated.)
-"""
+"""Conversions between proto messages (protos/pdserve/v1) and engine types, shared by every
+hop: sampling parameters, finish reasons and logprobs. Here, not in protos/, so that the
+generated stubs stay a leaf that imports nothing of ours."""
 
 from __future__ import annotations
 
