@@ -1,7 +1,13 @@
 """Shared engine core of pdserve: model, paged KV cache, scheduler, sampler, offline API."""
 
+from typing import TYPE_CHECKING
+
 from engine_core.outputs import CompletionOutput, RequestOutput
 from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported on first use at run time (__getattr__), named here for checkers
+    from engine_core.engine import LLMEngine
+    from engine_core.llm import LLM
 
 
 def __getattr__(name: str):  # lazy: importing LLM pulls in torch and transformers
