@@ -28,7 +28,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from kernels import cpu_attention, reference  # noqa: E402
-from kernels.testing import make_decode_inputs, make_prefill_inputs  # noqa: E402
+from tests.kernels.attention_inputs import make_decode_inputs, make_prefill_inputs  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from engine_core.kv_cache.layout import KVLayout  # noqa: E402
 from kv_transfer import connect  # noqa: E402
-from kv_transfer.loopback import ReceiverProcess  # noqa: E402
+from tests.kv_transfer.loopback import ReceiverProcess  # noqa: E402
 
 PROMPT_TOKENS = 512
 NUM_RECEIVER_BLOCKS = 64

@@ -12,7 +12,8 @@ Decode side (receiver):                         Prefill side (sender):
 
 Modules: lease (state machine), checksum, session (sender pipeline), transport (connect,
 select_transport, host_id), grpc_transport / shm_transport / cuda_ipc_transport (data planes),
-receiver + servicer (decode side), wire (proto conversions), loopback (test/bench servers).
+receiver + servicer (decode side), wire (proto conversions). Loopback servers for tests and
+benchmarks: tests/kv_transfer/loopback.py.
 """
 
 from kv_transfer.checksum import checksum_blocks, checksum_tensor

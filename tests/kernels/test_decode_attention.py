@@ -10,8 +10,12 @@ import torch
 from kernels import cpu_attention, paged_decode_attention
 from kernels.cpu_attention import _flat_rows, paged_decode_attention_torch
 from kernels.reference import paged_decode_attention_ref
-from kernels.testing import DecodeInputs, assert_close_to_reference, make_decode_inputs
 from tests.helpers import torch_threads
+from tests.kernels.attention_inputs import (
+    DecodeInputs,
+    assert_close_to_reference,
+    make_decode_inputs,
+)
 
 # (num_q_heads, num_kv_heads): GQA ratios 1, 3 and 4.
 HEADS = [(4, 4), (6, 2), (8, 2)]

@@ -48,7 +48,7 @@ def test_torch_path_does_not_import_triton() -> None:
         import sys
         import torch
         from kernels import paged_decode_attention, paged_prefill_attention, store_kv
-        from kernels.testing import make_decode_inputs
+        from tests.kernels.attention_inputs import make_decode_inputs
 
         inputs = make_decode_inputs([3, 9], 4, 2, 16, 8, torch.float32)
         paged_decode_attention(*inputs.args())

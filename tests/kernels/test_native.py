@@ -17,8 +17,8 @@ from engine_core.model.rope import apply_rope, cos_sin_cache
 from engine_core.weights.gguf_q4 import Q4Weight
 from kernels import native
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
-from kernels.testing import make_decode_inputs, make_prefill_inputs
 from tests.helpers import torch_threads
+from tests.kernels.attention_inputs import make_decode_inputs, make_prefill_inputs
 from tests.native_kernels import require_native_kernels, why_no_native_kernels
 
 # skipped only where the kernels cannot build or run; elsewhere a failed build fails each test

@@ -17,7 +17,7 @@ from kv_helpers import NUM_DST_BLOCKS, Rig, random_cache
 
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import KVReceiver, KVTransferServicer, Lease, LeaseTable, SharedKVPool
-from kv_transfer.loopback import LoopbackServer
+from tests.kv_transfer.loopback import LoopbackServer
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import KVReceiver, Lease, LeaseTable, SharedKVPool
-from kv_transfer.loopback import LoopbackServer
+from tests.kv_transfer.loopback import LoopbackServer
 
 LAYOUTS = [
     KVLayout("tiny", "float32", block_size=16, num_layers=3, num_kv_heads=2, head_dim=32),

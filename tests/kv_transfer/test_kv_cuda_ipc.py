@@ -74,7 +74,7 @@ def test_refused_without_cuda():
 def test_cuda_ipc_transfer_between_processes(seed):
     """The decode pool lives on the GPU of a child process; this process opens its IPC
     handle and copies device to device. CUDA IPC handles never open in their own process."""
-    from kv_transfer.loopback import ReceiverProcess
+    from tests.kv_transfer.loopback import ReceiverProcess
 
     gen = torch.Generator().manual_seed(seed)
     src_kv = torch.randn(LAYOUT.cache_shape(16), generator=gen).to(LAYOUT.torch_dtype).cuda()

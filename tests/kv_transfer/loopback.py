@@ -1,4 +1,4 @@
-"""A KVTransfer server on loopback, for tests, benchmarks and single-host demos.
+"""A KVTransfer server on loopback, for the tests and benchmarks/bench_kv_transfer.py.
 
     LoopbackServer(servicer).start()    grpc.aio on its own event loop (uvloop when installed)
                                         in a background thread of this process
