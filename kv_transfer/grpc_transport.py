@@ -36,9 +36,9 @@ GRPC_CHANNEL_OPTIONS: dict[str, int] = {
     "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
     "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
     "grpc.enable_retries": 0,  # a half-sent stream must fail, not be replayed
-    # a worker restarted at its address is reached again within ~2 s: gRPC's default
-    # reconnect backoff grows to 120 s, so a peer down for a minute stayed unreachable for
-    # half a minute after it was back
+    # a worker restarted at its address is reached again within ~2 s: under gRPC's default
+    # reconnect backoff (growing to 120 s) a peer down for a minute can stay unreachable for
+    # half a minute after it is back
     "grpc.initial_reconnect_backoff_ms": 500,
     "grpc.min_reconnect_backoff_ms": 500,
     "grpc.max_reconnect_backoff_ms": 2000,

@@ -1,8 +1,8 @@
 """When the tests may do without the C kernels (kernels/native.py): only where this machine
 cannot build or run them, or they were turned off. Where a compiler (or a prebuilt library) and
 an AVX2/FMA CPU are there they must load, and a failed build fails the test with the
-compiler's message; `native.load()` alone would return None and log it, which used to turn a
-broken build into skipped tests.
+compiler's message; `native.load()` alone returns None and logs it, so a skip decided on
+load() alone would turn a broken build into skipped tests.
 
     pytestmark = pytest.mark.skipif(why_no_native_kernels() is not None, reason=...)
     lib = require_native_kernels("avx2")  # skips, or fails with the compiler's error
