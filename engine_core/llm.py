@@ -36,11 +36,13 @@ class LLM:
         quantize_decode: bool | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
         decode_activations: str | None = None,
+        cache_decoded_blocks: bool = False,
     ) -> None:
         """speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
         {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig.
         decode_activations: "auto", "float32" or "int8", for the CPU's quantized decode
-        matmuls (see model/decode_quant.resolve_activations)."""
+        matmuls (see model/decode_quant.resolve_activations).
+        cache_decoded_blocks: see CacheConfig.cache_decoded_blocks."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         self.engine = LLMEngine(
@@ -52,7 +54,8 @@ class LLM:
             decode_activations=decode_activations,
             cache_config=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                      kv_cache_memory_gb=kv_cache_memory_gb,
-                                     enable_prefix_caching=enable_prefix_caching),
+                                     enable_prefix_caching=enable_prefix_caching,
+                                     cache_decoded_blocks=cache_decoded_blocks),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=max_model_len),

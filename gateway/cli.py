@@ -7,6 +7,7 @@ import argparse
 
 from service_infra.tls import add_tls_arguments
 from service_infra.worker_args import (
+    add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
     add_redis_arguments,
     add_speculative_arguments,
@@ -44,6 +45,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(mode)
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    add_cache_decoded_blocks_argument(mode)
     mode.add_argument("--max-num-seqs", type=int, default=64)
     mode.add_argument("--max-model-len", type=int, default=None)
     add_speculative_arguments(p)  # for --colocated (decode workers take their own)

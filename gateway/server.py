@@ -78,7 +78,8 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     engine = LLMEngine(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         speculative_config=speculative_config(args),
-        cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
+        cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
+                                 cache_decoded_blocks=args.cache_decoded_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_model_len=args.max_model_len),
     )

@@ -30,6 +30,7 @@ import time
 from gateway.cli import add_admission_arguments
 from pdserve.supervisor import Child, RestartPolicy, supervise
 from service_infra.worker_args import (
+    add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
     add_speculative_arguments,
     speculative_argv,
@@ -51,6 +52,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (0: any free)")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per worker")
+    add_cache_decoded_blocks_argument(p)  # passed to the decode workers
     p.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     p.add_argument("--no-pin", action="store_true", help="do not pin pools to CPU cores")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_crashes,
@@ -167,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.decode):
             stack.add_worker(f"decode-{i}", [
                 "decode", "--transports", transports, "--max-num-seqs", str(args.max_num_seqs),
-                *kv, *speculative_argv(args), *common], dec_cores)
+                *kv, *speculative_argv(args), *common,
+                *(["--cache-decoded-blocks"] if args.cache_decoded_blocks else [])], dec_cores)
         deadline = time.monotonic() + READY_TIMEOUT_S
         for w in stack.workers:  # a worker that cannot start once will not start again
             w.wait_ready(deadline)

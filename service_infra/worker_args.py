@@ -15,6 +15,15 @@ def add_decode_activations_argument(p) -> None:
                         "auto: int8 for bfloat16 on a VNNI CPU, else float32")
 
 
+def add_cache_decoded_blocks_argument(p) -> None:
+    """--cache-decoded-blocks (engine_core/config.py CacheConfig.cache_decoded_blocks)."""
+    p.add_argument("--cache-decoded-blocks", action="store_true",
+                   help="also serve prefix-cache hits from blocks holding generated tokens "
+                        "(their KV came from decode steps, computed differently from a "
+                        "prefill, so a hit can change later output); off, greedy output "
+                        "depends on the tokens only")
+
+
 def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     """Flags shared by `pdserve prefill` and `pdserve decode`."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
@@ -25,6 +34,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: any free; default: off)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    add_cache_decoded_blocks_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -111,7 +121,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         speculative_config=speculative_config(args),
-        cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
+        cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
+                                 cache_decoded_blocks=args.cache_decoded_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
                                          max_model_len=args.max_model_len),

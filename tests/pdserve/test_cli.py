@@ -42,3 +42,16 @@ def test_decode_activations_reach_every_engine_that_decodes():
     assert engine_kwargs(args)["decode_activations"] == "float32"
     with pytest.raises(SystemExit):  # argparse names the choices on stderr
         parser.parse_args(["decode", "--decode-activations", "int4"])
+
+
+def test_cache_decoded_blocks_reaches_every_engine_that_decodes():
+    from service_infra.worker_args import engine_kwargs
+
+    parser = build_parser()
+    for cmd in (["decode"], ["gateway", "--colocated"], ["up"]):
+        assert parser.parse_args(cmd).cache_decoded_blocks is False
+        assert parser.parse_args([*cmd, "--cache-decoded-blocks"]).cache_decoded_blocks is True
+    assert engine_kwargs(parser.parse_args(["decode"]))["cache_config"].cache_decoded_blocks \
+        is False
+    args = parser.parse_args(["decode", "--cache-decoded-blocks"])
+    assert engine_kwargs(args)["cache_config"].cache_decoded_blocks is True
