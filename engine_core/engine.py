@@ -28,6 +28,7 @@ from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import RequestTextState, build_output
 from engine_core.outputs import RequestOutput
 from engine_core.request import Request, RequestStatus
+from engine_core.sampler import skip_draw
 from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.spec_decode import SpecDecoder, build_spec_decoder
@@ -164,7 +165,7 @@ class LLMEngine:
         if req.generator is not None and p.temperature >= GREEDY_TEMPERATURE_EPS:
             # the prefill worker drew the first token from this seed's first state: draw the
             # same amount here, so the rest matches a colocated run of the same seed
-            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
+            skip_draw(req.generator)
         if first_logprobs is not None:
             req.output_logprobs.append(first_logprobs)
         now = time.monotonic()

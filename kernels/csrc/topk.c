@@ -30,36 +30,37 @@ static inline void topk_offer(float *val, int64_t *at, int k, int *low, float v,
     *low = m;
 }
 
+void pd_topk_row(const float *row, int64_t N, int k, int64_t *idx) {
+    float val[TOPK_MAX];
+    int64_t at[TOPK_MAX];
+    int low = 0;
+    for (int i = 0; i < k; i++) {
+        val[i] = row[i];
+        at[i] = i;
+        if (val[i] < val[low] || (val[i] == val[low] && at[i] > at[low])) low = i;
+    }
+    int64_t j = k;
+    for (; j + TOPK_LANES <= N; j += TOPK_LANES)
+        for (unsigned above = above_mask(row + j, val[low]); above; above &= above - 1) {
+            const int b = __builtin_ctz(above);
+            topk_offer(val, at, k, &low, row[j + b], j + b); /* the bar may have risen */
+        }
+    for (; j < N; j++) topk_offer(val, at, k, &low, row[j], j);
+    for (int i = 1; i < k; i++) { /* largest first, equal values by index */
+        const float v = val[i];
+        const int64_t a = at[i];
+        int p = i;
+        for (; p > 0 && (val[p - 1] < v || (val[p - 1] == v && at[p - 1] > a)); p--) {
+            val[p] = val[p - 1];
+            at[p] = at[p - 1];
+        }
+        val[p] = v;
+        at[p] = a;
+    }
+    memcpy(idx, at, (size_t)k * sizeof(int64_t));
+}
+
 void pd_topk(const float *x, int64_t M, int64_t N, int k, int64_t *idx, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
-    for (int64_t r = 0; r < M; r++) {
-        const float *row = x + r * N;
-        float val[TOPK_MAX];
-        int64_t at[TOPK_MAX];
-        int low = 0;
-        for (int i = 0; i < k; i++) {
-            val[i] = row[i];
-            at[i] = i;
-            if (val[i] < val[low] || (val[i] == val[low] && at[i] > at[low])) low = i;
-        }
-        int64_t j = k;
-        for (; j + TOPK_LANES <= N; j += TOPK_LANES)
-            for (unsigned above = above_mask(row + j, val[low]); above; above &= above - 1) {
-                const int b = __builtin_ctz(above);
-                topk_offer(val, at, k, &low, row[j + b], j + b); /* the bar may have risen */
-            }
-        for (; j < N; j++) topk_offer(val, at, k, &low, row[j], j);
-        for (int i = 1; i < k; i++) { /* largest first, equal values by index */
-            const float v = val[i];
-            const int64_t a = at[i];
-            int p = i;
-            for (; p > 0 && (val[p - 1] < v || (val[p - 1] == v && at[p - 1] > a)); p--) {
-                val[p] = val[p - 1];
-                at[p] = at[p - 1];
-            }
-            val[p] = v;
-            at[p] = a;
-        }
-        memcpy(idx + r * k, at, (size_t)k * sizeof(int64_t));
-    }
+    for (int64_t r = 0; r < M; r++) pd_topk_row(x + r * N, N, k, idx + r * k);
 }
