@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine_core.penalties import PenaltyTokens, TokenCounts, apply_penalties
 from engine_core.sampling_params import SamplingParams
 from kernels import native
 
@@ -97,10 +98,8 @@ class SamplingBatch:
     frequency_penalty: Tensor  # [B] float32; 0.0 = disabled
     # Per row; None for unseeded rows and for greedy rows (they never draw noise).
     generators: list[torch.Generator | None]
-    # [B, L] int64, padded with vocab_size. None when no_penalties. Rows that do not need
-    # them (no repetition penalty for the prompt; no penalty at all for the output) are padding.
-    prompt_token_ids: Tensor | None
-    output_token_ids: Tensor | None
+    # The (row, token) pairs the penalties touch; None when no_penalties.
+    penalty_tokens: PenaltyTokens | None
     # [2, N] int64: row indices, token ids. None = nothing blocked. From a dense [B, V] bool
     # mask: `mask.nonzero().T`.
     blocked_token_ids: Tensor | None
@@ -124,13 +123,16 @@ class SamplingBatch:
         *,
         eos_token_ids: Iterable[int],
         device: torch.device | str = "cpu",
+        token_counts: Sequence[TokenCounts | None] | None = None,
     ) -> SamplingBatch:
         """Batch the running requests' parameters (row i = request i).
 
         `output_ids` are the tokens generated so far; their count also drives min_tokens
         blocking of `eos_token_ids` and `stop_token_ids` (see `min_tokens_blocked_ids`).
         `generators[i]` must come from `make_generator(params[i].seed)` and live as long as
-        the request.
+        the request. `token_counts[i]`, kept incrementally by the caller, are row i's penalty
+        counts (None for rows without penalties); without them they are counted here from
+        `prompt_ids` and `output_ids`.
         """
         num_reqs = len(params)
         assert len(prompt_ids) == len(output_ids) == len(generators) == num_reqs
@@ -148,22 +150,15 @@ class SamplingBatch:
         def floats(values: list[float]) -> Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        prompt_tensor = output_tensor = None
+        penalty_tokens = None
         if not no_penalties:
-            # Only rows that use them: the prompt for repetition, the output for any penalty.
-            prompt_tensor = _pad_rows(
-                [
-                    ids if p.repetition_penalty != 1.0 else ()
-                    for p, ids in zip(params, prompt_ids, strict=True)
-                ],
-                vocab_size,
-                device,
-            )
-            output_tensor = _pad_rows(
-                [ids if p.has_penalties else () for p, ids in zip(params, output_ids, strict=True)],
-                vocab_size,
-                device,
-            )
+            if token_counts is None:
+                token_counts = [
+                    TokenCounts(prompt if p.repetition_penalty != 1.0 else (), output)
+                    if p.has_penalties else None
+                    for p, prompt, output in zip(params, prompt_ids, output_ids, strict=True)
+                ]
+            penalty_tokens = PenaltyTokens.from_counts(token_counts)
         blocked = min_tokens_blocked_ids(params, [len(ids) for ids in output_ids], eos_token_ids)
         assert all(t < vocab_size for _, t in blocked), "stop/eos token id >= vocab_size"
         return cls(
@@ -176,8 +171,7 @@ class SamplingBatch:
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
             generators=[None if g else gen for gen, g in zip(generators, greedy, strict=True)],
-            prompt_token_ids=prompt_tensor,
-            output_token_ids=output_tensor,
+            penalty_tokens=penalty_tokens,
             blocked_token_ids=(
                 torch.tensor(blocked, dtype=torch.int64, device=device).T if blocked else None
             ),
@@ -218,11 +212,10 @@ class Sampler:
         logits = logits.to(torch.float32)
 
         if not batch.no_penalties:
-            assert batch.prompt_token_ids is not None and batch.output_token_ids is not None
+            assert batch.penalty_tokens is not None
             logits = apply_penalties(
                 logits,
-                batch.prompt_token_ids,
-                batch.output_token_ids,
+                batch.penalty_tokens,
                 batch.repetition_penalty,
                 batch.presence_penalty,
                 batch.frequency_penalty,
@@ -275,41 +268,6 @@ class Sampler:
         if not batch.no_min_p:
             apply_min_p(logits, batch.min_p)
         return logits.softmax(dim=-1)
-
-
-def apply_penalties(
-    logits: Tensor,  # [B, V] float32
-    prompt_token_ids: Tensor,  # [B, Lp] int64, padded with V
-    output_token_ids: Tensor,  # [B, Lo] int64, padded with V
-    repetition_penalty: Tensor,  # [B]
-    presence_penalty: Tensor,  # [B]
-    frequency_penalty: Tensor,  # [B]
-) -> Tensor:
-    """Return penalised logits (a new tensor).
-
-    For each token that occurs in the prompt or the output, a positive logit is divided by
-    `repetition_penalty` and a negative one multiplied by it (HF/vLLM). Then, over output
-    tokens only (OpenAI): `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
-    Neutral values (1, 0, 0) leave a row bit-for-bit unchanged.
-    """
-    num_rows, vocab_size = logits.shape
-    # One extra column catches the padding id, then is dropped.
-    output_counts = logits.new_zeros(num_rows, vocab_size + 1)  # [B, V + 1]
-    output_counts.scatter_add_(
-        1, output_token_ids, torch.ones_like(output_token_ids, dtype=logits.dtype)
-    )
-    output_counts = output_counts[:, :vocab_size]  # [B, V]
-    in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-    in_prompt.scatter_(1, prompt_token_ids, True)
-    in_output = output_counts > 0  # [B, V]
-    seen = in_prompt[:, :vocab_size] | in_output  # [B, V]
-
-    rep = repetition_penalty.unsqueeze(1)  # [B, 1]
-    repeated = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, repeated, logits)
-    logits -= frequency_penalty.unsqueeze(1) * output_counts
-    logits -= presence_penalty.unsqueeze(1) * in_output
-    return logits
 
 
 def apply_blocked_tokens(logits: Tensor, blocked_token_ids: Tensor) -> None:
@@ -390,16 +348,6 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
 
 def _native_sample_fits(logits: Tensor) -> bool:
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-
-
-def _pad_rows(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> Tensor:
-    """[len(rows), max_len] int64 tensor of the rows, right-padded with pad_id."""
-    max_len = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max_len), pad_id, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
-    return out.to(device)
 
 
 def argmax_rows(logits: Tensor) -> Tensor:
