@@ -120,14 +120,18 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         req_id: str | None = None,
+        num_prior_output_tokens: int = 0,
     ) -> str:
-        req, text = self._new_request(prompt, params, req_id)
+        """Queue a request; `num_prior_output_tokens`: the prompt's last tokens were generated
+        by an earlier attempt of it (a continuation), which the penalties count as output."""
+        req, text = self._new_request(prompt, params, req_id, num_prior_output_tokens)
         self.scheduler.add_request(req)
         self.text_states[req.req_id] = RequestTextState(req, self.tokenizer, text)
         return req.req_id
 
     def _new_request(
-        self, prompt: str | list[int], params: SamplingParams | None, req_id: str | None
+        self, prompt: str | list[int], params: SamplingParams | None, req_id: str | None,
+        num_prior_output_tokens: int = 0,
     ) -> tuple[Request, str | None]:
         params = params or SamplingParams()
         if isinstance(prompt, str):
@@ -140,15 +144,18 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {ids}")
         req_id = req_id if req_id is not None else str(next(self._ids))
-        return Request(req_id, ids, params, self.eos_token_ids), text
+        return Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens), text
 
     # -- disaggregated decode: prompt KV written by a prefill worker ------------------------
     def reserve(
-        self, prompt_token_ids: list[int], params: SamplingParams, req_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, req_id: str,
+        num_prior_output_tokens: int = 0,
     ) -> tuple[list[int], int] | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will write. Returns
-        (all its block ids, number of prompt tokens already cached here) or None if full."""
-        req, _ = self._new_request(list(prompt_token_ids), params, req_id)
+        (all its block ids, number of prompt tokens already cached here) or None if full.
+        `num_prior_output_tokens` as in `add_request`."""
+        req, _ = self._new_request(list(prompt_token_ids), params, req_id,
+                                   num_prior_output_tokens)
         blocks = self.scheduler.reserve(req)
         if blocks is None:
             return None

@@ -46,8 +46,7 @@ class InputBatch:
             self.num_tokens[row] = len(token_ids)
             self.num_blocks[row] = 0
             if req.sampling_params.has_penalties:
-                self.token_counts[row] = TokenCounts(req.prompt_token_ids,
-                                                     req.output_token_ids)
+                self.token_counts[row] = TokenCounts(*req.penalty_prompt_and_output)
         return row
 
     def append(self, row: int, req: Request) -> None:

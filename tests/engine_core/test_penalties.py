@@ -97,3 +97,24 @@ def test_rows_keep_counts_and_rebuild_them_after_preemption():
     assert as_table(batch.token_counts[row]) == recount(penalised.prompt_token_ids,
                                                         penalised.output_token_ids)
     assert batch.token_counts[row].output_counts[:batch.token_counts[row].num_tokens].sum() == 5
+
+
+def test_a_continuation_counts_its_prior_output_as_output():
+    """A request migrated after a lost worker arrives as prompt + the tokens already streamed;
+    the penalties must keep counting those as output on the new worker."""
+    params = SamplingParams(frequency_penalty=0.5, repetition_penalty=1.2)
+    cont = Request("m~1", [5, 6, 7, 9, 9, 4], params, num_prior_output_tokens=3)
+    assert cont.penalty_prompt_and_output == ([5, 6, 7], [9, 9, 4])
+    batch = InputBatch(max_rows=2, max_model_len=64, block_size=4)
+    row = batch.row(cont)
+    assert as_table(batch.token_counts[row]) == recount([5, 6, 7], [9, 9, 4])
+    cont.append_output_token(9)
+    batch.append(row, cont)
+    assert as_table(batch.token_counts[row])[9] == (3.0, False)
+
+
+def test_prior_output_must_leave_a_prompt():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"num_prior_output_tokens must be in \[0, 3\)"):
+        Request("x", [1, 2, 3], SamplingParams(), num_prior_output_tokens=3)
