@@ -5,7 +5,7 @@
 /* One token per row of logits x [M, V]: temperature, top-k, top-p and min-p, then a draw by
  * the inverse CDF of one uniform u in [0, 1) per row. No row is sorted.
  *
- *   1. candidates   the row's 64 largest logits (pd_topk_row, one pass); the first is the max m
+ *   1. candidates   the 64 largest logits (pd_select_top, one pass); the first is the max m
  *   2. weights      e_i = exp((x_i - m) / T), written over x (e = 0 below e^-87: a blocked
  *                   -inf logit has no mass); the max has e = 1 exactly
  *   3. cut          the kept tokens are those with e >= cut:
@@ -27,78 +27,6 @@
  * summed in double. A row's token depends only on that row and its u, not on the threads or
  * the other rows. */
 #define CAND 64
-#define CAND_BUF (4 * CAND)
-
-typedef struct {
-    float v;
-    int64_t i;
-} cand_t;
-
-static inline int better(cand_t a, cand_t b) { return a.v > b.v || (a.v == b.v && a.i < b.i); }
-
-/* Reorder c[0..n) so that c[0..k) are its k best (in no order), c[k - 1] the k-th. */
-static void keep_best(cand_t *c, int n, int k) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        const cand_t pivot = c[lo + (hi - lo) / 2];
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (better(c[i], pivot)) i++;
-            while (better(pivot, c[j])) j--;
-            if (i <= j) {
-                const cand_t t = c[i];
-                c[i++] = c[j];
-                c[j--] = t;
-            }
-        }
-        if (k - 1 <= j) hi = j;
-        else if (k - 1 >= i) lo = i;
-        else break;
-    }
-}
-
-/* idx[0..k): the k largest of row[0..n) (k <= CAND <= n), largest first, equal values by
- * index, as pd_topk_row. Values above a bar (the k-th best so far) are appended to a buffer;
- * a full buffer is cut back to its k best, which raises the bar: most of the row costs one
- * vector compare. */
-static void select_top(const float *row, int64_t n, int k, int64_t *idx) {
-    cand_t c[CAND_BUF];
-    int m = 0;
-    for (; m < k; m++) c[m] = (cand_t){row[m], m};
-    float bar = -INFINITY;
-    int64_t j = k;
-    for (; j + 8 <= n; j += 8) {
-        unsigned above = (unsigned)_mm256_movemask_ps(
-            _mm256_cmp_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(bar), _CMP_GT_OQ));
-        for (; above; above &= above - 1) {
-            const int64_t at = j + __builtin_ctz(above);
-            if (!(row[at] > bar)) continue; /* the bar rose within this vector */
-            c[m++] = (cand_t){row[at], at};
-            if (m == CAND_BUF) {
-                keep_best(c, m, k);
-                m = k;
-                bar = c[k - 1].v;
-            }
-        }
-    }
-    for (; j < n; j++) {
-        if (!(row[j] > bar)) continue;
-        c[m++] = (cand_t){row[j], j};
-        if (m == CAND_BUF) {
-            keep_best(c, m, k);
-            m = k;
-            bar = c[k - 1].v;
-        }
-    }
-    keep_best(c, m, k);
-    for (int i = 1; i < k; i++) { /* largest first */
-        const cand_t v = c[i];
-        int p = i;
-        for (; p > 0 && better(v, c[p - 1]); p--) c[p] = c[p - 1];
-        c[p] = v;
-    }
-    for (int i = 0; i < k; i++) idx[i] = c[i].i;
-}
 
 static inline uint32_t key_of(float e) {
     uint32_t k;
@@ -276,7 +204,7 @@ static int64_t sample_row(float *x, int64_t V, float temperature, int64_t top_k,
     const int filtered = (top_k > 0 && top_k < V) || top_p < 1.0f || min_p > 0.0f;
     const int C = filtered ? (int)(V < CAND ? V : CAND) : 1;
     if (C == 1) pd_topk_row(x, V, 1, cand);
-    else select_top(x, V, C, cand);
+    else pd_select_top(x, V, C, cand);
     const float m = x[cand[0]];
     if (temperature <= 0.0f || !isfinite(m)) {
         if (num_kept) *num_kept = 1;
