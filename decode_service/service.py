@@ -42,7 +42,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                                 f"{request.lease_ttl_s}")
         try:
             res = await self.worker.reserve(request.request_id, list(request.prompt_token_ids),
-                                            params, request.lease_ttl_s)
+                                            params, request.lease_ttl_s,
+                                            request.num_prior_output_tokens)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except BackendUnavailable as e:

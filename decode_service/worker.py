@@ -60,13 +60,14 @@ class DecodeWorker(ColocatedBackend):
 
     # -- the decode verbs (event loop) ----------------------------------------------------------
     async def reserve(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      ttl_s: float) -> Reservation | None:
+                      ttl_s: float, num_prior_output_tokens: int = 0) -> Reservation | None:
         """Blocks for the prompt and a lease on those to be written; None when full."""
         if req_id in self.reservations:
             raise ValueError(f"request_id {req_id!r} is already reserved")
         try:
             got = await self.call_in_engine(
-                lambda: self.engine.reserve(prompt_token_ids, params, req_id))
+                lambda: self.engine.reserve(prompt_token_ids, params, req_id,
+                                            num_prior_output_tokens))
         except asyncio.CancelledError:
             # the caller is gone (cancel, deadline) while the engine thread had not yet run the
             # reservation, which it still will: undo it right after (the inbox is in order)

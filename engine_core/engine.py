@@ -28,6 +28,7 @@ from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import RequestTextState, build_output
 from engine_core.outputs import RequestOutput
 from engine_core.request import Request, RequestStatus
+from engine_core.sampler import skip_draw
 from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.spec_decode import SpecDecoder, build_spec_decoder
@@ -120,14 +121,18 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         req_id: str | None = None,
+        num_prior_output_tokens: int = 0,
     ) -> str:
-        req, text = self._new_request(prompt, params, req_id)
+        """Queue a request; `num_prior_output_tokens`: the prompt's last tokens were generated
+        by an earlier attempt of it (a continuation), which the penalties count as output."""
+        req, text = self._new_request(prompt, params, req_id, num_prior_output_tokens)
         self.scheduler.add_request(req)
         self.text_states[req.req_id] = RequestTextState(req, self.tokenizer, text)
         return req.req_id
 
     def _new_request(
-        self, prompt: str | list[int], params: SamplingParams | None, req_id: str | None
+        self, prompt: str | list[int], params: SamplingParams | None, req_id: str | None,
+        num_prior_output_tokens: int = 0,
     ) -> tuple[Request, str | None]:
         params = params or SamplingParams()
         if isinstance(prompt, str):
@@ -140,15 +145,18 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {ids}")
         req_id = req_id if req_id is not None else str(next(self._ids))
-        return Request(req_id, ids, params, self.eos_token_ids), text
+        return Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens), text
 
     # -- disaggregated decode: prompt KV written by a prefill worker ------------------------
     def reserve(
-        self, prompt_token_ids: list[int], params: SamplingParams, req_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, req_id: str,
+        num_prior_output_tokens: int = 0,
     ) -> tuple[list[int], int] | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will write. Returns
-        (all its block ids, number of prompt tokens already cached here) or None if full."""
-        req, _ = self._new_request(list(prompt_token_ids), params, req_id)
+        (all its block ids, number of prompt tokens already cached here) or None if full.
+        `num_prior_output_tokens` as in `add_request`."""
+        req, _ = self._new_request(list(prompt_token_ids), params, req_id,
+                                   num_prior_output_tokens)
         blocks = self.scheduler.reserve(req)
         if blocks is None:
             return None
@@ -165,7 +173,7 @@ class LLMEngine:
         if req.generator is not None and p.temperature >= GREEDY_TEMPERATURE_EPS:
             # the prefill worker drew the first token from this seed's first state: draw the
             # same amount here, so the rest matches a colocated run of the same seed
-            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
+            skip_draw(req.generator)
         if first_logprobs is not None:
             req.output_logprobs.append(first_logprobs)
         now = time.monotonic()

@@ -14,6 +14,8 @@ from engine_core.kv_cache.layout import KVLayout
 from engine_core.model.attention import AttentionMetadata
 from engine_core.model.decode_quant import DecodeRows
 from engine_core.model.llama import LlamaForCausalLM
+from engine_core.penalties import TokenCounts
+from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
@@ -30,17 +32,33 @@ class InputBatch:
         self.num_tokens = np.zeros(max_rows, dtype=np.int32)  # valid entries of token_ids
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_rows - 1, -1, -1))
+        # penalised requests' token counts by row, kept as tokens are appended
+        self.token_counts: dict[int, TokenCounts] = {}
 
-    def row(self, req_id: str, token_ids: list[int]) -> int:
-        """The request's row, created (with its tokens so far) on first sight."""
-        row = self.row_of.get(req_id)
+    def row(self, req: Request) -> int:
+        """The request's row, created (with its tokens so far, and its penalty counts) on
+        first sight: a new request, or one preempted and recomputed."""
+        row = self.row_of.get(req.req_id)
         if row is None:
             row = self.free_rows.pop()
-            self.row_of[req_id] = row
+            self.row_of[req.req_id] = row
+            token_ids = req.all_token_ids
             self.token_ids[row, : len(token_ids)] = token_ids
             self.num_tokens[row] = len(token_ids)
             self.num_blocks[row] = 0
+            if req.sampling_params.has_penalties:
+                self.token_counts[row] = TokenCounts(*req.penalty_prompt_and_output)
         return row
+
+    def append(self, row: int, req: Request) -> None:
+        """The tokens the request gained since the row last saw it (sampled last step)."""
+        have = int(self.num_tokens[row])
+        new = req.all_token_ids[have:]
+        self.token_ids[row, have : req.num_tokens] = new
+        self.num_tokens[row] = req.num_tokens
+        counts = self.token_counts.get(row)
+        if counts is not None:
+            counts.append(new)
 
     def sync_blocks(self, row: int, blocks: list[int]) -> None:
         have = self.num_blocks[row]
@@ -51,6 +69,7 @@ class InputBatch:
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:
+            self.token_counts.pop(row, None)
             self.free_rows.append(row)
 
 
@@ -83,12 +102,9 @@ class ModelRunner:
             b.remove(req_id)
         rows = np.empty(len(out.reqs), dtype=np.int64)
         for i, (req, blocks) in enumerate(zip(out.reqs, block_ids, strict=True)):
-            row = b.row(req.req_id, req.all_token_ids)
+            row = b.row(req)
             if b.num_tokens[row] < req.num_tokens:  # tokens sampled since the last step
-                b.token_ids[row, b.num_tokens[row] : req.num_tokens] = (
-                    req.all_token_ids[b.num_tokens[row] :]
-                )
-                b.num_tokens[row] = req.num_tokens
+                b.append(row, req)
             b.sync_blocks(row, blocks)
             rows[i] = row
         return rows
@@ -216,6 +232,7 @@ class ModelRunner:
                 [r.generator for r in reqs],
                 self.vocab_size,
                 eos_token_ids=self.eos_token_ids,
+                token_counts=[b.token_counts.get(int(rows[i])) for i in plain],
             )
             result = self.sampler(logits[: len(plain)], batch)
             for i, token in zip(plain, result.sampled_token_ids.tolist(), strict=True):

@@ -46,9 +46,13 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
+        num_prior_output_tokens: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least 1 token, got 0")
+        if not 0 <= num_prior_output_tokens < len(prompt_token_ids):
+            raise ValueError(f"num_prior_output_tokens must be in [0, {len(prompt_token_ids)}) "
+                             f"(the prompt's length), got {num_prior_output_tokens}")
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -56,6 +60,9 @@ class Request:
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | frozenset(
             self.eos_token_ids
         )
+        # the prompt's last tokens that an earlier attempt of this request generated (a
+        # continuation on another worker): the penalties count them as output
+        self.num_prior_output_tokens = num_prior_output_tokens
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
@@ -71,6 +78,13 @@ class Request:
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def penalty_prompt_and_output(self) -> tuple[list[int], list[int]]:
+        """(prompt, output) as the penalties see them: prior output counts as output."""
+        split = self.num_prompt_tokens - self.num_prior_output_tokens
+        return (self.prompt_token_ids[:split],
+                self.prompt_token_ids[split:] + self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

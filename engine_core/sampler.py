@@ -5,17 +5,21 @@ Pipeline, in order (each stage is skipped when no request in the batch needs it)
     raw logprobs   log_softmax of the logits as given (only if some request wants logprobs)
     penalties      repetition (prompt + output), frequency and presence (output only)
     blocked ids    (row, token) pairs set to -inf, e.g. EOS before min_tokens
-    greedy         rows with temperature < eps take the argmax here
-    temperature    logits / T
-    top-k, top-p   one sort per batch (top-k alone: a partial topk, no sort)
-    min-p          drop tokens with prob < min_p * max prob
-    sample         exponential race: argmax(probs / q), q ~ Exponential(1)
+    greedy         rows with temperature < eps take the argmax
+    filter + draw  temperature, then top-k, top-p and min-p, then one draw per row: on CPU the
+                   C kernel pd_sample (kernels/csrc/sample.c) selects candidates in one pass
+                   and acts on them, widening to the whole row when the nucleus is larger;
+                   elsewhere the torch reference (`Sampler.probs`) and an inverse-CDF draw
 
-Reproducibility: the exponential race needs one noise tensor per row. Rows with their own
-`torch.Generator` (seeded requests) draw their row from it; all other rows share one batch
-draw from torch's default generator. A seeded request therefore gets the same tokens whatever
-else is in the batch, provided the runner keeps the request's generator across steps (its state
-advances by one row draw per random step).
+Randomness: one uniform u in [0, 1) per random row per step; the token is the first (by the
+kernel's order) whose running probability exceeds u. Rows with their own `torch.Generator`
+(seeded requests) draw u from it; all other rows share one batch draw from torch's default
+generator. A seeded request therefore gets the same tokens whatever else is in the batch,
+provided the runner keeps the request's generator across steps (it advances by one float64
+per random step: `skip_draw` advances it where another process drew the token).
+
+top-p ties: of tokens with equal probability, the lower index comes first (as argmax), so
+the nucleus is the smallest prefix of (probability descending, index ascending) reaching p.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine_core.penalties import PenaltyTokens, TokenCounts, apply_penalties
 from engine_core.sampling_params import SamplingParams
 from kernels import native
 
@@ -40,6 +45,24 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def skip_draw(generator: torch.Generator) -> None:
+    """Advance a seeded request's generator past one step's draw (`draw_uniform`), as when the
+    prefill worker drew the request's first token from the same seed."""
+    torch.rand((), dtype=torch.float64, generator=generator)
+
+
+def draw_uniform(generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One u in [0, 1) per row [B] float64: seeded rows from their own generator, the others
+    from one draw of the default generator."""
+    u = torch.empty(len(generators), dtype=torch.float64)
+    if any(g is None for g in generators):
+        u.uniform_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            u[row] = torch.rand((), dtype=torch.float64, generator=generator)
+    return u
 
 
 def min_tokens_blocked_ids(
@@ -75,10 +98,8 @@ class SamplingBatch:
     frequency_penalty: Tensor  # [B] float32; 0.0 = disabled
     # Per row; None for unseeded rows and for greedy rows (they never draw noise).
     generators: list[torch.Generator | None]
-    # [B, L] int64, padded with vocab_size. None when no_penalties. Rows that do not need
-    # them (no repetition penalty for the prompt; no penalty at all for the output) are padding.
-    prompt_token_ids: Tensor | None
-    output_token_ids: Tensor | None
+    # The (row, token) pairs the penalties touch; None when no_penalties.
+    penalty_tokens: PenaltyTokens | None
     # [2, N] int64: row indices, token ids. None = nothing blocked. From a dense [B, V] bool
     # mask: `mask.nonzero().T`.
     blocked_token_ids: Tensor | None
@@ -102,13 +123,16 @@ class SamplingBatch:
         *,
         eos_token_ids: Iterable[int],
         device: torch.device | str = "cpu",
+        token_counts: Sequence[TokenCounts | None] | None = None,
     ) -> SamplingBatch:
         """Batch the running requests' parameters (row i = request i).
 
         `output_ids` are the tokens generated so far; their count also drives min_tokens
         blocking of `eos_token_ids` and `stop_token_ids` (see `min_tokens_blocked_ids`).
         `generators[i]` must come from `make_generator(params[i].seed)` and live as long as
-        the request.
+        the request. `token_counts[i]`, kept incrementally by the caller, are row i's penalty
+        counts (None for rows without penalties); without them they are counted here from
+        `prompt_ids` and `output_ids`.
         """
         num_reqs = len(params)
         assert len(prompt_ids) == len(output_ids) == len(generators) == num_reqs
@@ -126,22 +150,15 @@ class SamplingBatch:
         def floats(values: list[float]) -> Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        prompt_tensor = output_tensor = None
+        penalty_tokens = None
         if not no_penalties:
-            # Only rows that use them: the prompt for repetition, the output for any penalty.
-            prompt_tensor = _pad_rows(
-                [
-                    ids if p.repetition_penalty != 1.0 else ()
-                    for p, ids in zip(params, prompt_ids, strict=True)
-                ],
-                vocab_size,
-                device,
-            )
-            output_tensor = _pad_rows(
-                [ids if p.has_penalties else () for p, ids in zip(params, output_ids, strict=True)],
-                vocab_size,
-                device,
-            )
+            if token_counts is None:
+                token_counts = [
+                    TokenCounts(prompt if p.repetition_penalty != 1.0 else (), output)
+                    if p.has_penalties else None
+                    for p, prompt, output in zip(params, prompt_ids, output_ids, strict=True)
+                ]
+            penalty_tokens = PenaltyTokens.from_counts(token_counts)
         blocked = min_tokens_blocked_ids(params, [len(ids) for ids in output_ids], eos_token_ids)
         assert all(t < vocab_size for _, t in blocked), "stop/eos token id >= vocab_size"
         return cls(
@@ -154,8 +171,7 @@ class SamplingBatch:
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
             generators=[None if g else gen for gen, g in zip(generators, greedy, strict=True)],
-            prompt_token_ids=prompt_tensor,
-            output_token_ids=output_tensor,
+            penalty_tokens=penalty_tokens,
             blocked_token_ids=(
                 torch.tensor(blocked, dtype=torch.int64, device=device).T if blocked else None
             ),
@@ -196,11 +212,10 @@ class Sampler:
         logits = logits.to(torch.float32)
 
         if not batch.no_penalties:
-            assert batch.prompt_token_ids is not None and batch.output_token_ids is not None
+            assert batch.penalty_tokens is not None
             logits = apply_penalties(
                 logits,
-                batch.prompt_token_ids,
-                batch.output_token_ids,
+                batch.penalty_tokens,
                 batch.repetition_penalty,
                 batch.presence_penalty,
                 batch.frequency_penalty,
@@ -218,12 +233,18 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
-        greedy_ids = None if batch.all_random else argmax_rows(logits)  # [B]
         if batch.all_greedy:
-            assert greedy_ids is not None
-            return greedy_ids
-
-        random_ids = exponential_race(Sampler.probs(logits, batch), batch.generators)
+            return argmax_rows(logits)
+        u = draw_uniform(batch.generators)  # [B]
+        temperature = batch.temperature  # greedy rows: 0, the kernel's argmax
+        if not batch.all_random:
+            temperature = temperature.masked_fill(batch.is_greedy, 0.0)
+        lib = native.load() if _native_sample_fits(logits) else None
+        if lib is not None:
+            return native.sample(lib, logits.contiguous(), temperature, batch.top_k,
+                                 batch.top_p, batch.min_p, u)
+        greedy_ids = None if batch.all_random else logits.argmax(dim=-1)  # [B]
+        random_ids = inverse_cdf(Sampler.probs(logits, batch), u)
         if greedy_ids is None:
             return random_ids
         return torch.where(batch.is_greedy, greedy_ids, random_ids)
@@ -249,41 +270,6 @@ class Sampler:
         return logits.softmax(dim=-1)
 
 
-def apply_penalties(
-    logits: Tensor,  # [B, V] float32
-    prompt_token_ids: Tensor,  # [B, Lp] int64, padded with V
-    output_token_ids: Tensor,  # [B, Lo] int64, padded with V
-    repetition_penalty: Tensor,  # [B]
-    presence_penalty: Tensor,  # [B]
-    frequency_penalty: Tensor,  # [B]
-) -> Tensor:
-    """Return penalised logits (a new tensor).
-
-    For each token that occurs in the prompt or the output, a positive logit is divided by
-    `repetition_penalty` and a negative one multiplied by it (HF/vLLM). Then, over output
-    tokens only (OpenAI): `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
-    Neutral values (1, 0, 0) leave a row bit-for-bit unchanged.
-    """
-    num_rows, vocab_size = logits.shape
-    # One extra column catches the padding id, then is dropped.
-    output_counts = logits.new_zeros(num_rows, vocab_size + 1)  # [B, V + 1]
-    output_counts.scatter_add_(
-        1, output_token_ids, torch.ones_like(output_token_ids, dtype=logits.dtype)
-    )
-    output_counts = output_counts[:, :vocab_size]  # [B, V]
-    in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-    in_prompt.scatter_(1, prompt_token_ids, True)
-    in_output = output_counts > 0  # [B, V]
-    seen = in_prompt[:, :vocab_size] | in_output  # [B, V]
-
-    rep = repetition_penalty.unsqueeze(1)  # [B, 1]
-    repeated = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, repeated, logits)
-    logits -= frequency_penalty.unsqueeze(1) * output_counts
-    logits -= presence_penalty.unsqueeze(1) * in_output
-    return logits
-
-
 def apply_blocked_tokens(logits: Tensor, blocked_token_ids: Tensor) -> None:
     """Set logits[row, token] = -inf in place for each column (row, token) of [2, N] pairs."""
     logits[blocked_token_ids[0], blocked_token_ids[1]] = float("-inf")
@@ -293,24 +279,25 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     """Mask (to -inf) tokens outside each row's top-k and then its top-p nucleus.
 
     top_k [B] int64 (0 = keep all): keep tokens whose logit is >= the k-th largest (ties at the
-    boundary are kept). top_p [B] in (0, 1]: keep the smallest set of most likely tokens whose
-    probability (renormalised after top-k) sums to >= p; the most likely token always stays.
-    One stable ascending sort serves both; top-k alone needs only a partial `topk`.
+    boundary are kept). top_p [B] in (0, 1]: keep the smallest prefix of the tokens, by
+    probability (renormalised after top-k) descending and equal ones by index, whose mass
+    reaches p; the most likely token always stays. One stable descending sort serves both;
+    top-k alone needs only a partial `topk`. The torch reference of pd_sample's filters.
     Returns the masked logits (possibly `logits` itself, modified in place).
     """
     vocab_size = logits.shape[1]
     if top_p is None:
         assert top_k is not None
         return _apply_top_k_only(logits, top_k)
-    sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)  # [B, V]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)  # [B]
-        kth_largest = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))  # [B, 1]
+        kth_largest = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
         sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V], ascending
-    # Drop the least likely tokens while their total mass stays <= 1 - p.
-    drop = cum_probs <= 1 - top_p.unsqueeze(1)
-    drop[:, -1] = False
+    probs = sorted_logits.softmax(dim=-1)  # [B, V], descending
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]: of the tokens ahead of each
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # p = 1: rounding
+    drop[:, 0] = False
     sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
@@ -349,14 +336,18 @@ def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]
     return probs.div_(q).argmax(dim=-1)
 
 
-def _pad_rows(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> Tensor:
-    """[len(rows), max_len] int64 tensor of the rows, right-padded with pad_id."""
-    max_len = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max_len), pad_id, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
-    return out.to(device)
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Per row of probs [B, V] (unnormalised, >= 0), the first token whose running mass
+    exceeds u [B] times the row's mass: a draw from the row. Zero-mass tokens are never
+    drawn."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
+    total = cdf[:, -1]  # [B]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+
+
+def _native_sample_fits(logits: Tensor) -> bool:
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
 
 
 def argmax_rows(logits: Tensor) -> Tensor:

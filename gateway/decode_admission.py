@@ -62,7 +62,8 @@ class DecodeAdmission(WorkerCalls):
         """Reserve on the first decode worker (in routing order) with room; None when every
         worker answered RESOURCE_EXHAUSTED; BackendUnavailable when none answered."""
         request = pb.ReserveRequest(request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids,
-                                    sampling=sampling, lease_ttl_s=self.lease_ttl_s)
+                                    sampling=sampling, lease_ttl_s=self.lease_ttl_s,
+                                    num_prior_output_tokens=inp.num_prior_output_tokens)
         last_error, any_full = None, False
         for decode in self._decode_order():
             # in flight from the pick on, so that a burst of requests spreads over the workers

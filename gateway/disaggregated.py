@@ -71,7 +71,8 @@ MAX_ATTEMPTS = 3  # a request survives two lost workers (prefill, decode or tran
 def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> GenerateInput | None:
     """Attempt `attempt` of a request: the first as given; a later one under its own id on the
     workers, continuing after the tokens already streamed (None: nothing left to generate).
-    The continuation is prefilled afresh (a seeded request's randomness restarts with it)."""
+    The continuation is prefilled afresh (a seeded request's randomness restarts with it); the
+    tokens already streamed are its prior output, which the penalties keep counting."""
     if attempt == 0:
         return inp
     n, p = len(emitted), inp.params
@@ -79,6 +80,7 @@ def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> Gener
         return None
     return replace(inp, req_id=f"{inp.req_id}~{attempt}",
                    prompt_token_ids=[*inp.prompt_token_ids, *emitted],
+                   num_prior_output_tokens=inp.num_prior_output_tokens + n,
                    params=replace(p, max_tokens=p.max_tokens - n,
                                   min_tokens=max(0, p.min_tokens - n)))
 

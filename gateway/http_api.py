@@ -219,6 +219,8 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
                                        role=is_first)
                 if chunk.is_last:
                     obj["timing"] = oai.timing(chunk.timing)
+                if req.continuous_usage:
+                    obj["usage"] = oai.usage(chunk)
                 is_first = False
                 yield _event(obj)
                 if chunk.is_last and req.include_usage:  # OpenAI: one more, choices empty

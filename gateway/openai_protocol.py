@@ -41,6 +41,8 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     num_top_logprobs: int | None  # None: no logprobs in the response
+    # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far
+    continuous_usage: bool = False
 
 
 def _check_type(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> None:
@@ -72,6 +74,11 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
     if options is not None and (not body.get("stream") or not isinstance(options, dict)):
         raise ValidationError("stream_options", "stream_options must be an object, and only "
                               "with stream: true")
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = (options or {}).get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ValidationError(f"stream_options.{name}",
+                                  f"stream_options.{name} must be a boolean, got {value!r}")
     kwargs = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
     if stop is not None:
         kwargs["stop"] = stop
@@ -87,7 +94,8 @@ def _finish(body: dict[str, Any], backend: Backend, ids: list[int], text: str | 
     prefix = "chatcmpl-" if is_chat else "cmpl-"
     inp = GenerateInput(request_id(None, prefix), ids, params, text)
     return OpenAIRequest(inp, backend.model.name, is_chat, bool(body.get("stream")),
-                         bool(options.get("include_usage")), num_top)
+                         bool(options.get("include_usage")), num_top,
+                         bool(options.get("continuous_usage_stats")))
 
 
 async def parse_completion(body: Any, backend: Backend) -> OpenAIRequest:

@@ -70,6 +70,7 @@ class PrefillHandoff(WorkerCalls):
         prefill.in_flight += 1
         call = prefill.stub.Prefill(pb.PrefillRequest(
             request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
+            num_prior_output_tokens=inp.num_prior_output_tokens,
             target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
                                dst_block_ids=res.block_ids[first:], first_block=first,
                                transport=self.transport,

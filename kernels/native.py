@@ -67,6 +67,7 @@ SIGNATURES = {  # name: (argument types, result type)
                              _int, _f32, _p, _i64, _int], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
+    "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
     "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _i64,
                           _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
 }
@@ -296,6 +297,32 @@ def topk(lib: ctypes.CDLL, x: torch.Tensor, k: int) -> torch.Tensor:
     idx = torch.empty((x.shape[0], k), dtype=torch.int64)
     lib.pd_topk(x.data_ptr(), x.shape[0], x.shape[1], k, idx.data_ptr(), torch.get_num_threads())
     return idx
+
+
+def sample(lib: ctypes.CDLL, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor,
+           num_kept: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of logits x [rows, V] (pd_sample; x is overwritten with the weights
+    exp((x - max) / T)). Per row: temperature float32 (<= 0: the argmax), top_k int64 (0 or
+    >= V: off), top_p float32 in (0, 1], min_p float32 in [0, 1], uniform float64 in [0, 1).
+    num_kept, int64 [rows] when given, receives how many tokens each row could have drawn."""
+    rows = x.shape[0] if x.dim() == 2 else -1
+    per_row = ((temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32),
+               (min_p, torch.float32), (uniform, torch.float64))
+    if num_kept is not None:
+        per_row += ((num_kept, torch.int64),)
+    if (x.dtype != torch.float32 or not x.is_contiguous() or rows < 0 or x.device.type != "cpu"
+            or not 0 < x.shape[1] < 2**31
+            or any(t.dtype != dt or not t.is_contiguous() or tuple(t.shape) != (rows,)
+                   for t, dt in per_row)):
+        raise ValueError(f"sample: a contiguous float32 CPU [rows, V] tensor (0 < V < 2**31) and "
+                         f"contiguous [rows] parameters, got {x.dtype} {tuple(x.shape)} and "
+                         f"{[(t.dtype, tuple(t.shape)) for t, _ in per_row]}")
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.pd_sample(x.data_ptr(), rows, x.shape[1], temperature.data_ptr(), top_k.data_ptr(),
+                  top_p.data_ptr(), min_p.data_ptr(), uniform.data_ptr(), out.data_ptr(),
+                  None if num_kept is None else num_kept.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,

@@ -1,6 +1,8 @@
 """Offline throughput of the engine against transformers `generate`, same model, same run.
 
     pdserve bench-engine --concurrency 1 8 32 --prompt-len 128 --output-len 128
+    pdserve bench-engine --concurrency 32 --skip-hf --sampling greedy \
+        temperature=1.0,top_p=0.95 temperature=0.7,top_k=50,repetition_penalty=1.1
 
 transformers runs requests one at a time (what `generate` behind a server does); the engine
 runs `c` requests at once with continuous batching. Both get prompts of the same length and
@@ -11,6 +13,11 @@ of every shape), then each of `--repeats` rounds times every concurrency on fres
 then transformers. Reported: the median run of each, and the median of the rounds' ratios
 (each engine run against the transformers run of its own round). On this shared 2-core
 machine single runs of the same build differ by up to ~10 % from one minute to the next.
+
+`--sampling` runs every concurrency once per sampling setting in each round ("greedy", or
+SamplingParams fields as `name=value,...`); with "greedy" among them, each other setting also
+gets the median of its rounds' ratios against greedy at the same concurrency. transformers
+runs greedy.
 """
 
 from __future__ import annotations
@@ -65,10 +72,39 @@ class HFGenerate:
                 "output_tokens_per_s": len(prompts) * output_len / elapsed}
 
 
-def bench_engine(llm, prompts, output_len) -> dict:
+GREEDY = "greedy"
+SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                   "repetition_penalty": float, "presence_penalty": float,
+                   "frequency_penalty": float, "seed": int}
+
+
+def parse_sampling(spec: str) -> dict:
+    """`greedy` or `name=value,...` of SamplingParams fields -> those fields (validated)."""
     from engine_core.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    if spec == GREEDY:
+        return {"temperature": 0.0}
+    fields = {}
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or name not in SAMPLING_FIELDS:
+            raise ValueError(f"--sampling {spec!r}: expected 'greedy' or name=value,... with "
+                             f"names among {', '.join(SAMPLING_FIELDS)}; got {item!r}")
+        try:
+            fields[name] = SAMPLING_FIELDS[name](value)
+        except ValueError:
+            kind = "an integer" if SAMPLING_FIELDS[name] is int else "a number"
+            raise ValueError(f"--sampling {spec!r}: {name} must be {kind}, got {value!r}"
+                             ) from None
+    SamplingParams(**fields)  # the field's bound, named, if a value is out of it
+    return fields
+
+
+def bench_engine(llm, prompts, output_len, sampling: dict | None = None) -> dict:
+    from engine_core.sampling_params import SamplingParams
+
+    fields = {"temperature": 0.0, **(sampling or {})}
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **fields)
     eng = llm.engine
     start = time.perf_counter()
     for ids in prompts:
@@ -99,11 +135,18 @@ def plot(results: dict, path: Path) -> None:
     if results.get("transformers"):
         labels.append("transformers\n(1 at a time)")
         values.append(results["transformers"]["output_tokens_per_s"])
+    several = len({r["sampling"] for r in results["engine"]}) > 1
     for r in results["engine"]:
-        labels.append(f"pdserve engine\n{r['concurrency']} concurrent")
+        label = f"pdserve engine\n{r['concurrency']} concurrent"
+        if several:
+            label += "\n" + r["sampling"].replace(",", "\n")
+        labels.append(label)
         values.append(r["output_tokens_per_s"])
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    bars = ax.bar(labels, values, color=["#888"] + ["#2a7"] * (len(values) - 1))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(labels)), 4.5 + 0.6 * several))
+    colors = ["#888"] * len(labels)
+    for i, r in enumerate(results["engine"], start=len(labels) - len(results["engine"])):
+        colors[i] = "#2a7" if r["sampling"] == GREEDY else "#27a"
+    bars = ax.bar(labels, values, color=colors)
     ax.bar_label(bars, fmt="%.0f")
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"Offline throughput, {results['model']} ({results['dtype']}), "
@@ -125,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
     from engine_core.llm import LLM
 
     torch.manual_seed(0)
+    try:
+        samplings = {spec: parse_sampling(spec) for spec in args.sampling}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     llm = LLM(args.model, dtype=args.dtype, decode_activations=args.decode_activations,
               enable_prefix_caching=False,
               max_num_seqs=max(args.concurrency), kv_cache_memory_gb=1.0)
@@ -142,17 +189,22 @@ def run(args: argparse.Namespace) -> int:
     hf = None if args.skip_hf else HFGenerate(llm.engine.source.path, llm.engine.dtype)
     hf_prompts = make_prompts(llm.tokenizer, args.hf_requests, args.prompt_len)
     # round 0 is untimed (first-use costs of every shape: oneDNN primitives, kernel scratch);
-    # each later round times every concurrency and then transformers, so that a ratio
-    # compares runs a few seconds apart: this machine's speed drifts by ~10 % within minutes
-    timed: dict[int, list[dict]] = {c: [] for c in args.concurrency}
+    # each later round times every sampling setting and concurrency and then transformers, so
+    # that a ratio compares runs a few seconds apart: this machine's speed drifts by ~10 %
+    # within minutes
+    points = [(spec, c) for spec in samplings for c in args.concurrency]
+    timed: dict[tuple[str, int], list[dict]] = {point: [] for point in points}
     hf_runs: list[dict] = []
+    first = 0
     for i in tqdm(range(args.repeats + 1), desc="rounds (1 untimed + repeats)"):
-        for c in args.concurrency:
+        for spec, c in points:
             # distinct prompts per run: no run reuses another's blocks (prefix caching is off)
-            prompts = make_prompts(llm.tokenizer, c, args.prompt_len, first=(i + 1) * c)
-            result = bench_engine(llm, prompts, args.output_len)
+            first += c
+            prompts = make_prompts(llm.tokenizer, c, args.prompt_len, first=first)
+            result = bench_engine(llm, prompts, args.output_len, samplings[spec])
+            result["sampling"] = spec
             if i > 0:
-                timed[c].append(result)
+                timed[spec, c].append(result)
         if hf is not None:
             if i == 0:
                 hf.generate(hf_prompts[0], 4)
@@ -161,26 +213,33 @@ def run(args: argparse.Namespace) -> int:
     if hf_runs:
         results["transformers"] = median_run(hf_runs)
     base = results["transformers"]["output_tokens_per_s"] if hf_runs else None
-    for c in args.concurrency:
-        r = median_run(timed[c])
+    for spec, c in points:
+        r = median_run(timed[spec, c])
         if hf_runs:  # the median of each round's ratio against the transformers run beside it
             ratios = sorted(e["output_tokens_per_s"] / h["output_tokens_per_s"]
-                            for e, h in zip(timed[c], hf_runs, strict=True))
+                            for e, h in zip(timed[spec, c], hf_runs, strict=True))
             r["ratios_vs_transformers"] = ratios
             r["ratio_vs_transformers"] = ratios[len(ratios) // 2]
+        if GREEDY in samplings and spec != GREEDY:  # against greedy, round by round
+            ratios = sorted(e["output_tokens_per_s"] / g["output_tokens_per_s"]
+                            for e, g in zip(timed[spec, c], timed[GREEDY, c], strict=True))
+            r["ratios_vs_greedy"] = ratios
+            r["ratio_vs_greedy"] = ratios[len(ratios) // 2]
         results["engine"].append(r)
-    print(f"\n{'system (median of ' + str(args.repeats) + ' rounds)':<34}{'tok/s':>10}"
-          f"{'x transformers':>16}   runs")
+    print(f"\n{'system (median of ' + str(args.repeats) + ' rounds)':<34}{'sampling':<48}"
+          f"{'tok/s':>10}{'x transformers':>16}{'x greedy':>10}   runs")
     if base:
         hf_list = " / ".join(f"{x:.1f}" for x in results["transformers"]["runs_tokens_per_s"])
-        print(f"{'transformers generate, 1 at a time':<34}{base:>10.1f}{1.0:>16.1f}   {hf_list}")
+        print(f"{'transformers generate, 1 at a time':<34}{GREEDY:<48}{base:>10.1f}"
+              f"{1.0:>16.1f}{'':>10}   {hf_list}")
     for r in results["engine"]:
         ratio = f"{r['ratio_vs_transformers']:>16.1f}" if base else f"{'':>16}"
+        vs_greedy = f"{r['ratio_vs_greedy']:>10.2f}" if "ratio_vs_greedy" in r else f"{'':>10}"
         runs = " / ".join(f"{x:.1f}" for x in r["runs_tokens_per_s"])
         if base:
             runs += "   (x " + " / ".join(f"{x:.1f}" for x in r["ratios_vs_transformers"]) + ")"
-        print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<34}"
-              f"{r['output_tokens_per_s']:>10.1f}{ratio}   {runs}")
+        print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<34}{r['sampling']:<48}"
+              f"{r['output_tokens_per_s']:>10.1f}{ratio}{vs_greedy}   {runs}")
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out_dir / "throughput.png")
     print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'throughput.png'}")

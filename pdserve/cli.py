@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed runs of each concurrency after an untimed one; the median is "
                         "reported, every run is kept in results.json")
     b.add_argument("--skip-hf", action="store_true")
+    b.add_argument("--sampling", nargs="+", default=["greedy"], metavar="SPEC",
+                   help="sampling settings, each timed at every concurrency in every round: "
+                        "'greedy' or SamplingParams fields as name=value,... (e.g. "
+                        "temperature=1.0,top_p=0.95); ratios against greedy when it is there")
     b.add_argument("--out", default="bench_results/engine")
     b.set_defaults(func=_cmd_bench_engine)
 

@@ -76,6 +76,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                 f"target.dst_block_ids must have {num_blocks} - first_block "
                                 f"({target.first_block}) entries, got "
                                 f"{len(target.dst_block_ids)}")
+        if request.num_prior_output_tokens >= n_prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"num_prior_output_tokens must be < the prompt's "
+                                f"{n_prompt} tokens, got {request.num_prior_output_tokens}")
         # the first token only: stop strings and the token budget are the decode worker's
         first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
         try:
@@ -98,7 +102,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.engine.set_target(req_id, handoff)
         remaining = context.time_remaining()
         inp = GenerateInput(req_id, list(request.prompt_token_ids), first, arrival=t_received,
-                            deadline=None if remaining is None else t_received + remaining)
+                            deadline=None if remaining is None else t_received + remaining,
+                            num_prior_output_tokens=request.num_prior_output_tokens)
         is_done = False
         try:
             last = None

@@ -72,6 +72,9 @@ class GenerateInput:
     prompt_text: str | None = None  # the text the ids came from, when there was one
     deadline: float | None = None  # time.monotonic() by which to finish; None: no deadline
     arrival: float = field(default_factory=time.monotonic)  # when the gateway received it
+    # the prompt's last tokens that an earlier attempt generated (a continuation after a lost
+    # worker): the penalties count them as output
+    num_prior_output_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,8 @@ class ColocatedBackend:
         stream.t_add = time.monotonic()
         try:
             if start is None:
-                self.engine.add_request(inp.prompt_token_ids, inp.params, req_id=inp.req_id)
+                self.engine.add_request(inp.prompt_token_ids, inp.params, req_id=inp.req_id,
+                                        num_prior_output_tokens=inp.num_prior_output_tokens)
                 outputs = []
             else:
                 outputs = start()

@@ -6,7 +6,8 @@
  *   matmul.c        4-bit / 8-bit weights, float32 activations   pd_q4_matmul, pd_q8_matmul
  *   matmul_int8.c   the same weights, int8 activations (VNNI)    pd_i8_matmul
  *   attention.c     rope, K/V store and decode attention         pd_decode_attention
- *   topk.c          each row's k largest values                  pd_topk
+ *   topk.c          each row's k largest values                  pd_topk, pd_select_top
+ *   sample.c        temperature/top-k/top-p/min-p and the draw   pd_sample
  *   layers.c        RMSNorm, and whole decoder layers            pd_add_rms_norm, pd_decode_layers
  *   layout.c        the ctypes structs' layout, checked at load  pd_struct_layout
  *
@@ -100,6 +101,11 @@ int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const flo
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
                         int bs, float scale, float *out, int64_t max_len, int threads);
+void pd_topk_row(const float *row, int64_t N, int k, int64_t *idx);
+void pd_select_top(const float *row, int64_t n, int k, int64_t *idx);
+void pd_sample(float *x, int64_t M, int64_t V, const float *temperature, const int64_t *top_k,
+               const float *top_p, const float *min_p, const double *u, int64_t *out,
+               int64_t *num_kept, int threads);
 void pd_add_rms_norm(float *x, const float *residual, const float *weight, float eps,
                      float *y, int64_t rows, int64_t dim);
 int pd_struct_layout(int s, int i, const char **name, int64_t *offset, int64_t *size);

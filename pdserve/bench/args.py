@@ -55,7 +55,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                       help="generate exactly the output length (default: yes, except for "
                            "prompts and code-edit)")
-    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--temperature", type=float, default=0.0,
+                      help="sampling temperature of every request (0: greedy)")
+    load.add_argument("--top-p", type=float, default=None,
+                      help="nucleus sampling: every request's top_p in (0, 1] (default: unset)")
+    load.add_argument("--top-k", type=int, default=None,
+                      help="every request's top_k (-1 or 0: off; default: unset)")
     load.add_argument("--num-prompts", type=int, default=32, help="requests per point")
     load.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
                       help="a sweep: one point per value (requests in flight at most)")

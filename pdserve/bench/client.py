@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -25,6 +26,24 @@ from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
 MAX_ERROR_CHARS = 500
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What every request of a run asks for; None leaves a field out (the server's default)."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def fields(self) -> dict[str, float | int]:
+        """The set fields, by their request (and proto) names."""
+        out: dict[str, float | int] = {"temperature": self.temperature}
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.top_k is not None:
+            out["top_k"] = self.top_k
+        return out
 
 
 class Client(Protocol):
@@ -69,17 +88,17 @@ class _Timer:
 class GrpcClient:
     protocol = "grpc"
 
-    def __init__(self, address: str, temperature: float = 0.0) -> None:
+    def __init__(self, address: str, sampling: Sampling = Sampling()) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.temperature = temperature
+        self.sampling = sampling
 
     async def model_id(self) -> str:
         return (await self.stub.ListModels(pb.ListModelsRequest(), timeout=30)).models[0].id
 
     def _request(self, req: BenchRequest) -> pb.GenerateRequest:
-        sampling = pb.SamplingParameters(max_tokens=req.output_len, temperature=self.temperature,
-                                         ignore_eos=req.ignore_eos)
+        sampling = pb.SamplingParameters(max_tokens=req.output_len, ignore_eos=req.ignore_eos,
+                                         **self.sampling.fields())
         msg = pb.GenerateRequest(sampling=sampling)
         if req.messages is not None:
             for role, content in req.messages:
@@ -113,7 +132,7 @@ class GrpcClient:
 class HttpClient:
     protocol = "http"
 
-    def __init__(self, base_url: str, temperature: float = 0.0,
+    def __init__(self, base_url: str, sampling: Sampling = Sampling(),
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         # no pool limit: the runner's concurrency is the limit; no read timeout: a long
         # prefill queue is measured, not cut
@@ -121,7 +140,7 @@ class HttpClient:
                                       timeout=httpx.Timeout(None, connect=30.0),
                                       limits=httpx.Limits(max_connections=None),
                                       transport=transport)
-        self.temperature = temperature
+        self.sampling = sampling
         self._model: str | None = None
 
     async def model_id(self) -> str:
@@ -134,7 +153,7 @@ class HttpClient:
     async def _body(self, req: BenchRequest) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
             "model": await self.model_id(), "max_tokens": req.output_len,
-            "temperature": self.temperature, "ignore_eos": req.ignore_eos, "stream": True,
+            **self.sampling.fields(), "ignore_eos": req.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
         if req.messages is not None:
             body["messages"] = [{"role": r, "content": c} for r, c in req.messages]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench import report
-from pdserve.bench.client import Client, GrpcClient, HttpClient
+from pdserve.bench.client import Client, GrpcClient, HttpClient, Sampling
 from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import Lane, run_lanes
 from pdserve.bench.servers import StackOptions, Target, launch
@@ -48,6 +48,8 @@ class BenchConfig:
     temperature: float = 0.0
     slo: SLO = SLO(2000.0, 200.0)
     seed: int = 0
+    top_p: float | None = None  # None: the request leaves it out (the server's default, 1)
+    top_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in ("grpc", "http"):
@@ -59,6 +61,16 @@ class BenchConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.naive_max_requests < 1:
             raise ValueError(f"naive_max_requests must be >= 1, got {self.naive_max_requests}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k)
 
 
 def configs(args: argparse.Namespace) -> tuple[BenchConfig, WorkloadConfig, StackOptions]:
@@ -66,7 +78,8 @@ def configs(args: argparse.Namespace) -> tuple[BenchConfig, WorkloadConfig, Stac
               args.tpot_slo_ms if args.tpot_slo_ms > 0 else None)
     bench = BenchConfig(args.protocol, tuple(args.concurrency), args.request_rate,
                         args.long_rate, args.max_duration, args.naive_max_requests,
-                        args.naive_max_duration, args.temperature, slo, args.seed)
+                        args.naive_max_duration, args.temperature, slo, args.seed,
+                        args.top_p, args.top_k)
     workload = WorkloadConfig(
         args.workload, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
         args.prefix_len, args.num_long, tuple(args.long_input_len), args.long_output_len,
@@ -91,21 +104,21 @@ def lanes(workload: dict[str, list[BenchRequest]], concurrency: int, cfg: BenchC
     return [Lane(workload["main"][:cap], concurrency, cfg.request_rate)]
 
 
-def make_client(target: Target, protocol: str, temperature: float) -> Client:
+def make_client(target: Target, protocol: str, sampling: Sampling) -> Client:
     if protocol == "grpc" and target.grpc_address:
-        return GrpcClient(target.grpc_address, temperature)
+        return GrpcClient(target.grpc_address, sampling)
     if target.http_url is None:
         raise ValueError(f"{target.name} has no HTTP address; use --protocol grpc")
-    return HttpClient(target.http_url, temperature)
+    return HttpClient(target.http_url, sampling)
 
 
 async def bench_target(target: Target, workload: dict[str, list[BenchRequest]],
                        cfg: BenchConfig, workload_name: str,
                        out_dir: Path) -> dict[int, dict[str, Any]]:
     """Every concurrency point of one system; one JSON file per point."""
-    client = make_client(target, cfg.protocol, cfg.temperature)
+    client = make_client(target, cfg.protocol, cfg.sampling)
     is_naive = target.name == "naive"
-    notes = []
+    notes = [f"sampling: {cfg.sampling.fields()}"]
     if is_naive:
         notes.append(f"naive: at most {cfg.naive_max_requests} requests and "
                      f"{cfg.naive_max_duration_s:g} s per point, one request at a time; "
@@ -198,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     from pdserve.bench.plots import plot_latency, plot_throughput
 
-    title = f"{wcfg.name} workload, {cfg.protocol}"
+    fields = cfg.sampling.fields()
+    sampling = ("greedy" if fields == {"temperature": 0.0}
+                else ", ".join(f"{k} {v:g}" for k, v in fields.items()))
+    title = f"{wcfg.name} workload, {cfg.protocol}, {sampling}"
     plot_latency(points, out_dir / "latency.png", f"Latency percentiles, {title}")
     plot_throughput(points, out_dir / "throughput.png", f"Throughput, {title}")
     print(f"\nwrote {out_dir}/: summary.json, <backend>-c<concurrency>.json per point, "

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.bench.client import GrpcClient
+from pdserve.bench.client import GrpcClient, HttpClient, Sampling
 from pdserve.bench.workloads import BenchRequest
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
@@ -36,13 +36,13 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         return pb.ListModelsResponse(models=[pb.ModelInfo(id="fake", max_model_len=64)])
 
 
-async def with_server(body):
+async def with_server(body, sampling: Sampling | None = None):
     servicer = FakeGeneration()
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    client = GrpcClient(f"127.0.0.1:{port}")
+    client = GrpcClient(f"127.0.0.1:{port}", sampling or Sampling())
     try:
         return await body(client), servicer
     finally:
@@ -77,3 +77,26 @@ def test_an_rpc_error_is_a_failed_result():
     assert not r.is_success and not r.is_incomplete
     assert r.error == "INVALID_ARGUMENT: max_tokens too large"
     assert servicer.requests[0].chat.messages[0].content == "hi"
+
+
+def test_sampling_flags_reach_the_request_and_unset_ones_stay_out():
+    async def body(client):
+        return await client.send(BenchRequest(output_len=6, input_len=0, prompt_ids=(1,)))
+
+    _, servicer = asyncio.run(with_server(body, Sampling(0.7, top_p=0.95, top_k=50)))
+    sent = servicer.requests[0].sampling
+    assert (sent.temperature, sent.top_p, sent.top_k) == (pytest.approx(0.7), 0.95, 50)
+    _, servicer = asyncio.run(with_server(body, Sampling(1.0)))
+    assert not servicer.requests[0].sampling.HasField("top_p")
+
+    async def http_body(sampling):
+        client = HttpClient("http://unused", sampling)
+        client._model = "m"
+        try:
+            return (await client._body(BenchRequest(output_len=4, input_len=0,
+                                                    prompt_ids=(1,))))[1]
+        finally:
+            await client.http.aclose()
+
+    body_ = asyncio.run(http_body(Sampling(1.0, top_p=0.95)))
+    assert (body_["temperature"], body_["top_p"]) == (1.0, 0.95) and "top_k" not in body_

@@ -27,7 +27,7 @@ class FakeDecodeEngine(FakeEngine):
         self.layout = type("Layout", (), {"block_size": BLOCK_SIZE})()
         self.reserved: dict[str, SamplingParams] = {}
 
-    def reserve(self, prompt, params, req_id):
+    def reserve(self, prompt, params, req_id, num_prior_output_tokens=0):
         self.reserved[req_id] = params
         return list(range(-(-len(prompt) // BLOCK_SIZE))), 0
 

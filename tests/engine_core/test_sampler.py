@@ -170,10 +170,10 @@ def test_penalties_exact_values() -> None:
         params, vocab_size, prompt_ids=[[0, 4], [0], [3]], output_ids=[[1, 1, 2], [5], [3]]
     )
     assert not batch.no_penalties
+    assert batch.penalty_tokens is not None
     out = apply_penalties(
         logits.clone(),
-        batch.prompt_token_ids,
-        batch.output_token_ids,
+        batch.penalty_tokens,
         batch.repetition_penalty,
         batch.presence_penalty,
         batch.frequency_penalty,

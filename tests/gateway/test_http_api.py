@@ -55,6 +55,26 @@ def test_chat_completion_stream(client, chat_reference):
         chat_reference.token_ids)
 
 
+def test_chat_stream_with_continuous_usage_and_max_completion_tokens(gateway, chat_reference):
+    """Every chunk carries the usage so far (vLLM's continuous_usage_stats); the output
+    length comes from max_completion_tokens (max_tokens, if also sent, is overridden)."""
+    body = {"model": MODEL, "messages": CONV, "max_completion_tokens": N, "max_tokens": 1,
+            "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{gateway.http_url}/v1/chat/completions", json=body,
+                      timeout=60) as resp:
+        events = [json.loads(line[len("data: "):]) for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    with_choices = [e for e in events if e["choices"]]
+    counts = [e["usage"]["completion_tokens"] for e in with_choices]
+    assert counts == sorted(counts) and counts[-1] == len(chat_reference.token_ids)
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"]
+               for e in with_choices)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in with_choices)
+    assert text == chat_reference.text
+    assert events[-1]["choices"] == []  # include_usage: the usage-only chunk still ends it
+
+
 def test_completions_match_offline_engine(client, offline):
     prompt = "The capital of France is"
     ref = offline.generate(prompt, N)
@@ -87,6 +107,13 @@ BAD_BODIES = [  # (case, path, body, status, param, bound named in the message)
     ("top_p 1.5", "chat/completions", {"messages": CONV, "top_p": 1.5}, 400, "top_p",
      "(0, 1]"),
     ("top_k -2", "completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", "-1"),
+    ("min_p 1.5", "chat/completions", {"messages": CONV, "min_p": 1.5}, 400, "min_p", "[0, 1]"),
+    ("repetition_penalty 0", "completions", {"prompt": "hi", "repetition_penalty": 0}, 400,
+     "repetition_penalty", "> 0"),
+    ("presence_penalty 2.5", "chat/completions", {"messages": CONV, "presence_penalty": 2.5},
+     400, "presence_penalty", "[-2.0, 2.0]"),
+    ("frequency_penalty -3", "completions", {"prompt": "hi", "frequency_penalty": -3}, 400,
+     "frequency_penalty", "[-2.0, 2.0]"),
     ("unknown model", "chat/completions", {"model": "gpt-4", "messages": CONV}, 404, "model",
      MODEL),
     ("too many stop strings", "completions", {"prompt": "hi", "stop": ["a"] * 17}, 400, "stop",
@@ -100,6 +127,9 @@ BAD_BODIES = [  # (case, path, body, status, param, bound named in the message)
     ("top_logprobs 21", "chat/completions", {"messages": CONV, "logprobs": True,
                                              "top_logprobs": 21}, 400, "top_logprobs", "20"),
     ("body not an object", "completions", ["hi"], 400, "body", "object"),
+    ("continuous_usage_stats not a boolean", "chat/completions", {
+        "messages": CONV, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     400, "stream_options.continuous_usage_stats", "boolean"),
 ]
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 
-from pdserve.bench_engine import make_prompts, run
+import pytest
+
+from pdserve.bench_engine import make_prompts, parse_sampling, run
 from pdserve.cli import build_parser
 
 
@@ -38,3 +40,35 @@ def test_bench_prompts_differ_between_runs(offline):
     assert all(len(p) == 32 for p in first + second)
     # every prompt's first block differs from every other's: no run reuses another's prefix
     assert len({tuple(p[:16]) for p in first + second}) == 6
+
+
+def test_bench_engine_times_sampled_settings_beside_greedy(tmp_path, model_path):
+    args = build_parser().parse_args([
+        "bench-engine", "--model", str(model_path), "--concurrency", "2",
+        "--prompt-len", "24", "--output-len", "5", "--repeats", "2", "--skip-hf",
+        "--sampling", "greedy", "temperature=1.0,top_p=0.95",
+        "temperature=0.7,top_k=50,repetition_penalty=1.1", "--out", str(tmp_path),
+    ])
+    assert run(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    engine = results["engine"]
+    assert [r["sampling"] for r in engine] == [
+        "greedy", "temperature=1.0,top_p=0.95", "temperature=0.7,top_k=50,repetition_penalty=1.1"]
+    greedy_runs = engine[0]["runs_tokens_per_s"]
+    assert "ratio_vs_greedy" not in engine[0]
+    for r in engine[1:]:  # each round's sampled run against that round's greedy run
+        ratios = [s / g for s, g in zip(r["runs_tokens_per_s"], greedy_runs, strict=True)]
+        assert r["ratios_vs_greedy"] == sorted(ratios)
+        assert r["ratio_vs_greedy"] == sorted(ratios)[1]
+
+
+def test_sampling_specs_parse_and_bad_ones_name_the_field():
+    assert parse_sampling("greedy") == {"temperature": 0.0}
+    assert parse_sampling("temperature=0.7,top_k=50,repetition_penalty=1.1") == {
+        "temperature": 0.7, "top_k": 50, "repetition_penalty": 1.1}
+    with pytest.raises(ValueError, match="top_p must be in \\(0, 1\\], got 1.5"):
+        parse_sampling("temperature=1,top_p=1.5")
+    with pytest.raises(ValueError, match="names among temperature"):
+        parse_sampling("temp=1")
+    with pytest.raises(ValueError, match="top_k must be an integer, got '5.5'"):
+        parse_sampling("top_k=5.5")

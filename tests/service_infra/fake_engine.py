@@ -27,7 +27,8 @@ class FakeEngine:
         self.fail = False
         self.spec = None  # no speculative decoding
 
-    def add_request(self, prompt, params, req_id):
+    def add_request(self, prompt, params, req_id, num_prior_output_tokens=0):
+        self.num_prior_output_tokens = num_prior_output_tokens
         self.scheduler.requests[req_id] = [params, prompt, [], time.monotonic()]
         self.scheduler.num_running = len(self.scheduler.requests)
 
