@@ -1,0 +1,99 @@
+"""Sliding-window attention (Mistral, Qwen2/3 when set): the torch path and the Triton kernels
+against the reference, with contexts and cached prefixes longer than the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_decode_attention, paged_prefill_attention
+from kernels.cpu_attention import paged_decode_attention_torch, paged_prefill_attention_torch
+from kernels.reference import (
+    attention_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+)
+from tests.kernels.attention_inputs import (
+    assert_close_to_reference,
+    make_decode_inputs,
+    make_prefill_inputs,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+# contexts shorter than, equal to and longer than the windows, across block boundaries
+CONTEXT_LENS = [1, 7, 8, 9, 21, 40, 75]
+# (query_lens, prefix_lens): a chunk after a prefix longer than the window (chunked prefill /
+# prefix caching), chunks longer than the window, a single token
+PREFILL_CASE = ([5, 30, 1, 17], [20, 0, 33, 9])
+WINDOWS = [1, 8, 13]
+
+
+def test_reference_window_is_a_band() -> None:
+    """The reference itself: with V holding each key's position, window 1 returns the query's
+    own position and window 2 a mix of its own and the one before."""
+    q, k = torch.randn(6, 1, 4), torch.randn(6, 1, 4)
+    v = torch.arange(6.0)[:, None, None].expand(6, 1, 4)
+    one = attention_ref(q, k, v, torch.arange(6), 1.0, window=1)
+    assert torch.equal(one[:, 0, 0], torch.arange(6.0))
+    two = attention_ref(q, k, v, torch.arange(6), 1.0, window=2)[1:, 0, 0]
+    assert bool(((two >= torch.arange(5.0)) & (two <= torch.arange(1.0, 6.0))).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_torch_window(window: int, dtype: torch.dtype) -> None:
+    inputs = make_decode_inputs(CONTEXT_LENS, 6, 2, 32, 8, dtype, seed=window)
+    expected = paged_decode_attention_ref(*inputs.args(), window)
+    actual = paged_decode_attention_torch(*inputs.args(), None, window)
+    assert_close_to_reference(actual, expected)
+    full = paged_decode_attention_ref(*inputs.args())
+    assert not torch.allclose(expected.float(), full.float())  # the window changed something
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_prefill_torch_window(window: int, dtype: torch.dtype) -> None:
+    inputs = make_prefill_inputs(*PREFILL_CASE, 6, 2, 32, 8, dtype, seed=window)
+    expected = paged_prefill_attention_ref(*inputs.args(), window)
+    actual = paged_prefill_attention_torch(*inputs.args(), window)
+    assert_close_to_reference(actual, expected)
+
+
+def test_decode_torch_layers_of_different_windows_share_a_step() -> None:
+    """One step cache, two windows (a local and a global layer): each gets its own mask."""
+    inputs = make_decode_inputs(CONTEXT_LENS, 4, 4, 16, 8, torch.float32, seed=3)
+    step: dict = {}
+    local = paged_decode_attention_torch(*inputs.args(), step, 8)
+    full = paged_decode_attention_torch(*inputs.args(), step, None)
+    assert_close_to_reference(local, paged_decode_attention_ref(*inputs.args(), 8))
+    assert_close_to_reference(full, paged_decode_attention_ref(*inputs.args()))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_triton_window(window: int, triton_device: torch.device) -> None:
+    from kernels.decode_attention import paged_decode_attention_triton
+
+    inputs = make_decode_inputs(CONTEXT_LENS, 6, 2, 32, 8, torch.float32, seed=window)
+    expected = paged_decode_attention_ref(*inputs.args(), window)
+    actual = paged_decode_attention_triton(*inputs.to(triton_device).args(), window, block_n=16)
+    assert_close_to_reference(actual, expected)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_prefill_triton_window(window: int, triton_device: torch.device) -> None:
+    from kernels.prefill_attention import paged_prefill_attention_triton
+
+    inputs = make_prefill_inputs(*PREFILL_CASE, 6, 2, 32, 8, torch.float32, seed=window)
+    expected = paged_prefill_attention_ref(*inputs.args(), window)
+    actual = paged_prefill_attention_triton(*inputs.to(triton_device).args(), window,
+                                            block_m=16, block_n=16)
+    assert_close_to_reference(actual, expected)
+
+
+def test_public_api_triton_window(triton_backend: torch.device) -> None:
+    dec = make_decode_inputs([3, 30], 4, 2, 16, 8, torch.float32, seed=1)
+    assert_close_to_reference(paged_decode_attention(*dec.to(triton_backend).args(), None, 5),
+                              paged_decode_attention_ref(*dec.args(), 5))
+    pre = make_prefill_inputs([4, 20], [12, 0], 4, 2, 16, 8, torch.float32, seed=1)
+    assert_close_to_reference(paged_prefill_attention(*pre.to(triton_backend).args(), 5),
+                              paged_prefill_attention_ref(*pre.args(), 5))
