@@ -46,7 +46,7 @@ import logging
 import torch
 from torch import nn
 
-from engine_core.model.llama import LlamaForCausalLM
+from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 from kernels import native
 
@@ -217,9 +217,9 @@ class DecodeQuantLMHead(DecodeQuantLinear):
 class NativeDecodeLayers:
     """A step's decode rows through the decoder layers in one C call (pd_decode_layers), float32
     whatever the model dtype: no Python between a layer's operations. The model's prefill rows
-    take the torch path beside it (LlamaForCausalLM.forward)."""
+    take the torch path beside it (DecoderForCausalLM.forward)."""
 
-    def __init__(self, model: LlamaForCausalLM, lib, rows: DecodeRows) -> None:
+    def __init__(self, model: DecoderForCausalLM, lib, rows: DecodeRows) -> None:
         cfg = model.config
         self.lib, self.rows = lib, rows
         self.num_heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
@@ -248,8 +248,13 @@ class NativeDecodeLayers:
         self.final_norm = f32(model.norm.weight)
 
     @staticmethod
-    def applies(model: LlamaForCausalLM) -> bool:
-        return all(isinstance(getattr(m, a), DecodeQuantLinear)
+    def applies(model: DecoderForCausalLM) -> bool:
+        """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
+        bias) with every matmul quantized and attention in C on every layer."""
+        cfg = model.config
+        if cfg.qk_norm or cfg.has_sliding_window or cfg.hidden_act != "silu":
+            return False
+        return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)
                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)
                    for layer in model.layers
                    for m, a in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
@@ -289,14 +294,17 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
 
 
 def quantize_for_decode(
-    model: LlamaForCausalLM, q4: dict[str, Q4Weight] | None = None,
-    activations: str = "float32",
+    model: DecoderForCausalLM, q4: dict[str, Q4Weight] | None = None,
+    activations: str = "float32", dense: set[str] | frozenset[str] = frozenset(),
 ) -> DecodeRows:
     """Give every projection and the lm_head a quantized twin for decode rows, in place.
 
     q4: Hugging Face-named 4-bit weights from the GGUF (see GGUFFile.q4_weights); a fused
     projection uses them when all of its parts are 4-bit, else int8.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
+    dense: Hugging Face names of GGUF weights in a type the C kernels have no block decoder
+    for (K-quants, Q5_0, Q5_1): a projection with any such part keeps its dense float weight
+    for decode rows too (the torch path), rather than being requantized to int8.
     """
     q4 = q4 or {}
     rows = DecodeRows()
@@ -326,6 +334,8 @@ def quantize_for_decode(
             (mlp, "down_proj"): [f"{pre}mlp.down_proj.weight"],
         }
         for (module, attr), parts in names.items():
+            if any(p in dense for p in parts):
+                continue
             linear = getattr(module, attr)
             setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts), rows))
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
@@ -333,11 +343,14 @@ def quantize_for_decode(
                                       rows)
     model.lm_head.native = lib
     # the layers in one C call need its attention: use_native_kernels (load_model) set it
-    native_attention = model.layers[0].self_attn.native is not None
-    if native_attention and NativeDecodeLayers.applies(model):
+    if NativeDecodeLayers.applies(model):
         model.decode_layers = NativeDecodeLayers(model, lib, rows)
     total = 4 * len(model.layers) + 1
+    num_dense = sum(isinstance(m, nn.Linear) for layer in model.layers
+                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                              layer.mlp.gate_up_proj, layer.mlp.down_proj))
     logger.info("decode rows use quantized matmuls (%s, %s activations): %d int4 weights (from "
-                "the GGUF), %d int8", "native kernels" if lib is not None else "torch",
-                activations if lib is not None else "bf16", num_int4, total - num_int4)
+                "the GGUF), %d int8, %d dense", "native kernels" if lib is not None else "torch",
+                activations if lib is not None else "bf16", num_int4,
+                total - num_int4 - num_dense, num_dense)
     return rows

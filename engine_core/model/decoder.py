@@ -1,4 +1,6 @@
-"""The Llama-family decoder as plain single-device code over a flattened, varlen batch.
+"""The decoder of every architecture in the registry (architectures.py) as plain single-device
+code over a flattened, varlen batch. The architectures differ in fields of ModelConfig (q/k/v
+bias, q/k norm, sliding window per layer, rope scaling), not in subclasses.
 
 `forward` takes the step's tokens of many sequences at once (decode tokens and prefill chunks
 mixed, see attention.py) and reads/writes the paged KV cache. Quantization, compilation and
@@ -53,7 +55,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -66,6 +68,10 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.layer_window(layer)  # None: attends to every earlier position
+        # Qwen3: every q and k head RMS-normalised over head_dim before rope
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.native = None  # the C kernels' library, set by native_cpu.use_native_kernels
 
     def forward(
@@ -76,6 +82,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         nd = meta.num_decode_tokens
         if self.native is None or not kv_layer.is_contiguous():
             return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta,
@@ -101,6 +109,13 @@ class Attention(nn.Module):
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.to(qkv.dtype))
 
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:  # [n, q_size + 2 * kv_size]
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))  # [n, heads, head_dim]
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+        return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v], dim=-1)
+
     def _attention(self, qkv, cos_sin, kv_layer, meta, skip_decodes: int) -> torch.Tensor:
         """The torch path over rows skip_decodes.. of the step (all of them, or its prefills)."""
         n = qkv.shape[0]
@@ -112,27 +127,31 @@ class Attention(nn.Module):
                         cos_sin[:, None, :half], cos_sin[:, None, half:])
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes)
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes, self.window)
         return out.reshape(n, self.q_size)  # [n, heads * head_dim]
+
+
+ACTIVATIONS = {"silu": F.silu}  # config.ACTIVATIONS names the same set
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -148,12 +167,12 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -171,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         cfg = self.config
         self.cos_sin = cos_sin_cache(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+            cfg.rope_freq_factors,
         ).to(device)
 
     def forward(
@@ -248,8 +268,8 @@ class LlamaForCausalLM(nn.Module):
                 )
             params[name].copy_(w)
             loaded.add(name)
-        # per layer: 2 norms, q, k, v, o, gate, up, down (+ q, k, v biases)
-        per_layer = 9 + (3 if cfg.attention_bias else 0)
+        # per layer: 2 norms, q, k, v, o, gate, up, down (+ q, k, v biases) (+ q, k norms)
+        per_layer = 9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
         expected = per_layer * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)
         if len(loaded) != expected:
             raise ValueError(f"loaded {len(loaded)} weight tensors, expected {expected}")

@@ -1,0 +1,154 @@
+"""Every architecture in the registry against transformers, on tiny random models built from
+a config inside the test (no download), float32: prompt logits within 1e-3 relative and greedy
+48-token continuations equal, with chunked prefill and a shared prefix (prefix caching) in the
+same batch, and prompts longer than the sliding window where there is one."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from engine_core.model.architectures import UnsupportedArchitectureError
+from tests.engine_core import tiny_models as tm
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+               "rope_theta": 10000.0}
+CASES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "llama-tied": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
+    "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {}),
+    "mistral-window": (transformers.MistralConfig, {"sliding_window": 12}),
+    "mistral-global": (transformers.MistralConfig, {"sliding_window": None}),
+}
+# prompt lengths: short, longer than the 12-token window, several windows and blocks long
+LENGTHS = [5, 19, 70]
+
+
+def check_against_hf(hf, path, vocab: int = tm.SIZES["vocab_size"]) -> None:
+    prompts = tm.prompts(vocab, LENGTHS)
+    # a fourth prompt shares the third's first 64 tokens: a prefix-cache hit once it is cached
+    prompts.append(prompts[2][:64] + prompts[0])
+    # a 16-token budget chunks every prompt longer than 16 (the prefill chunks attend over
+    # earlier chunks' KV, across the window)
+    eng = tm.engine(path, max_num_batched_tokens=16)
+    for p in prompts[1:3]:
+        rel = tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p))
+        assert rel < 1e-3, f"logits differ by {rel:.2e} (prompt of {len(p)})"
+    ours = tm.greedy(eng, prompts[:3], 48)
+    ours += tm.greedy(eng, prompts[3:], 48)  # after the third finished: its blocks are cached
+    for p, got in zip(prompts, ours, strict=True):
+        assert got == tm.hf_greedy(hf, p, 48), f"greedy differs for a prompt of {len(p)}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tiny_model_matches_transformers(case, tmp_path):
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    check_against_hf(hf, tmp_path)
+
+
+def test_config_fields_from_the_registry(tmp_path):
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    for case, want in [("qwen2", dict(attention_bias=True, qk_norm=False)),
+                       ("qwen3", dict(attention_bias=False, qk_norm=True)),
+                       ("mistral-window", dict(sliding_window=12)),
+                       ("mistral-global", dict(sliding_window=None)),
+                       ("llama3-rope", dict(rope_theta=10000.0))]:
+        folder = tmp_path / case
+        config_cls, overrides = CASES[case]
+        config_cls(**{**tm.SIZES, **overrides}).save_pretrained(str(folder))
+        cfg = load_hf_config(folder)
+        for k, v in want.items():
+            assert getattr(cfg, k) == v, (case, k)
+    assert load_hf_config(tmp_path / "llama3-rope").rope_scaling["rope_type"] == "llama3"
+
+
+def test_qwen2_sliding_window_follows_layer_types(tmp_path):
+    """Qwen2 slides only when use_sliding_window is set, and only on layers from
+    max_window_layers on."""
+    from engine_core.config import ModelConfig
+
+    base = {**tm.SIZES, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 12}
+    off = ModelConfig.from_hf_config({**base, "use_sliding_window": False}, "q")
+    assert off.sliding_window is None
+    cfg = transformers.Qwen2Config(**{**tm.SIZES, "use_sliding_window": True,
+                                      "sliding_window": 12, "max_window_layers": 1})
+    on = ModelConfig.from_hf_config({**cfg.to_dict(), "architectures": ["Qwen2ForCausalLM"]},
+                                    "q")
+    assert [on.layer_window(i) for i in range(2)] == [None, 12]
+
+
+def test_unknown_hf_architecture_is_refused(tmp_path):
+    from engine_core.model_files import ModelSource
+    from engine_core.model_loader import load_model
+
+    hf = tm.build_hf(transformers.LlamaConfig, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["PhiForCausalLM"]
+    cfg["model_type"] = "phi"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="PhiForCausalLM.*supported: llama"):
+        load_model(ModelSource("hf", tmp_path), torch.float32, torch.device("cpu"))
+    assert hf is not None
+
+
+def test_unknown_gguf_architecture_is_refused(tmp_path):
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    hf = tm.build_hf(transformers.LlamaConfig, tmp_path)
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="phi3")
+    with pytest.raises(UnsupportedArchitectureError,
+                       match="'phi3' is not supported; supported: llama .*qwen3"):
+        GGUFFile(tmp_path / "m.gguf")
+
+
+def test_gguf_llama3_rope_freqs_matches_transformers(tmp_path):
+    """A Llama 3 GGUF as llama.cpp writes it: Q/K permuted, no rope_scaling metadata, the
+    scaling as the rope_freqs tensor (base frequency / scaled frequency, taken here from
+    transformers' own rotary embedding)."""
+    hf = tm.build_hf(transformers.LlamaConfig, tmp_path, rope_parameters=LLAMA3_ROPE)
+    head_dim = tm.SIZES["head_dim"]
+    base = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    factors = base / hf.model.rotary_emb.inv_freq.double().numpy()
+    assert factors.max() > 7.9 and factors.min() == pytest.approx(1.0)  # scaling is in play
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    tm.write_gguf(hf, gguf_dir / "m.gguf", rope_freqs=factors)
+    check_against_hf(hf, gguf_dir / "m.gguf")
+
+
+def test_gguf_qwen3_unpermuted_with_qk_norm(tmp_path):
+    hf = tm.build_hf(transformers.Qwen3Config, tmp_path)
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    tm.write_gguf(hf, gguf_dir / "m.gguf", arch="qwen3", permute=False)
+    check_against_hf(hf, gguf_dir / "m.gguf")
+
+
+def test_sliding_window_routes_c_attention_to_torch(tmp_path, caplog):
+    """With the C kernels (and quantized decode, the CPU default), a windowed model's
+    attention runs on the torch path, and the log says so once at start; the prefill rows
+    (dense, exact) still give transformers' logits."""
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    hf = tm.build_hf(transformers.MistralConfig, tmp_path, sliding_window=12)
+    with caplog.at_level(logging.INFO):
+        eng = tm.engine(tmp_path, quantize_decode=True)
+    assert sum("has no sliding window" in r.message for r in caplog.records) == 1
+    assert eng.model.decode_layers is None
+    assert all(layer.self_attn.native is None for layer in eng.model.layers)
+    p = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
+    assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
+    assert len(tm.greedy(eng, [p], 8)[0]) == 8
