@@ -12,7 +12,7 @@ from engine_core.model import architectures
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -51,7 +51,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of a decoder in the architecture registry (model/architectures.py):
-    Llama, Mistral, Qwen2, Qwen3. The registry's fields are resolved into the flat fields
+    Llama, Mistral, Qwen2, Qwen3, Gemma 3. The registry's fields are resolved into the flat fields
     below by the loaders, so the model reads one object."""
 
     name: str
@@ -80,6 +80,14 @@ class ModelConfig:
     # GGUF `rope_freqs` (Llama 3 scaling as llama.cpp stores it): each rope frequency is
     # divided by its factor; None: no factors
     rope_freq_factors: tuple[float, ...] | None = None
+    # Gemma 3 (see architectures.py): the rope base of windowed layers (None: rope_theta;
+    # rope_scaling applies to the global layers only when it is set), four norms per layer,
+    # embeddings times embedding_scale, norm weights stored without their + 1 (HF)
+    local_rope_theta: float | None = None
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None
+    norm_weight_offset: float = 0.0
+    attention_scale: float | None = None  # None: head_dim ** -0.5
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -128,6 +136,13 @@ class ModelConfig:
         # transformers 5 writes rope_parameters ({"rope_theta", "rope_type", ...}); 4.x wrote
         # rope_theta and rope_scaling
         rope = dict(cfg.get("rope_parameters") or {})
+        local_theta = None
+        if arch.local_rope_theta is not None:
+            # transformers 5 gives Gemma 3 one rope block per layer type
+            local = rope.pop("sliding_attention", None) or {}
+            rope = dict(rope.pop("full_attention", None) or rope)
+            local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
+                                or arch.local_rope_theta)
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         scaling = rope or cfg.get("rope_scaling")
         if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
@@ -160,9 +175,15 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=arch.name,
             qk_norm=arch.qk_norm,
-            hidden_act=cfg.get("hidden_act") or arch.activation,
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or arch.activation,
             sliding_window=window,
             sliding_layers=sliding if window else None,
+            local_rope_theta=local_theta,
+            sandwich_norms=arch.sandwich_norms,
+            embedding_scale=cfg["hidden_size"] ** 0.5 if arch.embedding_scale else None,
+            norm_weight_offset=arch.norm_weight_offset,
+            attention_scale=(cfg["query_pre_attn_scalar"] ** -0.5
+                             if cfg.get("query_pre_attn_scalar") else None),
         )
 
 

@@ -7,11 +7,16 @@ unknown model must never run silently with Llama's math.
 
 What the fields change (each is read once, into ModelConfig, by the loaders):
 
-    field               llama  mistral  qwen2  qwen3
+    field               llama  mistral  qwen2  qwen3  gemma3
     qkv_bias                            yes
-    qk_norm                                    yes    per-head RMSNorm of q and k before rope
-    sliding_window             config   config config a window when the config sets one
-    gguf_permutes_qk    yes    yes                    llama.cpp's interleaved-rope row order
+    qk_norm                                    yes    yes     per-head RMSNorm of q, k
+    sliding_window             config   config config config  when the config sets one
+    gguf_permutes_qk    yes    yes                            llama.cpp's interleaved rope
+    activation          silu   silu     silu   silu   gelu (tanh)
+    sandwich_norms                                    yes     norms after attention and MLP
+    embedding_scale                                   yes     embeddings times sqrt(hidden)
+    norm_weight_offset                                1       HF norms scale by 1 + weight
+    local_rope_theta                                  10000   rope base of windowed layers
 """
 
 from __future__ import annotations
@@ -33,6 +38,20 @@ class Architecture:
     # two-halves rope in both formats)
     gguf_permutes_qk: bool = False
     activation: str = "silu"  # of the gated MLP's gate
+    # Gemma: four norms per layer (input, post-attention, pre- and post-feedforward), the
+    # attention and MLP outputs normed before they join the residual stream
+    sandwich_norms: bool = False
+    embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    # Gemma's HF RMSNorm scales by (1 + weight); its GGUF norms already hold the + 1
+    norm_weight_offset: float = 0.0
+    # the rope base of sliding-window layers where it differs from the global one (Gemma 3;
+    # llama.cpp's GGUF does not store it)
+    local_rope_theta: float | None = None
+    # GGUF tensor names that mean something else in this architecture than in Llama's
+    gguf_layer_names: tuple[tuple[str, str], ...] = ()
+    # GGUF: which layers slide when the file says only the window (llama.cpp's fixed pattern:
+    # every n-th layer is global); 0: all of them
+    gguf_global_every: int = 0
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -42,6 +61,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  gguf_permutes_qk=True),
     Architecture("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True, sliding_window=True),
     Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True, sliding_window=True),
+    # the text-only model; Gemma3ForConditionalGeneration (vision) is not supported
+    Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True,
+                 sliding_window=True, activation="gelu_pytorch_tanh", sandwich_norms=True,
+                 embedding_scale=True, norm_weight_offset=1.0, local_rope_theta=10000.0,
+                 gguf_layer_names=(("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+                                   ("post_attention_norm.weight",
+                                    "post_attention_layernorm.weight"),
+                                   ("post_ffw_norm.weight", "post_feedforward_layernorm.weight")),
+                 gguf_global_every=6),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 

@@ -252,7 +252,8 @@ class NativeDecodeLayers:
         """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
         bias) with every matmul quantized and attention in C on every layer."""
         cfg = model.config
-        if cfg.qk_norm or cfg.has_sliding_window or cfg.hidden_act != "silu":
+        if (cfg.qk_norm or cfg.has_sliding_window or cfg.hidden_act != "silu"
+                or cfg.sandwich_norms or cfg.embedding_scale or cfg.attention_scale):
             return False
         return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)
                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)

@@ -67,7 +67,7 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.window = cfg.layer_window(layer)  # None: attends to every earlier position
         # Qwen3: every q and k head RMS-normalised over head_dim before rope
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -131,7 +131,10 @@ class Attention(nn.Module):
         return out.reshape(n, self.q_size)  # [n, heads * head_dim]
 
 
-ACTIVATIONS = {"silu": F.silu}  # config.ACTIVATIONS names the same set
+ACTIVATIONS = {  # config.ACTIVATIONS names the same set
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 class MLP(nn.Module):
@@ -148,12 +151,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Llama's layer (pre-norms), or with cfg.sandwich_norms Gemma's: the attention and MLP
+    outputs are normed again before they join the residual stream.
+
+        llama:  r += attn(in_norm(r));            r += mlp(post_attn_norm(r))
+        gemma:  r += post_attn_norm(attn(in_norm(r)));  r += post_ffw_norm(mlp(pre_ffw_norm(r)))
+    """
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, cos_sin, kv_layer, meta):
         """(this layer's output, the residual stream before it); the stream is None for the
@@ -163,6 +177,10 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos_sin, kv_layer, meta)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x),
+                                                         residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -178,6 +196,8 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        # windowed layers' rope where their base differs (Gemma 3); empty: they use cos_sin
+        self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
         # per-layer observers (the prefill worker ships each layer's KV as soon as it is done)
         self.layer_done_hook = None
         # decode rows through all layers in C (decode_quant.NativeDecodeLayers), set on CPU
@@ -193,6 +213,17 @@ class DecoderForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
             cfg.rope_freq_factors,
         ).to(device)
+        if cfg.local_rope_theta is not None:
+            self.cos_sin_local = cos_sin_cache(
+                cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None
+            ).to(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+        x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:
+            # scaled in the model dtype, as the reference does
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        return x
 
     def forward(
         self,
@@ -206,7 +237,7 @@ class DecoderForCausalLM(nn.Module):
         nd = meta.num_decode_tokens
         if (self.decode_layers is None or nd == 0 or self.layer_done_hook is not None
                 or not kv_cache.is_contiguous()):
-            return self._layers(input_ids, cos_sin, kv_cache, meta, num_layers)
+            return self._layers(input_ids, positions, cos_sin, kv_cache, meta, num_layers)
         # decode rows: every layer in one C call, float32 (NativeDecodeLayers); prefill rows
         # beside them on the torch path, in the model dtype
         decoded = self.decode_layers(self.embed_tokens(input_ids[:nd]), cos_sin, kv_cache, meta,
@@ -216,18 +247,20 @@ class DecoderForCausalLM(nn.Module):
         rows = self.decode_layers.rows
         saved, rows.n = rows.n, 0  # the prefill rows' matmuls are all dense
         try:
-            prefilled = self._layers(input_ids[nd:], cos_sin[nd:], kv_cache,
+            prefilled = self._layers(input_ids[nd:], positions[nd:], cos_sin[nd:], kv_cache,
                                      dataclasses.replace(meta, decodes_done=True), num_layers)
         finally:
             rows.n = saved
         return torch.cat([decoded, prefilled.float()])
 
-    def _layers(self, input_ids, cos_sin, kv_cache, meta, num_layers) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def _layers(self, input_ids, positions, cos_sin, kv_cache, meta, num_layers) -> torch.Tensor:
+        x = self.embed(input_ids)
         residual = None
+        local = self.cos_sin_local[positions] if self.cos_sin_local.numel() else cos_sin
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for i, layer in enumerate(layers):
-            x, residual = layer(x, residual, cos_sin, kv_cache[i], meta)
+            rope = local if layer.self_attn.window is not None else cos_sin
+            x, residual = layer(x, residual, rope, kv_cache[i], meta)
             if self.layer_done_hook is not None:
                 self.layer_done_hook(i)
         return self.norm(x, residual)[0]
@@ -261,6 +294,8 @@ class DecoderForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            if cfg.norm_weight_offset and name.endswith("norm.weight"):
+                w = w + cfg.norm_weight_offset  # HF Gemma's norms scale by 1 + weight
             if params[name].shape != w.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(w.shape)}, expected "
@@ -269,7 +304,9 @@ class DecoderForCausalLM(nn.Module):
             params[name].copy_(w)
             loaded.add(name)
         # per layer: 2 norms, q, k, v, o, gate, up, down (+ q, k, v biases) (+ q, k norms)
-        per_layer = 9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
+        # (+ Gemma's pre- and post-feedforward norms)
+        per_layer = (9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
+                     + (2 if cfg.sandwich_norms else 0))
         expected = per_layer * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)
         if len(loaded) != expected:
             raise ValueError(f"loaded {len(loaded)} weight tensors, expected {expected}")

@@ -58,13 +58,14 @@ _TOP_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: architectures.Architecture | None = None) -> str:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
+    names = _LAYER_NAMES if arch is None else {**_LAYER_NAMES, **dict(arch.gguf_layer_names)}
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         raise ValueError(f"unknown GGUF tensor name {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -111,9 +112,15 @@ class GGUFFile:
         if rope_freqs is not None:
             factors = tuple(float(x) for x in dequantize(
                 rope_freqs.data, GGMLQuantizationType(rope_freqs.tensor_type)).reshape(-1))
+        arch = self.architecture
+        num_layers = int(self.field(f"{a}.block_count"))
         window = self.field(f"{a}.attention.sliding_window")
-        if not self.architecture.sliding_window:
+        if not arch.sliding_window:
             window = None
+        sliding = None
+        if window is not None and arch.gguf_global_every:
+            every = arch.gguf_global_every
+            sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
         eos = self.field("tokenizer.ggml.eos_token_id")
         eot = self.field("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
@@ -122,10 +129,11 @@ class GGUFFile:
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{a}.feed_forward_length")),
-            num_layers=int(self.field(f"{a}.block_count")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
-            head_dim=int(self.field(f"{a}.rope.dimension_count", hidden // num_heads)),
+            head_dim=int(self.field(f"{a}.attention.key_length")
+                         or self.field(f"{a}.rope.dimension_count", hidden // num_heads)),
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,
@@ -137,12 +145,18 @@ class GGUFFile:
             architecture=self.architecture.name,
             qk_norm="blk.0.attn_q_norm.weight" in names,
             sliding_window=None if window is None else int(window),
+            sliding_layers=sliding,
             rope_freq_factors=factors,
+            # the file's norms already hold Gemma's + 1: no norm_weight_offset
+            local_rope_theta=arch.local_rope_theta if sliding else None,
+            sandwich_norms=arch.sandwich_norms,
+            embedding_scale=hidden**0.5 if arch.embedding_scale else None,
+            hidden_act=arch.activation,
         )
 
     def tensor_types(self) -> dict[str, GGMLQuantizationType]:
         """The GGUF type of every weight, by Hugging Face name."""
-        return {hf_name(t.name): GGMLQuantizationType(t.tensor_type)
+        return {hf_name(t.name, self.architecture): GGMLQuantizationType(t.tensor_type)
                 for t in self.reader.tensors if t.name != ROPE_FREQS}
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -161,7 +175,7 @@ class GGUFFile:
             # GGUF lists dims innermost-first; numpy wants them outermost-first
             shape = tuple(int(d) for d in reversed(t.shape))
             w = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)  # a copy
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.architecture)
             if permute and name.endswith("q_proj.weight"):
                 w = unpermute_qk(w, config.num_heads)
             elif permute and name.endswith("k_proj.weight"):
@@ -176,7 +190,7 @@ class GGUFFile:
             if qtype not in Q4_TYPES:
                 continue
             w = unpack_q4(t.data, qtype)
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.architecture)
             heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
             for suffix, n in heads.items():
                 if self.architecture.gguf_permutes_qk and name.endswith(suffix):

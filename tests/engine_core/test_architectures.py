@@ -28,6 +28,11 @@ CASES = {
     "qwen3": (transformers.Qwen3Config, {}),
     "mistral-window": (transformers.MistralConfig, {"sliding_window": 12}),
     "mistral-global": (transformers.MistralConfig, {"sliding_window": None}),
+    # local (windowed, rope base 10000) and global (rope base 1e6) layers interleaved;
+    # query_pre_attn_scalar apart from head_dim so that its scale is in play
+    "gemma3": (transformers.Gemma3TextConfig, {
+        "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
 }
 # prompt lengths: short, longer than the 12-token window, several windows and blocks long
 LENGTHS = [5, 19, 70]
@@ -63,7 +68,13 @@ def test_config_fields_from_the_registry(tmp_path):
                        ("qwen3", dict(attention_bias=False, qk_norm=True)),
                        ("mistral-window", dict(sliding_window=12)),
                        ("mistral-global", dict(sliding_window=None)),
-                       ("llama3-rope", dict(rope_theta=10000.0))]:
+                       ("llama3-rope", dict(rope_theta=10000.0)),
+                       ("gemma3", dict(rope_theta=1e6, local_rope_theta=10000.0,
+                                       sliding_layers=(True, False, True), sliding_window=12,
+                                       sandwich_norms=True, embedding_scale=8.0, qk_norm=True,
+                                       attention_scale=24**-0.5, norm_weight_offset=1.0,
+                                       hidden_act="gelu_pytorch_tanh",
+                                       tie_word_embeddings=True))]:
         folder = tmp_path / case
         config_cls, overrides = CASES[case]
         config_cls(**{**tm.SIZES, **overrides}).save_pretrained(str(folder))
@@ -132,6 +143,19 @@ def test_gguf_qwen3_unpermuted_with_qk_norm(tmp_path):
     gguf_dir = tmp_path / "gguf"
     gguf_dir.mkdir()
     tm.write_gguf(hf, gguf_dir / "m.gguf", arch="qwen3", permute=False)
+    check_against_hf(hf, gguf_dir / "m.gguf")
+
+
+def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
+    """llama.cpp's Gemma 3 GGUF: norms already + 1, its own norm names, head_dim as
+    key_length, the window without a layer pattern (every 6th layer is global), the local
+    rope base not stored (10000), attention scaled by head_dim ** -0.5."""
+    hf = tm.build_hf(transformers.Gemma3TextConfig, tmp_path, num_hidden_layers=6,
+                     sliding_window=12, query_pre_attn_scalar=tm.SIZES["head_dim"])
+    assert hf.config.layer_types[4:] == ["sliding_attention", "full_attention"]
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    tm.write_gguf(hf, gguf_dir / "m.gguf", arch="gemma3", permute=False)
     check_against_hf(hf, gguf_dir / "m.gguf")
 
 

@@ -132,11 +132,20 @@ GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
                   "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf: str) -> str:
+# Gemma's four norms per layer, as llama.cpp names them
+GEMMA_LAYER_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def gguf_name(hf: str, gemma: bool = False) -> str:
     if hf in GGUF_TOP_NAMES:
         return GGUF_TOP_NAMES[hf]
     parts = hf.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{parts[0]}.{GGUF_LAYER_NAMES[parts[1]]}"
+    names = {**GGUF_LAYER_NAMES, **GEMMA_LAYER_NAMES} if gemma else GGUF_LAYER_NAMES
+    return f"blk.{parts[0]}.{names[parts[1]]}"
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -167,7 +176,7 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
                rope_freqs: np.ndarray | None = None, extra: dict | None = None) -> dict:
     """Write `hf_model` as a GGUF of architecture `arch`: 2-D weights in `qtype` (default F32;
     a K-quant gets random blocks, see random_k_quant), 1-D ones in F32, Q/K permuted as
-    llama.cpp does for llama. Returns {HF name: float32 weight the file holds}: what a
+    llama.cpp does for llama; for gemma3 its norm names, and norms holding the + 1. Returns {HF name: float32 weight the file holds}: what a
     loader must read back, for building the reference."""
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -185,7 +194,13 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
     w.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
     w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    w.add_float32(f"{arch}.rope.freq_base", rope.get("full_attention", rope)["rope_theta"])
+    gemma = arch == "gemma3"
+    if gemma:
+        w.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
     for key in ("bos", "eos"):  # min_tokens blocks EOS as transformers' min_new_tokens does
         token = getattr(hf_model.generation_config, f"{key}_token_id")
         if isinstance(token, int):
@@ -200,6 +215,8 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         a = p.detach().float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp's converter stores Gemma's norms with the + 1
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             a = permute_qk(a, cfg.num_attention_heads)
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -208,7 +225,7 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         # gguf writes every type but the K-quants, which get random blocks
         raw = (random_k_quant(t, a.shape[0], a.shape[1], seed=i) if t in k_quants
                else quantize(a, t))
-        w.add_tensor(gguf_name(name), raw, raw_dtype=t)  # raw: [rows, bytes per row]
+        w.add_tensor(gguf_name(name, gemma), raw, raw_dtype=t)  # raw: [rows, bytes per row]
         back = np.asarray(dequantize(raw, t), dtype=np.float32).reshape(a.shape)
         held[name] = back
     if rope_freqs is not None:
@@ -224,5 +241,7 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         if permute and proj in heads:
             n = heads[proj]
             a = a.reshape(n, a.shape[0] // n // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        if gemma and name.endswith("norm.weight"):
+            a = a - 1.0
         out[name] = a
     return out
