@@ -176,3 +176,24 @@ def test_sliding_window_routes_c_attention_to_torch(tmp_path, caplog):
     p = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
     assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
     assert len(tm.greedy(eng, [p], 8)[0]) == 8
+
+
+@pytest.mark.parametrize("case", ["mistral-window", "gemma3"])
+def test_windowed_model_through_the_kv_handoff(case, tmp_path):
+    """A prompt longer than the window prefilled on one engine, its KV moved block by block
+    into another (tests/engine_core/test_handoff.py's handoff), decoded there: the tokens
+    equal a colocated run's and transformers'."""
+    from types import SimpleNamespace
+
+    from engine_core.sampling_params import SamplingParams
+    from tests.engine_core.test_handoff import handoff
+
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [70])[0]
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
+    prefill = SimpleNamespace(engine=tm.engine(tmp_path, enable_prefix_caching=False))
+    decode = SimpleNamespace(engine=tm.engine(tmp_path))
+    got, num_cached = handoff(prefill, decode, prompt, params, "h-0")
+    assert num_cached == 0
+    assert got == tm.greedy(tm.engine(tmp_path), [prompt], 24)[0] == tm.hf_greedy(hf, prompt, 24)

@@ -97,3 +97,31 @@ def test_public_api_triton_window(triton_backend: torch.device) -> None:
     pre = make_prefill_inputs([4, 20], [12, 0], 4, 2, 16, 8, torch.float32, seed=1)
     assert_close_to_reference(paged_prefill_attention(*pre.to(triton_backend).args(), 5),
                               paged_prefill_attention_ref(*pre.args(), 5))
+
+
+@pytest.mark.parametrize("case", ["mistral-window", "gemma3"])
+def test_engine_on_triton_kernels_matches_transformers(case, tmp_path, monkeypatch,
+                                                        triton_backend: torch.device):
+    """The engine with its attention on the Triton kernels (interpreted on CPU here): a tiny
+    windowed model, prompts longer than the window, chunked prefill (16-token budget) and a
+    prefix-cache hit, against transformers (tests/engine_core/test_architectures.py)."""
+    pytest.importorskip("transformers")
+    from kernels import decode_attention, prefill_attention
+    from tests.engine_core import tiny_models as tm
+    from tests.engine_core.test_architectures import CASES, check_against_hf
+
+    windows: list = []  # the windows the Triton kernels were called with
+
+    def spying(fn, window_at: int):
+        def spy(*args, **kwargs):
+            windows.append(args[window_at] if len(args) > window_at else None)
+            return fn(*args, **kwargs)
+        return spy
+
+    monkeypatch.setattr(decode_attention, "paged_decode_attention_triton",
+                        spying(decode_attention.paged_decode_attention_triton, 5))
+    monkeypatch.setattr(prefill_attention, "paged_prefill_attention_triton",
+                        spying(prefill_attention.paged_prefill_attention_triton, 6))
+    config_cls, overrides = CASES[case]
+    check_against_hf(tm.build_hf(config_cls, tmp_path, **overrides), tmp_path)
+    assert 12 in windows  # the windowed layers ran on the Triton kernels
