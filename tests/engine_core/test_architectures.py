@@ -34,6 +34,9 @@ CASES = {
         "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
 }
+# what a llama.cpp Gemma 3 GGUF can say: every 6th layer global, attention scaled by head_dim
+GEMMA3_AS_GGUF = {"num_hidden_layers": 6, "sliding_window": 12,
+                  "query_pre_attn_scalar": tm.SIZES["head_dim"]}
 # prompt lengths: short, longer than the 12-token window, several windows and blocks long
 LENGTHS = [5, 19, 70]
 
@@ -150,8 +153,7 @@ def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
     """llama.cpp's Gemma 3 GGUF: norms already + 1, its own norm names, head_dim as
     key_length, the window without a layer pattern (every 6th layer is global), the local
     rope base not stored (10000), attention scaled by head_dim ** -0.5."""
-    hf = tm.build_hf(transformers.Gemma3TextConfig, tmp_path, num_hidden_layers=6,
-                     sliding_window=12, query_pre_attn_scalar=tm.SIZES["head_dim"])
+    hf = tm.build_hf(transformers.Gemma3TextConfig, tmp_path, **GEMMA3_AS_GGUF)
     assert hf.config.layer_types[4:] == ["sliding_attention", "full_attention"]
     gguf_dir = tmp_path / "gguf"
     gguf_dir.mkdir()
@@ -197,3 +199,44 @@ def test_windowed_model_through_the_kv_handoff(case, tmp_path):
     got, num_cached = handoff(prefill, decode, prompt, params, "h-0")
     assert num_cached == 0
     assert got == tm.greedy(tm.engine(tmp_path), [prompt], 24)[0] == tm.hf_greedy(hf, prompt, 24)
+
+
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("case", GGUF_ARCHS)
+def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
+    """Each architecture written as GGUF in each type the gguf package produces, with
+    llama.cpp's conventions (permuted Q/K for llama, Gemma's norms + 1): prompt logits
+    match transformers running the weights the file holds (dequantized by gguf)."""
+    from gguf import GGMLQuantizationType
+
+    config_cls, overrides = CASES[case]
+    if case == "gemma3":
+        overrides = GEMMA3_AS_GGUF
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    path = tmp_path / "m.gguf"
+    held = tm.write_gguf(hf, path, arch=GGUF_ARCHS[case], qtype=GGMLQuantizationType[qtype],
+                         permute=case == "llama")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in held:
+                p.copy_(torch.from_numpy(held[name]))
+    eng = tm.engine(path)
+    for p in tm.prompts(tm.SIZES["vocab_size"], [9, 40]):
+        assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3"])
+def test_cpu_defaults_run_every_architecture(case, tmp_path):
+    """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
+    every architecture: it runs, and the first token (from the dense prefill) and the next
+    few (int8 decode weights, refined top candidates) follow transformers."""
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    eng = tm.engine(tmp_path, quantize_decode=True)
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
+    got = tm.greedy(eng, [prompt], 8)[0]
+    assert len(got) == 8
+    assert got[:2] == tm.hf_greedy(hf, prompt, 2)
