@@ -98,13 +98,13 @@ class Attention(nn.Module):
             parts.append(native.decode_attention(
                 self.native, rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
                 meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
-                meta.decode_max_len,
+                meta.decode_max_len, window=self.window,
             ))
         if first < rows.shape[0]:
             parts.append(native.decode_attention(
                 self.native, rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
                 meta.prefill_block_tables, meta.prefill_row_lens, self.num_heads, self.scale,
-                meta.prefill_max_len, meta.prefill_row_tables,
+                meta.prefill_max_len, meta.prefill_row_tables, self.window,
             ))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.to(qkv.dtype))

@@ -27,25 +27,17 @@ def supports_native_attention(model: DecoderForCausalLM) -> bool:
 
 def use_native_kernels(model: DecoderForCausalLM, lib: ctypes.CDLL) -> bool:
     """Route the model's attention (and a float32 model's RMSNorms) through `lib`, in place.
-    Returns False, changing nothing, if the kernels do not take this model's shapes. The C
-    attention kernel has no sliding window: layers with one attend on the torch path (logged)."""
+    Returns False, changing nothing, if the kernels do not take this model's shapes (logged).
+    Windowed layers pass their window to the kernel."""
     if not supports_native_attention(model):
         logger.info("the C attention kernel does not take head_dim %d: attention runs on the "
                     "torch path", model.config.head_dim)
         return False
     is_float32 = model.embed_tokens.weight.dtype == torch.float32
-    num_windowed = 0
     for layer in model.layers:
-        if layer.self_attn.window is not None:
-            num_windowed += 1
-        else:
-            layer.self_attn.native = lib
+        layer.self_attn.native = lib
         if is_float32:
             layer.input_layernorm.native = layer.post_attention_layernorm.native = lib
     if is_float32:
         model.norm.native = lib
-    if num_windowed:
-        logger.info("the C attention kernel has no sliding window: %d of %d layers (window %d) "
-                    "attend on the torch path", num_windowed, len(model.layers),
-                    model.config.sliding_window)
     return True

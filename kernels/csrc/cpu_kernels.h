@@ -99,7 +99,8 @@ int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *
 int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
-                        int bs, float scale, float *out, int64_t max_len, int threads);
+                        int bs, float scale, float *out, int64_t max_len, int threads,
+                        int64_t window);
 void pd_add_rms_norm(float *x, const float *residual, const float *weight, float eps,
                      float *y, int64_t rows, int64_t dim);
 int pd_struct_layout(int s, int i, const char **name, int64_t *offset, int64_t *size);
