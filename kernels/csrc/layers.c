@@ -107,7 +107,7 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
         status |= pd_decode_attention(wide, S, Hq, Hkv, D, cos_sin,
                                       (char *)kv + (size_t)l * layer_stride * elem, kv_bf16,
                                       slots, tables, table_stride, 0, lens, bs, scale, att,
-                                      max_len, threads, 0); /* global layers only */
+                                      max_len, threads, L->window);
         status |= matmul(att, S, &L->o, tmp, threads);
         pd_add_rms_norm(h, tmp, L->post_norm, eps, x, S, H);
         status |= matmul(x, S, &L->gate_up, wide, threads);

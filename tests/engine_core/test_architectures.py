@@ -162,19 +162,25 @@ def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
 
 def test_windowed_attention_runs_in_c(tmp_path):
     """Where the C kernels load, every layer's attention runs in them, windowed ones with
-    their window (the other tests here then check the C path against transformers); the
-    one-call C decode layers step aside for a windowed model."""
+    their window (the other tests here then check the C path against transformers), and a
+    windowed Llama-style model's decode rows go through all layers in one C call
+    (pd_decode_layers, each layer with its window), giving the tokens the layer-by-layer
+    path gives with the same quantized weights."""
     from kernels import native
 
     if native.load() is None:
         pytest.skip("the C kernels do not load here")
     hf = tm.build_hf(transformers.MistralConfig, tmp_path, sliding_window=12)
     eng = tm.engine(tmp_path, quantize_decode=True)
-    assert eng.model.decode_layers is None
     assert all(layer.self_attn.native is not None and layer.self_attn.window == 12
                for layer in eng.model.layers)
-    p = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
-    assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
+    assert eng.model.decode_layers is not None
+    assert [layer.window for layer in eng.model.decode_layers.layers] == [12, 12]
+    prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
+    assert tm.relative_error(tm.prompt_logits(eng, prompts[0]), tm.hf_logits(hf, prompts[0])) < 1e-3
+    one_call = tm.greedy(eng, prompts, 32)
+    eng.model.decode_layers = None
+    assert tm.greedy(eng, prompts, 32) == one_call
 
 
 @pytest.mark.parametrize("case", ["mistral-window", "gemma3"])
