@@ -32,7 +32,7 @@ SUPPORTED_TYPES = {
 }
 # types whose decode matmuls the C kernels take from the file's own blocks, or (float, Q8_0)
 # requantize to int8 exactly as decode_quant.py describes; the others decode on the torch path
-NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
+NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0}
 ROPE_FREQS = "rope_freqs.weight"
 
 _LAYER_NAMES = {
@@ -183,8 +183,8 @@ class GGUFFile:
             yield name, w
 
     def q4_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q4Weight]]:
-        """Yield (Hugging Face name, 4-bit weight) for every Q4_0/Q4_1 tensor, rows in the
-        same order as `weights` gives them (Q/K unpermuted)."""
+        """Yield (Hugging Face name, 4-bit weight) for every Q4_0/Q4_1/Q4_K tensor, rows in
+        the same order as `weights` gives them (Q/K unpermuted)."""
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in Q4_TYPES:

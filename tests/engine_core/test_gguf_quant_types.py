@@ -69,11 +69,11 @@ def test_quantized_model_matches_transformers(qtype, tmp_path):
 def test_k_quants_decode_on_the_torch_path_and_say_so_once(tmp_path, caplog):
     """Quantized decode (the CPU default) keeps the dense weights of tensors whose type the C
     kernels lack, logs that once, and decodes the exact engine's greedy tokens."""
-    hf, path = gguf_model(tmp_path, Q.Q4_K)
+    hf, path = gguf_model(tmp_path, Q.Q6_K)
     with caplog.at_level(logging.INFO):
         eng = tm.engine(path, quantize_decode=True)
     lines = [r.message for r in caplog.records if "have no C decode kernel" in r.message]
-    assert len(lines) == 1 and "Q4_K" in lines[0], lines
+    assert len(lines) == 1 and "Q6_K" in lines[0], lines
     layer = eng.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, torch.nn.Linear)
     assert isinstance(layer.mlp.down_proj, torch.nn.Linear)
@@ -95,3 +95,42 @@ def test_q4_1_keeps_its_c_decode_path(tmp_path, caplog):
     proj = eng.model.layers[0].self_attn.qkv_proj
     assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ4Matmul)
     assert eng.model.decode_layers is not None  # every layer in one C call
+
+
+def test_q4_k_blocks_expand_to_gguf_dequantize():
+    """Q4_K as 4-bit groups of 32 (gguf_q4.unpack_q4_k): the groups' expansion is gguf's own
+    dequantization bit for bit."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from engine_core.weights.gguf_q4 import unpack_q4
+
+    raw = tm.random_k_quant(Q.Q4_K, 6, 512, seed=3)
+    w = unpack_q4(raw, Q.Q4_K)
+    expected = np.asarray(dequantize(raw, Q.Q4_K), dtype=np.float32).reshape(6, 512)
+    assert torch.equal(w.dequantize(), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_q4_k_decodes_in_c(activations, tmp_path, caplog):
+    """Q4_K tensors take the C 4-bit decode path (all layers in one call) as Q4_1 does; with
+    float32 activations the greedy tokens equal the dense engine's."""
+    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ4Matmul
+    from kernels import native
+
+    lib = native.load()
+    if lib is None:
+        pytest.skip("the C kernels do not load here")
+    if activations == "int8" and not native.has_int8(lib):
+        pytest.skip("int8 activations are in the VNNI build only")
+    _, path = gguf_model(tmp_path, Q.Q4_K)
+    with caplog.at_level(logging.INFO):
+        eng = tm.engine(path, quantize_decode=True, decode_activations=activations)
+    assert not any("have no C decode kernel" in r.message for r in caplog.records)
+    proj = eng.model.layers[0].mlp.down_proj
+    assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ4Matmul)
+    assert eng.model.decode_layers is not None
+    prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
+    got = tm.greedy(eng, prompts, 16)
+    if activations == "float32":
+        assert got == tm.greedy(tm.engine(path), prompts, 16)
