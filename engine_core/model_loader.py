@@ -61,7 +61,8 @@ def load_model(
                     "torch path (dense float weights)",
                     ", ".join(sorted({types[n].name for n in dense})), len(dense))
         rows = quantize_for_decode(model, dict(gguf.q4_weights(config)) if gguf else None,
-                                   decode_activations, dense)
+                                   decode_activations, dense,
+                                   dict(gguf.int8_scales(config)) if gguf else None)
     logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
                 time.perf_counter() - t0)
     return model, config, rows

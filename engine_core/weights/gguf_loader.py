@@ -32,7 +32,10 @@ SUPPORTED_TYPES = {
 }
 # types whose decode matmuls the C kernels take from the file's own blocks, or (float, Q8_0)
 # requantize to int8 exactly as decode_quant.py describes; the others decode on the torch path
-NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0}
+NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0}
+# types whose weights are an f16 d (each block's first 2 bytes) times an integer in -127..127
+# per block of 32: the C int8 matmul holds them exactly with the file's d; block bytes
+INT8_TYPES = {Q.Q8_0: 34, Q.Q5_0: 22}
 ROPE_FREQS = "rope_freqs.weight"
 
 _LAYER_NAMES = {
@@ -196,6 +199,24 @@ class GGUFFile:
                 if self.architecture.gguf_permutes_qk and name.endswith(suffix):
                     w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
             yield name, w
+
+    def int8_scales(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, [N, K / 32] float32 block scales d) for every Q8_0 and
+        Q5_0 tensor, rows in the same order as `weights` gives them."""
+        for t in self.reader.tensors:
+            qtype = GGMLQuantizationType(t.tensor_type)
+            if qtype not in INT8_TYPES:
+                continue
+            rows = t.data.shape[0]
+            blocks = t.data.reshape(rows, -1, INT8_TYPES[qtype])  # [N, K / 32, block bytes]
+            d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]
+                                 .astype(np.float32))  # [N, K / 32]
+            name = hf_name(t.name, self.architecture)
+            if self.architecture.gguf_permutes_qk and name.endswith("q_proj.weight"):
+                d = unpermute_qk(d, config.num_heads)
+            elif self.architecture.gguf_permutes_qk and name.endswith("k_proj.weight"):
+                d = unpermute_qk(d, config.num_kv_heads)
+            yield name, d
 
     def chat_template(self) -> str | None:
         return self.field("tokenizer.chat_template")

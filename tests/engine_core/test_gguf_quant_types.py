@@ -134,3 +134,25 @@ def test_q4_k_decodes_in_c(activations, tmp_path, caplog):
     got = tm.greedy(eng, prompts, 16)
     if activations == "float32":
         assert got == tm.greedy(tm.engine(path), prompts, 16)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_q5_0_and_q8_0_decode_in_c_with_the_files_scales(qtype, tmp_path):
+    """Q5_0 (d * (q - 16)) and Q8_0 (d * q) are int8 with the file's block scales: the C
+    int8 matmul's weights are the file's values exactly (d * q back equals the dense
+    weight), and the decode rows' greedy tokens equal the dense engine's."""
+    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ8Matmul
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    _, path = gguf_model(tmp_path, qtype)
+    eng = tm.engine(path, quantize_decode=True, decode_activations="float32")
+    proj = eng.model.layers[1].self_attn.qkv_proj
+    assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ8Matmul)
+    q = proj.quant.qs.float().view(proj.quant.n, -1, 32)  # [N, K / 32, 32]
+    back = (q * proj.quant.d[..., None]).view(proj.quant.n, -1)
+    assert torch.equal(back, proj.dense.weight.float())
+    assert eng.model.decode_layers is not None
+    prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
+    assert tm.greedy(eng, prompts, 16) == tm.greedy(tm.engine(path), prompts, 16)
