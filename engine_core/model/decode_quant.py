@@ -250,17 +250,19 @@ class NativeDecodeLayers:
                 f32(layer.input_layernorm.weight).data_ptr(),
                 f32(layer.post_attention_layernorm.weight).data_ptr(),
                 matrix(attn.qkv_proj), matrix(attn.o_proj), matrix(mlp.gate_up_proj),
-                matrix(mlp.down_proj), attn.window or 0))
+                matrix(mlp.down_proj), attn.window or 0,
+                f32(attn.q_norm.weight).data_ptr() if attn.q_norm is not None else None,
+                f32(attn.k_norm.weight).data_ptr() if attn.k_norm is not None else None))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = f32(model.norm.weight)
 
     @staticmethod
     def applies(model: DecoderForCausalLM) -> bool:
         """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
-        bias, with or without a window per layer) with every matmul quantized and attention
-        in C on every layer."""
+        bias, q/k norm, a window per layer) with every matmul quantized and attention in C on
+        every layer."""
         cfg = model.config
-        if (cfg.qk_norm or cfg.hidden_act != "silu"
+        if (cfg.hidden_act != "silu"
                 or cfg.sandwich_norms or cfg.embedding_scale or cfg.attention_scale):
             return False
         return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)

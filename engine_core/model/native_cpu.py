@@ -36,6 +36,8 @@ def use_native_kernels(model: DecoderForCausalLM, lib: ctypes.CDLL) -> bool:
     is_float32 = model.embed_tokens.weight.dtype == torch.float32
     for layer in model.layers:
         layer.self_attn.native = lib
+        if is_float32 and layer.self_attn.q_norm is not None:  # as pd_decode_layers does
+            layer.self_attn.q_norm.native = layer.self_attn.k_norm.native = lib
         if is_float32:
             layer.input_layernorm.native = layer.post_attention_layernorm.native = lib
     if is_float32:

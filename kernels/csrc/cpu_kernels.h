@@ -87,6 +87,7 @@ typedef struct {
     const float *in_norm, *post_norm; /* [hidden] float32 */
     pd_matrix qkv, o, gate_up, down;
     int64_t window; /* a sliding window (pd_decode_attention's), 0: global */
+    const float *q_norm, *k_norm; /* [D] float32: RMSNorm of each q and k head; NULL: none */
 } pd_layer;
 
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,

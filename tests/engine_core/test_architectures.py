@@ -160,24 +160,29 @@ def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
     check_against_hf(hf, gguf_dir / "m.gguf")
 
 
-def test_windowed_attention_runs_in_c(tmp_path):
-    """Where the C kernels load, every layer's attention runs in them, windowed ones with
-    their window (the other tests here then check the C path against transformers), and a
-    windowed Llama-style model's decode rows go through all layers in one C call
-    (pd_decode_layers, each layer with its window), giving the tokens the layer-by-layer
-    path gives with the same quantized weights."""
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3"])
+def test_one_call_c_decode_layers(case, tmp_path):
+    """Where the C kernels load, every layer's attention runs in them (windowed ones with
+    their window), and the decode rows of Llama-style layers, with q/k/v bias, q/k norm or a
+    window, go through all layers in one C call (pd_decode_layers), giving the tokens the
+    layer-by-layer path gives with the same quantized weights."""
     from kernels import native
 
     if native.load() is None:
         pytest.skip("the C kernels do not load here")
-    hf = tm.build_hf(transformers.MistralConfig, tmp_path, sliding_window=12)
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
     eng = tm.engine(tmp_path, quantize_decode=True)
-    assert all(layer.self_attn.native is not None and layer.self_attn.window == 12
+    window = overrides.get("sliding_window")
+    assert all(layer.self_attn.native is not None and layer.self_attn.window == window
                for layer in eng.model.layers)
     assert eng.model.decode_layers is not None
-    assert [layer.window for layer in eng.model.decode_layers.layers] == [12, 12]
+    assert [layer.window for layer in eng.model.decode_layers.layers] == [window or 0] * 2
+    assert all(bool(layer.q_norm) == (case == "qwen3")
+               for layer in eng.model.decode_layers.layers)
     prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
-    assert tm.relative_error(tm.prompt_logits(eng, prompts[0]), tm.hf_logits(hf, prompts[0])) < 1e-3
+    assert tm.relative_error(tm.prompt_logits(eng, prompts[0]),
+                             tm.hf_logits(hf, prompts[0])) < 1e-3
     one_call = tm.greedy(eng, prompts, 32)
     eng.model.decode_layers = None
     assert tm.greedy(eng, prompts, 32) == one_call
