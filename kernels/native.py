@@ -240,9 +240,9 @@ def decode_attention(
             or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
             or (table_of_row is not None and (table_of_row.dtype != torch.int32
                                               or not table_of_row.is_contiguous()))
-            or head_dim % 8 or head_dim > 128 or num_heads % num_kv_heads):
+            or head_dim % 8 or head_dim > 256 or num_heads % num_kv_heads):
         raise ValueError("decode_attention: float32/int64/int32 contiguous inputs, a float32 or "
-                         "bfloat16 cache, head_dim a multiple of 8 up to 128, query heads a "
+                         "bfloat16 cache, head_dim a multiple of 8 up to 256, query heads a "
                          "multiple of KV heads")
     if max_len <= 0:  # the caller did not know it
         max_len = int(context_lens.max())

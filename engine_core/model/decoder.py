@@ -112,8 +112,9 @@ class Attention(nn.Module):
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:  # [n, q_size + 2 * kv_size]
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(n * self.num_heads, self.head_dim))  # [n * heads, head_dim]
-        k = self.k_norm(k.reshape(n * self.num_kv_heads, self.head_dim))
+        # [n * heads, head_dim], contiguous for the C norm (one KV head's reshape is a view)
+        q = self.q_norm(q.reshape(n * self.num_heads, self.head_dim).contiguous())
+        k = self.k_norm(k.reshape(n * self.num_kv_heads, self.head_dim).contiguous())
         return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v], dim=-1)
 
     def _attention(self, qkv, cos_sin, kv_layer, meta, skip_decodes: int) -> torch.Tensor:

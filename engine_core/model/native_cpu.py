@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def supports_native_attention(model: DecoderForCausalLM) -> bool:
     """Whether the C attention kernel takes this model's head size."""
     head_dim = model.config.head_dim
-    return head_dim % 8 == 0 and head_dim <= 128
+    return head_dim % 8 == 0 and head_dim <= 256
 
 
 def use_native_kernels(model: DecoderForCausalLM, lib: ctypes.CDLL) -> bool:

@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void head_output(
         float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
         int D, float *out, const int bf16) {
     const float sum = softmax_numerators(scores, len);
-    __m256 acc[16]; /* D <= 128 */
+    __m256 acc[32]; /* D <= 256 (Gemma 3's head_dim; the group kernels take 64 and 128) */
     const int nv = D / 8;
     for (int i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; j++) {
@@ -350,7 +350,7 @@ static inline __attribute__((always_inline)) int decode_attention(
 }
 
 /* kv_bf16: the cache holds bfloat16 (the new K/V are rounded to it), else float32.
- * max_len >= every lens[s]. D % 8 == 0, D <= 128. window > 0: each row attends to the last
+ * max_len >= every lens[s]. D % 8 == 0, D <= 256. window > 0: each row attends to the last
  * `window` positions of its context (a sliding window), 0: to all of them.
  * Returns 0, or -1 when out of memory. */
 int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,

@@ -32,6 +32,10 @@ CASES = {
     "gemma3": (transformers.Gemma3TextConfig, {
         "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # Gemma 3 270M's attention shape: head_dim 256, one KV head (the C kernel's widest)
+    "gemma3-mqa": (transformers.Gemma3TextConfig, {
+        "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 12,
+        "query_pre_attn_scalar": 256, "layer_types": ["sliding_attention", "full_attention"]}),
 }
 # what a llama.cpp Gemma 3 GGUF can say: every 6th layer global, attention scaled by head_dim
 GEMMA3_AS_GGUF = {"num_hidden_layers": 6, "sliding_window": 12,
