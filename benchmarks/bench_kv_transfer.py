@@ -10,6 +10,8 @@ Two modes per configuration:
 
     python benchmarks/bench_kv_transfer.py                 # grpc + shm, float32 + bfloat16
     python benchmarks/bench_kv_transfer.py --runs 5 --kinds shm --dtypes bfloat16
+    python benchmarks/bench_kv_transfer.py --device cuda --kinds cuda_ipc grpc \
+        --dtypes bfloat16 --prompt-tokens 2048           # on a GPU: KV on the device
 """
 
 from __future__ import annotations
@@ -31,9 +33,7 @@ from engine_core.kv_cache.layout import KVLayout  # noqa: E402
 from kv_transfer import connect  # noqa: E402
 from tests.kv_transfer.loopback import ReceiverProcess  # noqa: E402
 
-PROMPT_TOKENS = 512
-NUM_RECEIVER_BLOCKS = 64
-NUM_SENDER_BLOCKS = 64
+PROMPT_TOKENS = 512  # --prompt-tokens; sender and receiver pools hold twice its blocks
 
 
 def layout_for(dtype: str) -> KVLayout:
@@ -53,16 +53,19 @@ def one_transfer(conn, receiver, src_kv, src_ids, compute_s: float):
     return stats
 
 
-def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm) -> dict:
+def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm,
+          prompt_tokens: int = PROMPT_TOKENS, device: str = "cpu") -> dict:
     layout = layout_for(dtype)
-    num_blocks = PROMPT_TOKENS // layout.block_size
+    num_blocks = prompt_tokens // layout.block_size
+    pool_blocks = 2 * num_blocks
     gen = torch.Generator().manual_seed(0)
-    src_kv = torch.randn(layout.cache_shape(NUM_SENDER_BLOCKS), generator=gen).to(
-        layout.torch_dtype)
-    src_ids = torch.randperm(NUM_SENDER_BLOCKS, generator=gen)[:num_blocks].tolist()
+    src_kv = torch.randn(layout.cache_shape(pool_blocks), generator=gen).to(
+        layout.torch_dtype).to(device)
+    src_ids = torch.randperm(pool_blocks, generator=gen)[:num_blocks].tolist()
     rows = {}
-    with ReceiverProcess(layout, NUM_RECEIVER_BLOCKS, use_shm=kind == "shm") as receiver, \
-            connect(kind, receiver.target, layout) as conn:
+    with ReceiverProcess(layout, pool_blocks, use_shm=kind == "shm",
+                         device=device) as receiver, \
+            connect(kind, receiver.target, layout, device=device) as conn:
         assert conn.kind == kind
         for mode, compute_s in (("back-to-back", 0.0), ("overlapped", compute_ms / 1000)):
             one_transfer(conn, receiver, src_kv, src_ids, compute_s)  # warm-up
@@ -71,7 +74,7 @@ def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm) -> dic
                 stats.append(one_transfer(conn, receiver, src_kv, src_ids, compute_s))
                 bar.update()
             rows[mode] = summarize(stats)
-    return {"kind": kind, "dtype": dtype, "num_blocks": num_blocks,
+    return {"kind": kind, "dtype": dtype, "device": device, "num_blocks": num_blocks,
             "payload_bytes": stats[0].num_bytes, **rows}
 
 
@@ -87,9 +90,9 @@ def summarize(stats) -> dict:
     }
 
 
-def print_table(results: list[dict], compute_ms: float) -> None:
-    print(f"\nKV of a {PROMPT_TOKENS}-token prompt, 30 layers x 32 blocks, receiver in another "
-          f"process, loopback; medians")
+def print_table(results: list[dict], compute_ms: float, prompt_tokens: int) -> None:
+    print(f"\nKV of a {prompt_tokens}-token prompt, 30 layers x {prompt_tokens // 16} blocks, "
+          f"receiver in another process, loopback; medians")
     head = (f"{'transport':9} {'dtype':8} {'MB':>6} | {'b2b s':>7} {'GB/s':>6} {'commit ms':>9} "
             f"{'verify ms':>9} | {'overlap s':>9} {'exposed ms':>10}")
     print(head)
@@ -104,7 +107,7 @@ def print_table(results: list[dict], compute_ms: float) -> None:
           f"exposed = last layer handed over -> verified commit (adds to TTFT)")
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, prompt_tokens: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,7 +117,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.bar(labels, [r["back-to-back"]["gbytes_per_s"] for r in results], color="tab:blue")
     ax1.set_ylabel("GB/s (back-to-back)")
-    ax1.set_title(f"KV transfer throughput, {PROMPT_TOKENS}-token prompt")
+    ax1.set_title(f"KV transfer throughput, {prompt_tokens}-token prompt")
     exposed = [r["overlapped"]["commit_seconds"] * 1e3 for r in results]
     verify = [r["overlapped"]["verify_seconds"] * 1e3 for r in results]
     ax2.bar(labels, exposed, color="tab:orange", label="exposed (last layer -> commit)")
@@ -131,6 +134,8 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--compute-ms", type=float, default=10.0)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--device", default="cpu", help="where both ends' KV caches live")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "kv_transfer")
     args = parser.parse_args()
     configs = [(k, d) for k in args.kinds for d in args.dtypes]
@@ -138,14 +143,15 @@ def main() -> int:
     with tqdm(total=len(configs) * 2 * args.runs, desc="kv transfers") as bar:
         for kind, dtype in configs:
             bar.set_postfix_str(f"{kind} {dtype}")
-            results.append(bench(kind, dtype, args.runs, args.compute_ms, bar))
-    print_table(results, args.compute_ms)
+            results.append(bench(kind, dtype, args.runs, args.compute_ms, bar,
+                                 args.prompt_tokens, args.device))
+    print_table(results, args.compute_ms, args.prompt_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"prompt_tokens": PROMPT_TOKENS, "compute_ms": args.compute_ms,
+    meta = {"prompt_tokens": args.prompt_tokens, "device": args.device, "compute_ms": args.compute_ms,
             "torch_threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M")}
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results},
                                                       indent=2))
-    plot(results, args.out / "plot.png")
+    plot(results, args.out / "plot.png", args.prompt_tokens)
     print(f"wrote {args.out / 'results.json'} and {args.out / 'plot.png'}")
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+import torch
 import uvloop
 
 from decode_service.service import DecodeServicer
@@ -37,15 +38,30 @@ from service_infra.worker_server import serve_worker
 logger = logging.getLogger(__name__)
 
 
+def accepted_transports(flag: str, device: torch.device) -> list[str]:
+    """The KV transports a decode worker on `device` accepts, from its --transports flag."""
+    if flag.strip() == "auto":
+        return ["grpc", "cuda_ipc"] if device.type == "cuda" else ["grpc", "shm"]
+    kinds = [k.strip() for k in flag.split(",") if k.strip()]
+    if "shm" in kinds and device.type != "cpu":
+        raise SystemExit(f"--transports {flag}: shm is a host-memory pool, but this decode "
+                         f"worker's KV cache is on {device}; use grpc or cuda_ipc")
+    if "cuda_ipc" in kinds and device.type != "cuda":
+        raise SystemExit(f"--transports {flag}: cuda_ipc needs a KV cache on CUDA, this "
+                         f"decode worker's is on {device}")
+    return kinds
+
+
 async def _serve(args: argparse.Namespace) -> None:
     redis_config = await checked_redis_config(args)  # fails before the model loads
     tls = tls_from_args(args, is_public=False)
-    kinds = [k.strip() for k in args.transports.split(",") if k.strip()]
+    kinds: list[str] = []  # set by allocate(), once the engine's device is known
     pools: list[SharedKVPool] = []
 
-    def allocate(layout, num_blocks):
+    def allocate(layout, num_blocks, device):
+        kinds.extend(accepted_transports(args.transports, device))
         if "shm" not in kinds:
-            return layout.allocate(num_blocks)
+            return layout.allocate(num_blocks, device)
         pools.append(SharedKVPool.create(layout, num_blocks))
         return pools[0].tensor
 

@@ -47,7 +47,7 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         load_tokenizer_: bool = True,
         quantize_decode: bool | None = None,
-        kv_allocator: Callable[[KVLayout, int], torch.Tensor] | None = None,
+        kv_allocator: Callable[[KVLayout, int, torch.device], torch.Tensor] | None = None,
         speculative_config: SpeculativeConfig | None = None,
         decode_activations: str | None = None,
     ) -> None:
@@ -103,7 +103,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.layout, num_blocks,
                                   scheduler_config.max_num_seqs, self.max_model_len,
                                   self.device, self.eos_token_ids, decode_rows,
-                                  kv_allocator(self.layout, num_blocks) if kv_allocator else None)
+                                  kv_allocator(self.layout, num_blocks, self.device)
+                                  if kv_allocator else None)
         self.spec: SpecDecoder | None = (
             build_spec_decoder(speculative_config, self) if speculative_config else None
         )

@@ -16,6 +16,7 @@ from engine_core.model.decode_quant import DecodeRows
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_core.scheduler import SchedulerOutput
+from engine_core.step_inputs import StepUploader
 
 
 class InputBatch:
@@ -66,6 +67,7 @@ class ModelRunner:
             raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}, expected "
                              f"{layout.cache_shape(num_blocks)}")
         self.kv_cache = kv_cache if kv_cache is not None else layout.allocate(num_blocks, device)
+        self.uploader = StepUploader(device)
         # a few spare rows: finished requests release theirs only at the next step
         self.batch = InputBatch(2 * max_num_seqs + 8, max_model_len, layout.block_size)
         self.sampler = Sampler()
@@ -119,18 +121,30 @@ class ModelRunner:
             decode_tables = b.block_table[token_rows[:ndt], :max_blocks]
             decode_lens = (positions[:ndt] + 1).astype(np.int32)
         prefill_qsl = np.concatenate([[0], cu[nd:] - ndt]).astype(np.int32)
-        t = torch.from_numpy
+        prefill_lens = seq_lens[nd:]
+        on_device = self.uploader.upload({
+            "input_ids": input_ids.astype(np.int64),
+            "positions": positions.astype(np.int64),
+            "slot_mapping": slots,
+            "decode_block_tables": np.ascontiguousarray(decode_tables, dtype=np.int32),
+            "decode_context_lens": decode_lens.astype(np.int32),
+            "prefill_block_tables": np.ascontiguousarray(tables[nd:], dtype=np.int32),
+            "prefill_query_start_loc": prefill_qsl,
+            "prefill_seq_lens": prefill_lens,
+            # each prefill row's sequence (index into the prefill tables) and KV length
+            "prefill_row_tables": np.repeat(np.arange(len(prefill_lens), dtype=np.int32),
+                                            num_new[nd:]),
+            "prefill_row_lens": (positions[ndt:] + 1).astype(np.int32),
+        })
+        input_ids_t = on_device.pop("input_ids")
+        positions_t = on_device.pop("positions")
         meta = AttentionMetadata(
-            slot_mapping=t(slots).to(self.device),
             num_decode_tokens=ndt,
-            decode_block_tables=t(np.ascontiguousarray(decode_tables)).to(self.device),
-            decode_context_lens=t(decode_lens).to(self.device),
-            prefill_block_tables=t(np.ascontiguousarray(tables[nd:])).to(self.device),
-            prefill_query_start_loc=t(prefill_qsl).to(self.device),
-            prefill_seq_lens=t(seq_lens[nd:]).to(self.device),
             decode_max_len=int(decode_lens.max()) if ndt else 0,
+            prefill_max_len=int(prefill_lens.max()) if len(prefill_lens) else 0,
+            **on_device,
         )
-        return t(input_ids).to(self.device), t(positions).to(self.device), meta, cu
+        return input_ids_t, positions_t, meta, cu
 
     def forward(self, input_ids, positions, meta, num_quant_rows: int, kv_cache=None,
                 model=None, num_layers=None) -> torch.Tensor:

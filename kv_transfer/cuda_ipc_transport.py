@@ -33,7 +33,10 @@ from engine_core.kv_cache.layout import KVLayout
 from kv_transfer.errors import TransportRefusedError
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
-IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+# torch's storage handle is its own serialization around cudaIpcMemHandle_t (64 bytes): 66
+# bytes under torch 2.11 on an H200, where a type tag comes first. Opaque here, but bounded.
+MAX_MEM_HANDLE_BYTES = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # rebuild_cuda_tensor's parameters, in order; a test checks them against the installed torch.
 REBUILD_PARAMS = (
@@ -49,7 +52,7 @@ class CudaIpcHandle:
     """What reduce_tensor() returns for the decode pool, as plain typed fields."""
 
     device_index: int
-    mem_handle: bytes  # cudaIpcMemHandle_t, IPC_HANDLE_BYTES
+    mem_handle: bytes  # torch's storage handle (cudaIpcMemHandle_t inside), opaque
     storage_size_bytes: int
     storage_offset_bytes: int
     ref_counter_handle: bytes  # name of the producer's shared ref-counter file
@@ -62,9 +65,9 @@ class CudaIpcHandle:
     dtype: str  # "float32" | "bfloat16" | "float16"
 
     def __post_init__(self) -> None:
-        if len(self.mem_handle) != IPC_HANDLE_BYTES:
-            raise ValueError(f"mem_handle must be {IPC_HANDLE_BYTES} bytes, "
-                             f"got {len(self.mem_handle)}")
+        if not IPC_HANDLE_BYTES <= len(self.mem_handle) <= MAX_MEM_HANDLE_BYTES:
+            raise ValueError(f"mem_handle must be {IPC_HANDLE_BYTES} to "
+                             f"{MAX_MEM_HANDLE_BYTES} bytes, got {len(self.mem_handle)}")
         if self.event_sync_required and len(self.event_handle) != IPC_HANDLE_BYTES:
             raise ValueError(f"event_handle must be {IPC_HANDLE_BYTES} bytes")
         if self.dtype not in _DTYPES:

@@ -5,7 +5,9 @@ straight into the receiver's pool, mapped into this process, then reports it wit
         stop if the lease deadline is within WRITE_MARGIN_S (the receiver may free the blocks)
         dst[layer][dst_block_ids] = snapshot        # scatter_blocks: host or device
         synchronize (CUDA)                          # bytes in place before the receiver looks
-        LayerDone(layer, crc32), not waited for     # up to MAX_LAYER_DONE_IN_FLIGHT pending
+        LayerDone(layer, checksum), not waited for  # up to MAX_LAYER_DONE_IN_FLIGHT pending
+
+The checksum is CRC-32 over shm and a device-side sum over cuda_ipc (checksum.py).
 
 LayerDone calls are pipelined (a unary round trip costs ~1 ms here, more than copying a
 layer). That is safe because the receiver frees an aborted one-sided lease only on an explicit
@@ -23,7 +25,7 @@ import grpc
 import torch
 
 from kv_transfer.blocks import scatter_blocks
-from kv_transfer.checksum import checksum_tensor
+from kv_transfer.checksum import checksum_kind, checksum_tensor_as
 from kv_transfer.errors import TransferError
 from kv_transfer.session import WRITE_MARGIN_S, SendSession
 from protos.pdserve.internal import kv_transfer_pb2 as pb
@@ -38,6 +40,7 @@ class OneSidedSendSession(SendSession):
     def __init__(self, *args, dst: torch.Tensor, kind: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kind = kind
+        self._checksum_kind = checksum_kind(kind)
         self._dst = dst  # [num_layers, num_blocks, 2, block_size, heads, dim], the pool
 
     def _pump(self) -> None:
@@ -50,7 +53,7 @@ class OneSidedSendSession(SendSession):
                 scatter_blocks(self._dst, item.layer, self._dst_ids, item.blocks)
                 if self._dst.is_cuda:  # the bytes must be in place before the receiver looks
                     torch.cuda.synchronize(self._dst.device)
-                crc32 = checksum_tensor(item.blocks)
+                crc32 = checksum_tensor_as(self._checksum_kind, item.blocks)
                 self._shipped(item.layer, crc32, item.blocks.nbytes)  # bytes in place
                 request = pb.LayerDoneRequest(lease_id=self.lease_id, layer=item.layer,
                                               crc32=crc32)

@@ -29,7 +29,7 @@ import torch
 
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer.blocks import block_rows
-from kv_transfer.checksum import checksum_blocks
+from kv_transfer.checksum import checksum_blocks_as, checksum_kind
 from kv_transfer.cuda_ipc_transport import CudaIpcHandle, export_handle
 from kv_transfer.errors import LayoutMismatchError, TransportRefusedError, VerificationError
 from kv_transfer.lease import LeaseTable
@@ -186,10 +186,11 @@ class KVReceiver:
         if not lease.is_one_sided and lease.num_bytes_received != num_layers * nbytes:
             problems.append(f"received {lease.num_bytes_received} bytes, "
                             f"expected {num_layers * nbytes}")
+        kind = checksum_kind(lease.transport)  # the sender chose the same from the transport
         for layer in range(num_layers) if not problems else ():
-            actual = checksum_blocks(self.kv_cache[layer], lease.block_ids)
+            actual = checksum_blocks_as(kind, self.kv_cache[layer], lease.block_ids)
             if actual != layer_crc32[layer] or announced[layer] != layer_crc32[layer]:
-                problems.append(f"layer {layer}: destination crc32 {actual:#010x}, layer-done "
+                problems.append(f"layer {layer}: destination {kind} {actual:#010x}, layer-done "
                                 f"{announced[layer]:#010x}, commit {layer_crc32[layer]:#010x}")
         verify_s = time.perf_counter() - start
         reason = "; ".join(problems[:4]) + (f"; ... {len(problems) - 4} more"

@@ -1,6 +1,6 @@
 """`pdserve up`: the whole disaggregated stack on this machine, one command.
 
-    pdserve up [--prefill N] [--decode M] [--transport auto|grpc|shm] [--model PATH]
+    pdserve up [--prefill N] [--decode M] [--transport auto|grpc|shm|cuda_ipc] [--model PATH]
 
 starts N prefill and M decode workers and a gateway as separate processes (workers on free
 ports, the gateway on 127.0.0.1:50051 / HTTP 8000 unless told otherwise), pins the prefill and
@@ -43,8 +43,9 @@ STOP_TIMEOUT_S = 20.0
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"],
-                   help="KV transport (auto: shared memory on one host)")
+    p.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
+                   help="KV transport (auto: shared memory on one host's CPUs, CUDA IPC "
+                        "between its GPUs, else grpc)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(p)
@@ -162,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
-    transports = "grpc" if args.transport == "grpc" else "grpc,shm"
+    transports = {"auto": "auto", "grpc": "grpc", "shm": "grpc,shm",
+                  "cuda_ipc": "grpc,cuda_ipc"}[args.transport]
     try:
         for i in range(args.prefill):
             stack.add_worker(f"prefill-{i}", ["prefill", *kv, *common], pre_cores)

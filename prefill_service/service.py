@@ -164,10 +164,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 conn = None
             if conn is None:
                 conn = await asyncio.to_thread(
-                    connect, kind, address, self.engine.layout,
+                    connect, kind, address, self.engine.layout, device=str(self.engine.device),
                     credentials=self.tls.channel_credentials() if self.tls else None,
                     channel_options=self.tls.channel_options() if self.tls else ())
                 self._connections[key] = conn
+                self.metrics.connected(address, conn.kind, kind)
             return conn
 
     def _forget(self, conn: Connection) -> None:

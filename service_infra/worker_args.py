@@ -137,5 +137,7 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_arguments(p)
-    p.add_argument("--transports", default="grpc,shm",
-                   help="KV transports this worker accepts (grpc, shm, cuda_ipc)")
+    p.add_argument("--transports", default="auto",
+                   help="KV transports this worker accepts, comma-separated (grpc, shm, "
+                        "cuda_ipc); auto: grpc,shm on CPU, grpc,cuda_ipc on CUDA (shm is a "
+                        "host-memory pool, so a CUDA worker refuses it)")

@@ -27,16 +27,21 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
     decode_max_len: int = 0  # decode_context_lens.max(), for kernels that size scratch by it
     # the prefill rows one by one, for kernels that attend row by row (the native CPU kernel):
-    # each row's index into prefill_block_tables and its KV length (position + 1); derived
-    prefill_row_tables: torch.Tensor = field(init=False)  # [num_prefill_tokens] int32
-    prefill_row_lens: torch.Tensor = field(init=False)  # [num_prefill_tokens] int32
-    prefill_max_len: int = field(init=False)  # prefill_seq_lens.max(), 0 without prefills
+    # each row's index into prefill_block_tables and its KV length (position + 1). The model
+    # runner passes them, computed on the host with prefill_max_len (so no step reads a device
+    # tensor back); left None, they are derived here from the fields above.
+    prefill_row_tables: torch.Tensor | None = None  # [num_prefill_tokens] int32
+    prefill_row_lens: torch.Tensor | None = None  # [num_prefill_tokens] int32
+    prefill_max_len: int | None = None  # prefill_seq_lens.max(), 0 without prefills
     # the rows are the step's prefill rows only: its decode rows ran elsewhere (the C layers)
     decodes_done: bool = False
     # index arithmetic the CPU kernels share between layers; lives for one step
     kernel_cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.prefill_row_tables is not None:
+            assert self.prefill_row_lens is not None and self.prefill_max_len is not None
+            return
         qsl, seq_lens = self.prefill_query_start_loc, self.prefill_seq_lens
         if len(seq_lens) == 0:  # a decode-only step
             self.prefill_row_tables = self.prefill_row_lens = seq_lens

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine_core.stats import ITERATION_TOKENS_BUCKETS
@@ -127,6 +127,19 @@ class KVTransferMetrics:
         for transport in self.TRANSPORTS:  # series exist before the first transfer
             self.seconds.labels(model_name, transport)
             self.bytes.labels(model_name, transport)
+        self.transport_info = Gauge(
+            PREFIX + "kv_transport_info", "1 for the transport each decode worker's "
+            "connection uses (chosen at handshake; 'requested' is what was asked for).",
+            ["model_name", "decode_worker", "transport", "requested"], registry=registry)
+        self._chosen: dict[str, tuple[str, str]] = {}
+
+    def connected(self, decode_worker: str, transport: str, requested: str) -> None:
+        """A handshake with `decode_worker` chose `transport`; replaces its previous series."""
+        old = self._chosen.pop(decode_worker, None)
+        if old is not None:
+            self.transport_info.remove(self.model_name, decode_worker, *old)
+        self._chosen[decode_worker] = (transport, requested)
+        self.transport_info.labels(self.model_name, decode_worker, transport, requested).set(1)
 
     def transferred(self, transport: str, seconds: float, num_bytes: int) -> None:
         self.seconds.labels(self.model_name, transport).observe(seconds)

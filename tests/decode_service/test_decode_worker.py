@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
+from decode_service.server import accepted_transports
 from decode_service.worker import DecodeWorker, LeaseNotReady
 from engine_core.outputs import CompletionOutput, RequestOutput
 from engine_core.sampling_params import SamplingParams
@@ -90,3 +92,23 @@ def test_a_lease_aborted_before_the_claim_aborts_the_reserved_request():
         return engine.aborted
 
     assert run(body) == ["r"]
+
+
+@pytest.mark.parametrize(("flag", "device", "want"), [
+    ("auto", "cpu", ["grpc", "shm"]),
+    ("auto", "cuda", ["grpc", "cuda_ipc"]),
+    ("grpc", "cuda", ["grpc"]),
+    ("grpc, cuda_ipc", "cuda", ["grpc", "cuda_ipc"]),
+    ("grpc,shm", "cpu", ["grpc", "shm"]),
+])
+def test_accepted_transports_follow_the_engine_device(flag, device, want):
+    assert accepted_transports(flag, torch.device(device)) == want
+
+
+@pytest.mark.parametrize(("flag", "device", "match"), [
+    ("grpc,shm", "cuda", "shm is a host-memory pool"),
+    ("cuda_ipc", "cpu", "cuda_ipc needs a KV cache on CUDA"),
+])
+def test_accepted_transports_refuse_what_cannot_work(flag, device, match):
+    with pytest.raises(SystemExit, match=match):
+        accepted_transports(flag, torch.device(device))

@@ -41,7 +41,7 @@ ENGINE = {
     "engine_prompt_tokens": C, "engine_generation_tokens": C,
 }
 PREFILL = {**ENGINE, "kv_transfer_time_seconds": H, "kv_transfer_bytes": H,
-           "kv_transfer_failures": C}
+           "kv_transfer_failures": C, "kv_transport_info": G}
 DECODE = {**ENGINE, "kv_leases_active": G, "kv_leases_ended": C, "spec_decode_num_drafts": C,
           "spec_decode_num_draft_tokens": C, "spec_decode_num_accepted_tokens": C,
           "spec_decode_num_accepted_tokens_per_pos": C,
@@ -99,6 +99,7 @@ def test_counters_move_with_a_request(stack, ref):
     assert d(pf, pf0, "engine_prompt_tokens", "_total") > 0
     assert d(pf, pf0, "kv_transfer_time_seconds", "_count", transport="shm") == 1
     assert d(pf, pf0, "kv_transfer_bytes", "_sum", transport="shm") > 0
+    assert value(pf, "kv_transport_info", transport="shm") == 1
     assert d(dc, dc0, "kv_leases_ended", "_total", state="CLAIMED") == 1
     assert d(dc, dc0, "iteration_tokens_total", "_count") >= 1
     # the output copies the prompt: the n-gram proposer drafted, and some drafts held

@@ -12,6 +12,12 @@ from kv_helpers import LAYOUTS, random_cache
 from kv_transfer import TransportRefusedError, checksum_blocks, checksum_tensor, host_id
 from kv_transfer import select_transport as select
 from kv_transfer.blocks import gather_blocks, scatter_blocks
+from kv_transfer.checksum import (
+    checksum_blocks_as,
+    checksum_kind,
+    checksum_tensor_as,
+    weighted_sum32,
+)
 from kv_transfer.grpc_transport import plan_chunks
 
 
@@ -26,6 +32,41 @@ def test_checksum_of_snapshot_equals_checksum_of_scattered_blocks(layout, seed):
     assert checksum_blocks(kv[1], swapped) != checksum_tensor(snapshot)
     kv[1, ids[3]].view(torch.uint8).view(-1)[5] ^= 1  # one bit
     assert checksum_blocks(kv[1], ids) != checksum_tensor(snapshot)
+
+
+@pytest.mark.parametrize("kind", ["crc32", "sum32"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)
+def test_each_checksum_kind_catches_a_flipped_bit_and_a_misplaced_block(layout, kind, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kv = random_cache(layout, 20, gen)
+    ids = torch.randperm(20, generator=gen)[:7].tolist()
+    snapshot = kv[1].index_select(0, torch.tensor(ids))
+    want = checksum_tensor_as(kind, snapshot)
+    assert checksum_blocks_as(kind, kv[1], ids) == want
+    assert checksum_blocks_as(kind, kv[1], [ids[1], ids[0], *ids[2:]]) != want
+    flat = kv[1, ids[3]].view(torch.uint8).view(-1)
+    for byte in torch.randint(0, flat.numel(), (16,), generator=gen).tolist():
+        for bit in (0, 7):
+            flat[byte] ^= 1 << bit
+            assert checksum_blocks_as(kind, kv[1], ids) != want, (byte, bit)
+            flat[byte] ^= 1 << bit
+    assert checksum_blocks_as(kind, kv[1], ids) == want
+
+
+def test_weighted_sum32_is_the_exact_weighted_sum_of_half_words():
+    words = torch.tensor([0xFFFFFFFF, 0, 0x12345678, 0x80000001] * 300, dtype=torch.int64)
+    t = words.to(torch.uint32).view(torch.int32)
+    want = 0
+    for i, w in enumerate(words.tolist()):
+        low, high = ((i * 40503 + 1) & 0xFFFF) | 1, ((i * 30011 + 12345) & 0xFFFF) | 1
+        want += (w & 0xFFFF) * low + (w >> 16) * high
+    assert weighted_sum32(t) == want % (1 << 32)
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        weighted_sum32(torch.zeros(3, dtype=torch.uint8))
+
+
+def test_only_cuda_ipc_uses_the_device_checksum():
+    assert [checksum_kind(k) for k in ("grpc", "shm", "cuda_ipc")] == ["crc32", "crc32", "sum32"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)

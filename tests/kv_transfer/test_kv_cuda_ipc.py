@@ -44,7 +44,8 @@ def test_handle_survives_the_proto_round_trip_field_by_field():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"mem_handle": b"\x00" * 10}, "mem_handle must be 64 bytes"),
+    ({"mem_handle": b"\x00" * 10}, "mem_handle must be 64 to 256 bytes, got 10"),
+    ({"mem_handle": b"\x00" * 257}, "mem_handle must be 64 to 256 bytes, got 257"),
     ({"dtype": "int64"}, "dtype must be one of"),
     ({"tensor_offset": -1}, "negative"),
     ({"tensor_stride": (1, 2)}, "differ in length"),

@@ -1,0 +1,144 @@
+"""What the GPU path does on the card at hand, in one run (prints a table, writes JSON):
+
+1. the card's own device-to-device copy bandwidth, the yardstick for what follows;
+2. the Triton paged decode attention, 32 sequences x 2048 tokens of context, bf16, on
+   SmolLM2-135M's heads (9 query, 3 KV, head_dim 64) and on Llama-3-8B's (32, 8, 128): the
+   KV bytes it reads per second, against the copy bandwidth;
+3. the engine on CUDA, bf16, on a model of SmolLM2-135M's shapes with random weights (the
+   weights' values don't change the speed): output tokens/s at each concurrency, 128-token
+   prompts, 128 output tokens, against transformers `generate` of the same model one request
+   at a time.
+
+    python benchmarks/bench_gpu.py                  # needs CUDA
+    python benchmarks/bench_gpu.py --concurrency 1 32 --out bench_results/gpu
+
+The KV handoff over cuda_ipc is measured by benchmarks/bench_kv_transfer.py --device cuda.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from tests.kernels.attention_inputs import make_decode_inputs  # noqa: E402
+from tests.tiny_model import SMOLLM2_SHAPE, write_tiny_llama  # noqa: E402
+
+HEADS = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    from triton.testing import do_bench
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def decode_attention(num_seqs: int, context: int) -> list[dict]:
+    from triton.testing import do_bench
+
+    from kernels.decode_attention import paged_decode_attention_triton
+
+    rows = []
+    for name, (hq, hkv, d) in HEADS.items():
+        inputs = make_decode_inputs([context] * num_seqs, hq, hkv, d, 16, torch.bfloat16)
+        args = inputs.to("cuda").args()
+        ms = do_bench(lambda args=args: paged_decode_attention_triton(*args), warmup=25, rep=200)
+        kv_bytes = num_seqs * context * hkv * d * 2 * 2  # K and V, bf16
+        rows.append({"heads": name, "num_seqs": num_seqs, "context": context, "ms": ms,
+                     "kv_bytes": kv_bytes, "gbytes_per_s": kv_bytes / (ms / 1e3) / 1e9})
+    return rows
+
+
+def engine(folder: Path, concurrency: list[int], prompt_len: int, output_len: int) -> dict:
+    from engine_core.llm import LLM
+    from engine_core.sampling_params import SamplingParams
+
+    llm = LLM(model=str(folder), dtype="bfloat16", device="cuda", kv_cache_memory_gb=8.0,
+              enable_prefix_caching=False, max_num_seqs=max(concurrency))
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+    def prompts(n: int, first: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(first)
+        return torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (n, prompt_len), generator=g).tolist()
+
+    llm.generate(prompts(max(concurrency), 0), params)  # compile every kernel shape once
+    out = {}
+    for c in concurrency:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts(c, c), params)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        out[c] = {"seconds": seconds, "output_tokens_per_s": c * output_len / seconds}
+    return out
+
+
+def hf_generate(folder: Path, prompt_len: int, output_len: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    x = torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (1, prompt_len), device="cuda")
+
+    def run() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=output_len,
+                           min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run()
+    seconds = min(run() for _ in range(2))
+    return {"seconds": seconds, "output_tokens_per_s": output_len / seconds}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--out", type=Path, default=ROOT / "bench_results" / "gpu")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py needs a CUDA device")
+    card = torch.cuda.get_device_name()
+    copy = copy_bandwidth()
+    print(f"{card}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", flush=True)
+    attn = decode_attention(32, 2048)
+    for r in attn:
+        print(f"decode attention {r['heads']:13} {r['num_seqs']}x{r['context']}: "
+              f"{r['ms'] * 1e3:8.1f} us/layer, {r['gbytes_per_s']:7.0f} GB/s KV read = "
+              f"{100 * r['gbytes_per_s'] * 1e9 / copy:5.1f} % of the copy bandwidth", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_tiny_llama(Path(tmp), **SMOLLM2_SHAPE)
+        eng = engine(folder, args.concurrency, args.prompt_len, args.output_len)
+        hf = hf_generate(folder, args.prompt_len, args.output_len)
+    for c, r in eng.items():
+        print(f"engine c={c:3}: {r['output_tokens_per_s']:9.0f} output tokens/s "
+              f"({r['output_tokens_per_s'] / hf['output_tokens_per_s']:6.1f}x transformers "
+              f"generate, {hf['output_tokens_per_s']:.0f} tokens/s at c=1)", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"card": card, "torch": torch.__version__, "copy_bytes_per_s": copy,
+              "decode_attention": attn, "engine": eng, "transformers_generate": hf,
+              "prompt_len": args.prompt_len, "output_len": args.output_len,
+              "time": time.strftime("%Y-%m-%d %H:%M")}
+    (args.out / "results.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

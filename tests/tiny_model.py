@@ -1,0 +1,42 @@
+"""Tiny random Llama checkpoints, built by transformers inside the tests (no download).
+
+`write_tiny_llama(folder)` saves config.json + model.safetensors and a word-level tokenizer
+whose tokens are "w0", "w1", ... so that a prompt such as "w3 w17 w5" encodes to known ids.
+The engine loads the folder as it loads any Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+            bos_token_id=0, eos_token_id=1, initializer_range=0.08)
+# SmolLM2-135M's shapes with random weights: for speed, where the weights' values don't matter.
+SMOLLM2_SHAPE = dict(TINY, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     max_position_embeddings=8192, rope_theta=100000.0, initializer_range=0.02)
+
+
+def write_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
+    config = LlamaConfig(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+    vocab.update({f"w{i}": i for i in range(3, config.vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def words(ids: list[int]) -> str:
+    """The prompt text that the tiny tokenizer encodes to `ids` (each id >= 3)."""
+    return " ".join(f"w{i}" for i in ids)
