@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 
+from engine_core.model import architectures
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -45,7 +50,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (Llama, Mistral, SmolLM, Qwen2 with qkv bias)."""
+    """Hyperparameters of a decoder in the architecture registry (model/architectures.py):
+    Llama, Mistral, Qwen2, Qwen3, Gemma 3. The registry's fields are resolved into the flat fields
+    below by the loaders, so the model reads one object."""
 
     name: str
     vocab_size: int
@@ -63,6 +70,24 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2-style bias on q/k/v projections
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    architecture: str = "llama"  # a name in model/architectures.py
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before rope
+    hidden_act: str = "silu"  # the gated MLP's activation
+    # keys a token attends to: the last sliding_window positions (itself included) on the
+    # layers that slide, all of them elsewhere; None: every layer is global
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None  # per layer; None: all, when a window is set
+    # GGUF `rope_freqs` (Llama 3 scaling as llama.cpp stores it): each rope frequency is
+    # divided by its factor; None: no factors
+    rope_freq_factors: tuple[float, ...] | None = None
+    # Gemma 3 (see architectures.py): the rope base of windowed layers (None: rope_theta;
+    # rope_scaling applies to the global layers only when it is set), four norms per layer,
+    # embeddings times embedding_scale, norm weights stored without their + 1 (HF)
+    local_rope_theta: float | None = None
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None
+    norm_weight_offset: float = 0.0
+    attention_scale: float | None = None  # None: head_dim ** -0.5
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -76,31 +101,89 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for "
+                             f"{self.num_layers} layers")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
+                             f"expected head_dim / 2 = {self.head_dim // 2}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends to every position."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is None or self.sliding_layers[layer]:
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_window(i) is not None for i in range(self.num_layers))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str) -> ModelConfig:
-        """From a Hugging Face `config.json` dict (LlamaForCausalLM, Qwen2ForCausalLM, ...)."""
-        archs = cfg.get("architectures") or []
+        """From a Hugging Face `config.json` dict of an architecture in the registry; raises
+        UnsupportedArchitectureError for any other."""
+        arch = architectures.for_hf_config(cfg)
         num_heads = cfg["num_attention_heads"]
+        num_layers = cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # transformers 5 writes rope_parameters ({"rope_theta", "rope_type", ...}); 4.x wrote
+        # rope_theta and rope_scaling
+        rope = dict(cfg.get("rope_parameters") or {})
+        local_theta = None
+        if arch.local_rope_theta is not None:
+            # transformers 5 gives Gemma 3 one rope block per layer type
+            local = rope.pop("sliding_attention", None) or {}
+            rope = dict(rope.pop("full_attention", None) or rope)
+            local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
+                                or arch.local_rope_theta)
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        scaling = rope or cfg.get("rope_scaling")
+        if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
+            scaling = None
+        window, sliding = None, None
+        if (arch.sliding_window and cfg.get("sliding_window")
+                and cfg.get("use_sliding_window") is not False):
+            window = int(cfg["sliding_window"])
+            if cfg.get("layer_types"):  # transformers 5 names the layers that slide
+                sliding = tuple(t == "sliding_attention" for t in cfg["layer_types"])
+                if not any(sliding):
+                    window, sliding = None, None
+        bias = cfg.get("attention_bias")
         return cls(
             name=name,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(theta),
+            rope_scaling=scaling or None,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", any("Qwen2" in a for a in archs)),
+            attention_bias=arch.qkv_bias if bias is None else bool(bias),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            architecture=arch.name,
+            qk_norm=arch.qk_norm,
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or arch.activation,
+            sliding_window=window,
+            sliding_layers=sliding if window else None,
+            local_rope_theta=local_theta,
+            sandwich_norms=arch.sandwich_norms,
+            embedding_scale=cfg["hidden_size"] ** 0.5 if arch.embedding_scale else None,
+            norm_weight_offset=arch.norm_weight_offset,
+            attention_scale=(cfg["query_pre_attn_scalar"] ** -0.5
+                             if cfg.get("query_pre_attn_scalar") else None),
         )
 
 

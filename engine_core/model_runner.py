@@ -13,7 +13,7 @@ import torch
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.model.attention import AttentionMetadata
 from engine_core.model.decode_quant import DecodeRows
-from engine_core.model.llama import LlamaForCausalLM
+from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.penalties import TokenCounts
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -74,7 +74,7 @@ class InputBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, layout: KVLayout, num_blocks: int,
+    def __init__(self, model: DecoderForCausalLM, layout: KVLayout, num_blocks: int,
                  max_num_seqs: int, max_model_len: int, device: torch.device,
                  eos_token_ids: tuple[int, ...], decode_rows: DecodeRows | None = None,
                  kv_cache: torch.Tensor | None = None) -> None:

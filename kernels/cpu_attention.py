@@ -139,6 +139,7 @@ def paged_decode_attention_torch(
     context_lens: torch.Tensor,
     scale: float,
     step_cache: dict | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Torch path of `kernels.paged_decode_attention` (see `_decode` for the method).
 
@@ -154,12 +155,12 @@ def paged_decode_attention_torch(
         if step_cache is not None:
             step_cache["decode_chunks"] = chunks
     if len(chunks) == 1:
-        return _decode(query, kv_layer, block_tables, context_lens, scale, step_cache, 0)
+        return _decode(query, kv_layer, block_tables, context_lens, scale, step_cache, 0, window)
     out = torch.empty_like(query)  # [num_seqs, num_q_heads, head_dim]
     for start, end in chunks:
         out[start:end] = _decode(
             query[start:end], kv_layer, block_tables[start:end], context_lens[start:end], scale,
-            step_cache, start,
+            step_cache, start, window,
         )
     return out
 
@@ -172,6 +173,7 @@ def _decode(
     scale: float,
     step_cache: dict | None = None,
     group_start: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of a group of sequences, batch invariant: a sequence's output is bit
     for bit the same whatever else shares the step (continuous batching must not change a
@@ -191,11 +193,12 @@ def _decode(
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
     group = num_q_heads // num_kv_heads
-    plan = step_cache.get(("decode", group_start)) if step_cache is not None else None
+    key = ("decode", group_start, window)  # layers of different windows share the step
+    plan = step_cache.get(key) if step_cache is not None else None
     if plan is None:
-        plan = _decode_plan(block_tables, context_lens)
+        plan = _decode_plan(block_tables, context_lens, window)
         if step_cache is not None:
-            step_cache[("decode", group_start)] = plan
+            step_cache[key] = plan
     q = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, H, group, D]
     out = q if len(plan) == 1 else torch.empty_like(q)
     for padded, index, tables, lens, mask in plan:
@@ -210,9 +213,11 @@ def _decode(
     return out.reshape(num_seqs, num_q_heads, head_dim)  # [S, num_q_heads, D]
 
 
-def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor) -> list[tuple]:
+def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 window: int | None = None) -> list[tuple]:
     """(padded length, sequence indices or None for all, their block tables, context lengths,
-    key mask [s, 1, 1, padded]) for each padded length present."""
+    key mask [s, 1, 1, padded]) for each padded length present. A window masks the keys
+    before the context's last `window` (they are gathered all the same)."""
     padded_lens = (context_lens + DECODE_CHUNK - 1) // DECODE_CHUNK * DECODE_CHUNK
     lengths = padded_lens.unique().tolist()
     plan = []
@@ -222,7 +227,10 @@ def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor) -> list
             index = torch.nonzero(padded_lens == padded).squeeze(1)
             tables, lens = block_tables[index], context_lens[index]
         positions = torch.arange(padded, device=context_lens.device)
-        mask = (positions < lens[:, None])[:, None, None, :]  # [s, 1, 1, padded]
+        mask = positions < lens[:, None]  # [s, padded]
+        if window is not None:
+            mask &= positions >= lens[:, None] - window
+        mask = mask[:, None, None, :]  # [s, 1, 1, padded]
         plan.append((padded, index, tables, lens, mask))
     return plan
 
@@ -234,6 +242,7 @@ def paged_prefill_attention_torch(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Torch path of `kernels.paged_prefill_attention` (see `_prefill` for the method)."""
     check_prefill_args(query, kv_layer, block_tables, query_start_loc, seq_lens, scale)
@@ -242,7 +251,7 @@ def paged_prefill_attention_torch(
     num_seqs = seq_lens.shape[0]
     chunks = sequence_chunks(num_seqs, _gather_bytes(kv_layer, int(seq_lens.max())))
     if len(chunks) == 1:
-        return _prefill(query, kv_layer, block_tables, query_start_loc, seq_lens, scale)
+        return _prefill(query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window)
     out = torch.empty_like(query)  # [num_tokens, num_q_heads, head_dim]
     token_starts = query_start_loc.tolist()  # a chunk's tokens are contiguous in query
     for start, end in chunks:
@@ -254,6 +263,7 @@ def paged_prefill_attention_torch(
             query_start_loc[start : end + 1] - first,
             seq_lens[start:end],
             scale,
+            window,
         )
     return out
 
@@ -265,14 +275,15 @@ def _prefill(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention of a group of sequences with one gather and one SDPA.
 
     The new tokens are padded to [num_seqs, max_q_len] with one index gather. When no
     sequence has a cached prefix, padded rows are harmless under SDPA's top-left `is_causal`
     (a real row i only sees keys ≤ i < q_len) and the flash kernel skips the masked half;
-    otherwise an explicit mask allows key j for query i iff j ≤ prefix_len + i.
-    query_start_loc[0] must be 0.
+    otherwise (or with a sliding window) an explicit mask allows key j for query i iff
+    prefix_len + i - window < j ≤ prefix_len + i. query_start_loc[0] must be 0.
     """
     num_q_heads = query.shape[1]
     num_seqs = seq_lens.shape[0]
@@ -291,7 +302,7 @@ def _prefill(
     q = q.transpose(1, 2)  # [S, num_q_heads, max_q_len, D]
 
     is_gqa = num_q_heads != kv_layer.shape[3]
-    if not bool(prefix_lens.any()):
+    if window is None and not bool(prefix_lens.any()):
         out = F.scaled_dot_product_attention(
             q, key, value, is_causal=True, scale=scale, enable_gqa=is_gqa
         )
@@ -299,6 +310,8 @@ def _prefill(
         key_positions = torch.arange(max_len, device=query.device)  # [L]
         query_positions = prefix_lens[:, None] + steps  # [S, max_q_len]
         mask = key_positions <= query_positions[:, :, None]  # [S, max_q_len, L]
+        if window is not None:
+            mask &= key_positions > query_positions[:, :, None] - window
         out = F.scaled_dot_product_attention(
             q, key, value, attn_mask=mask[:, None], scale=scale, enable_gqa=is_gqa
         )

@@ -7,7 +7,8 @@ table (positions may span several cache blocks per tile, so any BLOCK_SIZE works
 
     position p -> block_tables[seq, p // BLOCK_SIZE], slot p % BLOCK_SIZE
 
-with an online softmax (running max m, running sum l, fp32 accumulator).
+with an online softmax (running max m, running sum l, fp32 accumulator). A sliding window
+starts the walk at position context_len - window (NO_WINDOW reaches back past position 0).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_decode_args
-from kernels.triton_utils import block_dim, compute_dtype, is_interpreted, launchable
+from kernels.triton_utils import NO_WINDOW, block_dim, compute_dtype, is_interpreted, launchable
 
 
 @triton.jit
@@ -28,6 +29,7 @@ def _paged_decode_kernel(
     block_tables_ptr,
     context_lens_ptr,
     scale,
+    window,
     stride_query_seq,
     stride_query_head,
     stride_query_dim,
@@ -75,7 +77,8 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq * stride_table_seq
-    for start in range(0, context_len, BLOCK_N):
+    lo = tl.maximum(context_len - window, 0)  # the first position in the window
+    for start in range(lo, context_len, BLOCK_N):
         positions = start + offs_n  # [BLOCK_N]
         mask_n = positions < context_len
         blocks = tl.load(
@@ -93,7 +96,7 @@ def _paged_decode_kernel(
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, N]
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        # Position `start` is always < context_len, so every row has a finite max here.
+        # Position `start` is always in [lo, context_len), so every row has a finite max here.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])  # [BLOCK_G, BLOCK_N]
@@ -118,10 +121,12 @@ def paged_decode_attention_triton(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
     *,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile."""
+    """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile.
+    A window starts the walk at the context's last `window` positions."""
     check_decode_args(query, kv_layer, block_tables, context_lens, scale)
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
@@ -138,6 +143,7 @@ def paged_decode_attention_triton(
         block_tables,
         context_lens,
         float(scale),
+        NO_WINDOW if window is None else int(window),
         *query.stride(),
         *out.stride(),
         *kv_layer.stride(),

@@ -60,6 +60,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     step_cache: dict | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached K/V (its own K/V included).
 
@@ -68,13 +69,15 @@ def paged_decode_attention(
     context_lens: [num_seqs] int32, ≥ 1, KV tokens to attend to. GQA: query head h reads KV
     head h // (num_q_heads // num_kv_heads). Softmax in fp32. Returns
     [num_seqs, num_q_heads, head_dim] in query's dtype. step_cache: as in `store_kv`.
+    window: a sliding window, the last `window` tokens of each context (None: all of them).
     """
     if select_backend(query.device) == "triton":
         from kernels.decode_attention import paged_decode_attention_triton
 
-        return paged_decode_attention_triton(query, kv_layer, block_tables, context_lens, scale)
+        return paged_decode_attention_triton(query, kv_layer, block_tables, context_lens, scale,
+                                             window)
     return cpu_attention.paged_decode_attention_torch(
-        query, kv_layer, block_tables, context_lens, scale, step_cache
+        query, kv_layer, block_tables, context_lens, scale, step_cache, window
     )
 
 
@@ -85,6 +88,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens over a cached prefix (all K/V already stored).
 
@@ -92,15 +96,16 @@ def paged_prefill_attention(
     concatenated; query_start_loc: [num_seqs + 1] int32 offsets into query; seq_lens:
     [num_seqs] int32 KV length after this step (prefix + new). Token i of sequence s, with
     q_len = query_start_loc[s + 1] - query_start_loc[s], sits at position
-    seq_lens[s] - q_len + i and attends to positions 0..that position. Returns
+    seq_lens[s] - q_len + i and attends to positions 0..that position, or with a `window`
+    to the last `window` of them (position - window < key position <= position). Returns
     [num_tokens, num_q_heads, head_dim] in query's dtype.
     """
     if select_backend(query.device) == "triton":
         from kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
-            query, kv_layer, block_tables, query_start_loc, seq_lens, scale
+            query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window
         )
     return cpu_attention.paged_prefill_attention_torch(
-        query, kv_layer, block_tables, query_start_loc, seq_lens, scale
+        query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window
     )

@@ -64,7 +64,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_q4_matmul": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _int], _int),
     "pd_q8_matmul": ([_p, _i64, _i64, _p, _p, _i64, _p, _int], None),
     "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _p,
-                             _int, _f32, _p, _i64, _int], _int),
+                             _int, _f32, _p, _i64, _int, _i64], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
@@ -225,10 +225,13 @@ def decode_attention(
     scale: float,
     max_len: int,  # context_lens.max() (0: computed here)
     table_of_row: torch.Tensor | None = None,  # [S] int32: each row's block table
+    window: int | None = None,  # a sliding window: each row's last `window` positions
 ) -> torch.Tensor:  # [S, Hq * D] float32
     """Rotary embedding, K/V store and attention of S query rows in one call, each over its
     own context (see pd_decode_attention in csrc/attention.c): decode rows, a token and its
     drafts, or the rows of prefill chunks (several rows sharing a sequence's table)."""
+    if window is not None and window < 1:
+        raise ValueError(f"decode_attention: window must be >= 1 or None, got {window}")
     num_rows = qkv.shape[0]
     num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
     layouts = ((qkv, torch.float32), (cos_sin, torch.float32), (slot_mapping, torch.int64),
@@ -238,9 +241,9 @@ def decode_attention(
             or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
             or (table_of_row is not None and (table_of_row.dtype != torch.int32
                                               or not table_of_row.is_contiguous()))
-            or head_dim % 8 or head_dim > 128 or num_heads % num_kv_heads):
+            or head_dim % 8 or head_dim > 256 or num_heads % num_kv_heads):
         raise ValueError("decode_attention: float32/int64/int32 contiguous inputs, a float32 or "
-                         "bfloat16 cache, head_dim a multiple of 8 up to 128, query heads a "
+                         "bfloat16 cache, head_dim a multiple of 8 up to 256, query heads a "
                          "multiple of KV heads")
     if max_len <= 0:  # the caller did not know it
         max_len = int(context_lens.max())
@@ -251,7 +254,7 @@ def decode_attention(
         block_tables.data_ptr(), block_tables.stride(0),
         None if table_of_row is None else table_of_row.data_ptr(), context_lens.data_ptr(),
         kv_layer.shape[2], scale,
-        out.data_ptr(), max_len, torch.get_num_threads()))
+        out.data_ptr(), max_len, torch.get_num_threads(), window or 0))
     return out
 
 

@@ -28,7 +28,8 @@ class Layer(ctypes.Structure):
     """pd_layer: one decoder layer's float32 norm weights and quantized projections."""
 
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", Matrix), ("o", Matrix),
-                ("gate_up", Matrix), ("down", Matrix)]
+                ("gate_up", Matrix), ("down", Matrix), ("window", ctypes.c_int64),
+                ("q_norm", _p), ("k_norm", _p)]
 
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {"pd_matrix": Matrix, "pd_layer": Layer}

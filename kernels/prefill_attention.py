@@ -7,7 +7,9 @@ new tokens of one sequence and one query head. Its tokens sit at absolute positi
 
 and attend to positions 0..prefix_len + i, all of which are already in the cache. K/V tiles of
 BLOCK_N positions are read through the block table as in the decode kernel; the loop stops at
-the last position any of the program's tokens can see.
+the last position any of the program's tokens can see. With a sliding window a token sees
+positions (its position - window, its position], and the loop starts at the first position the
+program's first token can see.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_prefill_args
-from kernels.triton_utils import block_dim, compute_dtype, is_interpreted, launchable
+from kernels.triton_utils import NO_WINDOW, block_dim, compute_dtype, is_interpreted, launchable
 
 
 @triton.jit
@@ -29,6 +31,7 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale,
+    window,
     stride_query_token,
     stride_query_head,
     stride_query_dim,
@@ -84,7 +87,8 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq * stride_table_seq
     kv_end = tl.minimum(seq_len, prefix_len + m_start + BLOCK_M)  # last visible position + 1
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = tl.maximum(prefix_len + m_start - window + 1, 0)  # first one, for row m_start
+    for start in range(kv_start, kv_end, BLOCK_N):
         positions = start + offs_n  # [BLOCK_N]
         mask_n = positions < kv_end
         blocks = tl.load(
@@ -102,12 +106,14 @@ def _paged_prefill_kernel(
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [M, N]
         visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [M, N]
+        visible &= positions[None, :] > q_positions[:, None] - window
         scores = tl.where(visible, scores, float("-inf"))
-        # Position 0 is visible to every row in the first tile, so m_i is finite from then on
-        # and a later fully-masked row only contributes exp(-inf) = 0.
+        # With a window a row may see nothing in a tile (the first ones for later rows): its
+        # max stays -inf and is shifted by 0 instead, so it adds exp(-inf) = 0, not NaN.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(scores - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -130,6 +136,7 @@ def paged_prefill_attention_triton(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
     *,
     block_m: int = 64,
     block_n: int = 64,
@@ -156,6 +163,7 @@ def paged_prefill_attention_triton(
         query_start_loc,
         seq_lens,
         float(scale),
+        NO_WINDOW if window is None else int(window),
         *query.stride(),
         *out.stride(),
         *kv_layer.stride(),

@@ -41,8 +41,10 @@ def attention_ref(
     value: torch.Tensor,
     query_positions: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one sequence in fp32.
+    """Causal attention of one sequence in fp32 (with a window: over the last `window`
+    positions up to the query's own).
 
     query: [q_len, num_q_heads, head_dim]; key, value: [kv_len, num_kv_heads, head_dim];
     query_positions: [q_len] absolute positions; query i attends to keys 0..query_positions[i].
@@ -54,6 +56,8 @@ def attention_ref(
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale  # [heads, q_len, kv_len]
     kv_positions = torch.arange(key.shape[0])
     allowed = kv_positions[None, :] <= query_positions[:, None]  # [q_len, kv_len]
+    if window is not None:
+        allowed &= kv_positions[None, :] > query_positions[:, None] - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, v)  # [q_len, num_q_heads, head_dim]
@@ -66,6 +70,7 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its context_lens[s] cached tokens."""
     out = torch.empty_like(query)
@@ -73,7 +78,7 @@ def paged_decode_attention_ref(
         context_len = int(context_lens[s])
         key, value = gather_seq_kv_ref(kv_layer, block_tables[s], context_len)
         position = torch.tensor([context_len - 1])
-        out[s] = attention_ref(query[s : s + 1], key, value, position, scale)[0]
+        out[s] = attention_ref(query[s : s + 1], key, value, position, scale, window)[0]
     return out
 
 
@@ -84,6 +89,7 @@ def paged_prefill_attention_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal prefill over a cached prefix (see kernels.paged_prefill_attention)."""
     out = torch.empty_like(query)
@@ -92,5 +98,5 @@ def paged_prefill_attention_ref(
         seq_len = int(seq_lens[s])
         key, value = gather_seq_kv_ref(kv_layer, block_tables[s], seq_len)
         positions = torch.arange(seq_len - (end - start), seq_len)
-        out[start:end] = attention_ref(query[start:end], key, value, positions, scale)
+        out[start:end] = attention_ref(query[start:end], key, value, positions, scale, window)
     return out

@@ -18,6 +18,11 @@ from triton.runtime.interpreter import InterpretedFunction
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+# the window the attention kernels get for "no sliding window": reaches back past position 0
+# for any context a block table can hold, and stays far from int32 overflow
+NO_WINDOW = 1 << 30
+
+
 def is_interpreted(kernel: Any) -> bool:
     """True when `kernel` was decorated under TRITON_INTERPRET=1 (runs in numpy, any device)."""
     return isinstance(kernel, InterpretedFunction)

@@ -12,11 +12,17 @@ from service_infra.worker_args import add_decode_activations_argument
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
-    from engine_core.model_files import DEFAULT_MODEL, pull_default_model, resolve_model
+    from engine_core.model_files import PULLABLE, model_path, pull_model, resolve_model
 
     if args.model_cmd == "pull":
-        path = pull_default_model(progress=True)
-        print(f"{DEFAULT_MODEL}: {path}")
+        path = pull_model(args.name, progress=True)
+        print(f"{args.name}: {path}")
+        return 0
+    if args.model_cmd == "list":
+        for name, spec in PULLABLE.items():
+            path = model_path(name)
+            state = str(path) if path.exists() else "not pulled"
+            print(f"{name}\t{spec.filename}\t{state}")
         return 0
     source = resolve_model(args.model)
     if source.kind == "gguf":
@@ -84,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("model", help="fetch or inspect models")
     msub = m.add_subparsers(dest="model_cmd", required=True)
-    msub.add_parser("pull", help="download the default model (SmolLM2-135M-Instruct GGUF)")
+    pull = msub.add_parser("pull", help="download a pullable model (default: the default "
+                           "model, SmolLM2-135M-Instruct GGUF)")
+    pull.add_argument("name", nargs="?", default="SmolLM2-135M-Instruct",
+                      help="SmolLM2-135M-Instruct or gemma3-270m")
+    msub.add_parser("list", help="the pullable models and where they are once pulled")
     info = msub.add_parser("info", help="print a model's configuration")
     info.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     m.set_defaults(func=_cmd_model)

@@ -46,7 +46,7 @@ import logging
 import torch
 from torch import nn
 
-from engine_core.model.llama import LlamaForCausalLM
+from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 from kernels import native
 
@@ -135,16 +135,23 @@ class NativeQ8Matmul(nn.Module):
 
     A Q8_0 tensor (as the default model's embedding) is requantized exactly: its dense weight
     is d * q with |q| reaching 127 in every block, so amax / 127 gives d back and q follows.
+    `d`, the file's own block scales, makes that exact for any tensor whose dense weight is d
+    times an integer in -127..127 per group of 32 (Q8_0, and Q5_0: d * (q - 16)).
     Plain attributes, as in NativeQ4Matmul.
     """
 
-    def __init__(self, weight: torch.Tensor, lib, int8: bool = False) -> None:  # [N, K] float
+    def __init__(self, weight: torch.Tensor, lib, int8: bool = False,  # weight: [N, K] float
+                 d: torch.Tensor | None = None) -> None:  # d: [N, K / 32] float32
         super().__init__()
         self.n, self.k = weight.shape
         self.int8 = int8
         w = weight.float().view(self.n, -1, GROUP_SIZE)  # [N, K / 32, 32]
-        d = w.abs().amax(dim=2) / 127  # [N, K / 32]
-        q = torch.round(w / d.clamp(min=1e-30)[..., None]).to(torch.int8).view(self.n, self.k)
+        if d is None:
+            d = w.abs().amax(dim=2) / 127  # [N, K / 32]
+        d = d.float()
+        # a file's d may be negative; a zero d has zero weights
+        safe_d = torch.where(d == 0, torch.ones_like(d), d)
+        q = torch.round(w / safe_d[..., None]).to(torch.int8).view(self.n, self.k)
         if int8:
             self.qs, self.d = native.pack_q8_int8(q, d)
             self._fn = lambda x, m, k, qs, d, n, y, t: lib.pd_i8_matmul(x, m, k, 8, qs, d, None,
@@ -217,9 +224,9 @@ class DecodeQuantLMHead(DecodeQuantLinear):
 class NativeDecodeLayers:
     """A step's decode rows through the decoder layers in one C call (pd_decode_layers), float32
     whatever the model dtype: no Python between a layer's operations. The model's prefill rows
-    take the torch path beside it (LlamaForCausalLM.forward)."""
+    take the torch path beside it (DecoderForCausalLM.forward)."""
 
-    def __init__(self, model: LlamaForCausalLM, lib, rows: DecodeRows) -> None:
+    def __init__(self, model: DecoderForCausalLM, lib, rows: DecodeRows) -> None:
         cfg = model.config
         self.lib, self.rows = lib, rows
         self.num_heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
@@ -243,13 +250,22 @@ class NativeDecodeLayers:
                 f32(layer.input_layernorm.weight).data_ptr(),
                 f32(layer.post_attention_layernorm.weight).data_ptr(),
                 matrix(attn.qkv_proj), matrix(attn.o_proj), matrix(mlp.gate_up_proj),
-                matrix(mlp.down_proj)))
+                matrix(mlp.down_proj), attn.window or 0,
+                f32(attn.q_norm.weight).data_ptr() if attn.q_norm is not None else None,
+                f32(attn.k_norm.weight).data_ptr() if attn.k_norm is not None else None))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = f32(model.norm.weight)
 
     @staticmethod
-    def applies(model: LlamaForCausalLM) -> bool:
-        return all(isinstance(getattr(m, a), DecodeQuantLinear)
+    def applies(model: DecoderForCausalLM) -> bool:
+        """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
+        bias, q/k norm, a window per layer) with every matmul quantized and attention in C on
+        every layer."""
+        cfg = model.config
+        if (cfg.hidden_act != "silu"
+                or cfg.sandwich_norms or cfg.embedding_scale or cfg.attention_scale):
+            return False
+        return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)
                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)
                    for layer in model.layers
                    for m, a in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
@@ -289,16 +305,25 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
 
 
 def quantize_for_decode(
-    model: LlamaForCausalLM, q4: dict[str, Q4Weight] | None = None,
-    activations: str = "float32",
+    model: DecoderForCausalLM, q4: dict[str, Q4Weight] | None = None,
+    activations: str = "float32", dense: set[str] | frozenset[str] = frozenset(),
+    int8_scales: dict[str, torch.Tensor] | None = None,
 ) -> DecodeRows:
     """Give every projection and the lm_head a quantized twin for decode rows, in place.
 
     q4: Hugging Face-named 4-bit weights from the GGUF (see GGUFFile.q4_weights); a fused
     projection uses them when all of its parts are 4-bit, else int8.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
+    dense: Hugging Face names of GGUF weights in a type the C kernels have no block decoder
+    for (Q5_1, K-quants but Q4_K): a projection with any such part keeps its dense float
+    weight for decode rows too (the torch path), rather than being requantized to int8.
+    int8_scales: Hugging Face names of GGUF weights that are d times an integer in -127..127
+    per group of 32 (Q8_0, Q5_0), with the file's d [N, K / 32]: a projection whose parts all
+    have them is int8 with those scales, exactly the file's values; one that mixes them with
+    other parts keeps its dense weight, since a shared requantization would not be exact.
     """
     q4 = q4 or {}
+    int8_scales = int8_scales or {}
     rows = DecodeRows()
     num_int4 = 0
     lib = native.load()
@@ -313,7 +338,9 @@ def quantize_for_decode(
             w = Q4Weight.cat([q4[p] for p in parts])
             return NativeQ4Matmul(w, lib, int8) if lib is not None else Int4Matmul(w)
         if lib is not None and linear.weight.shape[1] % GROUP_SIZE == 0:
-            return NativeQ8Matmul(linear.weight, lib, int8)
+            scaled = parts and all(p in int8_scales for p in parts)
+            d = torch.cat([int8_scales[p] for p in parts]) if scaled else None
+            return NativeQ8Matmul(linear.weight, lib, int8, d)
         return Int8Matmul(linear.weight)
 
     for i, layer in enumerate(model.layers):
@@ -326,6 +353,11 @@ def quantize_for_decode(
             (mlp, "down_proj"): [f"{pre}mlp.down_proj.weight"],
         }
         for (module, attr), parts in names.items():
+            if any(p in dense for p in parts):
+                continue
+            has_scales = [p in int8_scales for p in parts]
+            if lib is not None and any(has_scales) and not all(has_scales):
+                continue  # see int8_scales
             linear = getattr(module, attr)
             setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts), rows))
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
@@ -333,11 +365,14 @@ def quantize_for_decode(
                                       rows)
     model.lm_head.native = lib
     # the layers in one C call need its attention: use_native_kernels (load_model) set it
-    native_attention = model.layers[0].self_attn.native is not None
-    if native_attention and NativeDecodeLayers.applies(model):
+    if NativeDecodeLayers.applies(model):
         model.decode_layers = NativeDecodeLayers(model, lib, rows)
     total = 4 * len(model.layers) + 1
+    num_dense = sum(isinstance(m, nn.Linear) for layer in model.layers
+                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                              layer.mlp.gate_up_proj, layer.mlp.down_proj))
     logger.info("decode rows use quantized matmuls (%s, %s activations): %d int4 weights (from "
-                "the GGUF), %d int8", "native kernels" if lib is not None else "torch",
-                activations if lib is not None else "bf16", num_int4, total - num_int4)
+                "the GGUF), %d int8, %d dense", "native kernels" if lib is not None else "torch",
+                activations if lib is not None else "bf16", num_int4,
+                total - num_int4 - num_dense, num_dense)
     return rows

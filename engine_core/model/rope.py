@@ -33,10 +33,16 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
 
 
 def cos_sin_cache(
-    head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+    freq_factors: tuple[float, ...] | None = None,
 ) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
+    """[max_positions, head_dim] float32: cos in the first half, sin in the second.
+
+    freq_factors: a GGUF's `rope_freqs` tensor, [head_dim / 2] divisors of the frequencies
+    (llama.cpp's form of Llama 3 scaling: 1 for short wavelengths, `factor` for long ones)."""
     inv_freq = inv_frequencies(head_dim, theta, scaling)
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
     t = torch.arange(max_positions, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()

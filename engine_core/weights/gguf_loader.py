@@ -1,8 +1,11 @@
 """Read a GGUF file: the model's hyperparameters and its weights under Hugging Face names.
 
-Weights are dequantized to float32 with the `gguf` package. llama.cpp's converter permutes the
-rows of Q and K so that its interleaved RoPE works; we undo it, because our model (like
-Hugging Face's) rotates the two halves of each head (`rotate_half`).
+Weights are dequantized to float32 with the `gguf` package's own `gguf.quants.dequantize`, for
+every type in SUPPORTED_TYPES. For architectures whose GGUFs llama.cpp writes with its
+interleaved rope (Architecture.gguf_permutes_qk: llama, mistral), the rows of Q and K are
+permuted in the file; we undo it, because our model (like Hugging Face's) rotates the two
+halves of each head (`rotate_half`). Llama 3's rope scaling comes as the `rope_freqs` tensor
+(one divisor per frequency), which goes into the config, not the weights.
 """
 
 from __future__ import annotations
@@ -18,17 +21,22 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine_core.config import ModelConfig
+from engine_core.model import architectures
 from engine_core.weights.gguf_q4 import Q4_TYPES, Q4Weight, unpack_q4
 
+Q = GGMLQuantizationType
 SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
+    Q.F32, Q.F16, Q.BF16,
+    Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 }
-SUPPORTED_ARCHS = ("llama", "qwen2")
+# types whose decode matmuls the C kernels take from the file's own blocks, or (float, Q8_0)
+# requantize to int8 exactly as decode_quant.py describes; the others decode on the torch path
+NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0}
+# types whose weights are an f16 d (each block's first 2 bytes) times an integer in -127..127
+# per block of 32: the C int8 matmul holds them exactly with the file's d; block bytes
+INT8_TYPES = {Q.Q8_0: 34, Q.Q5_0: 22}
+ROPE_FREQS = "rope_freqs.weight"
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -39,6 +47,8 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -51,13 +61,14 @@ _TOP_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: architectures.Architecture | None = None) -> str:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
+    names = _LAYER_NAMES if arch is None else {**_LAYER_NAMES, **dict(arch.gguf_layer_names)}
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         raise ValueError(f"unknown GGUF tensor name {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -79,10 +90,7 @@ class GGUFFile:
         self.path = Path(path)
         self.reader = GGUFReader(str(self.path))
         self.arch = str(self.field("general.architecture"))
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"GGUF architecture {self.arch!r} is not supported (supported: {SUPPORTED_ARCHS})"
-            )
+        self.architecture = architectures.for_gguf(self.arch)  # raises for an unknown one
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.fields.get(key)
@@ -102,6 +110,20 @@ class GGUFFile:
                 "rope_type": scaling_type,
                 "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0)),
             }
+        factors = None
+        rope_freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
+        if rope_freqs is not None:
+            factors = tuple(float(x) for x in dequantize(
+                rope_freqs.data, GGMLQuantizationType(rope_freqs.tensor_type)).reshape(-1))
+        arch = self.architecture
+        num_layers = int(self.field(f"{a}.block_count"))
+        window = self.field(f"{a}.attention.sliding_window")
+        if not arch.sliding_window:
+            window = None
+        sliding = None
+        if window is not None and arch.gguf_global_every:
+            every = arch.gguf_global_every
+            sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
         eos = self.field("tokenizer.ggml.eos_token_id")
         eot = self.field("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
@@ -110,10 +132,11 @@ class GGUFFile:
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{a}.feed_forward_length")),
-            num_layers=int(self.field(f"{a}.block_count")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
-            head_dim=int(self.field(f"{a}.rope.dimension_count", hidden // num_heads)),
+            head_dim=int(self.field(f"{a}.attention.key_length")
+                         or self.field(f"{a}.rope.dimension_count", hidden // num_heads)),
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,
@@ -122,11 +145,29 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
+            architecture=self.architecture.name,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            sliding_window=None if window is None else int(window),
+            sliding_layers=sliding,
+            rope_freq_factors=factors,
+            # the file's norms already hold Gemma's + 1: no norm_weight_offset
+            local_rope_theta=arch.local_rope_theta if sliding else None,
+            sandwich_norms=arch.sandwich_norms,
+            embedding_scale=hidden**0.5 if arch.embedding_scale else None,
+            hidden_act=arch.activation,
         )
+
+    def tensor_types(self) -> dict[str, GGMLQuantizationType]:
+        """The GGUF type of every weight, by Hugging Face name."""
+        return {hf_name(t.name, self.architecture): GGMLQuantizationType(t.tensor_type)
+                for t in self.reader.tensors if t.name != ROPE_FREQS}
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, float32 tensor) for every tensor in the file."""
+        permute = self.architecture.gguf_permutes_qk
         for t in self.reader.tensors:
+            if t.name == ROPE_FREQS:  # in the config (rope_freq_factors)
+                continue
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in SUPPORTED_TYPES:
                 raise ValueError(
@@ -137,27 +178,45 @@ class GGUFFile:
             # GGUF lists dims innermost-first; numpy wants them outermost-first
             shape = tuple(int(d) for d in reversed(t.shape))
             w = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)  # a copy
-            name = hf_name(t.name)
-            if self.arch == "llama" and name.endswith("q_proj.weight"):
+            name = hf_name(t.name, self.architecture)
+            if permute and name.endswith("q_proj.weight"):
                 w = unpermute_qk(w, config.num_heads)
-            elif self.arch == "llama" and name.endswith("k_proj.weight"):
+            elif permute and name.endswith("k_proj.weight"):
                 w = unpermute_qk(w, config.num_kv_heads)
             yield name, w
 
     def q4_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q4Weight]]:
-        """Yield (Hugging Face name, 4-bit weight) for every Q4_0/Q4_1 tensor, rows in the
-        same order as `weights` gives them (Q/K unpermuted)."""
+        """Yield (Hugging Face name, 4-bit weight) for every Q4_0/Q4_1/Q4_K tensor, rows in
+        the same order as `weights` gives them (Q/K unpermuted)."""
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in Q4_TYPES:
                 continue
             w = unpack_q4(t.data, qtype)
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.architecture)
             heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
             for suffix, n in heads.items():
-                if self.arch == "llama" and name.endswith(suffix):
+                if self.architecture.gguf_permutes_qk and name.endswith(suffix):
                     w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
             yield name, w
+
+    def int8_scales(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, [N, K / 32] float32 block scales d) for every Q8_0 and
+        Q5_0 tensor, rows in the same order as `weights` gives them."""
+        for t in self.reader.tensors:
+            qtype = GGMLQuantizationType(t.tensor_type)
+            if qtype not in INT8_TYPES:
+                continue
+            rows = t.data.shape[0]
+            blocks = t.data.reshape(rows, -1, INT8_TYPES[qtype])  # [N, K / 32, block bytes]
+            d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]
+                                 .astype(np.float32))  # [N, K / 32]
+            name = hf_name(t.name, self.architecture)
+            if self.architecture.gguf_permutes_qk and name.endswith("q_proj.weight"):
+                d = unpermute_qk(d, config.num_heads)
+            elif self.architecture.gguf_permutes_qk and name.endswith("k_proj.weight"):
+                d = unpermute_qk(d, config.num_kv_heads)
+            yield name, d
 
     def chat_template(self) -> str | None:
         return self.field("tokenizer.chat_template")

@@ -10,6 +10,12 @@ Both are kept in the file's form, w = (q - offset) * d + m with q in 0..15 (offs
 for Q4_0, offset 0 for Q4_1), so an expanded weight equals gguf's dequantization bit for bit.
 `scale`/`zero` give the form torch's CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`)
 wants, w = (q - 8) * scale + zero.
+
+Q4_K has the same form per group of 32: a 256-weight super-block holds f16 d and dmin and
+eight 6-bit (scale, min) pairs, and weight j of group g is (d * scale_g) * q_j - dmin * min_g
+with q_j in 0..15. So it is kept as q with per-group d = d * scale_g and m = -dmin * min_g,
+which expands to gguf's own dequantization bit for bit (the 6-bit pairs are unpacked by
+gguf's own `Q4_K.get_scale_min`).
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K
 
 GROUP_SIZE = 32
-Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Q4Weight:
 
 def unpack_q4(data: np.ndarray, qtype: GGMLQuantizationType) -> Q4Weight:
     """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them."""
+    if qtype == GGMLQuantizationType.Q4_K:
+        return unpack_q4_k(data)
     rows = data.shape[0]
     header = 2 if qtype == GGMLQuantizationType.Q4_0 else 4  # bytes before the nibbles
     blocks = data.reshape(rows, -1, header + 16)  # [N, K / 32, header + 16]
@@ -74,3 +83,24 @@ def unpack_q4(data: np.ndarray, qtype: GGMLQuantizationType) -> Q4Weight:
         m, offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), 0.0
     return Q4Weight(torch.from_numpy(q.reshape(rows, -1)), torch.from_numpy(d),
                     torch.from_numpy(m), torch.full((rows,), offset))
+
+
+def unpack_q4_k(data: np.ndarray) -> Q4Weight:
+    """A Q4_K tensor's raw bytes, [rows, bytes_per_row] uint8, as 4-bit groups of 32.
+
+    A super-block: [d: f16][dmin: f16][scales: 12 x u8][qs: 128 x u8]; its 256 weights are
+    4 chunks of 64, chunk c's byte j holding weight 64c + j (low nibble) and 64c + 32 + j
+    (high nibble)."""
+    rows = data.shape[0]
+    blocks = data.reshape(-1, 144)  # [rows * K / 256, 144]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    scale, minimum = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [B, 8] each
+    nibbles = blocks[:, 16:].reshape(-1, 4, 32)  # [B, chunk, 32]
+    q = np.stack([nibbles & 0xF, nibbles >> 4], axis=2)  # [B, chunk, 2, 32]
+    group_d = d * scale.astype(np.float32)  # [B, 8], exact: f16 times a 6-bit integer
+    group_m = -(dmin * minimum.astype(np.float32))  # [B, 8]
+    return Q4Weight(torch.from_numpy(q.reshape(rows, -1).copy()),
+                    torch.from_numpy(group_d.reshape(rows, -1)),
+                    torch.from_numpy(group_m.reshape(rows, -1)),
+                    torch.zeros(rows))

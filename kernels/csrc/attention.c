@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void head_output(
         float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
         int D, float *out, const int bf16) {
     const float sum = softmax_numerators(scores, len);
-    __m256 acc[16]; /* D <= 128 */
+    __m256 acc[32]; /* D <= 256 (Gemma 3's head_dim; the group kernels take 64 and 128) */
     const int nv = D / 8;
     for (int i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < len; j++) {
@@ -288,7 +288,7 @@ static inline __attribute__((always_inline)) int decode_attention(
         float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin, void *kv,
         const int64_t *slots, const int32_t *tables, int64_t table_stride,
         const int32_t *table_of_row, const int32_t *lens, int bs, float scale, float *out,
-        int64_t max_len, int threads, const int bf16) {
+        int64_t max_len, int threads, int64_t window, const int bf16) {
     const int64_t row_stride = (int64_t)(Hq + 2 * Hkv) * D, token_stride = (int64_t)Hkv * D;
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * row_stride;
@@ -330,14 +330,17 @@ static inline __attribute__((always_inline)) int decode_attention(
             const float *q = qkv + s * row_stride + h * group * D;
             float *o = out + s * Hq * D + h * group * D;
             const int64_t value = bs * token_stride + h * D;
+            /* a sliding window: the context's last `window` keys only */
+            const int64_t first = window > 0 && lens[s] > window ? lens[s] - window : 0;
+            const int64_t *seen = keys + first, len = lens[s] - first;
 #ifdef __AVX512F__
-            if (group_kernel(q, kv, keys, lens[s], h * D, value, scale, scores, max_len, o, D,
+            if (group_kernel(q, kv, seen, len, h * D, value, scale, scores, max_len, o, D,
                              group, bf16))
                 continue;
 #endif
             for (int i = 0; i < group; i++) {
-                head_scores(q + i * D, kv, keys, lens[s], h * D, D, scale, scores, bf16);
-                head_output(scores, kv, keys, lens[s], value, D, o + i * D, bf16);
+                head_scores(q + i * D, kv, seen, len, h * D, D, scale, scores, bf16);
+                head_output(scores, kv, seen, len, value, D, o + i * D, bf16);
             }
         }
         free(keys);
@@ -347,14 +350,17 @@ static inline __attribute__((always_inline)) int decode_attention(
 }
 
 /* kv_bf16: the cache holds bfloat16 (the new K/V are rounded to it), else float32.
- * max_len >= every lens[s]. D % 8 == 0, D <= 128. Returns 0, or -1 when out of memory. */
+ * max_len >= every lens[s]. D % 8 == 0, D <= 256. window > 0: each row attends to the last
+ * `window` positions of its context (a sliding window), 0: to all of them.
+ * Returns 0, or -1 when out of memory. */
 int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
-                        int bs, float scale, float *out, int64_t max_len, int threads) {
+                        int bs, float scale, float *out, int64_t max_len, int threads,
+                        int64_t window) {
     if (kv_bf16)
         return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
-                                table_of_row, lens, bs, scale, out, max_len, threads, 1);
+                                table_of_row, lens, bs, scale, out, max_len, threads, window, 1);
     return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
-                            table_of_row, lens, bs, scale, out, max_len, threads, 0);
+                            table_of_row, lens, bs, scale, out, max_len, threads, window, 0);
 }

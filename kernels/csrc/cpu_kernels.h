@@ -87,6 +87,8 @@ typedef struct {
 typedef struct {
     const float *in_norm, *post_norm; /* [hidden] float32 */
     pd_matrix qkv, o, gate_up, down;
+    int64_t window; /* a sliding window (pd_decode_attention's), 0: global */
+    const float *q_norm, *k_norm; /* [D] float32: RMSNorm of each q and k head; NULL: none */
 } pd_layer;
 
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
@@ -100,7 +102,8 @@ int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *
 int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
-                        int bs, float scale, float *out, int64_t max_len, int threads);
+                        int bs, float scale, float *out, int64_t max_len, int threads,
+                        int64_t window);
 void pd_topk_row(const float *row, int64_t N, int k, int64_t *idx);
 void pd_select_top(const float *row, int64_t n, int k, int64_t *idx);
 void pd_sample(float *x, int64_t M, int64_t V, const float *temperature, const int64_t *top_k,

@@ -31,7 +31,8 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
  * residual stream:
  *
  *   x = rmsnorm(h) * in_norm          (layer 0; later layers get it from the add below)
- *   qkv = x @ Wqkv (+ bias); rope, K/V store, attention -> a; h += a @ Wo
+ *   qkv = x @ Wqkv (+ bias); q/k heads normed (when q_norm is set); rope, K/V store,
+ *   attention (over the layer's window, when set) -> a; h += a @ Wo
  *   x = rmsnorm(h) * post_norm;  g|u = x @ Wgate_up;  h += (silu(g) * u) @ Wdown
  *
  * and at the end out = rmsnorm(h) * final_norm. The operations and their order are those of
@@ -104,10 +105,16 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
         else
             pd_add_rms_norm(h, tmp, L->in_norm, eps, x, S, H);
         status |= matmul(x, S, &L->qkv, wide, threads);
+        if (L->q_norm != 0) /* Qwen3: each q and k head normed in place, before rope */
+            for (int64_t s = 0; s < S; s++) {
+                float *q = wide + s * qkv_n, *k = q + (int64_t)Hq * D;
+                pd_add_rms_norm(q, 0, L->q_norm, eps, q, Hq, D);
+                pd_add_rms_norm(k, 0, L->k_norm, eps, k, Hkv, D);
+            }
         status |= pd_decode_attention(wide, S, Hq, Hkv, D, cos_sin,
                                       (char *)kv + (size_t)l * layer_stride * elem, kv_bf16,
                                       slots, tables, table_stride, 0, lens, bs, scale, att,
-                                      max_len, threads);
+                                      max_len, threads, L->window);
         status |= matmul(att, S, &L->o, tmp, threads);
         pd_add_rms_norm(h, tmp, L->post_norm, eps, x, S, H);
         status |= matmul(x, S, &L->gate_up, wide, threads);

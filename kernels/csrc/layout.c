@@ -21,6 +21,7 @@ static const field_layout MATRIX_FIELDS[] = {
 static const field_layout LAYER_FIELDS[] = {
     FIELD(pd_layer, in_norm), FIELD(pd_layer, post_norm), FIELD(pd_layer, qkv),
     FIELD(pd_layer, o),       FIELD(pd_layer, gate_up),   FIELD(pd_layer, down),
+    FIELD(pd_layer, window),  FIELD(pd_layer, q_norm),    FIELD(pd_layer, k_norm),
 };
 
 #define COUNT(A) ((int)(sizeof(A) / sizeof((A)[0])))

@@ -1,4 +1,6 @@
-"""The Llama-family decoder as plain single-device code over a flattened, varlen batch.
+"""The decoder of every architecture in the registry (architectures.py) as plain single-device
+code over a flattened, varlen batch. The architectures differ in fields of ModelConfig (q/k/v
+bias, q/k norm, sliding window per layer, rope scaling), not in subclasses.
 
 `forward` takes the step's tokens of many sequences at once (decode tokens and prefill chunks
 mixed, see attention.py) and reads/writes the paged KV cache. Quantization, compilation and
@@ -53,7 +55,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -65,7 +67,11 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
+        self.window = cfg.layer_window(layer)  # None: attends to every earlier position
+        # Qwen3: every q and k head RMS-normalised over head_dim before rope
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.native = None  # the C kernels' library, set by native_cpu.use_native_kernels
 
     def forward(
@@ -76,6 +82,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         nd = meta.num_decode_tokens
         if self.native is None or not kv_layer.is_contiguous():
             return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta,
@@ -90,16 +98,24 @@ class Attention(nn.Module):
             parts.append(native.decode_attention(
                 self.native, rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
                 meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
-                meta.decode_max_len,
+                meta.decode_max_len, window=self.window,
             ))
         if first < rows.shape[0]:
             parts.append(native.decode_attention(
                 self.native, rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
                 meta.prefill_block_tables, meta.prefill_row_lens, self.num_heads, self.scale,
-                meta.prefill_max_len, meta.prefill_row_tables,
+                meta.prefill_max_len, meta.prefill_row_tables, self.window,
             ))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.to(qkv.dtype))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:  # [n, q_size + 2 * kv_size]
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # [n * heads, head_dim], contiguous for the C norm (one KV head's reshape is a view)
+        q = self.q_norm(q.reshape(n * self.num_heads, self.head_dim).contiguous())
+        k = self.k_norm(k.reshape(n * self.num_kv_heads, self.head_dim).contiguous())
+        return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v], dim=-1)
 
     def _attention(self, qkv, cos_sin, kv_layer, meta, skip_decodes: int) -> torch.Tensor:
         """The torch path over rows skip_decodes.. of the step (all of them, or its prefills)."""
@@ -112,29 +128,47 @@ class Attention(nn.Module):
                         cos_sin[:, None, :half], cos_sin[:, None, half:])
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes)
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes, self.window)
         return out.reshape(n, self.q_size)  # [n, heads * head_dim]
+
+
+ACTIVATIONS = {  # config.ACTIVATIONS names the same set
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Llama's layer (pre-norms), or with cfg.sandwich_norms Gemma's: the attention and MLP
+    outputs are normed again before they join the residual stream.
+
+        llama:  r += attn(in_norm(r));            r += mlp(post_attn_norm(r))
+        gemma:  r += post_attn_norm(attn(in_norm(r)));  r += post_ffw_norm(mlp(pre_ffw_norm(r)))
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, cos_sin, kv_layer, meta):
         """(this layer's output, the residual stream before it); the stream is None for the
@@ -144,21 +178,27 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos_sin, kv_layer, meta)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x),
+                                                         residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        # windowed layers' rope where their base differs (Gemma 3); empty: they use cos_sin
+        self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
         # per-layer observers (the prefill worker ships each layer's KV as soon as it is done)
         self.layer_done_hook = None
         # decode rows through all layers in C (decode_quant.NativeDecodeLayers), set on CPU
@@ -171,8 +211,20 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         cfg = self.config
         self.cos_sin = cos_sin_cache(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+            cfg.rope_freq_factors,
         ).to(device)
+        if cfg.local_rope_theta is not None:
+            self.cos_sin_local = cos_sin_cache(
+                cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None
+            ).to(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+        x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:
+            # scaled in the model dtype, as the reference does
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        return x
 
     def forward(
         self,
@@ -186,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         nd = meta.num_decode_tokens
         if (self.decode_layers is None or nd == 0 or self.layer_done_hook is not None
                 or not kv_cache.is_contiguous()):
-            return self._layers(input_ids, cos_sin, kv_cache, meta, num_layers)
+            return self._layers(input_ids, positions, cos_sin, kv_cache, meta, num_layers)
         # decode rows: every layer in one C call, float32 (NativeDecodeLayers); prefill rows
         # beside them on the torch path, in the model dtype
         decoded = self.decode_layers(self.embed_tokens(input_ids[:nd]), cos_sin, kv_cache, meta,
@@ -196,18 +248,20 @@ class LlamaForCausalLM(nn.Module):
         rows = self.decode_layers.rows
         saved, rows.n = rows.n, 0  # the prefill rows' matmuls are all dense
         try:
-            prefilled = self._layers(input_ids[nd:], cos_sin[nd:], kv_cache,
+            prefilled = self._layers(input_ids[nd:], positions[nd:], cos_sin[nd:], kv_cache,
                                      dataclasses.replace(meta, decodes_done=True), num_layers)
         finally:
             rows.n = saved
         return torch.cat([decoded, prefilled.float()])
 
-    def _layers(self, input_ids, cos_sin, kv_cache, meta, num_layers) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def _layers(self, input_ids, positions, cos_sin, kv_cache, meta, num_layers) -> torch.Tensor:
+        x = self.embed(input_ids)
         residual = None
+        local = self.cos_sin_local[positions] if self.cos_sin_local.numel() else cos_sin
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for i, layer in enumerate(layers):
-            x, residual = layer(x, residual, cos_sin, kv_cache[i], meta)
+            rope = local if layer.self_attn.window is not None else cos_sin
+            x, residual = layer(x, residual, rope, kv_cache[i], meta)
             if self.layer_done_hook is not None:
                 self.layer_done_hook(i)
         return self.norm(x, residual)[0]
@@ -241,6 +295,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            if cfg.norm_weight_offset and name.endswith("norm.weight"):
+                w = w + cfg.norm_weight_offset  # HF Gemma's norms scale by 1 + weight
             if params[name].shape != w.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(w.shape)}, expected "
@@ -248,8 +304,10 @@ class LlamaForCausalLM(nn.Module):
                 )
             params[name].copy_(w)
             loaded.add(name)
-        # per layer: 2 norms, q, k, v, o, gate, up, down (+ q, k, v biases)
-        per_layer = 9 + (3 if cfg.attention_bias else 0)
+        # per layer: 2 norms, q, k, v, o, gate, up, down (+ q, k, v biases) (+ q, k norms)
+        # (+ Gemma's pre- and post-feedforward norms)
+        per_layer = (9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
+                     + (2 if cfg.sandwich_norms else 0))
         expected = per_layer * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)
         if len(loaded) != expected:
             raise ValueError(f"loaded {len(loaded)} weight tensors, expected {expected}")

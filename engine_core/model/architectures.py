@@ -1,0 +1,107 @@
+"""The supported architectures, as data: what each changes in the one decoder (decoder.py).
+
+An architecture is looked up by its GGUF `general.architecture` or by a Hugging Face
+`config.json`'s `architectures` (its `model_type` where that list is missing). Anything else
+is refused with `UnsupportedArchitectureError`, which names it and the supported list: an
+unknown model must never run silently with Llama's math.
+
+What the fields change (each is read once, into ModelConfig, by the loaders):
+
+    field               llama  mistral  qwen2  qwen3  gemma3
+    qkv_bias                            yes
+    qk_norm                                    yes    yes     per-head RMSNorm of q, k
+    sliding_window             config   config config config  when the config sets one
+    gguf_permutes_qk    yes    yes                            llama.cpp's interleaved rope
+    activation          silu   silu     silu   silu   gelu (tanh)
+    sandwich_norms                                    yes     norms after attention and MLP
+    embedding_scale                                   yes     embeddings times sqrt(hidden)
+    norm_weight_offset                                1       HF norms scale by 1 + weight
+    local_rope_theta                                  10000   rope base of windowed layers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # the GGUF `general.architecture`
+    hf_classes: tuple[str, ...]  # Hugging Face `architectures` entries
+    hf_model_types: tuple[str, ...]  # Hugging Face `model_type` values
+    qkv_bias: bool = False  # q/k/v projections carry a bias
+    qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before rope
+    sliding_window: bool = False  # honours the config's sliding_window (None: global)
+    # llama.cpp's converter reorders the rows of Q and K for its interleaved rope; these
+    # architectures' GGUFs hold that order, which the loader undoes (the others use the
+    # two-halves rope in both formats)
+    gguf_permutes_qk: bool = False
+    activation: str = "silu"  # of the gated MLP's gate
+    # Gemma: four norms per layer (input, post-attention, pre- and post-feedforward), the
+    # attention and MLP outputs normed before they join the residual stream
+    sandwich_norms: bool = False
+    embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    # Gemma's HF RMSNorm scales by (1 + weight); its GGUF norms already hold the + 1
+    norm_weight_offset: float = 0.0
+    # the rope base of sliding-window layers where it differs from the global one (Gemma 3;
+    # llama.cpp's GGUF does not store it)
+    local_rope_theta: float | None = None
+    # GGUF tensor names that mean something else in this architecture than in Llama's
+    gguf_layer_names: tuple[tuple[str, str], ...] = ()
+    # GGUF: which layers slide when the file says only the window (llama.cpp's fixed pattern:
+    # every n-th layer is global); 0: all of them
+    gguf_global_every: int = 0
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("llama", ("LlamaForCausalLM",), ("llama",), gguf_permutes_qk=True),
+    # llama.cpp writes Mistral checkpoints as "llama"; "mistral" is the HF folder's name
+    Architecture("mistral", ("MistralForCausalLM",), ("mistral",), sliding_window=True,
+                 gguf_permutes_qk=True),
+    Architecture("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True, sliding_window=True),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True, sliding_window=True),
+    # the text-only model; Gemma3ForConditionalGeneration (vision) is not supported
+    Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True,
+                 sliding_window=True, activation="gelu_pytorch_tanh", sandwich_norms=True,
+                 embedding_scale=True, norm_weight_offset=1.0, local_rope_theta=10000.0,
+                 gguf_layer_names=(("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+                                   ("post_attention_norm.weight",
+                                    "post_attention_layernorm.weight"),
+                                   ("post_ffw_norm.weight", "post_feedforward_layernorm.weight")),
+                 gguf_global_every=6),
+)
+BY_NAME = {a.name: a for a in ARCHITECTURES}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """A model whose architecture is not in ARCHITECTURES."""
+
+
+def supported_list() -> str:
+    return ", ".join(f"{a.name} ({'/'.join(a.hf_classes)})" for a in ARCHITECTURES)
+
+
+def for_gguf(name: str) -> Architecture:
+    """The architecture of a GGUF's `general.architecture`."""
+    if name in BY_NAME:
+        return BY_NAME[name]
+    raise UnsupportedArchitectureError(
+        f"GGUF architecture {name!r} is not supported; supported: {supported_list()}")
+
+
+def for_hf_config(cfg: dict[str, Any]) -> Architecture:
+    """The architecture of a Hugging Face config.json: its `architectures`, else its
+    `model_type`."""
+    classes = cfg.get("architectures") or []
+    for a in ARCHITECTURES:
+        if any(c in a.hf_classes for c in classes):
+            return a
+    model_type = cfg.get("model_type")
+    if not classes:
+        for a in ARCHITECTURES:
+            if model_type in a.hf_model_types:
+                return a
+    named = "/".join(classes) or f"model_type {model_type!r}"
+    raise UnsupportedArchitectureError(
+        f"Hugging Face architecture {named} is not supported; supported: {supported_list()}")

@@ -1,0 +1,254 @@
+"""Every architecture in the registry against transformers, on tiny random models built from
+a config inside the test (no download), float32: prompt logits within 1e-3 relative and greedy
+48-token continuations equal, with chunked prefill and a shared prefix (prefix caching) in the
+same batch, and prompts longer than the sliding window where there is one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine_core.model.architectures import UnsupportedArchitectureError
+from tests.engine_core import tiny_models as tm
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+               "rope_theta": 10000.0}
+CASES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "llama-tied": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
+    "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {}),
+    "mistral-window": (transformers.MistralConfig, {"sliding_window": 12}),
+    "mistral-global": (transformers.MistralConfig, {"sliding_window": None}),
+    # local (windowed, rope base 10000) and global (rope base 1e6) layers interleaved;
+    # query_pre_attn_scalar apart from head_dim so that its scale is in play
+    "gemma3": (transformers.Gemma3TextConfig, {
+        "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # Gemma 3 270M's attention shape: head_dim 256, one KV head (the C kernel's widest)
+    "gemma3-mqa": (transformers.Gemma3TextConfig, {
+        "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 12,
+        "query_pre_attn_scalar": 256, "layer_types": ["sliding_attention", "full_attention"]}),
+}
+# what a llama.cpp Gemma 3 GGUF can say: every 6th layer global, attention scaled by head_dim
+GEMMA3_AS_GGUF = {"num_hidden_layers": 6, "sliding_window": 12,
+                  "query_pre_attn_scalar": tm.SIZES["head_dim"]}
+# prompt lengths: short, longer than the 12-token window, several windows and blocks long
+LENGTHS = [5, 19, 70]
+
+
+def check_against_hf(hf, path, vocab: int = tm.SIZES["vocab_size"]) -> None:
+    prompts = tm.prompts(vocab, LENGTHS)
+    # a fourth prompt shares the third's first 64 tokens: a prefix-cache hit once it is cached
+    prompts.append(prompts[2][:64] + prompts[0])
+    # a 16-token budget chunks every prompt longer than 16 (the prefill chunks attend over
+    # earlier chunks' KV, across the window)
+    eng = tm.engine(path, max_num_batched_tokens=16)
+    for p in prompts[1:3]:
+        rel = tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p))
+        assert rel < 1e-3, f"logits differ by {rel:.2e} (prompt of {len(p)})"
+    ours = tm.greedy(eng, prompts[:3], 48)
+    ours += tm.greedy(eng, prompts[3:], 48)  # after the third finished: its blocks are cached
+    for p, got in zip(prompts, ours, strict=True):
+        assert got == tm.hf_greedy(hf, p, 48), f"greedy differs for a prompt of {len(p)}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tiny_model_matches_transformers(case, tmp_path):
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    check_against_hf(hf, tmp_path)
+
+
+def test_config_fields_from_the_registry(tmp_path):
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    for case, want in [("qwen2", dict(attention_bias=True, qk_norm=False)),
+                       ("qwen3", dict(attention_bias=False, qk_norm=True)),
+                       ("mistral-window", dict(sliding_window=12)),
+                       ("mistral-global", dict(sliding_window=None)),
+                       ("llama3-rope", dict(rope_theta=10000.0)),
+                       ("gemma3", dict(rope_theta=1e6, local_rope_theta=10000.0,
+                                       sliding_layers=(True, False, True), sliding_window=12,
+                                       sandwich_norms=True, embedding_scale=8.0, qk_norm=True,
+                                       attention_scale=24**-0.5, norm_weight_offset=1.0,
+                                       hidden_act="gelu_pytorch_tanh",
+                                       tie_word_embeddings=True))]:
+        folder = tmp_path / case
+        config_cls, overrides = CASES[case]
+        config_cls(**{**tm.SIZES, **overrides}).save_pretrained(str(folder))
+        cfg = load_hf_config(folder)
+        for k, v in want.items():
+            assert getattr(cfg, k) == v, (case, k)
+    assert load_hf_config(tmp_path / "llama3-rope").rope_scaling["rope_type"] == "llama3"
+
+
+def test_qwen2_sliding_window_follows_layer_types(tmp_path):
+    """Qwen2 slides only when use_sliding_window is set, and only on layers from
+    max_window_layers on."""
+    from engine_core.config import ModelConfig
+
+    base = {**tm.SIZES, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 12}
+    off = ModelConfig.from_hf_config({**base, "use_sliding_window": False}, "q")
+    assert off.sliding_window is None
+    cfg = transformers.Qwen2Config(**{**tm.SIZES, "use_sliding_window": True,
+                                      "sliding_window": 12, "max_window_layers": 1})
+    on = ModelConfig.from_hf_config({**cfg.to_dict(), "architectures": ["Qwen2ForCausalLM"]},
+                                    "q")
+    assert [on.layer_window(i) for i in range(2)] == [None, 12]
+
+
+def test_unknown_hf_architecture_is_refused(tmp_path):
+    from engine_core.model_files import ModelSource
+    from engine_core.model_loader import load_model
+
+    hf = tm.build_hf(transformers.LlamaConfig, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["PhiForCausalLM"]
+    cfg["model_type"] = "phi"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="PhiForCausalLM.*supported: llama"):
+        load_model(ModelSource("hf", tmp_path), torch.float32, torch.device("cpu"))
+    assert hf is not None
+
+
+def test_unknown_gguf_architecture_is_refused(tmp_path):
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    hf = tm.build_hf(transformers.LlamaConfig, tmp_path)
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="phi3")
+    with pytest.raises(UnsupportedArchitectureError,
+                       match="'phi3' is not supported; supported: llama .*qwen3"):
+        GGUFFile(tmp_path / "m.gguf")
+
+
+def test_gguf_llama3_rope_freqs_matches_transformers(tmp_path):
+    """A Llama 3 GGUF as llama.cpp writes it: Q/K permuted, no rope_scaling metadata, the
+    scaling as the rope_freqs tensor (base frequency / scaled frequency, taken here from
+    transformers' own rotary embedding)."""
+    hf = tm.build_hf(transformers.LlamaConfig, tmp_path, rope_parameters=LLAMA3_ROPE)
+    head_dim = tm.SIZES["head_dim"]
+    base = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    factors = base / hf.model.rotary_emb.inv_freq.double().numpy()
+    assert factors.max() > 7.9 and factors.min() == pytest.approx(1.0)  # scaling is in play
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    tm.write_gguf(hf, gguf_dir / "m.gguf", rope_freqs=factors)
+    check_against_hf(hf, gguf_dir / "m.gguf")
+
+
+def test_gguf_qwen3_unpermuted_with_qk_norm(tmp_path):
+    hf = tm.build_hf(transformers.Qwen3Config, tmp_path)
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    tm.write_gguf(hf, gguf_dir / "m.gguf", arch="qwen3", permute=False)
+    check_against_hf(hf, gguf_dir / "m.gguf")
+
+
+def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
+    """llama.cpp's Gemma 3 GGUF: norms already + 1, its own norm names, head_dim as
+    key_length, the window without a layer pattern (every 6th layer is global), the local
+    rope base not stored (10000), attention scaled by head_dim ** -0.5."""
+    hf = tm.build_hf(transformers.Gemma3TextConfig, tmp_path, **GEMMA3_AS_GGUF)
+    assert hf.config.layer_types[4:] == ["sliding_attention", "full_attention"]
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    tm.write_gguf(hf, gguf_dir / "m.gguf", arch="gemma3", permute=False)
+    check_against_hf(hf, gguf_dir / "m.gguf")
+
+
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3"])
+def test_one_call_c_decode_layers(case, tmp_path):
+    """Where the C kernels load, every layer's attention runs in them (windowed ones with
+    their window), and the decode rows of Llama-style layers, with q/k/v bias, q/k norm or a
+    window, go through all layers in one C call (pd_decode_layers), giving the tokens the
+    layer-by-layer path gives with the same quantized weights."""
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    eng = tm.engine(tmp_path, quantize_decode=True)
+    window = overrides.get("sliding_window")
+    assert all(layer.self_attn.native is not None and layer.self_attn.window == window
+               for layer in eng.model.layers)
+    assert eng.model.decode_layers is not None
+    assert [layer.window for layer in eng.model.decode_layers.layers] == [window or 0] * 2
+    assert all(bool(layer.q_norm) == (case == "qwen3")
+               for layer in eng.model.decode_layers.layers)
+    prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
+    assert tm.relative_error(tm.prompt_logits(eng, prompts[0]),
+                             tm.hf_logits(hf, prompts[0])) < 1e-3
+    one_call = tm.greedy(eng, prompts, 32)
+    eng.model.decode_layers = None
+    assert tm.greedy(eng, prompts, 32) == one_call
+
+
+@pytest.mark.parametrize("case", ["mistral-window", "gemma3"])
+def test_windowed_model_through_the_kv_handoff(case, tmp_path):
+    """A prompt longer than the window prefilled on one engine, its KV moved block by block
+    into another (tests/engine_core/test_handoff.py's handoff), decoded there: the tokens
+    equal a colocated run's and transformers'."""
+    from types import SimpleNamespace
+
+    from engine_core.sampling_params import SamplingParams
+    from tests.engine_core.test_handoff import handoff
+
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [70])[0]
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
+    prefill = SimpleNamespace(engine=tm.engine(tmp_path, enable_prefix_caching=False))
+    decode = SimpleNamespace(engine=tm.engine(tmp_path))
+    got, num_cached = handoff(prefill, decode, prompt, params, "h-0")
+    assert num_cached == 0
+    assert got == tm.greedy(tm.engine(tmp_path), [prompt], 24)[0] == tm.hf_greedy(hf, prompt, 24)
+
+
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("case", GGUF_ARCHS)
+def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
+    """Each architecture written as GGUF in each type the gguf package produces, with
+    llama.cpp's conventions (permuted Q/K for llama, Gemma's norms + 1): prompt logits
+    match transformers running the weights the file holds (dequantized by gguf)."""
+    from gguf import GGMLQuantizationType
+
+    config_cls, overrides = CASES[case]
+    if case == "gemma3":
+        overrides = GEMMA3_AS_GGUF
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    path = tmp_path / "m.gguf"
+    held = tm.write_gguf(hf, path, arch=GGUF_ARCHS[case], qtype=GGMLQuantizationType[qtype],
+                         permute=case == "llama")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in held:
+                p.copy_(torch.from_numpy(held[name]))
+    eng = tm.engine(path)
+    for p in tm.prompts(tm.SIZES["vocab_size"], [9, 40]):
+        assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3"])
+def test_cpu_defaults_run_every_architecture(case, tmp_path):
+    """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
+    every architecture: it runs, and the first token (from the dense prefill) and the next
+    few (int8 decode weights, refined top candidates) follow transformers."""
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    eng = tm.engine(tmp_path, quantize_decode=True)
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
+    got = tm.greedy(eng, [prompt], 8)[0]
+    assert len(got) == 8
+    assert got[:2] == tm.hf_greedy(hf, prompt, 2)

@@ -1,0 +1,158 @@
+"""GGUF quant types: every supported type loads bit-equal to `gguf.quants.dequantize`, a model
+in each family matches transformers on the same weights, and types without a C decode kernel
+decode on the torch path with one log line at start.
+
+The tiny model is 256 wide (a K-quant super-block is 256 weights). gguf writes F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 itself; K-quants it reads but does not write, so their blocks
+are random with small, finite scales (tiny_models.random_k_quant)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine_core.weights.gguf_loader import SUPPORTED_TYPES, GGUFFile
+from tests.engine_core import tiny_models as tm
+
+transformers = pytest.importorskip("transformers")
+
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, vocab_size=256)
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+         Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def test_supported_types_are_the_issue_list():
+    assert set(TYPES) == SUPPORTED_TYPES
+
+
+def gguf_model(tmp_path, qtype, **overrides):
+    """(transformers model holding the GGUF's dequantized weights, GGUF path)."""
+    hf = tm.build_hf(transformers.LlamaConfig, tmp_path / "hf", **{**WIDE, **overrides})
+    path = tmp_path / f"m-{qtype.name}.gguf"
+    held = tm.write_gguf(hf, path, qtype=qtype)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in held:
+                p.copy_(torch.from_numpy(held[name]))
+    return hf, path
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_weights_bit_equal_to_gguf_dequantize(qtype, tmp_path):
+    hf, path = gguf_model(tmp_path, qtype)
+    f = GGUFFile(path)
+    ours = dict(f.weights(f.model_config()))
+    expected = {n: p for n, p in hf.state_dict().items() if "rotary" not in n}
+    assert set(ours) == set(expected)
+    for name, w in ours.items():
+        assert w.dtype == torch.float32
+        assert torch.equal(w, expected[name]), name  # bit for bit (Q/K unpermuted)
+    types = set(f.tensor_types().values())
+    assert qtype in types
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.BF16], ids=lambda q: q.name)
+def test_quantized_model_matches_transformers(qtype, tmp_path):
+    hf, path = gguf_model(tmp_path, qtype)
+    eng = tm.engine(path)
+    prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
+    for p in prompts:
+        assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
+    for p, got in zip(prompts, tm.greedy(eng, prompts, 48), strict=True):
+        assert got == tm.hf_greedy(hf, p, 48)
+
+
+def test_k_quants_decode_on_the_torch_path_and_say_so_once(tmp_path, caplog):
+    """Quantized decode (the CPU default) keeps the dense weights of tensors whose type the C
+    kernels lack, logs that once, and decodes the exact engine's greedy tokens."""
+    hf, path = gguf_model(tmp_path, Q.Q6_K)
+    with caplog.at_level(logging.INFO):
+        eng = tm.engine(path, quantize_decode=True)
+    lines = [r.message for r in caplog.records if "have no C decode kernel" in r.message]
+    assert len(lines) == 1 and "Q6_K" in lines[0], lines
+    layer = eng.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, torch.nn.Linear)
+    assert isinstance(layer.mlp.down_proj, torch.nn.Linear)
+    assert eng.model.decode_layers is None
+    prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
+    assert tm.greedy(eng, prompts, 16) == tm.greedy(tm.engine(path), prompts, 16)
+
+
+def test_q4_1_keeps_its_c_decode_path(tmp_path, caplog):
+    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ4Matmul
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    _, path = gguf_model(tmp_path, Q.Q4_1)
+    with caplog.at_level(logging.INFO):
+        eng = tm.engine(path, quantize_decode=True)
+    assert not any("have no C decode kernel" in r.message for r in caplog.records)
+    proj = eng.model.layers[0].self_attn.qkv_proj
+    assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ4Matmul)
+    assert eng.model.decode_layers is not None  # every layer in one C call
+
+
+def test_q4_k_blocks_expand_to_gguf_dequantize():
+    """Q4_K as 4-bit groups of 32 (gguf_q4.unpack_q4_k): the groups' expansion is gguf's own
+    dequantization bit for bit."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from engine_core.weights.gguf_q4 import unpack_q4
+
+    raw = tm.random_k_quant(Q.Q4_K, 6, 512, seed=3)
+    w = unpack_q4(raw, Q.Q4_K)
+    expected = np.asarray(dequantize(raw, Q.Q4_K), dtype=np.float32).reshape(6, 512)
+    assert torch.equal(w.dequantize(), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_q4_k_decodes_in_c(activations, tmp_path, caplog):
+    """Q4_K tensors take the C 4-bit decode path (all layers in one call) as Q4_1 does; with
+    float32 activations the greedy tokens equal the dense engine's."""
+    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ4Matmul
+    from kernels import native
+
+    lib = native.load()
+    if lib is None:
+        pytest.skip("the C kernels do not load here")
+    if activations == "int8" and not native.has_int8(lib):
+        pytest.skip("int8 activations are in the VNNI build only")
+    _, path = gguf_model(tmp_path, Q.Q4_K)
+    with caplog.at_level(logging.INFO):
+        eng = tm.engine(path, quantize_decode=True, decode_activations=activations)
+    assert not any("have no C decode kernel" in r.message for r in caplog.records)
+    proj = eng.model.layers[0].mlp.down_proj
+    assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ4Matmul)
+    assert eng.model.decode_layers is not None
+    prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
+    got = tm.greedy(eng, prompts, 16)
+    if activations == "float32":
+        assert got == tm.greedy(tm.engine(path), prompts, 16)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_q5_0_and_q8_0_decode_in_c_with_the_files_scales(qtype, tmp_path):
+    """Q5_0 (d * (q - 16)) and Q8_0 (d * q) are int8 with the file's block scales: the C
+    int8 matmul's weights are the file's values exactly (d * q back equals the dense
+    weight), and the decode rows' greedy tokens equal the dense engine's."""
+    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ8Matmul
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    _, path = gguf_model(tmp_path, qtype)
+    eng = tm.engine(path, quantize_decode=True, decode_activations="float32")
+    proj = eng.model.layers[1].self_attn.qkv_proj
+    assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ8Matmul)
+    q = proj.quant.qs.float().view(proj.quant.n, -1, 32)  # [N, K / 32, 32]
+    back = (q * proj.quant.d[..., None]).view(proj.quant.n, -1)
+    assert torch.equal(back, proj.dense.weight.float())
+    assert eng.model.decode_layers is not None
+    prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
+    assert tm.greedy(eng, prompts, 16) == tm.greedy(tm.engine(path), prompts, 16)
