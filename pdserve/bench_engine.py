@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype_name(llm.engine.dtype)  # what "auto" resolved to on this machine
     results = {"model": llm.engine.source.name, "dtype": dtype,
-               "quantize_decode": llm.engine.runner.decode_rows is not None,
+               "quantize_decode": llm.engine.runner.quantization is not None,
                "decode_activations": llm.engine.decode_activations,
                "prompt_len": args.prompt_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "machine": platform.processor(),
