@@ -15,6 +15,7 @@ from engine_core.model_files import ModelSource
 from engine_core.weights.gguf_loader import NATIVE_DECODE_TYPES, GGUFFile
 from engine_core.weights.safetensors_loader import iter_safetensors, load_hf_config
 from kernels import native
+from kernels.backends import attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def load_model(
     model.load_weights(weights)
     model.init_rope(device)
     model.eval().requires_grad_(False)
-    lib = native.load() if device.type == "cpu" else None
+    lib = native.load() if attention_backend(device) == "native" else None
     if lib is not None:
         use_native_kernels(model, lib)
     quantization = None

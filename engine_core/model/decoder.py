@@ -96,13 +96,13 @@ class Attention(nn.Module):
         first = 0 if meta.decodes_done else nd  # this call's first prefill row
         parts = []
         if first:
-            parts.append(native.decode_attention(
+            parts.append(native.row_attention(
                 self.native, rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
                 meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
                 meta.decode_max_len, window=self.window,
             ))
         if first < rows.shape[0]:
-            parts.append(native.decode_attention(
+            parts.append(native.row_attention(
                 self.native, rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
                 meta.prefill_block_tables, meta.prefill_row_lens, self.num_heads, self.scale,
                 meta.prefill_max_len, meta.prefill_row_tables, self.window,
