@@ -5,6 +5,9 @@ prompt KV arrives from a prefill worker under a lease.
               -> lease on the blocks to be written -> (lease id, block ids) to the gateway
     ...prefill worker writes the blocks and commits; the receiver verifies checksums...
     Decode:   lease COMPLETE -> claim -> engine.admit_prefilled(first token) -> stream
+    PrefillLocally (the gateway's choice, gateway/prefill_policy.py): the lease is withdrawn
+              before any sender began, the engine computes the prompt in the reserved
+              blocks (chunked beside the running decodes) and samples the first token
     Any end before the claim (abort, expiry, failed verification, peer death noticed as
     expiry) releases the lease, and its release aborts the reserved request: the blocks go
     back to the pool.
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from engine_core.engine import LLMEngine
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
-from kv_transfer import Lease, LeaseState, LeaseTable, UnknownLeaseError
+from kv_transfer import Lease, LeaseError, LeaseState, LeaseTable, UnknownLeaseError
 from service_infra.backend import GenerateChunk, GenerateInput
 from service_infra.colocated import ColocatedBackend
 
@@ -116,6 +119,34 @@ class DecodeWorker(ColocatedBackend):
 
         inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
         async for chunk in self.generate(inp, start=admit):
+            yield chunk
+
+    async def prefill_locally(self, req_id: str, lease_id: str,
+                              max_chunk_tokens: int) -> AsyncIterator[GenerateChunk]:
+        """Compute the reservation's prompt in this engine and stream every token from the
+        first on. The blocks stay the reservation's throughout (admission counted them);
+        LeaseNotReady if the lease ended or a sender has begun writing into it."""
+        if max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
+        res = self.reservations.get(req_id)
+        if res is None or res.lease_id != lease_id:
+            raise LeaseNotReady(f"no reservation for request {req_id!r} under lease "
+                                f"{lease_id!r} (never made, expired or aborted)")
+        try:
+            self.leases.withdraw(lease_id)
+        except LeaseError as e:
+            raise LeaseNotReady(f"cannot prefill {req_id!r} locally: {e}") from None
+        del self.reservations[req_id]
+
+        def start() -> list[RequestOutput]:  # the engine thread
+            try:
+                self.engine.prefill_reserved(req_id, max_chunk_tokens)
+            except KeyError as e:  # aborted in between
+                raise ValueError(f"cannot prefill locally: {e!r}") from e
+            return []
+
+        inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
+        async for chunk in self.generate(inp, start=start):
             yield chunk
 
     def renew(self, req_id: str, lease_id: str, ttl_s: float) -> float:

@@ -107,6 +107,22 @@ class Scheduler:
             self._finish(req, status)
         return req
 
+    def prefill_reserved(self, req_id: str, max_chunk_tokens: int) -> Request:
+        """The reserved request's prompt is computed here instead of arriving from a prefill
+        worker (a local prefill): it joins the running batch with its reserved blocks and
+        catches num_computed_tokens up from its cached prefix, at most max_chunk_tokens per
+        step, after the running decodes. Its blocks never left the reservation, so admission
+        counted them all along."""
+        if max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
+        req = self.reserved.pop(req_id)
+        # the last prompt token is always computed here: its logits give the first token
+        req.num_computed_tokens = min(req.num_cached_tokens, req.num_prompt_tokens - 1)
+        req.max_chunk_tokens = max_chunk_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (stop string, abort) requests wherever they are; unknown ids are ignored."""
         for req_id in req_ids:
@@ -157,7 +173,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget,
+                    req.max_chunk_tokens or budget)
             # a decoding request may get draft slots; they are the first thing to give up
             k = min(req.max_drafts(self.num_spec_tokens), budget - n) if n == 1 else 0
             if k and self.kv.allocate_slots(req, req.num_computed_tokens + n + k) is None:
@@ -181,7 +198,7 @@ class Scheduler:
             hit_blocks, num_hit = (
                 self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             )
-            n = min(req.num_tokens - num_hit, budget)
+            n = min(req.num_tokens - num_hit, budget, req.max_chunk_tokens or budget)
             if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:
                 break
             self.waiting.popleft()

@@ -28,6 +28,20 @@ def add_admission_arguments(p) -> None:
                    help="seconds a request may wait for a decode worker with room")
 
 
+def add_prefill_policy_arguments(p) -> None:
+    """Where the disaggregated gateway prefills each prompt (also `pdserve up`'s, passed on;
+    gateway/prefill_policy.py)."""
+    p.add_argument("--prefill-policy", default="always-remote",
+                   choices=["auto", "always-remote", "always-local"],
+                   help="auto: per request, by the cost model (the decode worker prefills a "
+                        "prompt whose uncached part is cheaper there than the hop to the "
+                        "prefill pool); always-remote: the prefill pool; always-local: the "
+                        "decode worker")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=1024,
+                   help="with auto, a prompt whose uncached part on the decode worker is "
+                        "longer is always prefilled remotely (>= 0)")
+
+
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `pdserve gateway`. The disaggregated mode finds its workers at static
     addresses (--prefill ADDR... --decode ADDR...) or in Redis (--redis-url)."""
@@ -41,6 +55,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
                       help="KV transport between the pools (auto: by locality)")
     add_admission_arguments(mode)
+    add_prefill_policy_arguments(mode)
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(mode)

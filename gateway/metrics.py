@@ -231,6 +231,15 @@ class _GatewayCollector:
             for pool, n in migrations.items():
                 moved.add_metric([name, pool], n)
             yield moved
+        decisions = getattr(inner, "num_prefill_decisions", None)
+        if decisions is not None:
+            placed = CounterMetricFamily(PREFIX + "prefill_decisions", "Where prompts were "
+                                         "prefilled (local: the decode worker; remote: the "
+                                         "prefill pool) and why (gateway/prefill_policy.py).",
+                                         labels=["model_name", "where", "reason"])
+            for (where, reason), n in sorted(decisions.items()):
+                placed.add_metric([name, where, reason], n)
+            yield placed
         if pools["decode"] is not None:
             healthy = GaugeMetricFamily(PREFIX + "healthy_workers",
                                         "Workers that answered the last status refresh.",

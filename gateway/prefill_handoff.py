@@ -68,6 +68,7 @@ class PrefillHandoff(WorkerCalls):
                           res: pb.ReserveResponse) -> pb.PrefillResponse:
         first = res.num_cached_tokens // self.block_size
         prefill.in_flight += 1
+        prefill.num_tokens_in_flight += len(inp.prompt_token_ids)
         call = prefill.stub.Prefill(pb.PrefillRequest(
             request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
             target=pb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
@@ -102,6 +103,7 @@ class PrefillHandoff(WorkerCalls):
         finally:
             watcher.cancel()
             prefill.in_flight -= 1
+            prefill.num_tokens_in_flight -= len(inp.prompt_token_ids)
 
     async def _watch_lease(self, decode: Worker, prefill: Worker, req_id: str, lease_id: str,
                            give_up: Callable[[str], None]) -> None:

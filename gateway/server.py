@@ -97,7 +97,9 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     from engine_core.tokenizer import load_tokenizer
     from gateway.disaggregated import DisaggregatedBackend
     from gateway.discovery import StaticDiscovery
+    from gateway.prefill_policy import PrefillPolicy
 
+    policy = PrefillPolicy(args.prefill_policy, args.local_prefill_max_tokens)  # bad: fails now
     redis_config = None
     if args.redis_url:
         from gateway.redis_discovery import RedisDiscovery
@@ -124,7 +126,8 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
                                        args.transport, args.lease_ttl, model_name=source.name,
                                        max_waiting=args.max_waiting,
                                        max_queue_wait_s=args.max_queue_wait,
-                                       tls=tls_from_args(args, is_public=True))
+                                       tls=tls_from_args(args, is_public=True),
+                                       prefill_policy=policy)
         try:
             await backend.start(max_len, config.vocab_size)
         except BaseException:
