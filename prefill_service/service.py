@@ -183,7 +183,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     credentials=self.tls.channel_credentials() if self.tls else None,
                     channel_options=self.tls.channel_options() if self.tls else ())
                 self._connections[key] = conn
-                self.metrics.connected(address, conn.kind, kind)
+                self.metrics.connected(address, conn.kind)
             return conn
 
     def _forget(self, conn: Connection) -> None:
