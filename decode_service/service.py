@@ -26,8 +26,11 @@ MAX_LEASE_TTL_S = 600.0
 
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker, transfer_address: str,
-                 transfer_instance: str = "") -> None:
+                 transfer_instance: str = "", is_prefix_in_status: bool = True) -> None:
+        """is_prefix_in_status: Status lists the prefix blocks held here (without Redis; with
+        it the worker publishes them there instead)."""
         self.worker = worker
+        self.is_prefix_in_status = is_prefix_in_status
         self.transfer_address = transfer_address
         self.transfer_instance = transfer_instance  # the KV receiver's instance_id
 
@@ -134,4 +137,5 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             spec_num_accepted=s.get("speculative", {}).get("num_accepted", []),
             prefill_tokens_per_s=eng.stats.prefill_tokens_per_s,
             decode_step_s=eng.stats.decode_step_s,
-            kv_bytes_per_token=eng.layout.bytes_per_token)
+            kv_bytes_per_token=eng.layout.bytes_per_token,
+            prefix_block_hashes=self.worker.prefix.hashes() if self.is_prefix_in_status else ())

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from decode_service.prefix_record import PrefixRecord
 from engine_core.engine import LLMEngine
+from engine_core.kv_cache.block_hash import hash_full_blocks
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
 from kv_transfer import Lease, LeaseError, LeaseState, LeaseTable, UnknownLeaseError
@@ -30,6 +32,8 @@ from service_infra.colocated import ColocatedBackend
 
 logger = logging.getLogger(__name__)
 READY_POLL_S = 0.002
+MAX_RECORDED_BLOCKS = 128  # leading blocks of a prompt recorded for routing (the gateway's
+#                            gateway/routing.py MAX_ROUTING_BLOCKS: longer overlaps count equal)
 
 
 class LeaseNotReady(RuntimeError):
@@ -49,10 +53,26 @@ class Reservation:
 class DecodeWorker(ColocatedBackend):
     """Create inside the running event loop (like ColocatedBackend)."""
 
-    def __init__(self, engine: LLMEngine, lease_table: LeaseTable) -> None:
+    def __init__(self, engine: LLMEngine, lease_table: LeaseTable,
+                 on_prefix: Callable[[list[int]], None] | None = None) -> None:
+        """on_prefix(block hashes): the full blocks of a prompt now held here (the server
+        publishes them to Redis when registered; must not block or raise)."""
         super().__init__(engine)
         self.leases = lease_table
         self.reservations: dict[str, Reservation] = {}  # loop side; until claimed or ended
+        self.prefix = PrefixRecord(max(1, engine.num_kv_blocks))  # what Status publishes
+        self.on_prefix = on_prefix
+
+    def _held(self, prompt_token_ids: list[int]) -> None:
+        """The prompt's full blocks are in this worker's prefix cache now: record them for
+        the gateways' routing (decode_service/prefix_record.py)."""
+        bs = self.engine.layout.block_size
+        hashes = hash_full_blocks(prompt_token_ids[:MAX_RECORDED_BLOCKS * bs], bs)
+        if not hashes:
+            return
+        self.prefix.add(hashes)
+        if self.on_prefix is not None:
+            self.on_prefix(hashes)
 
     # -- called by the lease table, from any thread -------------------------------------------
     def on_lease_released(self, lease: Lease, reason: str) -> None:
@@ -118,6 +138,7 @@ class DecodeWorker(ColocatedBackend):
                 raise ValueError(f"cannot admit: {e!r}") from e
 
         inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
+        self._held(res.prompt_token_ids)  # verified KV, cached at admission
         async for chunk in self.generate(inp, start=admit):
             yield chunk
 
@@ -146,7 +167,11 @@ class DecodeWorker(ColocatedBackend):
             return []
 
         inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
+        is_first = True
         async for chunk in self.generate(inp, start=start):
+            if is_first:  # the first token: the whole prompt is computed and cached
+                is_first = False
+                self._held(res.prompt_token_ids)
             yield chunk
 
     def renew(self, req_id: str, lease_id: str, ttl_s: float) -> float:

@@ -2,7 +2,9 @@
 reservation, a prefill worker's KV handoff, and the decode worker's stream.
 
     generate(inp):
-      pick decode D (fewest requests in flight from here, then most free KV blocks)
+      order decode workers (the longest prefix of the prompt each holds, as they publish it,
+                                          against requests in flight from here, then most
+                                          free KV blocks: gateway/routing.py rank_decode)
       D.Reserve(prompt)                -> lease + destination blocks (a prefix D caches is
                                           not sent again); RESOURCE_EXHAUSTED -> next D;
                                           all full -> wait for a request to end (bounded)

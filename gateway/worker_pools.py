@@ -42,6 +42,7 @@ class Worker:
     worker_id: str = ""  # as discovery names it ("" for static addresses)
     epoch: int = 0  # discovery's restart epoch: another one at this address is a new process
     num_slow_status: int = 0  # Status calls in a row that timed out
+    prefix_hashes: frozenset[int] = frozenset()  # decode workers' Status: prefix blocks held
 
 
 class WorkerPools:
@@ -122,6 +123,7 @@ class WorkerPools:
         async def one(w: Worker) -> None:
             try:
                 w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+                w.prefix_hashes = frozenset(w.status.prefix_block_hashes)
                 w.is_healthy, w.num_slow_status = True, 0
             except grpc.aio.AioRpcError as e:
                 # Status runs between two engine steps: one slow answer is a busy worker (a
