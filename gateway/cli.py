@@ -42,6 +42,20 @@ def add_prefill_policy_arguments(p) -> None:
                         "longer is always prefilled remotely (>= 0)")
 
 
+def add_canary_arguments(p) -> None:
+    """The disaggregated gateway's canary (also `pdserve up`'s, passed on; gateway/canary.py)."""
+    p.add_argument("--canary-idle-s", type=float, default=0.0,
+                   help="after this many seconds without a successful request, send a "
+                        "one-token request through every prefill->decode pair (Reserve, "
+                        "Prefill, KV transfer, Decode); 0: off (the helm chart sets 10)")
+    p.add_argument("--canary-timeout-s", type=float, default=3.0,
+                   help="a canary slower than this fails; when every pair's times out, "
+                        "readiness turns NOT_SERVING at once")
+    p.add_argument("--canary-failures", type=int, default=3,
+                   help="rounds in a row with no pair succeeding that turn readiness "
+                        "NOT_SERVING")
+
+
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `pdserve gateway`. The disaggregated mode finds its workers at static
     addresses (--prefill ADDR... --decode ADDR...) or in Redis (--redis-url)."""
@@ -56,6 +70,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                       help="KV transport between the pools (auto: by locality)")
     add_admission_arguments(mode)
     add_prefill_policy_arguments(mode)
+    add_canary_arguments(mode)
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(mode)

@@ -42,12 +42,15 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 import grpc
 
+from engine_core.sampling_params import SamplingParams
+from gateway.canary import Canary, CanaryConfig
 from gateway.decode_admission import DecodeAdmission
 from gateway.discovery import Discovery
 from gateway.prefill_handoff import PrefillHandoff
@@ -98,9 +101,12 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Wo
                  max_waiting: int = 1024, max_queue_wait_s: float = 300.0,
                  prefix_queue_weight: float = QUEUE_WEIGHT_BLOCKS,
                  tls: TLSConfig | None = None,
-                 prefill_policy: PrefillPolicy | None = None) -> None:
+                 prefill_policy: PrefillPolicy | None = None,
+                 canary: CanaryConfig | None = None) -> None:
         super().__init__(discovery, tls)
         self._init_placement(prefill_policy or PrefillPolicy())
+        self.last_success = time.monotonic()  # of a request or canary: canaries wait for idle
+        self.canary_monitor = Canary(self, canary or CanaryConfig())
         self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
         # admission: requests no decode worker has room for wait here (at most max_waiting at
         # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED
@@ -144,6 +150,44 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Wo
         self.model = ModelInfo(self._model_name or model, min(max_model_len, min_pool),
                                vocab_size)
         self._refresher = asyncio.create_task(self._refresh_loop())
+        self.canary_monitor.start()
+
+    @property
+    def is_ready(self) -> bool:
+        """Readiness as the canary sees it (always True with the canary off)."""
+        return self.canary_monitor.state.is_ready
+
+    async def close(self) -> None:
+        self.canary_monitor.stop()
+        await super().close()
+
+    async def canary(self, prefill: Worker, decode: Worker, timeout_s: float) -> None:
+        """One synthetic request through the whole remote path of this pair: Reserve on
+        decode, Prefill on prefill (the KV over the transport in use), Decode of one token.
+        Raises what the path raised; whatever it leaves on decode is aborted."""
+        prompt = (self.tokenizer.encode("ping") if self.tokenizer is not None else [1])[:1]
+        inp = GenerateInput(f"canary-{uuid.uuid4().hex[:12]}", prompt,
+                            SamplingParams(max_tokens=1, temperature=0.0),
+                            deadline=time.monotonic() + timeout_s)
+        sampling = sampling_to_proto(inp.params)
+        is_done = False
+        decode.in_flight += 1
+        try:
+            reservation = await decode.stub.Reserve(pb.ReserveRequest(
+                request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
+                lease_ttl_s=self.lease_ttl_s), timeout=self._remaining(inp))
+            pre = await self._prefill_on(prefill, inp, sampling, decode, reservation)
+            async for _ in decode.stub.Decode(pb.DecodeRequest(
+                    request_id=inp.req_id, first_token_id=pre.first_token_id,
+                    ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp)):
+                pass
+            is_done = True
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, inp) from None
+        finally:
+            decode.in_flight -= 1
+            if not is_done:
+                await self._abort_on(decode, inp.req_id)
 
     # -- the Backend interface --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
@@ -219,6 +263,8 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Wo
                         chunk.timing = Timing(queue, prefill_s, ttft - queue - prefill_s,
                                               msg.first_decode_step_s, ttft, now - inp.arrival,
                                               decision.where, decision.reason)
+                        if reason != "abort":
+                            self.last_success = now
                         if pre is not None:
                             self._learn_handoff(chunk.timing, decode, len(
                                 inp.prompt_token_ids) - reservation.num_cached_tokens)
@@ -268,7 +314,8 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Wo
         out: dict[str, Any] = {"mode": "disaggregated", "num_streams": len(self._running),
                                "num_admission_waiting": self.num_admission_waiting,
                                "migrations": dict(self.num_migrations),
-                               "prefill_placement": self.placement_status()}
+                               "prefill_placement": self.placement_status(),
+                               "canary": self.canary_monitor.status()}
         for key in ("num_running", "num_waiting", "num_free_blocks", "num_blocks"):
             out[key] = sum(getattr(w.status, key) for ws in pools.values() for w in ws
                            if w.status is not None)
