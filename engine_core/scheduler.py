@@ -111,8 +111,8 @@ class Scheduler:
         """The reserved request's prompt is computed here instead of arriving from a prefill
         worker (a local prefill): it joins the running batch with its reserved blocks and
         catches num_computed_tokens up from its cached prefix, at most max_chunk_tokens per
-        step, after the running decodes. Its blocks never left the reservation, so admission
-        counted them all along."""
+        step, after the running decodes (local prefills share that cap per step). Its blocks
+        never left the reservation, so admission counted them all along."""
         if max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         req = self.reserved.pop(req_id)
@@ -170,11 +170,21 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted = False
 
+        # prompt tokens left this step for chunk-capped prefills (local prefills on a decode
+        # worker): they share one cap, so however many arrive, a step's decodes wait for at
+        # most that much prefill
+        capped_left: int | None = None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget,
-                    req.max_chunk_tokens or budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.max_chunk_tokens is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                capped_left = req.max_chunk_tokens if capped_left is None else capped_left
+                n = min(n, capped_left)
+                if n == 0:  # the cap is spent: this prefill waits for the next step
+                    i += 1
+                    continue
+                capped_left -= n
             # a decoding request may get draft slots; they are the first thing to give up
             k = min(req.max_drafts(self.num_spec_tokens), budget - n) if n == 1 else 0
             if k and self.kv.allocate_slots(req, req.num_computed_tokens + n + k) is None:

@@ -228,11 +228,14 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Wo
         decode, reservation = await self._admit(inp, sampling)  # counted in flight
         self._running[client_id] = (decode, inp.req_id)
         is_done = False
+        num_local = 0  # prompt tokens of this local prefill until its first token
         try:
             decision = self._place(inp, decode, reservation)
             t_prefill_call = time.monotonic()
             if decision.where == "local":
                 pre = None
+                num_local = len(inp.prompt_token_ids) - reservation.num_cached_tokens
+                decode.num_local_tokens_in_flight += num_local
                 call = decode.stub.PrefillLocally(pb.LocalPrefillRequest(
                     request_id=inp.req_id, lease_id=reservation.lease_id,
                     max_chunk_tokens=self.prefill_policy.local_chunk_tokens),
@@ -248,6 +251,8 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Wo
                 async for msg in call:
                     now = time.monotonic()
                     t_first = t_first or now
+                    decode.num_local_tokens_in_flight -= num_local
+                    num_local = 0
                     num_out += len(msg.token_ids)
                     reason = FINISH_REASON_NAMES.get(msg.finish_reason)
                     chunk = GenerateChunk(
@@ -282,6 +287,7 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Wo
             is_done = True  # aborted before decoding began: end the stream like the engine does
             yield GenerateChunk([], "", None, "abort", len(inp.prompt_token_ids), 0)
         finally:
+            decode.num_local_tokens_in_flight -= num_local
             self._aborted.discard(client_id)
             decode.in_flight -= 1
             self._running.pop(client_id, None)

@@ -57,7 +57,8 @@ class PrefillPlacement:
             decode_step_s=ds.decode_step_s if ds is not None else 0.0,
             transfer_bytes_per_s=ps.kv_transfer_bytes_per_s if ps is not None else 0.0,
             kv_bytes_per_token=ds.kv_bytes_per_token if ds is not None else 0,
-            handoff_s=self.handoff_s)
+            handoff_s=self.handoff_s,
+            local_queue_tokens=decode.num_local_tokens_in_flight)
 
     def _likely_prefill(self) -> Worker | None:
         """The prefill worker a remote prefill would most likely get: the shortest queue

@@ -7,9 +7,12 @@ Cost model, in seconds of latency summed over the requests it touches:
     remote = handoff_s                                  the extra hops, measured
            + (prefill_queue_tokens + n_remote) / prefill_tokens_per_s
            + n_transfer * kv_bytes_per_token / transfer_bytes_per_s
-    local  = n_local / local_tokens_per_s               this request's TTFT ...
-           + num_chunks * decode_step_s                 ... its chunks share steps with decodes
+    local  = (local_queue_tokens + n_local) / local_tokens_per_s     this request's TTFT,
+           + num_chunks * decode_step_s                 its chunks sharing steps with decodes
            + decode_batch * n_local / local_tokens_per_s   the ITL added to each running decode
+
+local_queue_tokens are local prefills already running on that decode worker: they share one
+chunk per step (engine_core/scheduler.py), so this one waits for them.
 
 n_local is what the decode worker lacks after its prefix-cache hit; n_remote what the prefill
 worker computes (the whole prompt unless discovery knows its cache); n_transfer the blocks
@@ -67,6 +70,7 @@ class PrefillCosts:
     transfer_bytes_per_s: float  # the transport's measured speed
     kv_bytes_per_token: int
     handoff_s: float = 0.0  # the remote path's measured extra: RPCs, commit, admission
+    local_queue_tokens: int = 0  # prompt tokens of local prefills running on the decode worker
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,11 @@ def estimate(costs: PrefillCosts, chunk_tokens: int) -> tuple[float, float] | No
         return None
     local_speed = costs.local_tokens_per_s or costs.prefill_tokens_per_s
     n_local = costs.num_local_tokens
-    num_chunks = -(-n_local // chunk_tokens)
-    local_compute = n_local / local_speed
-    local = (local_compute + (num_chunks * costs.decode_step_s if costs.decode_batch else 0.0)
-             + costs.decode_batch * local_compute)
+    ahead = costs.local_queue_tokens + n_local
+    num_chunks = -(-ahead // chunk_tokens)
+    local = (ahead / local_speed
+             + (num_chunks * costs.decode_step_s if costs.decode_batch else 0.0)
+             + costs.decode_batch * n_local / local_speed)
     transfer = (costs.num_transfer_tokens * costs.kv_bytes_per_token / costs.transfer_bytes_per_s
                 if costs.transfer_bytes_per_s > 0 else 0.0)
     remote = (costs.handoff_s + transfer + (costs.prefill_queue_tokens + costs.num_remote_tokens)

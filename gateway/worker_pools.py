@@ -37,6 +37,7 @@ class Worker:
     channel: grpc.aio.Channel
     in_flight: int = 0  # requests this gateway has on the worker now
     num_tokens_in_flight: int = 0  # prompt tokens this gateway has queued on a prefill worker
+    num_local_tokens_in_flight: int = 0  # decode workers: local prefills not yet at a token
     status: pb.WorkerStatus | None = None
     is_healthy: bool = False
     worker_id: str = ""  # as discovery names it ("" for static addresses)

@@ -3,7 +3,8 @@ decode worker over shm, the defaults a user gets) and extra gateways over the sa
 the other policies. A short follow-up whose history the decode worker caches is prefilled by
 the decode worker itself, with no KV moved and greedy output equal to the offline engine; the
 decision shows in the timing, /internal/status and pdserve:prefill_decisions_total; the
-overrides force either side; a local prefill cut short frees every block."""
+overrides force either side; a local prefill cut short (client gone, Abort) frees every
+block."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
+from protos.pdserve.internal import workers_pb2 as wpb
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.e2e.stack import (
     CONV,
@@ -27,7 +29,7 @@ from tests.e2e.stack import (
     out_text,
     run,
 )
-from tests.helpers import log_tail, spawn_pdserve, stop_process, wait_for_output
+from tests.helpers import log_tail, spawn_pdserve, stop_process, wait_for_output, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -158,6 +160,16 @@ def test_always_local_prefills_a_cold_prompt_on_the_decode_worker_and_frees_on_c
             text="Count to one thousand:", sampling=greedy(500, ignore_eos=True)), timeout=60)
         next(call)
         call.cancel()
+        stack.wait_idle()
+        # aborted by request id while its decode worker prefills or decodes it
+        call = local.stub.Generate(pb.GenerateRequest(
+            text=LONG * 6, request_id="local-aborted", sampling=greedy(500, ignore_eos=True)),
+            timeout=60)
+        decode = stack.decode_stub(stack.decode[0])
+        wait_until(lambda: decode.Status(wpb.StatusRequest(), timeout=10).num_running == 1,
+                   10, "the local prefill running", interval_s=0.002)
+        assert local.stub.Abort(pb.AbortRequest(request_id="local-aborted"), timeout=10).found
+        assert list(call)[-1].finish_reason == pb.FINISH_REASON_ABORT
         stack.wait_idle()
     finally:
         local.stop()

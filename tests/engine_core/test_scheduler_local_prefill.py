@@ -36,6 +36,22 @@ def test_local_prefill_chunks_after_the_running_decodes_in_its_reserved_blocks()
     assert sched.kv.block_ids("r2") == blocks
 
 
+def test_local_prefills_share_one_cap_per_step():
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
+    _decoding(sched, "r0", 6)
+    for req_id, first in (("r1", 300), ("r2", 400)):
+        sched.reserve(make_req(req_id, 12, first_token=first))
+        sched.prefill_reserved(req_id, max_chunk_tokens=8)
+    steps = []
+    while any(sched.requests[r].num_output_tokens == 0 for r in ("r1", "r2")):
+        out, _ = step(sched)
+        got = dict(zip((r.req_id for r in out.reqs), out.num_scheduled_tokens, strict=True))
+        assert got["r0"] == 1  # the decode runs every step
+        steps.append((got.get("r1", 0), got.get("r2", 0)))
+    # 8 prompt tokens per step in all: r1 first, r2 takes what r1 leaves (then r1 decodes)
+    assert steps == [(8, 0), (4, 4), (1, 8)]
+
+
 def test_local_prefill_starts_after_the_cached_prefix():
     sched = make_scheduler(max_num_batched_tokens=64)
     sched.add_request(make_req("r0", 17, max_tokens=1))

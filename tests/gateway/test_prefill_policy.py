@@ -45,6 +45,9 @@ CASES = [
      {"num_local_tokens": 300, "num_remote_tokens": 300, "num_transfer_tokens": 300,
       "local_tokens_per_s": 500.0, "prefill_tokens_per_s": 8000.0}, AUTO, "remote",
      "cheaper_remote"),
+    ("local prefills already running on the decode worker go first",
+     {"num_local_tokens": 100, "num_remote_tokens": 100, "num_transfer_tokens": 100,
+      "local_queue_tokens": 600}, AUTO, "remote", "cheaper_remote"),
     ("always-remote overrides the model", {}, PrefillPolicy("always-remote"), "remote",
      "policy"),
     ("always-local overrides the bound", {"num_local_tokens": 5000},
@@ -71,6 +74,10 @@ def test_estimate_of_the_base_case_term_by_term():
     local, _ = estimate(busy, chunk_tokens=128)
     # 3 chunks, each also running the decode rows; each of the 3 decodes waits the compute
     assert local == pytest.approx(300 / 2000 + 3 * 0.010 + 3 * 300 / 2000)
+    queued = replace(busy, local_queue_tokens=100)
+    local, _ = estimate(queued, chunk_tokens=128)
+    # it waits for the 100 tokens ahead: 400 tokens in 4 chunks; its own 300 stall the decodes
+    assert local == pytest.approx(400 / 2000 + 4 * 0.010 + 3 * 300 / 2000)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
