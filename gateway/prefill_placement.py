@@ -53,7 +53,9 @@ class PrefillPlacement:
             prefill_tokens_per_s=(ps.prefill_tokens_per_s if ps and ps.prefill_tokens_per_s
                                   else sum(measured) / len(measured) if measured else 0.0),
             local_tokens_per_s=ds.prefill_tokens_per_s if ds is not None else 0.0,
-            decode_batch=ds.num_running if ds is not None else 0,
+            # this gateway's own count is current (Status is up to a refresh old); in_flight
+            # includes this request
+            decode_batch=max(ds.num_running if ds is not None else 0, decode.in_flight - 1),
             decode_step_s=ds.decode_step_s if ds is not None else 0.0,
             transfer_bytes_per_s=ps.kv_transfer_bytes_per_s if ps is not None else 0.0,
             kv_bytes_per_token=ds.kv_bytes_per_token if ds is not None else 0,
