@@ -11,7 +11,7 @@
       the next round with a success restores it. Liveness is not the canary's business.
 
 A pure state machine (CanaryState) holds the verdicts; Canary runs the rounds against the
-DisaggregatedBackend, whose `canary(prefill, decode, timeout_s)` sends one request.
+DisaggregatedBackend, which sends each request through CanaryCalls.canary (mixed in).
 """
 
 from __future__ import annotations
@@ -19,10 +19,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
+
+import grpc
+
+from engine_core.sampling_params import SamplingParams
+from gateway.worker_calls import WorkerCalls
+from gateway.worker_pools import Worker
+from protos.pdserve.internal import workers_pb2 as pb
+from service_infra.backend import GenerateInput
+from service_infra.proto_convert import sampling_to_proto
 
 logger = logging.getLogger(__name__)
 CHECK_S = 1.0  # how often the monitor looks at the idle time
+READY_TIMEOUT_S = 5.0  # Decode's wait for the committed KV (normally already complete)
 
 
 @dataclass(frozen=True)
@@ -139,3 +150,41 @@ class Canary:
                 "bad_pairs": [{"prefill": p, "decode": d} for p, d in sorted(s.bad_pairs)],
                 "failures": dict(s.num_failures), "last_success": s.last_success,
                 "last_latency_s": s.last_latency_s}
+
+
+class CanaryCalls(WorkerCalls):
+    """Mixed into DisaggregatedBackend: its canary_monitor, tokenizer, lease_ttl_s and the
+    prefill step (gateway/prefill_handoff.py)."""
+
+    @property
+    def is_ready(self) -> bool:
+        """Readiness as the canary sees it (always True with the canary off)."""
+        return self.canary_monitor.state.is_ready
+
+    async def canary(self, prefill: Worker, decode: Worker, timeout_s: float) -> None:
+        """One synthetic request through the whole remote path of this pair: Reserve on
+        decode, Prefill on prefill (the KV over the transport in use), Decode of one token.
+        Raises what the path raised; whatever it leaves on decode is aborted."""
+        prompt = (self.tokenizer.encode("ping") if self.tokenizer is not None else [1])[:1]
+        inp = GenerateInput(f"canary-{uuid.uuid4().hex[:12]}", prompt,
+                            SamplingParams(max_tokens=1, temperature=0.0),
+                            deadline=time.monotonic() + timeout_s)
+        sampling = sampling_to_proto(inp.params)
+        is_done = False
+        decode.in_flight += 1
+        try:
+            reservation = await decode.stub.Reserve(pb.ReserveRequest(
+                request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
+                lease_ttl_s=self.lease_ttl_s), timeout=self._remaining(inp))
+            pre = await self._prefill_on(prefill, inp, sampling, decode, reservation)
+            async for _ in decode.stub.Decode(pb.DecodeRequest(
+                    request_id=inp.req_id, first_token_id=pre.first_token_id,
+                    ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp)):
+                pass
+            is_done = True
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, inp) from None
+        finally:
+            decode.in_flight -= 1
+            if not is_done:
+                await self._abort_on(decode, inp.req_id)

@@ -42,15 +42,13 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 import grpc
 
-from engine_core.sampling_params import SamplingParams
-from gateway.canary import Canary, CanaryConfig
+from gateway.canary import Canary, CanaryCalls, CanaryConfig
 from gateway.decode_admission import DecodeAdmission
 from gateway.discovery import Discovery
 from gateway.prefill_handoff import PrefillHandoff
@@ -95,7 +93,8 @@ def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> Gener
                                   min_tokens=max(0, p.min_tokens - n)))
 
 
-class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, WorkerPools):
+class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, CanaryCalls,
+                           WorkerPools):
     def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
                  lease_ttl_s: float = 30.0, model_name: str | None = None,
                  max_waiting: int = 1024, max_queue_wait_s: float = 300.0,
@@ -152,42 +151,9 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Wo
         self._refresher = asyncio.create_task(self._refresh_loop())
         self.canary_monitor.start()
 
-    @property
-    def is_ready(self) -> bool:
-        """Readiness as the canary sees it (always True with the canary off)."""
-        return self.canary_monitor.state.is_ready
-
     async def close(self) -> None:
         self.canary_monitor.stop()
         await super().close()
-
-    async def canary(self, prefill: Worker, decode: Worker, timeout_s: float) -> None:
-        """One synthetic request through the whole remote path of this pair: Reserve on
-        decode, Prefill on prefill (the KV over the transport in use), Decode of one token.
-        Raises what the path raised; whatever it leaves on decode is aborted."""
-        prompt = (self.tokenizer.encode("ping") if self.tokenizer is not None else [1])[:1]
-        inp = GenerateInput(f"canary-{uuid.uuid4().hex[:12]}", prompt,
-                            SamplingParams(max_tokens=1, temperature=0.0),
-                            deadline=time.monotonic() + timeout_s)
-        sampling = sampling_to_proto(inp.params)
-        is_done = False
-        decode.in_flight += 1
-        try:
-            reservation = await decode.stub.Reserve(pb.ReserveRequest(
-                request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
-                lease_ttl_s=self.lease_ttl_s), timeout=self._remaining(inp))
-            pre = await self._prefill_on(prefill, inp, sampling, decode, reservation)
-            async for _ in decode.stub.Decode(pb.DecodeRequest(
-                    request_id=inp.req_id, first_token_id=pre.first_token_id,
-                    ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp)):
-                pass
-            is_done = True
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e, inp) from None
-        finally:
-            decode.in_flight -= 1
-            if not is_done:
-                await self._abort_on(decode, inp.req_id)
 
     # -- the Backend interface --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
