@@ -2,6 +2,7 @@
 always-remote (and, with --colocated, the colocated engine), on the same workers in one run.
 
     python benchmarks/bench_multiturn.py [--conversations 8] [--rounds 2] [--colocated]
+                                         [--up-args=--cache-decoded-blocks]
 
 It starts `pdserve up --prefill-policy auto` (1 prefill + 1 decode worker, pools pinned to
 separate cores) and a second gateway over the same workers with `--prefill-policy
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -60,10 +62,10 @@ def _read_until(proc: subprocess.Popen, prefix: str, what: str) -> list[str]:
     raise RuntimeError(f"{what} did not start:\n{''.join(lines[-40:])}")
 
 
-def start_stack() -> tuple[subprocess.Popen, list[str], list[str]]:
+def start_stack(extra: list[str]) -> tuple[subprocess.Popen, list[str], list[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--transport", "shm", "--port", "0",
-         "--http-port", "0", "--prefill-policy", "auto"], stdout=subprocess.PIPE,
+         "--http-port", "0", "--prefill-policy", "auto", *extra], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     _read_until(proc, "pdserve up: ready.", "pdserve up")
     ready = [next(proc.stdout) for _ in range(2)]  # the prefill and decode worker lines
@@ -148,9 +150,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--colocated", action="store_true", help="also the colocated engine")
+    p.add_argument("--up-args", default="", help='extra flags for `pdserve up`, e.g. '
+                   '--up-args=--cache-decoded-blocks (decode workers keep the replies\' KV too)')
     p.add_argument("--out", default="bench_results/multiturn")
     args = p.parse_args()
-    stack, prefill, decode = start_stack()
+    stack, prefill, decode = start_stack(shlex.split(args.up_args))
     drain(stack)
     procs = [stack]
     try:
@@ -179,7 +183,7 @@ def main() -> int:
                 print(f"round {r + 1}: {name} done in {time.monotonic() - t0:.1f} s",
                       flush=True)
         results = {"conversations": args.conversations, "rounds": args.rounds,
-                   "max_tokens": args.max_tokens,
+                   "max_tokens": args.max_tokens, "up_args": args.up_args,
                    "summary": {name: summary(rs) for name, rs in rows.items()}, "rows": rows}
     finally:
         for proc in reversed(procs):
