@@ -186,6 +186,13 @@ class LLMEngine:
         self.scheduler.admit_prefilled(req_id, first_token)
         return self._emit([req], now)[0]
 
+    def prefill_reserved(self, req_id: str, max_chunk_tokens: int) -> None:
+        """Compute the reserved request's prompt in this engine (a decode worker's local
+        prefill), chunked by max_chunk_tokens per step beside the running decodes; its first
+        output is the first token, sampled here. Its times count from now."""
+        req = self.scheduler.prefill_reserved(req_id, max_chunk_tokens)
+        req.times.arrival = time.monotonic()
+
     def abort_request(self, req_ids: str | list[str]) -> None:
         ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
@@ -201,6 +208,7 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t_start = time.monotonic()
         out = self.scheduler.schedule()
         if out.is_empty:  # the runner hears of finished requests only with a step: tell it now
             for req_id in out.finished_req_ids + out.preempted_req_ids:
@@ -224,7 +232,7 @@ class LLMEngine:
             advanced = self.scheduler.update_from_output(out, sampled)
             self.stats.add_step(out.total_num_tokens,
                                 sum(out.num_scheduled_tokens[out.num_decodes:]),
-                                sum(map(len, sampled)))
+                                sum(map(len, sampled)), time.monotonic() - t_start)
             return self._emit(advanced, time.monotonic())
         finally:  # after the step's outputs exist, as the connector's callers expect
             if kv_step is not None:
