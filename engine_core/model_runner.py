@@ -245,6 +245,7 @@ class ModelRunner:
                 [r.generator for r in reqs],
                 self.vocab_size,
                 eos_token_ids=self.eos_token_ids,
+                device=logits.device,
                 token_counts=[b.token_counts.get(int(rows[i])) for i in plain],
             )
             result = self.sampler(logits[: len(plain)], batch)

@@ -268,7 +268,7 @@ def rejection_sample(
         p_d = p[:, :k].gather(2, d[..., None]).squeeze(2)  # [B, K]
         q_d = (torch.ones_like(p_d) if draft_probs is None
                else draft_probs.gather(2, d[..., None]).squeeze(2))
-        u = _uniform(num_seqs, k, batch.generators)
+        u = _uniform(num_seqs, k, batch.generators).to(p_d.device)
         random_accept = (u * q_d <= p_d) & valid
         accept = torch.where(batch.is_greedy[:, None], accept, random_accept)
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
