@@ -1,7 +1,7 @@
 """OpenAI's JSON shapes: request bodies -> GenerateInput, GenerateChunks -> response objects.
 
 Covers /v1/completions and /v1/chat/completions with one choice (n = 1) and one prompt per
-request. Extra sampling fields that vLLM also accepts (top_k, min_p, repetition_penalty,
+request; logit_bias as OpenAI's ({"token id": bias in [-100, 100]}). Extra sampling fields that vLLM also accepts (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens) are taken from the body, so the
 `openai` client passes them with `extra_body`.
 """
@@ -64,8 +64,6 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
     check_model(body.get("model"), backend)
     if body.get("n") not in (None, 1):
         raise ValidationError("n", f"n must be 1 (one choice per request), got {body['n']!r}")
-    if body.get("logit_bias"):
-        raise ValidationError("logit_bias", "logit_bias is not supported")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise ValidationError("stop", f"stop must be a string or a list of strings, got {stop!r}")
@@ -82,7 +80,28 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
     kwargs = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
     if stop is not None:
         kwargs["stop"] = stop
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     return kwargs
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's {"token id as a string": bias}; range checks are SamplingParams'."""
+    if not isinstance(value, dict):
+        raise ValidationError("logit_bias", f"logit_bias must be an object mapping token ids "
+                              f"to biases, got {value!r:.100}")
+    bias = {}
+    for key, b in value.items():
+        token_id = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() \
+            else None
+        if token_id is None:
+            raise ValidationError("logit_bias", f"logit_bias keys must be token ids, got "
+                                  f"{key!r:.40}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise ValidationError("logit_bias", f"logit_bias values must be numbers, got "
+                                  f"{b!r:.40} for token {key}")
+        bias[token_id] = float(b)
+    return bias
 
 
 def _finish(body: dict[str, Any], backend: Backend, ids: list[int], text: str | None,

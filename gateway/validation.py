@@ -130,6 +130,12 @@ def check_lengths(backend: Backend, num_prompt_tokens: int, params: SamplingPara
             f"{num_prompt_tokens + params.max_tokens}")
     check_token_ids(params.stop_token_ids, field_prefix + "stop_token_ids",
                     backend.model.vocab_size)
+    vocab_size = backend.model.vocab_size
+    for token_id, _ in params.logit_bias:
+        if token_id >= vocab_size:
+            raise ValidationError(field_prefix + "logit_bias",
+                                  f"{field_prefix}logit_bias token ids must be in [0, "
+                                  f"{vocab_size}), got {token_id}")
 
 
 # -- gRPC ------------------------------------------------------------------------------------
@@ -173,5 +179,5 @@ def proto_sampling_kwargs(s: pb.SamplingParameters) -> dict[str, Any]:
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         seed=opt("seed", None), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos, logprobs=opt("logprobs", None),
-        skip_special_tokens=opt("skip_special_tokens", True),
+        skip_special_tokens=opt("skip_special_tokens", True), logit_bias=dict(s.logit_bias),
     )
