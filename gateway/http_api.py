@@ -34,7 +34,7 @@ from service_infra.backend import (
 )
 
 MAX_BODY_BYTES = 4 << 20  # larger request bodies are refused with 400
-Parser = Callable[[Any, Backend], Awaitable[oai.OpenAIRequest]]
+Parser = Callable[[Any, Backend, int], Awaitable[oai.OpenAIRequest]]
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -59,36 +59,67 @@ def _backend_error(e: Exception) -> JSONResponse:
 
 
 class _Generation:
-    """One backend stream pumped by its own task, cancelled when the HTTP client leaves."""
+    """The backend streams of one OpenAI request, one per choice, each pumped by its own task
+    into one queue of (choice index, chunk); all cancelled when the HTTP client leaves.
+
+    The n samples of a prompt share its KV through the prefix cache: sample 0 starts alone,
+    and the others start once its first chunk arrived (its prompt is prefilled and its full
+    blocks are cached), so they reuse those blocks instead of prefilling the prompt again.
+    """
 
     def __init__(self, backend: Backend, req: oai.OpenAIRequest, request: Request) -> None:
-        self.queue: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
-        self.task = asyncio.create_task(self._pump(backend, req))
+        self.queue: asyncio.Queue[tuple[int, GenerateChunk] | BaseException] = asyncio.Queue()
+        self.num_choices = len(req.inputs)
+        self.tasks: list[asyncio.Task] = []
+        for first in range(0, self.num_choices, req.n):
+            prefilled = asyncio.Event()
+            self._start(backend, req, first, prefilled)
+            if req.n > 1:
+                self.tasks.append(asyncio.create_task(
+                    self._start_rest(backend, req, first, prefilled)))
         self.watcher = asyncio.create_task(_wait_disconnect(request))
-        self.watcher.add_done_callback(lambda _: self.task.cancel())
+        self.watcher.add_done_callback(lambda _: self.close())
 
-    async def _pump(self, backend: Backend, req: oai.OpenAIRequest) -> None:
+    def _start(self, backend: Backend, req: oai.OpenAIRequest, index: int,
+               prefilled: asyncio.Event | None = None) -> None:
+        self.tasks.append(asyncio.create_task(self._pump(backend, req, index, prefilled)))
+
+    async def _start_rest(self, backend: Backend, req: oai.OpenAIRequest, first: int,
+                          prefilled: asyncio.Event) -> None:
+        await prefilled.wait()
+        for index in range(first + 1, first + req.n):
+            self._start(backend, req, index)
+
+    async def _pump(self, backend: Backend, req: oai.OpenAIRequest, index: int,
+                    prefilled: asyncio.Event | None) -> None:
         try:
-            async with contextlib.aclosing(backend.generate(req.inp)) as chunks:
+            async with contextlib.aclosing(backend.generate(req.inputs[index])) as chunks:
                 async for chunk in chunks:
-                    self.queue.put_nowait(chunk)
+                    if prefilled is not None:
+                        prefilled.set()
+                    self.queue.put_nowait((index, chunk))
         except asyncio.CancelledError:
             self.queue.put_nowait(BackendUnavailable("the client disconnected"))
             raise
         except Exception as e:  # handed to the consumer
             self.queue.put_nowait(e)
+        finally:
+            if prefilled is not None:
+                prefilled.set()  # the others start (and fail alike) if sample 0 failed
 
-    async def chunks(self) -> AsyncIterator[GenerateChunk]:
-        while True:
+    async def chunks(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        """(choice index, chunk) in arrival order, until every choice's last chunk."""
+        num_done = 0
+        while num_done < self.num_choices:
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
-            if item.is_last:
-                return
+            num_done += item[1].is_last
 
     def close(self) -> None:
-        self.task.cancel()
+        for task in self.tasks:
+            task.cancel()
         self.watcher.cancel()
 
 
@@ -117,9 +148,11 @@ async def _read_json(request: Request) -> Any:
 def build_app(backend: Backend, is_serving: Callable[[], bool],
               registry: CollectorRegistry | None = None,
               on_reject: Callable[[str], None] = lambda reason: None,
-              api_keys: APIKeys | None = None) -> FastAPI:
+              api_keys: APIKeys | None = None,
+              max_num_choices: int = oai.DEFAULT_MAX_NUM_CHOICES) -> FastAPI:
     """The OpenAI API; also /health, /internal/status and, given a registry, /metrics.
-    With API keys, /v1/* needs `Authorization: Bearer <key>` (401 otherwise)."""
+    With API keys, /v1/* needs `Authorization: Bearer <key>` (401 otherwise). A request may
+    ask for at most `max_num_choices` choices (n x prompts)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     keys = api_keys or APIKeys()
 
@@ -134,7 +167,7 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
 
     async def generate(request: Request, parse: Parser) -> Response:
         try:
-            req = await parse(await _read_json(request), backend)
+            req = await parse(await _read_json(request), backend, max_num_choices)
         except ValidationError as e:
             on_reject("invalid_argument")
             return _backend_error(e)
@@ -191,41 +224,51 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
 
 
 async def _collect(backend: Backend, req: oai.OpenAIRequest, gen: _Generation) -> Response:
-    texts: list[str] = []
-    entries: list[dict[int, float]] = []
-    last = None
+    num = len(req.inputs)
+    texts: list[list[str]] = [[] for _ in range(num)]
+    entries: list[list[dict[int, float]]] = [[] for _ in range(num)]
+    lasts: dict[int, GenerateChunk] = {}
     try:
-        async for chunk in gen.chunks():
-            texts.append(chunk.text_delta)
-            entries += chunk.logprobs or []
-            last = chunk
+        async for index, chunk in gen.chunks():
+            texts[index].append(chunk.text_delta)
+            entries[index] += chunk.logprobs or []
+            lasts[index] = chunk
     finally:
         gen.close()
-    assert last is not None and last.is_last  # chunks() ends only after the last chunk
-    logprobs = oai.logprobs_json(req, backend, entries)
-    return JSONResponse(oai.response_object(req, "".join(texts), last, logprobs))
+    assert len(lasts) == num and all(c.is_last for c in lasts.values())
+    return JSONResponse(oai.response_object(
+        req, ["".join(t) for t in texts], [lasts[i] for i in range(num)],
+        [oai.logprobs_json(req, backend, e) for e in entries]))
 
 
 async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
-               first: GenerateChunk, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+               first: tuple[int, GenerateChunk],
+               chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
+    """Chunks of all choices interleaved as they come, each with its choice index."""
     created = int(time.time())
-    is_first = True
+    started: set[int] = set()
+    latest: dict[int, GenerateChunk] = {}
     try:
-        chunk: GenerateChunk | None = first
-        while chunk is not None:
+        item: tuple[int, GenerateChunk] | None = first
+        while item is not None:
+            index, chunk = item
+            latest[index] = chunk
+            is_first = index not in started
             if chunk.text_delta or chunk.logprobs or chunk.is_last or is_first:
-                obj = oai.chunk_object(req, chunk.text_delta, chunk.finish_reason,
+                obj = oai.chunk_object(req, index, chunk.text_delta, chunk.finish_reason,
                                        oai.logprobs_json(req, backend, chunk.logprobs), created,
                                        role=is_first)
                 if chunk.is_last:
                     obj["timing"] = oai.timing(chunk.timing)
                 if req.continuous_usage:
-                    obj["usage"] = oai.usage(chunk)
-                is_first = False
+                    obj["usage"] = oai.usage(req, latest)
+                started.add(index)
                 yield _event(obj)
-                if chunk.is_last and req.include_usage:  # OpenAI: one more, choices empty
-                    yield _event({**obj, "choices": [], "usage": oai.usage(chunk), "timing": None})
-            chunk = None if chunk.is_last else await anext(chunks, None)
+            item = await anext(chunks, None)
+        if req.include_usage:  # OpenAI: one more, choices empty
+            yield _event({"id": req.req_id, "object": "chat.completion.chunk" if req.is_chat
+                          else "text_completion", "created": created, "model": req.model,
+                          "choices": [], "usage": oai.usage(req, latest), "timing": None})
         yield "data: [DONE]\n\n"
     except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
         body = json.loads(_backend_error(e).body)

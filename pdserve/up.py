@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             "--prefill", *prefill, "--decode", *decode, "--transport", args.transport,
             "--host", args.host, "--lease-ttl", str(args.lease_ttl),
             "--max-waiting", str(args.max_waiting), "--max-queue-wait", str(args.max_queue_wait),
-            *common])
+            "--max-num-choices", str(args.max_num_choices), *common])
         line = gateway.wait_ready(deadline)
         http_url = line.split("HTTP ")[1].split()[0]
         metrics = [f"{http_url}/metrics"] + [w.metrics_url or "?" for w in stack.workers]

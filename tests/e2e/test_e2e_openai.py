@@ -68,3 +68,32 @@ def test_bad_logit_bias_is_refused_and_the_stack_keeps_serving(stack, client):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "logit_bias" in e.value.details()
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage
+
+
+LONG = ("Once upon a time, in a small village at the edge of a dark forest, there lived an old "
+        "clockmaker who had never once left the valley where he was born. Every morning he")
+
+
+def test_n_and_batched_prompts_through_both_pools(stack, client, ref):
+    """Greedy choices equal the offline engine; samples 1.. of a prompt start after sample 0's
+    prefill and find its full blocks in the decode worker's prefix cache."""
+    refs = [ref.generate(p, N) for p in (PROMPT, LONG)]
+    resp = client.completions.create(model=MODEL, prompt=[PROMPT, LONG], max_tokens=N,
+                                     temperature=0, n=3)
+    assert [c.index for c in resp.choices] == list(range(6))
+    assert [c.text for c in resp.choices] == [refs[0].outputs[0].text] * 3 + \
+        [refs[1].outputs[0].text] * 3
+    assert resp.usage.completion_tokens == 6 * N
+    num_long = len(refs[1].prompt_token_ids)
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 2 * (num_long // 16) * 16
+    seeded = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=N,
+        temperature=1.0, seed=11, n=2, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in seeded:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    alone = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=N,
+        temperature=1.0, seed=12)
+    assert texts[1] == alone.choices[0].message.content
