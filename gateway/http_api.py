@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API on FastAPI, over a Backend.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
+    POST /tokenize, POST /detokenize (vLLM's shapes; gateway/tokenize_api.py)
     GET  /v1/models   GET /health   GET /internal/status (counts and free KV blocks)
     GET  /metrics (Prometheus; gateway/metrics.py)
 
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway import openai_protocol as oai
+from gateway import tokenize_api
 from gateway.auth import APIKeys, bearer_token
 from gateway.validation import UnknownModelError, ValidationError
 from service_infra.backend import (
@@ -34,6 +36,7 @@ from service_infra.backend import (
 )
 
 MAX_BODY_BYTES = 4 << 20  # larger request bodies are refused with 400
+_KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # need an API key when keys are set
 Parser = Callable[[Any, Backend, int], Awaitable[oai.OpenAIRequest]]
 
 
@@ -151,14 +154,14 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
               api_keys: APIKeys | None = None,
               max_num_choices: int = oai.DEFAULT_MAX_NUM_CHOICES) -> FastAPI:
     """The OpenAI API; also /health, /internal/status and, given a registry, /metrics.
-    With API keys, /v1/* needs `Authorization: Bearer <key>` (401 otherwise). A request may
+    With API keys, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401 otherwise). A request may
     ask for at most `max_num_choices` choices (n x prompts)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     keys = api_keys or APIKeys()
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not keys.admits(
+        if request.url.path.startswith(_KEYED_PATHS) and not keys.admits(
                 bearer_token(request.headers.get("authorization"))):
             on_reject("unauthenticated")
             return error(401, "a valid API key is required: header 'Authorization: Bearer "
@@ -194,6 +197,21 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, oai.parse_chat)
+
+    async def tokens(request: Request, handle) -> Response:
+        try:
+            return JSONResponse(await handle(await _read_json(request), backend))
+        except ValidationError as e:
+            on_reject("invalid_argument")
+            return _backend_error(e)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokens(request, tokenize_api.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokens(request, tokenize_api.detokenize)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

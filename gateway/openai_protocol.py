@@ -189,11 +189,7 @@ async def parse_chat(body: Any, backend: Backend,
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise ValidationError("response_format", "response_format must be {'type': 'text'}")
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise ValidationError("messages", f"messages must be a list, got {messages!r:.100}")
-    ids = await encode_chat(backend, [_message(m, i) for i, m in enumerate(messages)],
-                            "messages")
+    ids = await encode_chat(backend, chat_messages(body.get("messages")), "messages")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -216,6 +212,13 @@ async def parse_chat(body: Any, backend: Backend,
             raise ValidationError("top_logprobs", e.message.replace("logprobs", "top_logprobs",
                                                                     1)) from None
         raise
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI's messages as {"role", "content"} dicts (text content parts joined)."""
+    if not isinstance(messages, list):
+        raise ValidationError("messages", f"messages must be a list, got {messages!r:.100}")
+    return [_message(m, i) for i, m in enumerate(messages)]
 
 
 def _message(m: Any, i: int) -> dict[str, str]:

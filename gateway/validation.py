@@ -87,7 +87,7 @@ async def encode_text(backend: Backend, text: str, field: str) -> list[int]:
 
 
 async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
-                      field: str) -> list[int]:
+                      field: str, add_generation_prompt: bool = True) -> list[int]:
     if not messages:
         raise ValidationError(field, f"{field} must contain at least 1 message, got 0")
     for i, m in enumerate(messages):
@@ -98,8 +98,9 @@ async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
     tokenizer = backend.tokenizer
     try:
         if sum(len(m["content"]) for m in messages) <= MAX_INLINE_TOKENIZE_CHARS:
-            return tokenizer.apply_chat_template(list(messages))
-        return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages))
+            return tokenizer.apply_chat_template(list(messages), add_generation_prompt)
+        return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages),
+                                       add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as e:  # no template, or the template refuses
         raise ValidationError(field, f"{field}: the chat template refused them: {e}") from None
 
