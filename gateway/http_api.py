@@ -13,7 +13,6 @@ the backend (service_infra/backend.py), whether it is streamed or not.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from gateway import openai_protocol as oai
 from gateway import tokenize_api
 from gateway.auth import APIKeys, bearer_token
+from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
 from gateway.validation import UnknownModelError, ValidationError
 from service_infra.backend import (
     Backend,
@@ -61,68 +61,17 @@ def _backend_error(e: Exception) -> JSONResponse:
     return error(400, str(e))  # a ValueError from the backend: bad input validation let by
 
 
-class _Generation:
-    """The backend streams of one OpenAI request, one per choice, each pumped by its own task
-    into one queue of (choice index, chunk); all cancelled when the HTTP client leaves.
-
-    The n samples of a prompt share its KV through the prefix cache: sample 0 starts alone,
-    and the others start once its first chunk arrived (its prompt is prefilled and its full
-    blocks are cached), so they reuse those blocks instead of prefilling the prompt again.
-    """
+class _Generation(ChoiceStreams):
+    """The request's choice streams (gateway/choices.py), cancelled when the HTTP client
+    leaves."""
 
     def __init__(self, backend: Backend, req: oai.OpenAIRequest, request: Request) -> None:
-        self.queue: asyncio.Queue[tuple[int, GenerateChunk] | BaseException] = asyncio.Queue()
-        self.num_choices = len(req.inputs)
-        self.tasks: list[asyncio.Task] = []
-        for first in range(0, self.num_choices, req.n):
-            prefilled = asyncio.Event()
-            self._start(backend, req, first, prefilled)
-            if req.n > 1:
-                self.tasks.append(asyncio.create_task(
-                    self._start_rest(backend, req, first, prefilled)))
+        super().__init__(backend, req.inputs, req.n)
         self.watcher = asyncio.create_task(_wait_disconnect(request))
         self.watcher.add_done_callback(lambda _: self.close())
 
-    def _start(self, backend: Backend, req: oai.OpenAIRequest, index: int,
-               prefilled: asyncio.Event | None = None) -> None:
-        self.tasks.append(asyncio.create_task(self._pump(backend, req, index, prefilled)))
-
-    async def _start_rest(self, backend: Backend, req: oai.OpenAIRequest, first: int,
-                          prefilled: asyncio.Event) -> None:
-        await prefilled.wait()
-        for index in range(first + 1, first + req.n):
-            self._start(backend, req, index)
-
-    async def _pump(self, backend: Backend, req: oai.OpenAIRequest, index: int,
-                    prefilled: asyncio.Event | None) -> None:
-        try:
-            async with contextlib.aclosing(backend.generate(req.inputs[index])) as chunks:
-                async for chunk in chunks:
-                    if prefilled is not None:
-                        prefilled.set()
-                    self.queue.put_nowait((index, chunk))
-        except asyncio.CancelledError:
-            self.queue.put_nowait(BackendUnavailable("the client disconnected"))
-            raise
-        except Exception as e:  # handed to the consumer
-            self.queue.put_nowait(e)
-        finally:
-            if prefilled is not None:
-                prefilled.set()  # the others start (and fail alike) if sample 0 failed
-
-    async def chunks(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
-        """(choice index, chunk) in arrival order, until every choice's last chunk."""
-        num_done = 0
-        while num_done < self.num_choices:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            num_done += item[1].is_last
-
     def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
+        super().close()
         self.watcher.cancel()
 
 
@@ -152,7 +101,7 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
               registry: CollectorRegistry | None = None,
               on_reject: Callable[[str], None] = lambda reason: None,
               api_keys: APIKeys | None = None,
-              max_num_choices: int = oai.DEFAULT_MAX_NUM_CHOICES) -> FastAPI:
+              max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> FastAPI:
     """The OpenAI API; also /health, /internal/status and, given a registry, /metrics.
     With API keys, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401 otherwise). A request may
     ask for at most `max_num_choices` choices (n x prompts)."""

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
     ValidationError,
@@ -34,7 +35,6 @@ _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty", "seed", "min_tokens", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens")
 _BOOLS = ("stream", "ignore_eos", "skip_special_tokens", "echo")
-DEFAULT_MAX_NUM_CHOICES = 64  # n x prompts per request; `pdserve gateway --max-num-choices`
 
 
 @dataclass(frozen=True)
@@ -117,23 +117,15 @@ def _finish(body: dict[str, Any], backend: Backend, prompts: list[tuple[list[int
             max_num_choices: int) -> OpenAIRequest:
     """prompts: (token ids, text or None) each."""
     n = body.get("n") or 1
-    if n * len(prompts) > max_num_choices:
-        raise ValidationError("n", f"n x prompts must be <= max_num_choices ({max_num_choices}),"
-                              f" got {n} x {len(prompts)} = {n * len(prompts)}")
+    check_num_choices(n, len(prompts), max_num_choices)
     params = sampling_params(**kwargs)
     for i, (ids, _) in enumerate(prompts):
         check_lengths(backend, len(ids), params,
                       prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]")
     options = body.get("stream_options") or {}
     req_id = request_id(None, "chatcmpl-" if is_chat else "cmpl-")
-    many = n * len(prompts) > 1
-    inputs = []
-    for ids, text in prompts:
-        for sample in range(n):
-            child = params if params.seed is None or sample == 0 else replace(
-                params, seed=params.seed + sample)
-            child_id = f"{req_id}-{len(inputs)}" if many else req_id
-            inputs.append(GenerateInput(child_id, ids, child, text))
+    inputs = fan_out([GenerateInput(req_id, ids, params, text) for ids, text in prompts], n,
+                     req_id)
     return OpenAIRequest(tuple(inputs), req_id, n, backend.model.name, is_chat,
                          bool(body.get("stream")), bool(options.get("include_usage")), num_top,
                          bool(options.get("continuous_usage_stats")))
@@ -153,10 +145,7 @@ async def parse_completion(body: Any, backend: Backend,
         fields = [f"prompt[{i}]" for i in range(len(batch))]
     else:
         batch, fields = [prompt], ["prompt"]
-    n = body.get("n") or 1
-    if n * len(batch) > max_num_choices:  # before tokenizing a huge batch
-        raise ValidationError("n", f"n x prompts must be <= max_num_choices ({max_num_choices}),"
-                              f" got {n} x {len(batch)} = {n * len(batch)}")
+    check_num_choices(body.get("n") or 1, len(batch), max_num_choices)  # before tokenizing
     prompts = [await _one_prompt(p, field, backend) for p, field in zip(batch, fields, strict=True)]
     kwargs["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
     if kwargs["max_tokens"] is None:

@@ -97,3 +97,17 @@ def test_n_and_batched_prompts_through_both_pools(stack, client, ref):
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=N,
         temperature=1.0, seed=12)
     assert texts[1] == alone.choices[0].message.content
+
+
+def test_grpc_n_through_both_pools(stack, ref):
+    out = ref.generate(LONG, N)
+    expected = out.outputs[0].token_ids
+    msgs = run(stack.generation(), pb.GenerateRequest(text=LONG, sampling=greedy(N), n=3))
+    samples: dict[int, list[int]] = {}
+    for m in msgs:
+        samples.setdefault(m.index, []).extend(m.token_ids)
+    assert samples == {i: list(expected) for i in range(3)}
+    last = [m for m in msgs if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert sorted(m.index for m in last) == [0, 1, 2]
+    full_blocks = len(out.prompt_token_ids) // 16 * 16
+    assert sum(m.usage.cached_prompt_tokens for m in last) >= 2 * full_blocks

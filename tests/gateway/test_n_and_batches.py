@@ -130,3 +130,51 @@ def test_client_leaving_an_n_stream_frees_every_block(gateway):
                     break
     assert {c["index"] for e in events for c in e["choices"]} <= set(range(6))
     gateway.wait_idle()
+
+
+def _by_index(msgs) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for m in msgs:
+        out.setdefault(m.index, []).append(m)
+    return out
+
+
+def test_grpc_n_samples_seeded_and_bounded(gateway):
+    import grpc
+
+    from protos.pdserve.v1 import generate_pb2 as pb
+
+    def sampling(seed: int) -> pb.SamplingParameters:
+        return pb.SamplingParameters(max_tokens=N_TOKENS, temperature=1.0, seed=seed)
+
+    with gateway.channel() as channel:
+        stub = gateway.stub(channel)
+        msgs = list(stub.Generate(pb.GenerateRequest(
+            request_id="grpc-n", text=LONG, sampling=sampling(40), n=3), timeout=120))
+        assert {m.request_id for m in msgs} == {"grpc-n"}
+        samples = _by_index(msgs)
+        assert sorted(samples) == [0, 1, 2]
+        for i, sample in samples.items():
+            assert [m.finish_reason != pb.FINISH_REASON_UNSPECIFIED for m in sample][-1]
+            alone = list(stub.Generate(pb.GenerateRequest(text=LONG, sampling=sampling(40 + i)),
+                                       timeout=120))
+            assert [t for m in sample for t in m.token_ids] == \
+                [t for m in alone for t in m.token_ids]
+        assert sum(s[-1].usage.cached_prompt_tokens for s in samples.values()) >= \
+            2 * BLOCK_SIZE
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(text="hi", n=65), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_num_choices (64)" in e.value.details()
+        # Abort(request_id) aborts every sample
+        stream = stub.Generate(pb.GenerateRequest(
+            request_id="grpc-n-abort", text=LONG, n=2, sampling=pb.SamplingParameters(
+                max_tokens=400, ignore_eos=True)), timeout=120)
+        first = next(stream)
+        assert stub.Abort(pb.AbortRequest(request_id="grpc-n-abort"), timeout=30).found
+        rest = [first, *stream]
+        finished = [m for m in rest if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+        assert sorted(m.index for m in finished) == [0, 1]
+        assert {m.finish_reason for m in finished} == {pb.FINISH_REASON_ABORT}
+        assert sum(m.usage.completion_tokens for m in finished) < 100
+    gateway.wait_idle()
