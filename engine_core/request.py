@@ -66,6 +66,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
+        # SamplingParams.prompt_logprobs: entry j for prompt token j + 1 ({token: logprob},
+        # the prompt token first, then the top-n), filled by the runner as the prefill runs
+        self.prompt_logprobs: list[dict[int, float]] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first schedule
         self.num_preemptions = 0
@@ -85,6 +88,12 @@ class Request:
         split = self.num_prompt_tokens - self.num_prior_output_tokens
         return (self.prompt_token_ids[:split],
                 self.prompt_token_ids[split:] + self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all computed yet (no prefix-cache hits then)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_tokens(self) -> int:

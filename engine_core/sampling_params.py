@@ -48,6 +48,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides EOS
     ignore_eos: bool = False  # keep generating past EOS (until max_tokens or a stop)
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = sampled token only
+    # top-n logprobs per prompt token (vLLM's), from the prefill; 0 = the prompt token only.
+    # The prefill of such a request skips the prefix cache: every position is recomputed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # detokenizer option
     # (token id, bias in [-100, 100]) added to the logits before every other sampling step
     # (OpenAI's logit_bias); ids >= the vocabulary size are refused by the gateway
@@ -101,12 +104,13 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         self._validate_stops()
         self._validate_logit_bias()
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be None or in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_NUM_LOGPROBS:
+                    raise ValueError(
+                        f"{name} must be None or in [0, {MAX_NUM_LOGPROBS}], got {value}")
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_NUM_STOP_STRINGS:
