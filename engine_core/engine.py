@@ -149,6 +149,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {ids}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
+                             f"{[t for t, _ in params.logit_bias if t >= vocab]}")
         req_id = req_id if req_id is not None else str(next(self._ids))
         return Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens), text
 

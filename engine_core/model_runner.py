@@ -21,6 +21,8 @@ from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
 
+PROMPT_LOGPROBS_ROWS = 64  # prompt positions per logits slice (64 x 49152 float32: 12 MiB)
+
 
 class InputBatch:
     """Rows of token ids and block tables for the requests the runner has seen."""
@@ -189,6 +191,32 @@ class ModelRunner:
         with use(self.context(num_quant_rows, quantization)):
             return (model or self.model).compute_logits(hidden)
 
+    def _record_prompt_logprobs(self, req, hidden: torch.Tensor, first_row: int,
+                                start: int, num_new: int) -> None:
+        """Append to req.prompt_logprobs the entries of this chunk's positions: the row at
+        position p predicts prompt token p + 1. Raw log_softmax of dense logits, in slices of
+        PROMPT_LOGPROBS_ROWS rows to bound the [rows, vocab] memory."""
+        n = req.sampling_params.prompt_logprobs
+        prompt = req.prompt_token_ids
+        end = min(start + num_new, req.num_prompt_tokens - 1)  # last position with a next
+        # the first position not recorded yet (a preempted request recomputes from 0)
+        p = max(len(req.prompt_logprobs), start)
+        assert len(req.prompt_logprobs) >= start, "prompt logprobs need every position"
+        while p < end:
+            q = min(end, p + PROMPT_LOGPROBS_ROWS)
+            rows = hidden[first_row + p - start : first_row + q - start]  # [q - p, hidden]
+            lp = self.logits(rows, 0).log_softmax(dim=-1, dtype=torch.float32)  # [q - p, V]
+            targets = torch.tensor(prompt[p + 1 : q + 1], dtype=torch.int64)
+            chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()  # [q - p]
+            top_lps, top_ids = (lp.topk(n, dim=-1) if n else (None, None))  # [q - p, n]
+            for j, token in enumerate(prompt[p + 1 : q + 1]):
+                entry = {token: chosen[j]}
+                if n:
+                    for t, v in zip(top_ids[j].tolist(), top_lps[j].tolist(), strict=True):
+                        entry.setdefault(t, v)
+                req.prompt_logprobs.append(entry)
+            p = q
+
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, rows: np.ndarray, verifier=None, on_layer_done=None
@@ -210,6 +238,10 @@ class ModelRunner:
         input_ids, positions, meta, cu = self.build_inputs(rows, start, num_new, nd)
         ndt = int(cu[nd - 1]) if nd else 0
         hidden = self.forward(input_ids, positions, meta, ndt, on_layer_done=on_layer_done)
+        for i in range(nd, len(out.reqs)):
+            if out.reqs[i].needs_prompt_logprobs:
+                self._record_prompt_logprobs(out.reqs[i], hidden, int(cu[i] - num_new[i]),
+                                             int(start[i]), int(num_new[i]))
         # requests caught up after this step sample; a prefill chunk's token would be thrown
         # away, and drawing it would advance a seeded request's generator
         num_spec = np.asarray([len(r.spec_token_ids) for r in out.reqs], dtype=np.int64)

@@ -92,5 +92,7 @@ def build_output(req: Request, state: RequestTextState, finished: bool) -> Reque
         num_cached_tokens=req.num_cached_tokens,
         metrics=metrics,
         delta_text=delta_text,
+        prompt_logprobs=([None, *req.prompt_logprobs]
+                         if req.sampling_params.prompt_logprobs is not None else None),
         delta_token_ids=delta_ids,
     )

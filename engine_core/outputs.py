@@ -27,3 +27,5 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     delta_text: str = ""  # text added by this step (for streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (vLLM's shape)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -66,6 +66,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
+        # SamplingParams.prompt_logprobs: entry j for prompt token j + 1 ({token: logprob},
+        # the prompt token first, then the top-n), filled by the runner as the prefill runs
+        self.prompt_logprobs: list[dict[int, float]] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first schedule
         self.num_preemptions = 0
@@ -90,6 +93,12 @@ class Request:
                 self.prompt_token_ids[split:] + self.output_token_ids)
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all computed yet (no prefix-cache hits then)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
@@ -110,12 +119,14 @@ class Request:
 
         Only a request in its decode phase drafts, and only when its sampling needs nothing
         that depends on every earlier token of the step (penalties, min_tokens blocking,
-        logprobs); the drafts never run past max_tokens.
+        logprobs) or that the verifier does not apply (logit_bias); the drafts never run past
+        max_tokens.
         """
         p = self.sampling_params
         if (k <= 0 or self.num_computed_tokens != self.num_tokens - 1
                 or not self.output_token_ids or p.has_penalties
-                or p.logprobs is not None or self.num_output_tokens < p.min_tokens):
+                or p.logprobs is not None or p.logit_bias
+                or self.num_output_tokens < p.min_tokens):
             return 0
         return max(0, min(k, p.max_tokens - self.num_output_tokens - 1))
 

@@ -3,6 +3,7 @@
 Pipeline, in order (each stage is skipped when no request in the batch needs it):
 
     raw logprobs   log_softmax of the logits as given (only if some request wants logprobs)
+    logit bias     (row, token) += bias, OpenAI's logit_bias (before every other step)
     penalties      repetition (prompt + output), frequency and presence (output only)
     blocked ids    (row, token) pairs set to -inf, e.g. EOS before min_tokens
     greedy         rows with temperature < eps take the argmax
@@ -103,6 +104,9 @@ class SamplingBatch:
     # [2, N] int64: row indices, token ids. None = nothing blocked. From a dense [B, V] bool
     # mask: `mask.nonzero().T`.
     blocked_token_ids: Tensor | None
+    # logit_bias: [2, N] int64 row indices and token ids, and [N] float32 biases. None = none.
+    bias_token_ids: Tensor | None
+    bias_values: Tensor | None
     max_num_logprobs: int | None  # max over rows of SamplingParams.logprobs; None = no logprobs
     vocab_size: int
     all_greedy: bool
@@ -161,6 +165,8 @@ class SamplingBatch:
             penalty_tokens = PenaltyTokens.from_counts(token_counts).to(device)
         blocked = min_tokens_blocked_ids(params, [len(ids) for ids in output_ids], eos_token_ids)
         assert all(t < vocab_size for _, t in blocked), "stop/eos token id >= vocab_size"
+        bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+        assert all(t < vocab_size for _, t, _ in bias), "logit_bias token id >= vocab_size"
         return cls(
             temperature=floats([p.temperature for p in params]),
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -175,6 +181,11 @@ class SamplingBatch:
             blocked_token_ids=(
                 torch.tensor(blocked, dtype=torch.int64, device=device).T if blocked else None
             ),
+            bias_token_ids=(
+                torch.tensor([(r, t) for r, t, _ in bias], dtype=torch.int64, device=device).T
+                if bias else None
+            ),
+            bias_values=floats([b for _, _, b in bias]) if bias else None,
             max_num_logprobs=max(logprobs) if logprobs else None,
             vocab_size=vocab_size,
             all_greedy=all(greedy),
@@ -210,6 +221,9 @@ class Sampler:
         if batch.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # [B, V]
         logits = logits.to(torch.float32)
+        if batch.bias_token_ids is not None:
+            assert batch.bias_values is not None
+            apply_logit_bias(logits, batch.bias_token_ids, batch.bias_values)
 
         if not batch.no_penalties:
             assert batch.penalty_tokens is not None
@@ -268,6 +282,12 @@ class Sampler:
         if not batch.no_min_p:
             apply_min_p(logits, batch.min_p)
         return logits.softmax(dim=-1)
+
+
+def apply_logit_bias(logits: Tensor, token_ids: Tensor, values: Tensor) -> None:
+    """In place: logits[row, token] += bias for each column (row, token) of [2, N] pairs and
+    its bias in values [N]."""
+    logits.index_put_((token_ids[0], token_ids[1]), values, accumulate=True)
 
 
 def apply_blocked_tokens(logits: Tensor, blocked_token_ids: Tensor) -> None:

@@ -18,6 +18,8 @@ MAX_NUM_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256  # characters
 MAX_NUM_LOGPROBS = 20
 MIN_PENALTY, MAX_PENALTY = -2.0, 2.0  # presence_penalty / frequency_penalty (OpenAI's range)
+MIN_LOGIT_BIAS, MAX_LOGIT_BIAS = -100.0, 100.0  # OpenAI's range
+MAX_NUM_LOGIT_BIAS = 1024  # entries per request (OpenAI allows 300)
 # torch.Generator.manual_seed accepts exactly this range.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
@@ -27,7 +29,8 @@ class SamplingParams:
     """How to pick each generated token of one request, and when to stop.
 
     Immutable after validation. `stop` and `stop_token_ids` are stored as tuples; the
-    constructor also accepts lists, and a bare string for `stop`.
+    constructor also accepts lists, and a bare string for `stop`. `logit_bias` is stored as
+    (token id, bias) pairs sorted by id; the constructor also accepts a dict.
     """
 
     max_tokens: int = 16  # >= 1; the engine also caps it by the context length
@@ -45,13 +48,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides EOS
     ignore_eos: bool = False  # keep generating past EOS (until max_tokens or a stop)
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = sampled token only
+    # top-n logprobs per prompt token (vLLM's), from the prefill; 0 = the prompt token only.
+    # The prefill of such a request skips the prefix cache: every position is recomputed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # detokenizer option
+    # (token id, bias in [-100, 100]) added to the logits before every other sampling step
+    # (OpenAI's logit_bias); ids >= the vocabulary size are refused by the gateway
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise container fields first (frozen: go through object.__setattr__).
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -92,12 +103,14 @@ class SamplingParams:
             if not MIN_SEED <= self.seed <= MAX_SEED:
                 raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         self._validate_stops()
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be None or in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}"
-                )
+        self._validate_logit_bias()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_NUM_LOGPROBS:
+                    raise ValueError(
+                        f"{name} must be None or in [0, {MAX_NUM_LOGPROBS}], got {value}")
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_NUM_STOP_STRINGS:
@@ -116,6 +129,27 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id)
             if token_id < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {token_id}")
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_NUM_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must have at most {MAX_NUM_LOGIT_BIAS} entries, "
+                             f"got {len(self.logit_bias)}")
+        for pair in self.logit_bias:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
+            token_id, bias = pair
+            _check_int("logit_bias", token_id)
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token_id}")
+            _check_finite("logit_bias", bias)
+            if not MIN_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [{MIN_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token_id}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise ValueError("logit_bias must name each token id once")
+        object.__setattr__(self, "logit_bias",
+                           tuple(sorted((t, float(b)) for t, b in self.logit_bias)))
 
     @property
     def is_greedy(self) -> bool:

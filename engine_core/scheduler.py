@@ -205,8 +205,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            hit_blocks, num_hit = (
-                self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            hit_blocks, num_hit = (  # prompt logprobs: every position recomputed
+                self.kv.get_computed_blocks(req)
+                if req.num_computed_tokens == 0 and not req.needs_prompt_logprobs else ([], 0)
             )
             n = min(req.num_tokens - num_hit, budget, req.max_chunk_tokens or budget)
             if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:

@@ -228,7 +228,8 @@ def _sampling_batch(reqs: list[Request], vocab_size: int, eos_token_ids) -> Samp
 
 
 def _select(batch: SamplingBatch, rows: np.ndarray) -> SamplingBatch:
-    """The batch's rows `rows` (no penalties or blocked tokens: drafting requests have none)."""
+    """The batch's rows `rows` (no penalties, blocked tokens or logit bias: drafting requests
+    have none)."""
     r = torch.from_numpy(rows)
     greedy = batch.is_greedy[r]
     return SamplingBatch(
@@ -237,7 +238,7 @@ def _select(batch: SamplingBatch, rows: np.ndarray) -> SamplingBatch:
         repetition_penalty=batch.repetition_penalty[r],
         presence_penalty=batch.presence_penalty[r], frequency_penalty=batch.frequency_penalty[r],
         generators=[batch.generators[i] for i in rows.tolist()], penalty_tokens=None,
-        blocked_token_ids=None, max_num_logprobs=None,
+        blocked_token_ids=None, bias_token_ids=None, bias_values=None, max_num_logprobs=None,
         vocab_size=batch.vocab_size, all_greedy=bool(greedy.all()),
         all_random=not bool(greedy.any()), no_penalties=True,
         no_top_k=bool((batch.top_k[r] == 0).all()), no_top_p=bool((batch.top_p[r] == 1).all()),

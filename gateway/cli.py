@@ -26,6 +26,9 @@ def add_admission_arguments(p) -> None:
                         "(HTTP 429)")
     p.add_argument("--max-queue-wait", type=float, default=300.0,
                    help="seconds a request may wait for a decode worker with room")
+    p.add_argument("--max-num-choices", type=int, default=64,
+                   help="choices one OpenAI request may ask for: n x prompts (a batch in "
+                        "/v1/completions); more get HTTP 400 naming the bound")
 
 
 def add_prefill_policy_arguments(p) -> None:

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway import validation
 from gateway.auth import APIKeys, key_from_metadata
+from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams, check_num_choices, fan_out
 from gateway.validation import ValidationError
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import (
@@ -36,6 +37,7 @@ from service_infra.backend import (
     DeadlineExceeded,
     DuplicateRequestError,
     GenerateChunk,
+    GenerateInput,
     Overloaded,
 )
 from service_infra.tls import TLSConfig, add_port
@@ -57,10 +59,13 @@ M = TypeVar("M", bound=Message)
 class GenerationServicer:
     def __init__(self, backend: Backend,
                  on_reject: Callable[[str], None] = lambda reason: None,
-                 api_keys: APIKeys | None = None) -> None:
+                 api_keys: APIKeys | None = None,
+                 max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> None:
         self.on_reject = on_reject  # counts requests refused before the backend saw them
         self.backend = backend
         self.api_keys = api_keys or APIKeys()
+        self.max_num_choices = max_num_choices  # GenerateRequest.n at most
+        self._samples: dict[str, ChoiceStreams] = {}  # request id with n > 1 -> its samples
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if not self.api_keys.admits(key_from_metadata(context.invocation_metadata())):
@@ -90,11 +95,16 @@ class GenerationServicer:
         except ValidationError as e:
             self.on_reject("invalid_argument")
             await _invalid(context, e)
-        num_top = inp.params.logprobs
+        n = max(req.n, 1)
         try:
-            async with contextlib.aclosing(self.backend.generate(inp)) as chunks:
-                async for chunk in chunks:
-                    yield to_proto(inp.req_id, chunk, num_top)
+            check_num_choices(n, 1, self.max_num_choices)
+        except ValidationError as e:
+            self.on_reject("invalid_argument")
+            await _invalid(context, e)
+        try:
+            async with contextlib.aclosing(self._responses(inp, n)) as responses:
+                async for msg in responses:
+                    yield msg
         except DuplicateRequestError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except DeadlineExceeded as e:
@@ -106,13 +116,37 @@ class GenerationServicer:
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    async def _responses(self, inp: GenerateInput,
+                         n: int) -> AsyncIterator[pb.GenerateResponse]:
+        num_top = inp.params.logprobs
+        if n == 1:
+            async with contextlib.aclosing(self.backend.generate(inp)) as chunks:
+                async for chunk in chunks:
+                    yield to_proto(inp.req_id, chunk, num_top)
+            return
+        inputs = fan_out([inp], n, inp.req_id)
+        streams = ChoiceStreams(self.backend, inputs, n)
+        self._samples[inp.req_id] = streams
+        try:
+            async for index, chunk in streams.chunks():
+                msg = to_proto(inp.req_id, chunk, num_top)
+                msg.index = index
+                yield msg
+        finally:
+            streams.close()
+            self._samples.pop(inp.req_id, None)
+
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         await self._authorize(context)
         try:
             req = parse(pb.AbortRequest, raw)
         except ValidationError as e:
             await _invalid(context, e)
-        return pb.AbortResponse(found=await self.backend.abort(req.request_id))
+        samples = self._samples.get(req.request_id)
+        if samples is None:
+            return pb.AbortResponse(found=await self.backend.abort(req.request_id))
+        await samples.abort(self.backend)
+        return pb.AbortResponse(found=True)  # running: its samples end with "abort"
 
     async def list_models(self, raw: bytes,
                           context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
@@ -236,12 +270,13 @@ def _varint(raw: bytes, pos: int) -> tuple[int, int]:
 def create_server(backend: Backend, address: str, health_servicer: health.aio.HealthServicer,
                   on_reject: Callable[[str], None] = lambda reason: None,
                   api_keys: APIKeys | None = None,
-                  tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int]:
+                  tls: TLSConfig | None = None,
+                  max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with Generation, health checking and reflection, bound to address
     (host:port; port 0 picks a free one). Returns (server, bound port); not started yet."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers(
-        (GenerationServicer(backend, on_reject, api_keys).handler(),))
+        (GenerationServicer(backend, on_reject, api_keys, max_num_choices).handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API on FastAPI, over a Backend.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
+    POST /tokenize, POST /detokenize (vLLM's shapes; gateway/tokenize_api.py)
     GET  /v1/models   GET /health (= /health/ready)   GET /health/live   GET /internal/status (counts and free KV blocks)
     GET  /metrics (Prometheus; gateway/metrics.py)
 
@@ -12,7 +13,6 @@ the backend (service_infra/backend.py), whether it is streamed or not.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway import openai_protocol as oai
+from gateway import tokenize_api
 from gateway.auth import APIKeys, bearer_token
+from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
 from gateway.validation import UnknownModelError, ValidationError
 from service_infra.backend import (
     Backend,
@@ -34,7 +36,8 @@ from service_infra.backend import (
 )
 
 MAX_BODY_BYTES = 4 << 20  # larger request bodies are refused with 400
-Parser = Callable[[Any, Backend], Awaitable[oai.OpenAIRequest]]
+_KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # need an API key when keys are set
+Parser = Callable[[Any, Backend, int], Awaitable[oai.OpenAIRequest]]
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -58,37 +61,17 @@ def _backend_error(e: Exception) -> JSONResponse:
     return error(400, str(e))  # a ValueError from the backend: bad input validation let by
 
 
-class _Generation:
-    """One backend stream pumped by its own task, cancelled when the HTTP client leaves."""
+class _Generation(ChoiceStreams):
+    """The request's choice streams (gateway/choices.py), cancelled when the HTTP client
+    leaves."""
 
     def __init__(self, backend: Backend, req: oai.OpenAIRequest, request: Request) -> None:
-        self.queue: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
-        self.task = asyncio.create_task(self._pump(backend, req))
+        super().__init__(backend, req.inputs, req.n)
         self.watcher = asyncio.create_task(_wait_disconnect(request))
-        self.watcher.add_done_callback(lambda _: self.task.cancel())
-
-    async def _pump(self, backend: Backend, req: oai.OpenAIRequest) -> None:
-        try:
-            async with contextlib.aclosing(backend.generate(req.inp)) as chunks:
-                async for chunk in chunks:
-                    self.queue.put_nowait(chunk)
-        except asyncio.CancelledError:
-            self.queue.put_nowait(BackendUnavailable("the client disconnected"))
-            raise
-        except Exception as e:  # handed to the consumer
-            self.queue.put_nowait(e)
-
-    async def chunks(self) -> AsyncIterator[GenerateChunk]:
-        while True:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.is_last:
-                return
+        self.watcher.add_done_callback(lambda _: self.close())
 
     def close(self) -> None:
-        self.task.cancel()
+        super().close()
         self.watcher.cancel()
 
 
@@ -117,15 +100,17 @@ async def _read_json(request: Request) -> Any:
 def build_app(backend: Backend, is_serving: Callable[[], bool],
               registry: CollectorRegistry | None = None,
               on_reject: Callable[[str], None] = lambda reason: None,
-              api_keys: APIKeys | None = None) -> FastAPI:
+              api_keys: APIKeys | None = None,
+              max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> FastAPI:
     """The OpenAI API; also /health, /internal/status and, given a registry, /metrics.
-    With API keys, /v1/* needs `Authorization: Bearer <key>` (401 otherwise)."""
+    With API keys, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401 otherwise). A request may
+    ask for at most `max_num_choices` choices (n x prompts)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     keys = api_keys or APIKeys()
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not keys.admits(
+        if request.url.path.startswith(_KEYED_PATHS) and not keys.admits(
                 bearer_token(request.headers.get("authorization"))):
             on_reject("unauthenticated")
             return error(401, "a valid API key is required: header 'Authorization: Bearer "
@@ -134,7 +119,7 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
 
     async def generate(request: Request, parse: Parser) -> Response:
         try:
-            req = await parse(await _read_json(request), backend)
+            req = await parse(await _read_json(request), backend, max_num_choices)
         except ValidationError as e:
             on_reject("invalid_argument")
             return _backend_error(e)
@@ -161,6 +146,21 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, oai.parse_chat)
+
+    async def tokens(request: Request, handle) -> Response:
+        try:
+            return JSONResponse(await handle(await _read_json(request), backend))
+        except ValidationError as e:
+            on_reject("invalid_argument")
+            return _backend_error(e)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokens(request, tokenize_api.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokens(request, tokenize_api.detokenize)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -198,41 +198,51 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
 
 
 async def _collect(backend: Backend, req: oai.OpenAIRequest, gen: _Generation) -> Response:
-    texts: list[str] = []
-    entries: list[dict[int, float]] = []
-    last = None
+    num = len(req.inputs)
+    texts: list[list[str]] = [[] for _ in range(num)]
+    entries: list[list[dict[int, float]]] = [[] for _ in range(num)]
+    lasts: dict[int, GenerateChunk] = {}
     try:
-        async for chunk in gen.chunks():
-            texts.append(chunk.text_delta)
-            entries += chunk.logprobs or []
-            last = chunk
+        async for index, chunk in gen.chunks():
+            texts[index].append(chunk.text_delta)
+            entries[index] += chunk.logprobs or []
+            lasts[index] = chunk
     finally:
         gen.close()
-    assert last is not None and last.is_last  # chunks() ends only after the last chunk
-    logprobs = oai.logprobs_json(req, backend, entries)
-    return JSONResponse(oai.response_object(req, "".join(texts), last, logprobs))
+    assert len(lasts) == num and all(c.is_last for c in lasts.values())
+    return JSONResponse(oai.response_object(
+        req, ["".join(t) for t in texts], [lasts[i] for i in range(num)],
+        [oai.logprobs_json(req, backend, e) for e in entries]))
 
 
 async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
-               first: GenerateChunk, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+               first: tuple[int, GenerateChunk],
+               chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
+    """Chunks of all choices interleaved as they come, each with its choice index."""
     created = int(time.time())
-    is_first = True
+    started: set[int] = set()
+    latest: dict[int, GenerateChunk] = {}
     try:
-        chunk: GenerateChunk | None = first
-        while chunk is not None:
+        item: tuple[int, GenerateChunk] | None = first
+        while item is not None:
+            index, chunk = item
+            latest[index] = chunk
+            is_first = index not in started
             if chunk.text_delta or chunk.logprobs or chunk.is_last or is_first:
-                obj = oai.chunk_object(req, chunk.text_delta, chunk.finish_reason,
+                obj = oai.chunk_object(req, index, chunk.text_delta, chunk.finish_reason,
                                        oai.logprobs_json(req, backend, chunk.logprobs), created,
                                        role=is_first)
                 if chunk.is_last:
                     obj["timing"] = oai.timing(chunk.timing)
                 if req.continuous_usage:
-                    obj["usage"] = oai.usage(chunk)
-                is_first = False
+                    obj["usage"] = oai.usage(req, latest)
+                started.add(index)
                 yield _event(obj)
-                if chunk.is_last and req.include_usage:  # OpenAI: one more, choices empty
-                    yield _event({**obj, "choices": [], "usage": oai.usage(chunk), "timing": None})
-            chunk = None if chunk.is_last else await anext(chunks, None)
+            item = await anext(chunks, None)
+        if req.include_usage:  # OpenAI: one more, choices empty
+            yield _event({"id": req.req_id, "object": "chat.completion.chunk" if req.is_chat
+                          else "text_completion", "created": created, "model": req.model,
+                          "choices": [], "usage": oai.usage(req, latest), "timing": None})
         yield "data: [DONE]\n\n"
     except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
         body = json.loads(_backend_error(e).body)

@@ -1,7 +1,10 @@
 """OpenAI's JSON shapes: request bodies -> GenerateInput, GenerateChunks -> response objects.
 
-Covers /v1/completions and /v1/chat/completions with one choice (n = 1) and one prompt per
-request. Extra sampling fields that vLLM also accepts (top_k, min_p, repetition_penalty,
+Covers /v1/completions (one prompt, or a batch: a list of strings or of token-id lists) and
+/v1/chat/completions, with `n` samples per prompt: one backend request per choice, choice
+index = prompt index * n + sample index, sample i of a seeded request seeded seed + i;
+n x prompts is bounded by `max_num_choices`. logit_bias as OpenAI's ({"token id": bias in
+[-100, 100]}). Extra sampling fields that vLLM also accepts (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens) are taken from the body, so the
 `openai` client passes them with `extra_body`.
 """
@@ -13,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
     ValidationError,
@@ -35,7 +39,10 @@ _BOOLS = ("stream", "ignore_eos", "skip_special_tokens", "echo")
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    inp: GenerateInput
+    # One per choice, by choice index (prompt index * n + sample index).
+    inputs: tuple[GenerateInput, ...]
+    req_id: str  # the response's id; choice i runs as backend request f"{req_id}-{i}" if n > 1
+    n: int  # samples per prompt
     model: str
     is_chat: bool
     stream: bool
@@ -62,10 +69,9 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
         _check_type(body, name, (bool,), "a boolean")
     _check_type(body, "model", (str,), "a string")
     check_model(body.get("model"), backend)
-    if body.get("n") not in (None, 1):
-        raise ValidationError("n", f"n must be 1 (one choice per request), got {body['n']!r}")
-    if body.get("logit_bias"):
-        raise ValidationError("logit_bias", "logit_bias is not supported")
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n < 1):
+        raise ValidationError("n", f"n must be an integer >= 1, got {n!r}")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise ValidationError("stop", f"stop must be a string or a list of strings, got {stop!r}")
@@ -82,23 +88,51 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
     kwargs = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
     if stop is not None:
         kwargs["stop"] = stop
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     return kwargs
 
 
-def _finish(body: dict[str, Any], backend: Backend, ids: list[int], text: str | None,
-            kwargs: dict[str, Any], is_chat: bool, num_top: int | None,
-            prompt_field: str) -> OpenAIRequest:
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's {"token id as a string": bias}; range checks are SamplingParams'."""
+    if not isinstance(value, dict):
+        raise ValidationError("logit_bias", f"logit_bias must be an object mapping token ids "
+                              f"to biases, got {value!r:.100}")
+    bias = {}
+    for key, b in value.items():
+        token_id = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() \
+            else None
+        if token_id is None:
+            raise ValidationError("logit_bias", f"logit_bias keys must be token ids, got "
+                                  f"{key!r:.40}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise ValidationError("logit_bias", f"logit_bias values must be numbers, got "
+                                  f"{b!r:.40} for token {key}")
+        bias[token_id] = float(b)
+    return bias
+
+
+def _finish(body: dict[str, Any], backend: Backend, prompts: list[tuple[list[int], str | None]],
+            kwargs: dict[str, Any], is_chat: bool, num_top: int | None, prompt_field: str,
+            max_num_choices: int) -> OpenAIRequest:
+    """prompts: (token ids, text or None) each."""
+    n = body.get("n") or 1
+    check_num_choices(n, len(prompts), max_num_choices)
     params = sampling_params(**kwargs)
-    check_lengths(backend, len(ids), params, prompt_field)
+    for i, (ids, _) in enumerate(prompts):
+        check_lengths(backend, len(ids), params,
+                      prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]")
     options = body.get("stream_options") or {}
-    prefix = "chatcmpl-" if is_chat else "cmpl-"
-    inp = GenerateInput(request_id(None, prefix), ids, params, text)
-    return OpenAIRequest(inp, backend.model.name, is_chat, bool(body.get("stream")),
-                         bool(options.get("include_usage")), num_top,
+    req_id = request_id(None, "chatcmpl-" if is_chat else "cmpl-")
+    inputs = fan_out([GenerateInput(req_id, ids, params, text) for ids, text in prompts], n,
+                     req_id)
+    return OpenAIRequest(tuple(inputs), req_id, n, backend.model.name, is_chat,
+                         bool(body.get("stream")), bool(options.get("include_usage")), num_top,
                          bool(options.get("continuous_usage_stats")))
 
 
-async def parse_completion(body: Any, backend: Backend) -> OpenAIRequest:
+async def parse_completion(body: Any, backend: Backend,
+                           max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
     kwargs = _common(body, backend)
     for name in ("suffix", "echo"):
         if body.get(name):
@@ -106,33 +140,37 @@ async def parse_completion(body: Any, backend: Backend) -> OpenAIRequest:
     if body.get("best_of") not in (None, 1):
         raise ValidationError("best_of", f"best_of must be 1, got {body['best_of']!r}")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    text = None
-    if isinstance(prompt, str):
-        text = prompt
-        ids = await encode_text(backend, prompt, "prompt")
-    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        if not prompt:
-            raise ValidationError("prompt", "prompt must not be empty")
-        ids = list(prompt)
-        check_token_ids(ids, "prompt", backend.model.vocab_size)
-    elif isinstance(prompt, list) and prompt:
-        raise ValidationError("prompt", f"prompt must be one string or one list of token ids; "
-                              f"batches of {len(prompt)} prompts are not supported")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        batch = prompt  # a batch: strings or token-id lists
+        fields = [f"prompt[{i}]" for i in range(len(batch))]
     else:
-        raise ValidationError("prompt", f"prompt must be a string or a list of token ids, "
-                              f"got {prompt!r:.100}")
+        batch, fields = [prompt], ["prompt"]
+    check_num_choices(body.get("n") or 1, len(batch), max_num_choices)  # before tokenizing
+    prompts = [await _one_prompt(p, field, backend) for p, field in zip(batch, fields, strict=True)]
     kwargs["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
     if kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = DEFAULT_MAX_TOKENS
     logprobs = body.get("logprobs")
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
-    return _finish(body, backend, ids, text, kwargs, False, logprobs, "prompt")
+    return _finish(body, backend, prompts, kwargs, False, logprobs, "prompt", max_num_choices)
 
 
-async def parse_chat(body: Any, backend: Backend) -> OpenAIRequest:
+async def _one_prompt(prompt: Any, field: str, backend: Backend) -> tuple[list[int], str | None]:
+    """(token ids, text or None) of one prompt: a string or a list of token ids."""
+    if isinstance(prompt, str):
+        return await encode_text(backend, prompt, field), prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        check_token_ids(prompt, field, backend.model.vocab_size)
+        return list(prompt), None
+    if isinstance(prompt, list) and not prompt:
+        raise ValidationError(field, f"{field} must not be empty")
+    raise ValidationError(field, f"{field} must be a string or a list of token ids, "
+                          f"got {prompt!r:.100}")
+
+
+async def parse_chat(body: Any, backend: Backend,
+                     max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
     kwargs = _common(body, backend)
     for name in ("tools", "functions"):
         if body.get(name):
@@ -140,11 +178,7 @@ async def parse_chat(body: Any, backend: Backend) -> OpenAIRequest:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise ValidationError("response_format", "response_format must be {'type': 'text'}")
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise ValidationError("messages", f"messages must be a list, got {messages!r:.100}")
-    ids = await encode_chat(backend, [_message(m, i) for i, m in enumerate(messages)],
-                            "messages")
+    ids = await encode_chat(backend, chat_messages(body.get("messages")), "messages")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -160,12 +194,20 @@ async def parse_chat(body: Any, backend: Backend) -> OpenAIRequest:
     elif body.get("top_logprobs") is not None:
         raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true")
     try:
-        return _finish(body, backend, ids, None, kwargs, True, num_top, "messages")
+        return _finish(body, backend, [(ids, None)], kwargs, True, num_top, "messages",
+                       max_num_choices)
     except ValidationError as e:
         if e.field == "logprobs":  # the chat API calls the count top_logprobs
             raise ValidationError("top_logprobs", e.message.replace("logprobs", "top_logprobs",
                                                                     1)) from None
         raise
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI's messages as {"role", "content"} dicts (text content parts joined)."""
+    if not isinstance(messages, list):
+        raise ValidationError("messages", f"messages must be a list, got {messages!r:.100}")
+    return [_message(m, i) for i, m in enumerate(messages)]
 
 
 def _message(m: Any, i: int) -> dict[str, str]:
@@ -191,11 +233,15 @@ def _message(m: Any, i: int) -> dict[str, str]:
 
 
 # -- responses ---------------------------------------------------------------------------------
-def usage(chunk: GenerateChunk) -> dict[str, Any]:
-    return {"prompt_tokens": chunk.num_prompt_tokens,
-            "completion_tokens": chunk.num_output_tokens,
-            "total_tokens": chunk.num_prompt_tokens + chunk.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": chunk.num_cached_tokens}}
+def usage(req: OpenAIRequest, latest: dict[int, GenerateChunk]) -> dict[str, Any]:
+    """Totals over the choices' latest chunks (by choice index): each prompt's tokens once
+    (from its first sample), every choice's output, and every choice's prefix-cache hits."""
+    num_prompt = sum(c.num_prompt_tokens for i, c in latest.items() if i % req.n == 0)
+    num_output = sum(c.num_output_tokens for c in latest.values())
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+            "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(c.num_cached_tokens for c in latest.values())}}
 
 
 def timing(t: Timing | None) -> dict[str, float] | None:
@@ -231,25 +277,32 @@ def logprobs_json(req: OpenAIRequest, backend: Backend,
             "text_offset": None}
 
 
-def response_object(req: OpenAIRequest, text: str, last: GenerateChunk,
-                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    """The non-streamed response."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
-                              "logprobs": logprobs}
-    if req.is_chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {"id": req.inp.req_id, "object": "chat.completion" if req.is_chat else
+def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateChunk],
+                    logprobs: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The non-streamed response: choice i from texts[i], lasts[i] (its last chunk) and
+    logprobs[i]; the timing is choice 0's."""
+    choices = []
+    for index, (text, last, lp) in enumerate(zip(texts, lasts, logprobs, strict=True)):
+        choice: dict[str, Any] = {"index": index, "finish_reason": last.finish_reason,
+                                  "logprobs": lp}
+        if req.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
+    return {"id": req.req_id, "object": "chat.completion" if req.is_chat else
             "text_completion", "created": int(time.time()), "model": req.model,
-            "choices": [choice], "usage": usage(last), "timing": timing(last.timing)}
+            "choices": choices, "usage": usage(req, dict(enumerate(lasts))),
+            "timing": timing(lasts[0].timing)}
 
 
-def chunk_object(req: OpenAIRequest, delta: str | None, finish_reason: str | None,
+def chunk_object(req: OpenAIRequest, index: int, delta: str | None, finish_reason: str | None,
                  logprobs: dict[str, Any] | None, created: int,
                  role: bool = False) -> dict[str, Any]:
-    """One streamed chunk; `delta` None means an empty delta (the final chunk of a chat)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+    """One streamed chunk of choice `index`; `delta` None means an empty delta (the final
+    chunk of a chat)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
+                              "logprobs": logprobs}
     if req.is_chat:
         d: dict[str, Any] = {"role": "assistant"} if role else {}
         if delta is not None:
@@ -257,6 +310,6 @@ def chunk_object(req: OpenAIRequest, delta: str | None, finish_reason: str | Non
         choice["delta"] = d
     else:
         choice["text"] = delta or ""
-    return {"id": req.inp.req_id, "object": "chat.completion.chunk" if req.is_chat else
+    return {"id": req.req_id, "object": "chat.completion.chunk" if req.is_chat else
             "text_completion", "created": created, "model": req.model, "choices": [choice],
             "usage": None}

@@ -52,6 +52,7 @@ class GatewayConfig:
     shutdown_delay_s: float = 0.0
     api_keys: APIKeys = field(default_factory=APIKeys)  # none: the public APIs are open
     tls: TLSConfig | None = None  # TLS on both public ports (service_infra/tls.py); None: plaintext
+    max_num_choices: int = 64  # n x prompts of one OpenAI request; more is a 400
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -60,13 +61,16 @@ class GatewayConfig:
         for name in ("grace_s", "shutdown_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_num_choices < 1:
+            raise ValueError(f"max_num_choices must be >= 1, got {self.max_num_choices}")
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(host=args.host, grpc_port=args.port, http_port=args.http_port,
                          grace_s=args.grace, shutdown_delay_s=args.shutdown_delay,
                          api_keys=APIKeys.from_sources(args.api_key, args.api_key_file),
-                         tls=tls_from_args(args, is_public=True))
+                         tls=tls_from_args(args, is_public=True),
+                         max_num_choices=args.max_num_choices)
 
 
 def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
@@ -197,11 +201,12 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
     health_ = _Health()
     grpc, grpc_port = grpc_server.create_server(backend, f"{config.host}:{config.grpc_port}",
                                                 health_.servicer, metrics.reject,
-                                                config.api_keys, config.tls)
+                                                config.api_keys, config.tls,
+                                                config.max_num_choices)
     await grpc.start()
     http = _HTTPServer(uvicorn.Config(
         build_app(backend, lambda: health_.is_serving, registry, metrics.reject,
-                  config.api_keys),
+                  config.api_keys, config.max_num_choices),
         host=config.host,
         port=config.http_port, lifespan="off", access_log=False, log_level="warning",
         timeout_graceful_shutdown=max(1, round(config.grace_s)), **_https(config.tls)))

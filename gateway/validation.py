@@ -87,7 +87,7 @@ async def encode_text(backend: Backend, text: str, field: str) -> list[int]:
 
 
 async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
-                      field: str) -> list[int]:
+                      field: str, add_generation_prompt: bool = True) -> list[int]:
     if not messages:
         raise ValidationError(field, f"{field} must contain at least 1 message, got 0")
     for i, m in enumerate(messages):
@@ -98,8 +98,9 @@ async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
     tokenizer = backend.tokenizer
     try:
         if sum(len(m["content"]) for m in messages) <= MAX_INLINE_TOKENIZE_CHARS:
-            return tokenizer.apply_chat_template(list(messages))
-        return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages))
+            return tokenizer.apply_chat_template(list(messages), add_generation_prompt)
+        return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages),
+                                       add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as e:  # no template, or the template refuses
         raise ValidationError(field, f"{field}: the chat template refused them: {e}") from None
 
@@ -130,6 +131,12 @@ def check_lengths(backend: Backend, num_prompt_tokens: int, params: SamplingPara
             f"{num_prompt_tokens + params.max_tokens}")
     check_token_ids(params.stop_token_ids, field_prefix + "stop_token_ids",
                     backend.model.vocab_size)
+    vocab_size = backend.model.vocab_size
+    for token_id, _ in params.logit_bias:
+        if token_id >= vocab_size:
+            raise ValidationError(field_prefix + "logit_bias",
+                                  f"{field_prefix}logit_bias token ids must be in [0, "
+                                  f"{vocab_size}), got {token_id}")
 
 
 # -- gRPC ------------------------------------------------------------------------------------
@@ -173,5 +180,5 @@ def proto_sampling_kwargs(s: pb.SamplingParameters) -> dict[str, Any]:
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         seed=opt("seed", None), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos, logprobs=opt("logprobs", None),
-        skip_special_tokens=opt("skip_special_tokens", True),
+        skip_special_tokens=opt("skip_special_tokens", True), logit_bias=dict(s.logit_bias),
     )

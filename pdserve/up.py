@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             "--canary-idle-s", str(args.canary_idle_s),
             "--canary-timeout-s", str(args.canary_timeout_s),
             "--canary-failures", str(args.canary_failures),
-            *common])
+            "--max-num-choices", str(args.max_num_choices), *common])
         line = gateway.wait_ready(deadline)
         http_url = line.split("HTTP ")[1].split()[0]
         metrics = [f"{http_url}/metrics"] + [w.metrics_url or "?" for w in stack.workers]

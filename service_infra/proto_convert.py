@@ -21,7 +21,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParameters:
         top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        skip_special_tokens=p.skip_special_tokens,
+        skip_special_tokens=p.skip_special_tokens, logit_bias=dict(p.logit_bias),
     )
     if p.seed is not None:
         msg.seed = p.seed
@@ -37,6 +37,7 @@ def sampling_from_proto(m: pb.SamplingParameters) -> SamplingParams:
         min_tokens=m.min_tokens, top_k=m.top_k, min_p=m.min_p,
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
+        logit_bias=dict(m.logit_bias),
     )
     for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed",
                  "logprobs", "skip_special_tokens"):

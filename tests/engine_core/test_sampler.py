@@ -333,3 +333,57 @@ def test_argmax_rows_is_torchs_argmax_ties_included():
     assert argmax_rows(logits)[1] == 7
     small = torch.randn(3, 10, generator=g)  # below the native kernel's width: torch's
     assert torch.equal(argmax_rows(small), small.argmax(dim=-1))
+
+
+def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled() -> None:
+    """+100 makes a token certain and -100 rules it out, in greedy and random rows alike;
+    the bias comes before penalties and filters (a top_k=1 row follows the biased argmax)."""
+    vocab_size = 64
+    logits = random_logits(6, vocab_size, seed=3)
+    order = logits.argsort(dim=-1, descending=True)  # [6, V]
+    forced = 17
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={forced: 100}),
+        SamplingParams(temperature=1.0, seed=1, logit_bias={forced: 100.0}),
+        SamplingParams(temperature=1.0, top_k=1, logit_bias={forced: 100}),
+        SamplingParams(temperature=0.0, logit_bias={int(order[3, 0]): -100}),
+        SamplingParams(temperature=0.0, logit_bias={int(order[4, 0]): -100,
+                                                    int(order[4, 1]): -100}),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler()(logits.clone(), make_batch(params, vocab_size)).sampled_token_ids
+    assert out[:3].tolist() == [forced] * 3
+    assert out[3] == order[3, 1] and out[4] == order[4, 2] and out[5] == order[5, 0]
+    # sampled rows never draw a banned token
+    banned = [int(t) for t in order[0, :8]]
+    counts = sample_many(SamplingParams(temperature=2.0, logit_bias={t: -100 for t in banned}),
+                         logits[0])
+    assert counts[banned].sum() == 0
+
+
+def test_logit_bias_leaves_raw_logprobs_alone() -> None:
+    logits = random_logits(1, 32, seed=4)
+    raw = logits.log_softmax(dim=-1)
+    params = SamplingParams(temperature=0.0, logprobs=1, logit_bias={5: 100})
+    out = Sampler()(logits.clone(), make_batch([params], 32))
+    assert out.sampled_token_ids.tolist() == [5]
+    assert torch.allclose(out.sampled_logprobs, raw[0, 5:6])
+
+
+@pytest.mark.parametrize(("bias", "message"), [
+    ({1: 100.5}, "logit_bias values must be in"),
+    ({1: -101}, "logit_bias values must be in"),
+    ({1: float("nan")}, "logit_bias must be a finite number"),
+    ({-1: 1.0}, "logit_bias token ids must be >= 0"),
+    ({"7": 1.0}, "logit_bias must be an int"),
+    ({1: 1, 2: 2, **{t: 0 for t in range(3, 1100)}}, "logit_bias must have at most"),
+])
+def test_logit_bias_validation(bias: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_is_normalised_sorted_pairs() -> None:
+    p = SamplingParams(logit_bias={9: 1, 2: -3.5})
+    assert p.logit_bias == ((2, -3.5), (9, 1.0))
+    assert p == SamplingParams(logit_bias=[(9, 1.0), (2, -3.5)])

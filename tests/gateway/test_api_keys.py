@@ -99,6 +99,10 @@ def test_http_refuses_without_key_and_admits_with_one(keyed):
     done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
     assert done.usage.completion_tokens == 2
     assert httpx.get(f"{keyed.http_url}/health", timeout=10).status_code == 200
+    for path, body in (("tokenize", {"prompt": "Hi"}), ("detokenize", {"tokens": [1]})):
+        assert httpx.post(f"{keyed.http_url}/{path}", json=body, timeout=10).status_code == 401
+        assert httpx.post(f"{keyed.http_url}/{path}", json=body, timeout=10, headers={
+            "authorization": f"Bearer {FILE_KEY}"}).status_code == 200
     metrics = httpx.get(f"{keyed.http_url}/metrics", timeout=10)
     assert metrics.status_code == 200
     line = next(ln for ln in metrics.text.splitlines()

@@ -120,7 +120,7 @@ BAD_BODIES = [  # (case, path, body, status, param, bound named in the message)
      "16"),
     ("stop string too long", "completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop",
      "256"),
-    ("n > 1", "completions", {"prompt": "hi", "n": 2}, 400, "n", "1"),
+    ("n 0", "completions", {"prompt": "hi", "n": 0}, 400, "n", ">= 1"),
     ("no messages", "chat/completions", {"messages": []}, 400, "messages", "1 message"),
     ("unknown role", "chat/completions", {"messages": [{"role": "x", "content": "hi"}]}, 400,
      "messages[0].role", "user"),

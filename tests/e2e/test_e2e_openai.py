@@ -1,0 +1,113 @@
+"""OpenAI API parity through the disaggregated stack (`pdserve up --transport shm`, 1 prefill +
+1 decode): logit_bias reaches the prefill worker, which samples the first token, and the decode
+worker, which samples the rest. Through HTTP (the official `openai` client) and gRPC."""
+
+from __future__ import annotations
+
+import grpc
+import openai
+import pytest
+
+from engine_core.sampling_params import SamplingParams
+from protos.pdserve.v1 import generate_pb2 as pb
+from tests.e2e.stack import greedy, out_ids, run
+from tests.helpers import torch_threads
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+FORCED = 1000
+N = 6
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory):
+    start, stop = stack_factory
+    s = start("--transport", "shm")
+    yield s
+    stop(s)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", timeout=120,
+                       max_retries=0) as c:
+        yield c
+
+
+def test_logit_bias_forces_a_token_on_both_workers(stack, client, ref):
+    """Every token, the first (prefill worker) and the rest (decode worker), is FORCED."""
+    msgs = run(stack.generation(), pb.GenerateRequest(
+        text=PROMPT, sampling=greedy(N, logit_bias={FORCED: 100.0})))
+    assert out_ids(msgs) == [FORCED] * N
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=1.0,
+                                     seed=3, logit_bias={str(FORCED): 100})
+    assert resp.choices[0].text == ref.tokenizer.decode([FORCED] * N)
+
+
+def test_logit_bias_ban_matches_offline_engine(stack, client, ref):
+    first = ref.generate(PROMPT, N).outputs[0].token_ids[0]
+    params = SamplingParams(max_tokens=N, temperature=0.0, logit_bias={first: -100})
+    with torch_threads(1):
+        expected = ref.offline.llm.generate(PROMPT, params)[0].outputs[0]
+    assert first not in expected.token_ids
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
+                                     logit_bias={str(first): -100})
+    assert resp.choices[0].text == expected.text
+
+
+def test_bad_logit_bias_is_refused_and_the_stack_keeps_serving(stack, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                  logit_bias={"49152": 5})
+    assert e.value.body["param"] == "logit_bias" and "[0, 49152)" in e.value.body["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        run(stack.generation(), pb.GenerateRequest(
+            text=PROMPT, sampling=greedy(2, logit_bias={7: -100.5})))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logit_bias" in e.value.details()
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage
+
+
+LONG = ("Once upon a time, in a small village at the edge of a dark forest, there lived an old "
+        "clockmaker who had never once left the valley where he was born. Every morning he")
+
+
+def test_n_and_batched_prompts_through_both_pools(stack, client, ref):
+    """Greedy choices equal the offline engine; samples 1.. of a prompt start after sample 0's
+    prefill and find its full blocks in the decode worker's prefix cache."""
+    refs = [ref.generate(p, N) for p in (PROMPT, LONG)]
+    resp = client.completions.create(model=MODEL, prompt=[PROMPT, LONG], max_tokens=N,
+                                     temperature=0, n=3)
+    assert [c.index for c in resp.choices] == list(range(6))
+    assert [c.text for c in resp.choices] == [refs[0].outputs[0].text] * 3 + \
+        [refs[1].outputs[0].text] * 3
+    assert resp.usage.completion_tokens == 6 * N
+    num_long = len(refs[1].prompt_token_ids)
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 2 * (num_long // 16) * 16
+    seeded = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=N,
+        temperature=1.0, seed=11, n=2, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in seeded:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    alone = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=N,
+        temperature=1.0, seed=12)
+    assert texts[1] == alone.choices[0].message.content
+
+
+def test_grpc_n_through_both_pools(stack, ref):
+    out = ref.generate(LONG, N)
+    expected = out.outputs[0].token_ids
+    msgs = run(stack.generation(), pb.GenerateRequest(text=LONG, sampling=greedy(N), n=3))
+    samples: dict[int, list[int]] = {}
+    for m in msgs:
+        samples.setdefault(m.index, []).extend(m.token_ids)
+    assert samples == {i: list(expected) for i in range(3)}
+    last = [m for m in msgs if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert sorted(m.index for m in last) == [0, 1, 2]
+    full_blocks = len(out.prompt_token_ids) // 16 * 16
+    assert sum(m.usage.cached_prompt_tokens for m in last) >= 2 * full_blocks
