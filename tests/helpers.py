@@ -80,6 +80,45 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: children, their children, ..."""
+    out, todo = [], [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def listeners(port: int) -> set[int]:
+    """The pids holding a listening TCP socket on `port` (any address), from /proc: what a
+    connect test cannot tell apart from another program that took the freed port."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if inodes and entry.name.isdigit():
+            try:
+                fds = list((entry / "fd").iterdir())
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    if str(fd.readlink()) in inodes:
+                        pids.add(int(entry.name))
+                except OSError:
+                    continue
+    return pids
+
+
 def is_alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (dead, waiting to be reaped)."""
     try:
