@@ -47,8 +47,8 @@ class HandoffConnector:
     KV completes in a step gets a transfer session before the model runs, and every layer is
     handed to the sessions as soon as it is computed. Targets are set from other threads."""
 
-    def __init__(self, kv_cache: Callable[[], object]) -> None:
-        self._kv_cache = kv_cache  # the engine's cache, once the engine exists
+    def __init__(self, engine: Callable[[], LLMEngine]) -> None:
+        self._engine = engine  # the engine it serves (built after the connector)
         self._lock = threading.Lock()
         self._targets: dict[str, HandoffTarget] = {}  # guarded by _lock
 
@@ -68,7 +68,7 @@ class HandoffConnector:
             target = self.pop_target(req.req_id)
             if target is None:
                 continue
-            block_size = self._block_size
+            block_size = self._engine().layout.block_size
             src = blocks[target.first_block:cdiv(req.num_prompt_tokens, block_size)]
             try:
                 target.session = target.conn.begin(target.lease_id, src, target.dst_block_ids)
@@ -77,9 +77,7 @@ class HandoffConnector:
                 target.on_sent(None, e)
                 continue
             handoffs.append(target)
-        return HandoffStep(handoffs, self._kv_cache()) if handoffs else None
-
-    _block_size = 16  # set by PrefillEngine to the engine's layout
+        return HandoffStep(handoffs, self._engine().runner.kv_cache) if handoffs else None
 
 
 @dataclass
@@ -103,10 +101,8 @@ class PrefillEngine(LLMEngine):
     like LLMEngine."""
 
     def __init__(self, *args, **kwargs) -> None:
-        connector = HandoffConnector(lambda: self.runner.kv_cache)
-        super().__init__(*args, kv_connector=connector, **kwargs)
-        connector._block_size = self.layout.block_size
-        self.connector = connector
+        self.connector = HandoffConnector(lambda: self)
+        super().__init__(*args, kv_connector=self.connector, **kwargs)
 
     def set_target(self, req_id: str, target: HandoffTarget) -> None:
         self.connector.set_target(req_id, target)
