@@ -195,17 +195,38 @@ async def _collect(backend: Backend, req: oai.OpenAIRequest, gen: _Generation) -
     texts: list[list[str]] = [[] for _ in range(num)]
     entries: list[list[dict[int, float]]] = [[] for _ in range(num)]
     lasts: dict[int, GenerateChunk] = {}
+    prompt_lps: dict[int, list[dict[int, float] | None]] = {}
     try:
         async for index, chunk in gen.chunks():
             texts[index].append(chunk.text_delta)
             entries[index] += chunk.logprobs or []
             lasts[index] = chunk
+            if chunk.prompt_logprobs is not None:
+                prompt_lps[index] = chunk.prompt_logprobs
     finally:
         gen.close()
     assert len(lasts) == num and all(c.is_last for c in lasts.values())
-    return JSONResponse(oai.response_object(
-        req, ["".join(t) for t in texts], [lasts[i] for i in range(num)],
-        [oai.logprobs_json(req, backend, e) for e in entries]))
+    heads = [_echo(backend, req, i, prompt_lps.get(i)) for i in range(num)]
+    obj = oai.response_object(
+        req, [head + "".join(t) for (head, _), t in zip(heads, texts, strict=True)],
+        [lasts[i] for i in range(num)],
+        [oai.join_logprobs(head_lp, oai.logprobs_json(req, backend, e))
+         for (_, head_lp), e in zip(heads, entries, strict=True)])
+    if req.num_prompt_logprobs is not None:
+        for i, choice in enumerate(obj["choices"]):
+            choice["prompt_logprobs"] = oai.prompt_logprobs_json(req, backend, prompt_lps.get(i))
+    return JSONResponse(obj)
+
+
+def _echo(backend: Backend, req: oai.OpenAIRequest, index: int,
+          prompt_lps: list[dict[int, float] | None] | None) -> tuple[str, dict[str, Any] | None]:
+    """What leads choice `index` when echo is on: the prompt's text and logprobs."""
+    if not req.echo:
+        return "", None
+    inp = req.inputs[index]
+    text = inp.prompt_text if inp.prompt_text is not None else backend.tokenizer.decode(
+        inp.prompt_token_ids, skip_special_tokens=False)
+    return text, oai.echo_logprobs(req, backend, inp.prompt_token_ids, prompt_lps)
 
 
 async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
@@ -222,9 +243,15 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
             latest[index] = chunk
             is_first = index not in started
             if chunk.text_delta or chunk.logprobs or chunk.is_last or is_first:
-                obj = oai.chunk_object(req, index, chunk.text_delta, chunk.finish_reason,
-                                       oai.logprobs_json(req, backend, chunk.logprobs), created,
-                                       role=is_first)
+                head, head_lp = _echo(backend, req, index, chunk.prompt_logprobs) \
+                    if is_first else ("", None)
+                obj = oai.chunk_object(
+                    req, index, head + chunk.text_delta, chunk.finish_reason,
+                    oai.join_logprobs(head_lp, oai.logprobs_json(req, backend, chunk.logprobs)),
+                    created, role=is_first)
+                if is_first and req.num_prompt_logprobs is not None:
+                    obj["choices"][0]["prompt_logprobs"] = oai.prompt_logprobs_json(
+                        req, backend, chunk.prompt_logprobs)
                 if chunk.is_last:
                     obj["timing"] = oai.timing(chunk.timing)
                 if req.continuous_usage:
