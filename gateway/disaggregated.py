@@ -59,6 +59,7 @@ from service_infra.backend import (
 from service_infra.proto_convert import (
     FINISH_REASON_NAMES,
     logprob_from_proto,
+    prompt_logprobs_from_proto,
     sampling_to_proto,
 )
 from service_infra.tls import TLSConfig
@@ -179,6 +180,8 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
             t_prefill_call = time.monotonic()
             pre = await self._prefill(inp, sampling, decode, reservation)
             num_out, t_first = 0, None
+            prompt_lps = (prompt_logprobs_from_proto(pre.prompt_logprobs)
+                          if pre.prompt_logprobs else None)  # the prefill worker's
             call = decode.stub.Decode(pb.DecodeRequest(
                 request_id=inp.req_id, first_token_id=pre.first_token_id,
                 first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
@@ -194,6 +197,7 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
                         [logprob_from_proto(lp) for lp in msg.logprobs] if msg.logprobs
                         else None, reason, len(inp.prompt_token_ids), num_out,
                         msg.num_cached_tokens)
+                    chunk.prompt_logprobs, prompt_lps = prompt_lps, None  # on the first
                     if reason is not None:
                         queue = (t_prefill_call - inp.arrival) + pre.queue_s
                         ttft = t_first - inp.arrival

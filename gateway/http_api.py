@@ -201,8 +201,8 @@ async def _collect(backend: Backend, req: oai.OpenAIRequest, gen: _Generation) -
             texts[index].append(chunk.text_delta)
             entries[index] += chunk.logprobs or []
             lasts[index] = chunk
-            if chunk.prompt_logprobs is not None:
-                prompt_lps[index] = chunk.prompt_logprobs
+            if chunk.prompt_logprobs is not None:  # the first attempt's (a migrated
+                prompt_lps.setdefault(index, chunk.prompt_logprobs)  # request's prompt grew)
     finally:
         gen.close()
     assert len(lasts) == num and all(c.is_last for c in lasts.values())

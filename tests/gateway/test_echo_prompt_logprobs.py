@@ -89,3 +89,29 @@ def test_bad_prompt_logprobs_is_http_400(gateway, body, param):
     chat = httpx.post(f"{gateway.http_url}/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_grpc_prompt_logprobs_in_the_first_message(gateway, offline, batch):
+    import grpc
+
+    from protos.pdserve.v1 import generate_pb2 as pb
+
+    ids = batch[1]
+    ref = expected(offline, ids, 2)
+    with gateway.channel() as channel:
+        stub = gateway.stub(channel)
+        msgs = list(stub.Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParameters(
+                max_tokens=3, temperature=0, prompt_logprobs=2)), timeout=120))
+        plp = msgs[0].prompt_logprobs
+        assert [e.token_id for e in plp] == ids[1:]
+        for p, e in enumerate(plp, start=1):
+            assert e.logprob == pytest.approx(ref.prompt_logprobs[p][ids[p]], abs=1e-4)
+            assert {t.token_id for t in e.top} == set(ref.prompt_logprobs[p])
+        assert all(not m.prompt_logprobs for m in msgs[1:])
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(
+                prompt_logprobs=21)), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt_logprobs" in err.value.details()
+    gateway.wait_idle()
