@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP API on FastAPI, over a Backend.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
-    POST /tokenize, POST /detokenize (vLLM's shapes; gateway/tokenize_api.py)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; gateway/tokenize_api.py)
     GET  /v1/models   GET /health   GET /internal/status (counts and free KV blocks)
     GET  /metrics (Prometheus; gateway/metrics.py)
 
@@ -36,7 +36,7 @@ from service_infra.backend import (
 )
 
 MAX_BODY_BYTES = 4 << 20  # larger request bodies are refused with 400
-_KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # need an API key when keys are set
+_KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # need an API key when keys are set
 Parser = Callable[[Any, Backend, int], Awaitable[oai.OpenAIRequest]]
 
 
@@ -161,6 +161,10 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await tokens(request, tokenize_api.detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return JSONResponse(tokenize_api.tokenizer_info(backend))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
