@@ -34,6 +34,10 @@ from service_infra.backend import Backend, GenerateChunk, GenerateInput, Timing
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty", "seed", "min_tokens", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens")
+# vLLM's structured-output fields: refused rather than ignored (an unconstrained answer to a
+# client that asked for a schema would be wrong)
+_UNSUPPORTED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "guided_decoding_backend")
 _BOOLS = ("stream", "ignore_eos", "skip_special_tokens", "echo")
 
 
@@ -72,6 +76,13 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
         _check_type(body, name, (bool,), "a boolean")
     _check_type(body, "model", (str,), "a string")
     check_model(body.get("model"), backend)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ValidationError("response_format", "response_format must be {'type': 'text'}: "
+                              "structured outputs are not supported yet")
+    for name in _UNSUPPORTED:
+        if body.get(name) is not None:
+            raise ValidationError(name, f"{name} is not supported yet")
     n = body.get("n")
     if n is not None and (type(n) is not int or n < 1):
         raise ValidationError("n", f"n must be an integer >= 1, got {n!r}")
@@ -185,9 +196,6 @@ async def parse_chat(body: Any, backend: Backend,
     for name in ("tools", "functions", "prompt_logprobs"):
         if body.get(name) is not None and body.get(name) is not False:
             raise ValidationError(name, f"{name} is not supported in chat completions")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ValidationError("response_format", "response_format must be {'type': 'text'}")
     ids = await encode_chat(backend, chat_messages(body.get("messages")), "messages")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
