@@ -127,7 +127,7 @@ def native_cases() -> list[tuple[str, str, Callable, Callable]]:
 
         def c_kernel(qkv=qkv, cos_sin=cos_sin, kv_layer=kv_layer, slots=slots, tables=tables,
                      lens=lens, max_len=context_len, scale=scale):
-            return native.decode_attention(lib, qkv.clone(), cos_sin, kv_layer, slots, tables,
+            return native.row_attention(lib, qkv.clone(), cos_sin, kv_layer, slots, tables,
                                            lens, NUM_Q_HEADS, scale, max_len)
 
         def torch_path(qkv=qkv, cos_sin=cos_sin, kv_layer=kv_layer, slots=slots, tables=tables,

@@ -68,7 +68,9 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = LLMEngine(kv_allocator=allocate, **engine_kwargs(args))
     holder: dict[str, DecodeWorker] = {}
     table = LeaseTable(on_release=lambda lease, why: holder["w"].on_lease_released(lease, why))
-    worker = DecodeWorker(engine, table)
+    registration = worker_registration(redis_config, args, "decode", engine)
+    worker = DecodeWorker(engine, table, on_prefix=registration.publish_prefix
+                          if registration is not None else None)
     holder["w"] = worker
     start_metrics(worker_registry("decode", engine.source.name, engine, table), "decode", args)
     receiver = KVReceiver(engine.layout, engine.runner.kv_cache, table, kinds,
@@ -77,7 +79,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
     def add(server) -> list[str]:
         add_kv_transfer_servicer(server, KVTransferServicer(receiver))
-        servicer_box["s"] = DecodeServicer(worker, "", receiver.instance_id)
+        servicer_box["s"] = DecodeServicer(worker, "", receiver.instance_id,
+                                           is_prefix_in_status=registration is None)
         pb_grpc.add_DecodeServicer_to_server(servicer_box["s"], server)
         return [workers_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
                 kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name]
@@ -92,7 +95,7 @@ async def _serve(args: argparse.Namespace) -> None:
             pool.close()
 
     await serve_worker("decode", f"{args.host}:{args.port}", add, close, args.grace, on_bound,
-                       worker_registration(redis_config, args, "decode", engine), tls)
+                       registration, tls)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,8 +26,11 @@ MAX_LEASE_TTL_S = 600.0
 
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker, transfer_address: str,
-                 transfer_instance: str = "") -> None:
+                 transfer_instance: str = "", is_prefix_in_status: bool = True) -> None:
+        """is_prefix_in_status: Status lists the prefix blocks held here (without Redis; with
+        it the worker publishes them there instead)."""
         self.worker = worker
+        self.is_prefix_in_status = is_prefix_in_status
         self.transfer_address = transfer_address
         self.transfer_instance = transfer_instance  # the KV receiver's instance_id
 
@@ -59,12 +62,26 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def Decode(self, request: pb.DecodeRequest, context):
         first_lp = (logprob_from_proto(request.first_logprob)
                     if request.HasField("first_logprob") else None)
+        async for msg in self._stream(context, self.worker.decode(
+                request.request_id, request.first_token_id, first_lp,
+                request.ready_timeout_s or 5.0)):
+            yield msg
+
+    async def PrefillLocally(self, request: pb.LocalPrefillRequest, context):
+        if request.max_chunk_tokens < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_chunk_tokens must be >= 1, got {request.max_chunk_tokens}")
+        async for msg in self._stream(context, self.worker.prefill_locally(
+                request.request_id, request.lease_id, request.max_chunk_tokens)):
+            yield msg
+
+    @staticmethod
+    async def _stream(context, chunks):
+        """The worker's chunks as DecodeResponse messages; the last carries the timings."""
         t_first = t_second = None
         num_tokens = 0
         try:
-            async with contextlib.aclosing(self.worker.decode(
-                    request.request_id, request.first_token_id, first_lp,
-                    request.ready_timeout_s or 5.0)) as chunks:
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     now = time.monotonic()
                     t_first = t_first or now
@@ -78,6 +95,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                         msg.finish_reason = FINISH_REASONS[chunk.finish_reason]
                         msg.num_cached_tokens = chunk.num_cached_tokens
                         msg.first_decode_step_s = (t_second - t_first) if t_second else 0.0
+                        if chunk.timing is not None:  # the engine's: a local prefill's split
+                            msg.queue_s = chunk.timing.queue_s
+                            msg.prefill_s = chunk.timing.prefill_s
                     yield msg
         except LeaseNotReady as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -115,4 +135,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             num_running=s["num_running"], num_waiting=s["num_waiting"],
             num_reserved=s["num_reserved"], transfer_address=self.transfer_address,
             spec_num_drafts=s.get("speculative", {}).get("num_drafts", []),
-            spec_num_accepted=s.get("speculative", {}).get("num_accepted", []))
+            spec_num_accepted=s.get("speculative", {}).get("num_accepted", []),
+            prefill_tokens_per_s=eng.stats.prefill_tokens_per_s,
+            decode_step_s=eng.stats.decode_step_s,
+            kv_bytes_per_token=eng.layout.bytes_per_token,
+            prefix_block_hashes=self.worker.prefix.hashes() if self.is_prefix_in_status else ())

@@ -5,6 +5,9 @@ prompt KV arrives from a prefill worker under a lease.
               -> lease on the blocks to be written -> (lease id, block ids) to the gateway
     ...prefill worker writes the blocks and commits; the receiver verifies checksums...
     Decode:   lease COMPLETE -> claim -> engine.admit_prefilled(first token) -> stream
+    PrefillLocally (the gateway's choice, gateway/prefill_policy.py): the lease is withdrawn
+              before any sender began, the engine computes the prompt in the reserved
+              blocks (chunked beside the running decodes) and samples the first token
     Any end before the claim (abort, expiry, failed verification, peer death noticed as
     expiry) releases the lease, and its release aborts the reserved request: the blocks go
     back to the pool.
@@ -15,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from decode_service.prefix_record import PrefixRecord
 from engine_core.engine import LLMEngine
+from engine_core.kv_cache.block_hash import hash_full_blocks
 from engine_core.outputs import RequestOutput
 from engine_core.sampling_params import SamplingParams
-from kv_transfer import Lease, LeaseState, LeaseTable, UnknownLeaseError
+from kv_transfer import Lease, LeaseError, LeaseState, LeaseTable, UnknownLeaseError
 from service_infra.backend import GenerateChunk, GenerateInput
 from service_infra.colocated import ColocatedBackend
 
 logger = logging.getLogger(__name__)
 READY_POLL_S = 0.002
+MAX_RECORDED_BLOCKS = 128  # leading blocks of a prompt recorded for routing (the gateway's
+#                            gateway/routing.py MAX_ROUTING_BLOCKS: longer overlaps count equal)
 
 
 class LeaseNotReady(RuntimeError):
@@ -46,10 +53,26 @@ class Reservation:
 class DecodeWorker(ColocatedBackend):
     """Create inside the running event loop (like ColocatedBackend)."""
 
-    def __init__(self, engine: LLMEngine, lease_table: LeaseTable) -> None:
+    def __init__(self, engine: LLMEngine, lease_table: LeaseTable,
+                 on_prefix: Callable[[list[int]], None] | None = None) -> None:
+        """on_prefix(block hashes): the full blocks of a prompt now held here (the server
+        publishes them to Redis when registered; must not block or raise)."""
         super().__init__(engine)
         self.leases = lease_table
         self.reservations: dict[str, Reservation] = {}  # loop side; until claimed or ended
+        self.prefix = PrefixRecord(max(1, engine.num_kv_blocks))  # what Status publishes
+        self.on_prefix = on_prefix
+
+    def _held(self, prompt_token_ids: list[int]) -> None:
+        """The prompt's full blocks are in this worker's prefix cache now: record them for
+        the gateways' routing (decode_service/prefix_record.py)."""
+        bs = self.engine.layout.block_size
+        hashes = hash_full_blocks(prompt_token_ids[:MAX_RECORDED_BLOCKS * bs], bs)
+        if not hashes:
+            return
+        self.prefix.add(hashes)
+        if self.on_prefix is not None:
+            self.on_prefix(hashes)
 
     # -- called by the lease table, from any thread -------------------------------------------
     def on_lease_released(self, lease: Lease, reason: str) -> None:
@@ -116,7 +139,40 @@ class DecodeWorker(ColocatedBackend):
                 raise ValueError(f"cannot admit: {e!r}") from e
 
         inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
+        self._held(res.prompt_token_ids)  # verified KV, cached at admission
         async for chunk in self.generate(inp, start=admit):
+            yield chunk
+
+    async def prefill_locally(self, req_id: str, lease_id: str,
+                              max_chunk_tokens: int) -> AsyncIterator[GenerateChunk]:
+        """Compute the reservation's prompt in this engine and stream every token from the
+        first on. The blocks stay the reservation's throughout (admission counted them);
+        LeaseNotReady if the lease ended or a sender has begun writing into it."""
+        if max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
+        res = self.reservations.get(req_id)
+        if res is None or res.lease_id != lease_id:
+            raise LeaseNotReady(f"no reservation for request {req_id!r} under lease "
+                                f"{lease_id!r} (never made, expired or aborted)")
+        try:
+            self.leases.withdraw(lease_id)
+        except LeaseError as e:
+            raise LeaseNotReady(f"cannot prefill {req_id!r} locally: {e}") from None
+        del self.reservations[req_id]
+
+        def start() -> list[RequestOutput]:  # the engine thread
+            try:
+                self.engine.prefill_reserved(req_id, max_chunk_tokens)
+            except KeyError as e:  # aborted in between
+                raise ValueError(f"cannot prefill locally: {e!r}") from e
+            return []
+
+        inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
+        is_first = True
+        async for chunk in self.generate(inp, start=start):
+            if is_first:  # the first token: the whole prompt is computed and cached
+                is_first = False
+                self._held(res.prompt_token_ids)
             yield chunk
 
     def renew(self, req_id: str, lease_id: str, ttl_s: float) -> float:

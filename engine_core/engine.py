@@ -22,6 +22,7 @@ from engine_core.config import (
 )
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.kv_connector import KVConnector
 from engine_core.model.decode_quant import resolve_activations
 from engine_core.model_files import resolve_model
 from engine_core.model_loader import load_model
@@ -52,6 +53,7 @@ class LLMEngine:
         kv_allocator: Callable[[KVLayout, int, torch.device], torch.Tensor] | None = None,
         speculative_config: SpeculativeConfig | None = None,
         decode_activations: str | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         """quantize_decode: decode tokens use 4/8-bit weight matmuls (model/decode_quant.py);
         None means on for CPU. Pass False for exact dense math in every row.
@@ -59,7 +61,10 @@ class LLMEngine:
         (lossy, as llama.cpp's); "auto"/None: int8 for bfloat16 on a VNNI CPU.
         kv_allocator(layout, num_blocks): where the KV cache tensor lives (default: a plain
         zeroed tensor; the decode worker passes a shared-memory pool).
-        speculative_config: speculative decoding (spec_decode.py); None decodes plainly."""
+        speculative_config: speculative decoding (spec_decode.py); None decodes plainly.
+        kv_connector: what moves KV out while a step runs (kv_connector.py): the prefill
+        worker's handoff; None moves nothing."""
+        self.kv_connector = kv_connector
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.source = resolve_model(model)
@@ -68,7 +73,7 @@ class LLMEngine:
         # what the CPU's decode matmuls multiply with ("float32" or "int8"); None: dense rows
         self.decode_activations = (resolve_activations(decode_activations, self.dtype)
                                    if quantize_decode and self.device.type == "cpu" else None)
-        self.model, self.model_config, decode_rows = load_model(
+        self.model, self.model_config, quantization = load_model(
             self.source, self.dtype, self.device, quantize_decode,
             self.decode_activations or "float32"
         )
@@ -104,7 +109,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.layout, num_blocks,
                                   scheduler_config.max_num_seqs, self.max_model_len,
-                                  self.device, self.eos_token_ids, decode_rows,
+                                  self.device, self.eos_token_ids, quantization,
                                   kv_allocator(self.layout, num_blocks, self.device)
                                   if kv_allocator else None)
         self.spec: SpecDecoder | None = (
@@ -187,6 +192,13 @@ class LLMEngine:
         self.scheduler.admit_prefilled(req_id, first_token)
         return self._emit([req], now)[0]
 
+    def prefill_reserved(self, req_id: str, max_chunk_tokens: int) -> None:
+        """Compute the reserved request's prompt in this engine (a decode worker's local
+        prefill), chunked by max_chunk_tokens per step beside the running decodes; its first
+        output is the first token, sampled here. Its times count from now."""
+        req = self.scheduler.prefill_reserved(req_id, max_chunk_tokens)
+        req.times.arrival = time.monotonic()
+
     def abort_request(self, req_ids: str | list[str]) -> None:
         ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
@@ -202,6 +214,7 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t_start = time.monotonic()
         out = self.scheduler.schedule()
         if out.is_empty:  # the runner hears of finished requests only with a step: tell it now
             for req_id in out.finished_req_ids + out.preempted_req_ids:
@@ -212,22 +225,24 @@ class LLMEngine:
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
         block_ids = [self.kv.block_ids(r.req_id) for r in out.reqs]
-        self._on_scheduled(out, block_ids)
-        rows = self.runner.sync(out, block_ids)
-        if self.spec is not None:
-            self.spec.propose(out, rows, self.runner)
-        sampled, sampler_out = self.runner.execute(
-            out, rows, self.spec.verify if self.spec is not None else None
-        )
-        if sampler_out is not None and sampler_out[1].sampled_logprobs is not None:
-            self._record_logprobs(out, *sampler_out)
-        advanced = self.scheduler.update_from_output(out, sampled)
-        self.stats.add_step(out.total_num_tokens, sum(out.num_scheduled_tokens[out.num_decodes:]),
-                            sum(map(len, sampled)))
-        return self._emit(advanced, time.monotonic())
-
-    def _on_scheduled(self, out, block_ids: list[list[int]]) -> None:
-        """Called with each step's work before the model runs (the prefill worker hooks in)."""
+        kv_step = self.kv_connector.build_step(out, block_ids) if self.kv_connector else None
+        try:
+            rows = self.runner.sync(out, block_ids)
+            if self.spec is not None:
+                self.spec.propose(out, rows, self.runner)
+            sampled, sampler_out = self.runner.execute(
+                out, rows, self.spec.verify if self.spec is not None else None,
+                kv_step.save_layer if kv_step is not None else None)
+            if sampler_out is not None and sampler_out[1].sampled_logprobs is not None:
+                self._record_logprobs(out, *sampler_out)
+            advanced = self.scheduler.update_from_output(out, sampled)
+            self.stats.add_step(out.total_num_tokens,
+                                sum(out.num_scheduled_tokens[out.num_decodes:]),
+                                sum(map(len, sampled)), time.monotonic() - t_start)
+            return self._emit(advanced, time.monotonic())
+        finally:  # after the step's outputs exist, as the connector's callers expect
+            if kv_step is not None:
+                kv_step.finish()
 
     def _emit(self, advanced: list[Request], now: float) -> list[RequestOutput]:
         """Detokenize the requests' new tokens, apply stop strings, build their outputs."""

@@ -12,8 +12,9 @@ import torch
 
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.model.attention import AttentionMetadata
-from engine_core.model.decode_quant import DecodeRows
+from engine_core.model.decode_quant import DecodeQuantization
 from engine_core.model.decoder import DecoderForCausalLM
+from engine_core.model.forward_context import ForwardContext, use
 from engine_core.penalties import TokenCounts
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -78,7 +79,8 @@ class InputBatch:
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, layout: KVLayout, num_blocks: int,
                  max_num_seqs: int, max_model_len: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...], decode_rows: DecodeRows | None = None,
+                 eos_token_ids: tuple[int, ...],
+                 quantization: DecodeQuantization | None = None,
                  kv_cache: torch.Tensor | None = None) -> None:
         self.model = model
         self.layout = layout
@@ -94,7 +96,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model.config.vocab_size
-        self.decode_rows = decode_rows  # set per step when decode rows run quantized matmuls
+        # decode rows run quantized matmuls (CPU): the count goes in each step's ForwardContext
+        self.quantization = quantization
 
     def sync(self, out: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
         """Bring the rows of the step's requests up to date (tokens sampled since the last
@@ -164,19 +167,29 @@ class ModelRunner:
         )
         return input_ids_t, positions_t, meta, cu
 
+    def context(self, num_quant_rows: int, quantization: DecodeQuantization | None = None,
+                on_layer_done=None) -> ForwardContext:
+        """The ForwardContext of a forward: the first num_quant_rows rows take the quantized
+        decode path where there is one (`quantization`, default this model's)."""
+        q = quantization or self.quantization
+        if q is None:
+            return ForwardContext(on_layer_done=on_layer_done)
+        return ForwardContext(num_quant_rows, q.decode_layers, on_layer_done)
+
     def forward(self, input_ids, positions, meta, num_quant_rows: int, kv_cache=None,
-                model=None, num_layers=None) -> torch.Tensor:
-        """The model's hidden states; the first num_quant_rows tokens take the decode path."""
-        if self.decode_rows is not None:
-            self.decode_rows.n = num_quant_rows
+                model=None, num_layers=None, quantization=None,
+                on_layer_done=None) -> torch.Tensor:
+        """The model's hidden states; the first num_quant_rows tokens take the decode path.
+        on_layer_done(i): called as each layer's KV lands (the KV connector)."""
         model = model or self.model
         kv = self.kv_cache if kv_cache is None else kv_cache
-        return model(input_ids, positions, kv, meta, num_layers)
+        with use(self.context(num_quant_rows, quantization, on_layer_done)):
+            return model(input_ids, positions, kv, meta, num_layers)
 
-    def logits(self, hidden: torch.Tensor, num_quant_rows: int, model=None) -> torch.Tensor:
-        if self.decode_rows is not None:
-            self.decode_rows.n = num_quant_rows
-        return (model or self.model).compute_logits(hidden)
+    def logits(self, hidden: torch.Tensor, num_quant_rows: int, model=None,
+               quantization=None) -> torch.Tensor:
+        with use(self.context(num_quant_rows, quantization)):
+            return (model or self.model).compute_logits(hidden)
 
     def _record_prompt_logprobs(self, req, hidden: torch.Tensor, first_row: int,
                                 start: int, num_new: int) -> None:
@@ -207,7 +220,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, rows: np.ndarray, verifier=None
+        self, out: SchedulerOutput, rows: np.ndarray, verifier=None, on_layer_done=None
     ) -> tuple[list[list[int]], tuple[list[int], SamplerOutput] | None]:
         """Run one step over rows from `sync`. Returns each scheduled request's new tokens
         ([] for a prefill chunk that is not done; the accepted drafts and one more token for a
@@ -225,7 +238,7 @@ class ModelRunner:
         start = np.asarray([r.num_computed_tokens for r in out.reqs], dtype=np.int64)
         input_ids, positions, meta, cu = self.build_inputs(rows, start, num_new, nd)
         ndt = int(cu[nd - 1]) if nd else 0
-        hidden = self.forward(input_ids, positions, meta, ndt)
+        hidden = self.forward(input_ids, positions, meta, ndt, on_layer_done=on_layer_done)
         for i in range(nd, len(out.reqs)):
             if out.reqs[i].needs_prompt_logprobs:
                 self._record_prompt_logprobs(out.reqs[i], hidden, int(cu[i] - num_new[i]),
@@ -265,6 +278,7 @@ class ModelRunner:
                 [r.generator for r in reqs],
                 self.vocab_size,
                 eos_token_ids=self.eos_token_ids,
+                device=logits.device,
                 token_counts=[b.token_counts.get(int(rows[i])) for i in plain],
             )
             result = self.sampler(logits[: len(plain)], batch)

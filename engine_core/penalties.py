@@ -69,6 +69,10 @@ class PenaltyTokens:
     token_ids: Tensor  # [N] int64
     output_counts: Tensor  # [N] float32: occurrences in the output (0: prompt only)
 
+    def to(self, device: torch.device | str) -> PenaltyTokens:
+        return PenaltyTokens(self.rows.to(device), self.token_ids.to(device),
+                             self.output_counts.to(device))
+
     @classmethod
     def from_counts(cls, counts: Sequence[TokenCounts | None]) -> PenaltyTokens:
         """Row i's pairs from counts[i] (None: a row without penalties)."""

@@ -76,6 +76,9 @@ class Request:
         # the proposer filled in (at most that many); both cleared when the step is done
         self.num_lookahead_tokens = 0
         self.spec_token_ids: list[int] = []
+        # most prompt tokens one step computes for this request (None: the step's budget); a
+        # decode worker's local prefill sets it so that running decodes never wait long
+        self.max_chunk_tokens: int | None = None
         self.status = RequestStatus.WAITING
         self.times = RequestTimes()
         self.generator: torch.Generator | None = None

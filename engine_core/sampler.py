@@ -162,7 +162,7 @@ class SamplingBatch:
                     if p.has_penalties else None
                     for p, prompt, output in zip(params, prompt_ids, output_ids, strict=True)
                 ]
-            penalty_tokens = PenaltyTokens.from_counts(token_counts)
+            penalty_tokens = PenaltyTokens.from_counts(token_counts).to(device)
         blocked = min_tokens_blocked_ids(params, [len(ids) for ids in output_ids], eos_token_ids)
         assert all(t < vocab_size for _, t in blocked), "stop/eos token id >= vocab_size"
         bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
@@ -349,8 +349,8 @@ def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]
     q = torch.empty_like(probs)  # [B, V]
     if len(seeded) < probs.shape[0]:
         q.exponential_()  # unseeded rows: one draw from the default generator
-    for row, generator in seeded:
-        q[row].exponential_(generator=generator)
+    for row, generator in seeded:  # drawn where the generator lives (the host), then moved
+        q[row] = torch.empty(q.shape[1], dtype=q.dtype).exponential_(generator=generator)
     # q == 0 is possible; clamping keeps 0 / q at 0 instead of NaN (which argmax would pick).
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
@@ -362,6 +362,7 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     drawn."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
     total = cdf[:, -1]  # [B]
+    u = u.to(cdf.device)  # drawn on the host, from the rows' own generators
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 

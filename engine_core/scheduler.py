@@ -107,6 +107,22 @@ class Scheduler:
             self._finish(req, status)
         return req
 
+    def prefill_reserved(self, req_id: str, max_chunk_tokens: int) -> Request:
+        """The reserved request's prompt is computed here instead of arriving from a prefill
+        worker (a local prefill): it joins the running batch with its reserved blocks and
+        catches num_computed_tokens up from its cached prefix, at most max_chunk_tokens per
+        step, after the running decodes (local prefills share that cap per step). Its blocks
+        never left the reservation, so admission counted them all along."""
+        if max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
+        req = self.reserved.pop(req_id)
+        # the last prompt token is always computed here: its logits give the first token
+        req.num_computed_tokens = min(req.num_cached_tokens, req.num_prompt_tokens - 1)
+        req.max_chunk_tokens = max_chunk_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (stop string, abort) requests wherever they are; unknown ids are ignored."""
         for req_id in req_ids:
@@ -154,10 +170,21 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted = False
 
+        # prompt tokens left this step for chunk-capped prefills (local prefills on a decode
+        # worker): they share one cap, so however many arrive, a step's decodes wait for at
+        # most that much prefill
+        capped_left: int | None = None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.max_chunk_tokens is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                capped_left = req.max_chunk_tokens if capped_left is None else capped_left
+                n = min(n, capped_left)
+                if n == 0:  # the cap is spent: this prefill waits for the next step
+                    i += 1
+                    continue
+                capped_left -= n
             # a decoding request may get draft slots; they are the first thing to give up
             k = min(req.max_drafts(self.num_spec_tokens), budget - n) if n == 1 else 0
             if k and self.kv.allocate_slots(req, req.num_computed_tokens + n + k) is None:
@@ -182,7 +209,7 @@ class Scheduler:
                 self.kv.get_computed_blocks(req)
                 if req.num_computed_tokens == 0 and not req.needs_prompt_logprobs else ([], 0)
             )
-            n = min(req.num_tokens - num_hit, budget)
+            n = min(req.num_tokens - num_hit, budget, req.max_chunk_tokens or budget)
             if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:
                 break
             self.waiting.popleft()

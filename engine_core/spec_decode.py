@@ -142,11 +142,11 @@ class DraftModelProposer:
     """
 
     def __init__(self, model, num_layers: int | None, kv_cache: Tensor | None,
-                 decode_rows, vocab_size: int, eos_token_ids) -> None:
+                 quantization, vocab_size: int, eos_token_ids) -> None:
         self.model = model
         self.num_layers = num_layers
         self.kv_cache = kv_cache  # None: the target's cache
-        self.decode_rows = decode_rows  # the draft's own DecodeRows, when it has one
+        self.quantization = quantization  # a separate draft's own; None: the target's
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.num_seen: dict[str, int] = {}  # separate cache: positions with valid draft KV
@@ -210,16 +210,13 @@ class DraftModelProposer:
         return [(i, drafts[j, : k[j]].tolist()) for j, i in enumerate(idx)], probs
 
     def _forward(self, runner, input_ids, positions, meta, num_quant_rows):
-        if self.decode_rows is not None:
-            self.decode_rows.n = num_quant_rows
         return runner.forward(input_ids, positions, meta, num_quant_rows,
                               kv_cache=self.kv_cache, model=self.model,
-                              num_layers=self.num_layers)
+                              num_layers=self.num_layers, quantization=self.quantization)
 
     def _logits(self, runner, hidden, num_quant_rows):
-        if self.decode_rows is not None:
-            self.decode_rows.n = num_quant_rows
-        return runner.logits(hidden, num_quant_rows, model=self.model)
+        return runner.logits(hidden, num_quant_rows, model=self.model,
+                             quantization=self.quantization)
 
 
 def _sampling_batch(reqs: list[Request], vocab_size: int, eos_token_ids) -> SamplingBatch:
@@ -272,7 +269,7 @@ def rejection_sample(
         p_d = p[:, :k].gather(2, d[..., None]).squeeze(2)  # [B, K]
         q_d = (torch.ones_like(p_d) if draft_probs is None
                else draft_probs.gather(2, d[..., None]).squeeze(2))
-        u = _uniform(num_seqs, k, batch.generators)
+        u = _uniform(num_seqs, k, batch.generators).to(p_d.device)
         random_accept = (u * q_d <= p_d) & valid
         accept = torch.where(batch.is_greedy[:, None], accept, random_accept)
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
@@ -375,8 +372,8 @@ def build_spec_decoder(config: SpeculativeConfig, engine) -> SpecDecoder:
         from engine_core.model_loader import load_model
 
         source = resolve_model(config.draft_model)
-        model, dcfg, rows = load_model(source, engine.dtype, engine.device,
-                                       engine.runner.decode_rows is not None)
+        model, dcfg, quantization = load_model(source, engine.dtype, engine.device,
+                                       engine.runner.quantization is not None)
         if dcfg.vocab_size != cfg.vocab_size:
             raise ValueError(f"draft model {source.name!r} has vocab_size {dcfg.vocab_size}, "
                              f"the target has {cfg.vocab_size}: they must share a vocabulary")
@@ -386,7 +383,7 @@ def build_spec_decoder(config: SpeculativeConfig, engine) -> SpecDecoder:
         kv_cache = layout.allocate(engine.num_kv_blocks, engine.device)
         num_layers = (min(config.draft_num_layers, dcfg.num_layers)
                       if config.draft_num_layers else None)
-        proposer = DraftModelProposer(model, num_layers, kv_cache, rows, cfg.vocab_size,
+        proposer = DraftModelProposer(model, num_layers, kv_cache, quantization, cfg.vocab_size,
                                       engine.eos_token_ids)
         logger.info("speculative decoding: draft model %s, k=%d", source.name,
                     config.num_speculative_tokens)

@@ -31,6 +31,34 @@ def add_admission_arguments(p) -> None:
                         "/v1/completions); more get HTTP 400 naming the bound")
 
 
+def add_prefill_policy_arguments(p) -> None:
+    """Where the disaggregated gateway prefills each prompt (also `pdserve up`'s, passed on;
+    gateway/prefill_policy.py)."""
+    p.add_argument("--prefill-policy", default="always-remote",
+                   choices=["auto", "always-remote", "always-local"],
+                   help="auto: per request, by the cost model (the decode worker prefills a "
+                        "prompt whose uncached part is cheaper there than the hop to the "
+                        "prefill pool); always-remote: the prefill pool; always-local: the "
+                        "decode worker")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=1024,
+                   help="with auto, a prompt whose uncached part on the decode worker is "
+                        "longer is always prefilled remotely (>= 0)")
+
+
+def add_canary_arguments(p) -> None:
+    """The disaggregated gateway's canary (also `pdserve up`'s, passed on; gateway/canary.py)."""
+    p.add_argument("--canary-idle-s", type=float, default=0.0,
+                   help="after this many seconds without a successful request, send a "
+                        "one-token request through every prefill->decode pair (Reserve, "
+                        "Prefill, KV transfer, Decode); 0: off (the helm chart sets 10)")
+    p.add_argument("--canary-timeout-s", type=float, default=3.0,
+                   help="a canary slower than this fails; when every pair's times out, "
+                        "readiness turns NOT_SERVING at once")
+    p.add_argument("--canary-failures", type=int, default=3,
+                   help="rounds in a row with no pair succeeding that turn readiness "
+                        "NOT_SERVING")
+
+
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `pdserve gateway`. The disaggregated mode finds its workers at static
     addresses (--prefill ADDR... --decode ADDR...) or in Redis (--redis-url)."""
@@ -44,6 +72,8 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
                       help="KV transport between the pools (auto: by locality)")
     add_admission_arguments(mode)
+    add_prefill_policy_arguments(mode)
+    add_canary_arguments(mode)
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(mode)

@@ -68,5 +68,7 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout,
               f"prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
               f"ttft={t.ttft_s:.3f}s queue={t.queue_s:.3f}s prefill={t.prefill_s:.3f}s "
               f"kv_transfer={t.kv_transfer_s:.3f}s first_decode_step="
-              f"{t.first_decode_step_s:.3f}s total={t.total_s:.3f}s", file=err)
+              f"{t.first_decode_step_s:.3f}s total={t.total_s:.3f}s "
+              f"prefill_where={t.prefill_where or '?'}"
+              + (f" ({t.prefill_reason})" if t.prefill_reason else ""), file=err)
     return 0

@@ -1,6 +1,7 @@
 """Admission on the decode pool: a request reserves KV blocks on the first decode worker (in
-routing order: fewest requests in flight from this gateway, then most free blocks) that has
-room; when none has, it waits here, bounded in number (max_waiting) and time
+routing order, gateway/routing.py's rank_decode: the longest prefix of the prompt held there,
+as decode workers publish it, against requests in flight from this gateway, then most free
+blocks) that has room; when none has, it waits here, bounded in number (max_waiting) and time
 (max_queue_wait_s or its deadline), woken when a request ends. Part of DisaggregatedBackend
 (gateway/disaggregated.py), whose state it uses."""
 
@@ -12,6 +13,8 @@ import time
 
 import grpc
 
+from engine_core.kv_cache.block_hash import hash_full_blocks
+from gateway.routing import MAX_ROUTING_BLOCKS, leading_overlap, rank_decode
 from gateway.worker_calls import WorkerCalls
 from gateway.worker_pools import REFRESH_S, Worker
 from protos.pdserve.internal import workers_pb2 as pb
@@ -22,10 +25,24 @@ class DecodeAdmission(WorkerCalls):
     """Mixed into DisaggregatedBackend: its decode pool, max_waiting, max_queue_wait_s,
     num_admission_waiting, lease_ttl_s and _freed (an event set when a request ends)."""
 
-    def _decode_order(self) -> list[Worker]:
+    async def _decode_order(self, prompt: list[int]) -> list[Worker]:
+        """The decode workers to ask, best first: overlaps from Redis when discovery has it
+        (one round trip, bounded; unknown when it fails), else from the workers' Status."""
         live = [w for w in self.decode if w.is_healthy] or list(self.decode)
-        free = {id(w): w.status.num_free_blocks if w.status else 0 for w in live}
-        return sorted(live, key=lambda w: (w.in_flight, -free[id(w)]))
+        overlap = None
+        hashes = (hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size],
+                                   self.block_size) if len(live) > 1 else [])
+        query = getattr(self.discovery, "prefix_overlap", None)
+        if hashes and query is not None:
+            held = await query([w.worker_id for w in live], hashes)
+            if held is not None:
+                overlap = [held.get(w.worker_id, 0) for w in live]
+        elif hashes:
+            overlap = [leading_overlap(hashes, w.prefix_hashes) for w in live]
+        # in_flight is read after the await: other requests' picks meanwhile are counted
+        order = rank_decode([w.in_flight for w in live],
+                            [w.status.num_free_blocks if w.status else 0 for w in live], overlap)
+        return [live[i] for i in order]
 
     async def _admit(self, inp: GenerateInput, sampling) -> tuple[Worker, pb.ReserveResponse]:
         """Reserve on a decode worker, waiting while every worker is full: woken when a
@@ -65,7 +82,7 @@ class DecodeAdmission(WorkerCalls):
                                     sampling=sampling, lease_ttl_s=self.lease_ttl_s,
                                     num_prior_output_tokens=inp.num_prior_output_tokens)
         last_error, any_full = None, False
-        for decode in self._decode_order():
+        for decode in await self._decode_order(inp.prompt_token_ids):
             # in flight from the pick on, so that a burst of requests spreads over the workers
             decode.in_flight += 1
             is_reserved = False

@@ -2,10 +2,16 @@
 reservation, a prefill worker's KV handoff, and the decode worker's stream.
 
     generate(inp):
-      pick decode D (fewest requests in flight from here, then most free KV blocks)
+      order decode workers (the longest prefix of the prompt each holds, as they publish it,
+                                          against requests in flight from here, then most
+                                          free KV blocks: gateway/routing.py rank_decode)
       D.Reserve(prompt)                -> lease + destination blocks (a prefix D caches is
                                           not sent again); RESOURCE_EXHAUSTED -> next D;
                                           all full -> wait for a request to end (bounded)
+      local or remote? (gateway/prefill_placement.py: the cost model of prefill_policy.py
+                                          over the tokens D lacks and the pools' measured
+                                          speeds) local -> D.PrefillLocally(lease): D's engine
+                                          prefills in the reserved blocks and streams; done
       pick prefill P (most leading prompt blocks cached there, as the Redis registry knows,
                                           against the queue from here: gateway/routing.py;
                                           equal: the prompt's first block picks one, so shared
@@ -21,12 +27,13 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
 
 The pools themselves (following discovery, health from Status) are gateway/worker_pools.py;
 this backend is one. Admission on the decode pool is gateway/decode_admission.py, the prefill
-step gateway/prefill_handoff.py.
+step gateway/prefill_handoff.py, the choice of where to prefill gateway/prefill_placement.py.
 
 Timing (seconds since arrival): queue = routing and reservation + the prefill worker's queue,
 prefill = its compute, kv_transfer = first token sampled -> first token delivered by D (the
 un-overlapped transfer tail, verification and admission), so queue + prefill + kv_transfer =
-ttft exactly.
+ttft exactly. A local prefill: queue = routing, reservation and D's engine queue, prefill = D's
+compute, kv_transfer = the first token's way back (no KV moves).
 """
 
 from __future__ import annotations
@@ -41,9 +48,12 @@ from typing import Any
 
 import grpc
 
+from gateway.canary import Canary, CanaryCalls, CanaryConfig
 from gateway.decode_admission import DecodeAdmission
 from gateway.discovery import Discovery
 from gateway.prefill_handoff import PrefillHandoff
+from gateway.prefill_placement import PrefillPlacement
+from gateway.prefill_policy import PrefillPolicy
 from gateway.routing import QUEUE_WEIGHT_BLOCKS
 from gateway.worker_calls import WorkerLost
 from gateway.worker_pools import Worker, WorkerPools
@@ -86,13 +96,19 @@ def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> Gener
                                   min_tokens=max(0, p.min_tokens - n)))
 
 
-class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
+class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, CanaryCalls,
+                           WorkerPools):
     def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
                  lease_ttl_s: float = 30.0, model_name: str | None = None,
                  max_waiting: int = 1024, max_queue_wait_s: float = 300.0,
                  prefix_queue_weight: float = QUEUE_WEIGHT_BLOCKS,
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None,
+                 prefill_policy: PrefillPolicy | None = None,
+                 canary: CanaryConfig | None = None) -> None:
         super().__init__(discovery, tls)
+        self._init_placement(prefill_policy or PrefillPolicy())
+        self.last_success = time.monotonic()  # of a request or canary: canaries wait for idle
+        self.canary_monitor = Canary(self, canary or CanaryConfig())
         self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
         # admission: requests no decode worker has room for wait here (at most max_waiting at
         # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED
@@ -136,6 +152,11 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
         self.model = ModelInfo(self._model_name or model, min(max_model_len, min_pool),
                                vocab_size)
         self._refresher = asyncio.create_task(self._refresh_loop())
+        self.canary_monitor.start()
+
+    async def close(self) -> None:
+        self.canary_monitor.stop()
+        await super().close()
 
     # -- the Backend interface --------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
@@ -176,20 +197,33 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
         decode, reservation = await self._admit(inp, sampling)  # counted in flight
         self._running[client_id] = (decode, inp.req_id)
         is_done = False
+        num_local = 0  # prompt tokens of this local prefill until its first token
         try:
+            decision = self._place(inp, decode, reservation)
             t_prefill_call = time.monotonic()
-            pre = await self._prefill(inp, sampling, decode, reservation)
+            if decision.where == "local":
+                pre = None
+                num_local = len(inp.prompt_token_ids) - reservation.num_cached_tokens
+                decode.num_local_tokens_in_flight += num_local
+                call = decode.stub.PrefillLocally(pb.LocalPrefillRequest(
+                    request_id=inp.req_id, lease_id=reservation.lease_id,
+                    max_chunk_tokens=self.prefill_policy.local_chunk_tokens),
+                    timeout=self._remaining(inp))
+            else:
+                pre = await self._prefill(inp, sampling, decode, reservation)
+                call = decode.stub.Decode(pb.DecodeRequest(
+                    request_id=inp.req_id, first_token_id=pre.first_token_id,
+                    first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
+                    ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp))
             num_out, t_first = 0, None
             prompt_lps = (prompt_logprobs_from_proto(pre.prompt_logprobs)
-                          if pre.prompt_logprobs else None)  # the prefill worker's
-            call = decode.stub.Decode(pb.DecodeRequest(
-                request_id=inp.req_id, first_token_id=pre.first_token_id,
-                first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
-                ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp))
+                          if pre is not None and pre.prompt_logprobs else None)  # the prefill's
             try:
                 async for msg in call:
                     now = time.monotonic()
                     t_first = t_first or now
+                    decode.num_local_tokens_in_flight -= num_local
+                    num_local = 0
                     num_out += len(msg.token_ids)
                     reason = FINISH_REASON_NAMES.get(msg.finish_reason)
                     chunk = GenerateChunk(
@@ -199,11 +233,18 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
                         msg.num_cached_tokens)
                     chunk.prompt_logprobs, prompt_lps = prompt_lps, None  # on the first
                     if reason is not None:
-                        queue = (t_prefill_call - inp.arrival) + pre.queue_s
+                        queue_s, prefill_s = ((msg.queue_s, msg.prefill_s) if pre is None
+                                              else (pre.queue_s, pre.compute_s))
+                        queue = (t_prefill_call - inp.arrival) + queue_s
                         ttft = t_first - inp.arrival
-                        chunk.timing = Timing(queue, pre.compute_s,
-                                              ttft - queue - pre.compute_s,
-                                              msg.first_decode_step_s, ttft, now - inp.arrival)
+                        chunk.timing = Timing(queue, prefill_s, ttft - queue - prefill_s,
+                                              msg.first_decode_step_s, ttft, now - inp.arrival,
+                                              decision.where, decision.reason)
+                        if reason != "abort":
+                            self.last_success = now
+                        if pre is not None:
+                            self._learn_handoff(chunk.timing, decode, len(
+                                inp.prompt_token_ids) - reservation.num_cached_tokens)
                         is_done = True
                     yield chunk
             except grpc.aio.AioRpcError as e:
@@ -218,6 +259,7 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
             is_done = True  # aborted before decoding began: end the stream like the engine does
             yield GenerateChunk([], "", None, "abort", len(inp.prompt_token_ids), 0)
         finally:
+            decode.num_local_tokens_in_flight -= num_local
             self._aborted.discard(client_id)
             decode.in_flight -= 1
             self._running.pop(client_id, None)
@@ -249,7 +291,9 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
         pools = {"prefill": self.prefill, "decode": self.decode}
         out: dict[str, Any] = {"mode": "disaggregated", "num_streams": len(self._running),
                                "num_admission_waiting": self.num_admission_waiting,
-                               "migrations": dict(self.num_migrations)}
+                               "migrations": dict(self.num_migrations),
+                               "prefill_placement": self.placement_status(),
+                               "canary": self.canary_monitor.status()}
         for key in ("num_running", "num_waiting", "num_free_blocks", "num_blocks"):
             out[key] = sum(getattr(w.status, key) for ws in pools.values() for w in ws
                            if w.status is not None)
@@ -260,7 +304,11 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, WorkerPools):
              "num_waiting": w.status.num_waiting if w.status else None,
              "num_reserved": w.status.num_reserved if w.status else None,
              "num_free_blocks": w.status.num_free_blocks if w.status else None,
-             "num_blocks": w.status.num_blocks if w.status else None}
+             "num_blocks": w.status.num_blocks if w.status else None,
+             "prefill_tokens_per_s": w.status.prefill_tokens_per_s if w.status else None,
+             "decode_step_s": w.status.decode_step_s if w.status else None,
+             **({"kv_transfer_bytes_per_s": w.status.kv_transfer_bytes_per_s}
+                if role == "prefill" and w.status else {})}
             for role, ws in pools.items() for w in ws]
         drafts, accepted = _sum_lists(
             [w.status.spec_num_drafts for w in self.decode if w.status is not None]

@@ -199,7 +199,8 @@ def to_proto(req_id: str, chunk: GenerateChunk, num_top: int | None,
             t = chunk.timing
             msg.timing.CopyFrom(pb.Timing(
                 queue_s=t.queue_s, prefill_s=t.prefill_s, kv_transfer_s=t.kv_transfer_s,
-                first_decode_step_s=t.first_decode_step_s, ttft_s=t.ttft_s, total_s=t.total_s))
+                first_decode_step_s=t.first_decode_step_s, ttft_s=t.ttft_s, total_s=t.total_s,
+                prefill_where=t.prefill_where, prefill_reason=t.prefill_reason))
     return msg
 
 

@@ -2,7 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
     POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; gateway/tokenize_api.py)
-    GET  /v1/models   GET /health   GET /internal/status (counts and free KV blocks)
+    GET  /v1/models   GET /health (= /health/ready)   GET /health/live   GET /internal/status (counts and free KV blocks)
     GET  /metrics (Prometheus; gateway/metrics.py)
 
 Each generation runs in its own task, watched by a second task that waits for the client's
@@ -174,10 +174,17 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
                                             "max_model_len": m.max_model_len}]}
 
     @app.get("/health")
+    @app.get("/health/ready")
     async def health() -> Response:
+        """Readiness: gRPC health's status (workers, the canary, shutting down)."""
         if is_serving():
             return JSONResponse({"status": "serving"})
         return JSONResponse({"status": "not_serving"}, status_code=503)
+
+    @app.get("/health/live")
+    async def live() -> Response:
+        """Liveness: this process answers (the canary's verdict does not restart it)."""
+        return JSONResponse({"status": "alive"})
 
     if registry is not None:
         @app.get("/metrics")

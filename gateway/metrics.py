@@ -231,6 +231,18 @@ class _GatewayCollector:
             for pool, n in migrations.items():
                 moved.add_metric([name, pool], n)
             yield moved
+        decisions = getattr(inner, "num_prefill_decisions", None)
+        if decisions is not None:
+            placed = CounterMetricFamily(PREFIX + "prefill_decisions", "Where prompts were "
+                                         "prefilled (local: the decode worker; remote: the "
+                                         "prefill pool) and why (gateway/prefill_policy.py).",
+                                         labels=["model_name", "where", "reason"])
+            for (where, reason), n in sorted(decisions.items()):
+                placed.add_metric([name, where, reason], n)
+            yield placed
+        canary = getattr(inner, "canary_monitor", None)
+        if canary is not None and canary.config.is_on:
+            yield from _canary_families(name, canary.state)
         if pools["decode"] is not None:
             healthy = GaugeMetricFamily(PREFIX + "healthy_workers",
                                         "Workers that answered the last status refresh.",
@@ -238,3 +250,24 @@ class _GatewayCollector:
             for pool, workers in pools.items():
                 healthy.add_metric([name, pool], sum(w.is_healthy for w in workers or ()))
             yield healthy
+
+
+def _canary_families(name: str, state):
+    """The canary's verdicts (gateway/canary.py): latency, failures, last success, ready."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    for cls, metric, doc, value in (
+            (g, "canary_latency_seconds", "Seconds the last successful canary took (Reserve, "
+             "Prefill, KV transfer, Decode of one token).", state.last_latency_s),
+            (g, "canary_last_success_timestamp_seconds", "Unix time of the last successful "
+             "canary.", state.last_success),
+            (g, "canary_ready", "1 while the canary keeps readiness SERVING.",
+             float(state.is_ready))):
+        family = cls(PREFIX + metric, doc, labels=["model_name"])
+        if value is not None:
+            family.add_metric([name], value)
+        yield family
+    failures = c(PREFIX + "canary_failures", "Canaries that failed, by reason (timeout, "
+                 "or the error of the step that failed).", labels=["model_name", "reason"])
+    for reason, n in sorted(state.num_failures.items()):
+        failures.add_metric([name, reason], n)
+    yield failures

@@ -24,13 +24,18 @@ logger = logging.getLogger(__name__)
 
 class PrefillHandoff(WorkerCalls):
     """Mixed into DisaggregatedBackend: its prefill pool, discovery, block_size,
-    prefix_queue_weight, transport and lease_ttl_s."""
+    prefix_queue_weight, transport, lease_ttl_s and canary_monitor."""
 
-    async def _pick_prefill(self, prompt: list[int], full: Sequence[Worker] = ()) -> Worker:
+    async def _pick_prefill(self, prompt: list[int], full: Sequence[Worker] = (),
+                            decode: Worker | None = None) -> Worker:
         """gateway/routing.py's choice among the workers not in `full` (their queues refused
-        this request); overlaps from discovery when it knows them (one round trip, bounded;
-        unknown when it fails: queue depth alone)."""
+        this request) and, while others are left, not paired badly with `decode` (the canary
+        saw that pair fail: gateway/canary.py); overlaps from discovery when it knows them
+        (one round trip, bounded; unknown when it fails: queue depth alone)."""
         live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
+        if decode is not None:
+            bad = self.canary_monitor.state.bad_pairs
+            live = [w for w in live if (w.address, decode.address) not in bad] or live
         if not live:
             raise BackendUnavailable("no prefill worker is known (discovery lists none)")
         live = [w for w in live if all(w is not f for f in full)]
@@ -56,7 +61,7 @@ class PrefillHandoff(WorkerCalls):
         answers RESOURCE_EXHAUSTED: the next one is asked; Overloaded when all refuse)."""
         full: list[Worker] = []
         while True:
-            prefill = await self._pick_prefill(inp.prompt_token_ids, full)  # bounded wait
+            prefill = await self._pick_prefill(inp.prompt_token_ids, full, decode)  # bounded
             try:
                 return await self._prefill_on(prefill, inp, sampling, decode, res)
             except grpc.aio.AioRpcError as e:
@@ -68,6 +73,7 @@ class PrefillHandoff(WorkerCalls):
                           res: pb.ReserveResponse) -> pb.PrefillResponse:
         first = res.num_cached_tokens // self.block_size
         prefill.in_flight += 1
+        prefill.num_tokens_in_flight += len(inp.prompt_token_ids)
         call = prefill.stub.Prefill(pb.PrefillRequest(
             request_id=inp.req_id, prompt_token_ids=inp.prompt_token_ids, sampling=sampling,
             num_prior_output_tokens=inp.num_prior_output_tokens,
@@ -103,6 +109,7 @@ class PrefillHandoff(WorkerCalls):
         finally:
             watcher.cancel()
             prefill.in_flight -= 1
+            prefill.num_tokens_in_flight -= len(inp.prompt_token_ids)
 
     async def _watch_lease(self, decode: Worker, prefill: Worker, req_id: str, lease_id: str,
                            give_up: Callable[[str], None]) -> None:

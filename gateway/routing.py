@@ -1,4 +1,5 @@
-"""Which prefill worker takes a prompt: a pure function of what the gateway knows.
+"""Which prefill worker takes a prompt, and in which order decode workers are asked to
+reserve it: pure functions of what the gateway knows.
 
 Cost model, in KV blocks of prefill compute saved or spent:
 
@@ -13,6 +14,18 @@ keeps landing on the same cache.
 
 Without prefix information (static discovery, Redis down) every overlap is 0 and this is the
 shortest queue, ties by the first block.
+
+Decode workers are ranked the same way, with their own weight:
+
+    score(d) = overlap(d) - decode_queue_weight * in_flight(d)
+
+overlap(d) is the leading prompt blocks d holds (published by decode workers: Redis, or their
+Status). Holding them saves their transfer, and lets a short follow-up be prefilled on d
+itself (gateway/prefill_policy.py); one more request in a decode batch costs far less than one
+in a prefill queue (a decode row is one token), so the weight is lower. Ties go to the
+shorter queue, then to the most free KV blocks. A multi-turn chat thus returns to the worker
+that holds its history unless that worker is DECODE_QUEUE_WEIGHT_BLOCKS blocks per request
+busier than another.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 QUEUE_WEIGHT_BLOCKS = 8.0  # one request in flight ~ 128 prompt tokens at block size 16
+DECODE_QUEUE_WEIGHT_BLOCKS = 2.0  # one more decoding request ~ 32 prompt tokens held
 MAX_ROUTING_BLOCKS = 128  # leading blocks asked about: longer overlaps count as equal
 
 
@@ -40,3 +54,28 @@ def pick_prefill(in_flight: Sequence[int], overlap: Sequence[int] | None, tie_ke
     shortest = min(in_flight[i] for i in tied)
     tied = [i for i in tied if in_flight[i] == shortest]
     return tied[tie_key % len(tied)]
+
+
+def rank_decode(in_flight: Sequence[int], free_blocks: Sequence[int],
+                overlap: Sequence[int] | None,
+                queue_weight: float = DECODE_QUEUE_WEIGHT_BLOCKS) -> list[int]:
+    """Decode worker indices, best first (Reserve is tried in this order). in_flight[i],
+    free_blocks[i], overlap[i]: worker i's requests from this gateway, free KV blocks and
+    leading prompt blocks held (None: unknown for all)."""
+    if overlap is None:
+        overlap = [0] * len(in_flight)
+    if not len(overlap) == len(in_flight) == len(free_blocks) or queue_weight < 0:
+        raise ValueError(f"need one overlap and free count per worker and queue_weight >= 0, "
+                         f"got {len(overlap)}, {len(free_blocks)} for {len(in_flight)} and "
+                         f"{queue_weight}")
+    return sorted(range(len(in_flight)), key=lambda i: (
+        -(overlap[i] - queue_weight * in_flight[i]), in_flight[i], -free_blocks[i], i))
+
+
+def leading_overlap(block_hashes: Sequence[int], held: frozenset[int] | set[int]) -> int:
+    """How many of the leading block_hashes `held` contains (chain hashes: a block counts
+    only if every block before it does)."""
+    n = 0
+    while n < len(block_hashes) and block_hashes[n] in held:
+        n += 1
+    return n

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 BackendFactory = Callable[[], Awaitable[Backend]]  # called inside the event loop
 HEALTH_PROBE_INTERVAL_S = 2.0  # how often health asks the backend for its status
 HEALTH_PROBE_TIMEOUT_S = 30.0  # a status slower than this is logged (health unchanged)
+CANARY_FOLLOW_S = 0.25  # how soon health follows the canary's verdict
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,13 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     are found at static addresses or, with --redis-url, in the Redis registry."""
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import load_tokenizer
+    from gateway.canary import CanaryConfig
     from gateway.disaggregated import DisaggregatedBackend
     from gateway.discovery import StaticDiscovery
+    from gateway.prefill_policy import PrefillPolicy
 
+    policy = PrefillPolicy(args.prefill_policy, args.local_prefill_max_tokens)  # bad: fails now
+    canary = CanaryConfig(args.canary_idle_s, args.canary_timeout_s, args.canary_failures)
     redis_config = None
     if args.redis_url:
         from gateway.redis_discovery import RedisDiscovery
@@ -128,7 +133,8 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
                                        args.transport, args.lease_ttl, model_name=source.name,
                                        max_waiting=args.max_waiting,
                                        max_queue_wait_s=args.max_queue_wait,
-                                       tls=tls_from_args(args, is_public=True))
+                                       tls=tls_from_args(args, is_public=True),
+                                       prefill_policy=policy, canary=canary)
         try:
             await backend.start(max_len, config.vocab_size)
         except BaseException:
@@ -250,21 +256,42 @@ def _https(tls: TLSConfig | None) -> dict:
 
 
 async def _watch_backend(backend: Backend, health_: _Health) -> None:
-    """Health follows the backend: NOT_SERVING while it cannot serve (engine failure, no worker
-    left), SERVING again when it can."""
-    while True:
-        try:
-            await asyncio.wait_for(backend.status(), HEALTH_PROBE_TIMEOUT_S)
-            is_ok = True
-        except BackendUnavailable:
-            is_ok = False
-        except asyncio.TimeoutError:  # busy (a long prefill step on CPU) is not unavailable
-            logger.warning("backend status took over %.0f s", HEALTH_PROBE_TIMEOUT_S)
-            is_ok = health_.is_serving
+    """Health (readiness) follows the backend: NOT_SERVING while it cannot serve (engine
+    failure, no worker left) or its canary fails (gateway/canary.py: the whole path, not just
+    Status), SERVING again when both are well. The canary's verdict is followed within
+    CANARY_FOLLOW_S; the backend's status (which waits for slow workers) every
+    HEALTH_PROBE_INTERVAL_S."""
+    inner = getattr(backend, "inner", backend)
+    is_backend_ok, is_canary_ok = True, True
+
+    async def update() -> None:
+        is_ok = is_backend_ok and is_canary_ok
         if is_ok != health_.is_serving:
-            logger.warning("backend %s", "available again" if is_ok else "unavailable")
+            logger.warning("backend %s", "available again" if is_ok else
+                           "unavailable" if not is_backend_ok else "failing its canary")
             await health_.set(is_ok)
-        await asyncio.sleep(HEALTH_PROBE_INTERVAL_S)
+
+    async def follow_canary() -> None:
+        nonlocal is_canary_ok
+        while True:
+            is_canary_ok = getattr(inner, "is_ready", True)
+            await update()
+            await asyncio.sleep(CANARY_FOLLOW_S)
+
+    canary = asyncio.create_task(follow_canary())
+    try:
+        while True:
+            try:
+                await asyncio.wait_for(backend.status(), HEALTH_PROBE_TIMEOUT_S)
+                is_backend_ok = True
+            except BackendUnavailable:
+                is_backend_ok = False
+            except asyncio.TimeoutError:  # busy (a long prefill step on CPU) is not unavailable
+                logger.warning("backend status took over %.0f s", HEALTH_PROBE_TIMEOUT_S)
+            await update()
+            await asyncio.sleep(HEALTH_PROBE_INTERVAL_S)
+    finally:
+        canary.cancel()
 
 
 def _print_ready(grpc_addr: str, http_addr: str) -> None:

@@ -36,11 +36,14 @@ class Worker:
     stub: Any
     channel: grpc.aio.Channel
     in_flight: int = 0  # requests this gateway has on the worker now
+    num_tokens_in_flight: int = 0  # prompt tokens this gateway has queued on a prefill worker
+    num_local_tokens_in_flight: int = 0  # decode workers: local prefills not yet at a token
     status: pb.WorkerStatus | None = None
     is_healthy: bool = False
     worker_id: str = ""  # as discovery names it ("" for static addresses)
     epoch: int = 0  # discovery's restart epoch: another one at this address is a new process
     num_slow_status: int = 0  # Status calls in a row that timed out
+    prefix_hashes: frozenset[int] = frozenset()  # decode workers' Status: prefix blocks held
 
 
 class WorkerPools:
@@ -121,6 +124,7 @@ class WorkerPools:
         async def one(w: Worker) -> None:
             try:
                 w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+                w.prefix_hashes = frozenset(w.status.prefix_block_hashes)
                 w.is_healthy, w.num_slow_status = True, 0
             except grpc.aio.AioRpcError as e:
                 # Status runs between two engine steps: one slow answer is a busy worker (a

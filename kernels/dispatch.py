@@ -3,31 +3,24 @@
     CUDA tensors -> Triton kernels            (kernels/store_kv_triton.py, *_attention.py)
     CPU tensors  -> the fast torch path       (kernels/cpu_attention.py)
 
-PDSERVE_ATTN_BACKEND=triton|torch forces one (read on every call). The tests use
+PDSERVE_ATTN_BACKEND=triton|torch forces one (read on every call); kernels/backends.py holds
+the whole backend matrix, the CPU's C kernels included. The tests use
 `triton` together with TRITON_INTERPRET=1 to run the Triton kernels on CPU tensors. Triton
 modules are imported lazily, so the torch path never pays for (or needs) importing triton.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels import cpu_attention
-
-BACKEND_ENV = "PDSERVE_ATTN_BACKEND"
-BACKENDS = ("triton", "torch")
+from kernels.backends import BACKEND_ENV, per_call_backend  # noqa: F401 (BACKEND_ENV: re-export)
 
 
 def select_backend(device: torch.device) -> str:
-    """ "triton" or "torch" for tensors on `device`, honouring PDSERVE_ATTN_BACKEND."""
-    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {forced!r}")
-        return forced
-    return "triton" if device.type == "cuda" else "torch"
+    """ "triton" or "torch" for tensors on `device`, honouring PDSERVE_ATTN_BACKEND
+    (kernels/backends.py holds the whole matrix)."""
+    return per_call_backend(device)
 
 
 def store_kv(

@@ -63,8 +63,8 @@ _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 SIGNATURES = {  # name: (argument types, result type)
     "pd_q4_matmul": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _int], _int),
     "pd_q8_matmul": ([_p, _i64, _i64, _p, _p, _i64, _p, _int], None),
-    "pd_decode_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _p,
-                             _int, _f32, _p, _i64, _int, _i64], _int),
+    "pd_row_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _p,
+                          _int, _f32, _p, _i64, _int, _i64], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
@@ -213,7 +213,7 @@ def check(status: int) -> None:
         raise MemoryError("native CPU kernel could not allocate its scratch memory")
 
 
-def decode_attention(
+def row_attention(
     lib: ctypes.CDLL,
     qkv: torch.Tensor,  # [S, (Hq + 2 Hkv) * D] float32, contiguous; q and k rotated in place
     cos_sin: torch.Tensor,  # [S, D] float32: cos | sin of each row's position
@@ -228,10 +228,10 @@ def decode_attention(
     window: int | None = None,  # a sliding window: each row's last `window` positions
 ) -> torch.Tensor:  # [S, Hq * D] float32
     """Rotary embedding, K/V store and attention of S query rows in one call, each over its
-    own context (see pd_decode_attention in csrc/attention.c): decode rows, a token and its
+    own context (see pd_row_attention in csrc/attention.c): decode rows, a token and its
     drafts, or the rows of prefill chunks (several rows sharing a sequence's table)."""
     if window is not None and window < 1:
-        raise ValueError(f"decode_attention: window must be >= 1 or None, got {window}")
+        raise ValueError(f"row_attention: window must be >= 1 or None, got {window}")
     num_rows = qkv.shape[0]
     num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
     layouts = ((qkv, torch.float32), (cos_sin, torch.float32), (slot_mapping, torch.int64),
@@ -242,13 +242,13 @@ def decode_attention(
             or (table_of_row is not None and (table_of_row.dtype != torch.int32
                                               or not table_of_row.is_contiguous()))
             or head_dim % 8 or head_dim > 256 or num_heads % num_kv_heads):
-        raise ValueError("decode_attention: float32/int64/int32 contiguous inputs, a float32 or "
+        raise ValueError("row_attention: float32/int64/int32 contiguous inputs, a float32 or "
                          "bfloat16 cache, head_dim a multiple of 8 up to 256, query heads a "
                          "multiple of KV heads")
     if max_len <= 0:  # the caller did not know it
         max_len = int(context_lens.max())
     out = torch.empty((num_rows, num_heads * head_dim), dtype=torch.float32)
-    check(lib.pd_decode_attention(
+    check(lib.pd_row_attention(
         qkv.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
         kv_layer.data_ptr(), kv_layer.dtype == torch.bfloat16, slot_mapping.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0),

@@ -248,6 +248,14 @@ class LeaseTable:
             self._end(lease, LeaseState.CLAIMED, "claimed", now)
             return list(lease.block_ids)
 
+    def withdraw(self, lease_id: str) -> list[int]:
+        """The decode worker computes the prompt itself (a local prefill): a RESERVED lease,
+        into which no sender has begun writing, ends CLAIMED without on_release; the
+        scheduler keeps the blocks. LeaseError once a transfer has begun."""
+        with self._transition(lease_id, LeaseState.RESERVED) as (lease, now):
+            self._end(lease, LeaseState.CLAIMED, "prefilled locally", now)
+            return list(lease.block_ids)
+
     # -- integrity -------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError naming the disagreeing numbers if an invariant is broken."""

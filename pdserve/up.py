@@ -27,7 +27,11 @@ import signal
 import threading
 import time
 
-from gateway.cli import add_admission_arguments
+from gateway.cli import (
+    add_admission_arguments,
+    add_canary_arguments,
+    add_prefill_policy_arguments,
+)
 from pdserve.supervisor import Child, RestartPolicy, supervise
 from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
@@ -61,6 +65,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                         f"{RestartPolicy.window_s:.0f} s stops the stack (each exit before "
                         f"that is restarted, with backoff)")
     add_admission_arguments(p)  # passed to the gateway
+    add_prefill_policy_arguments(p)  # passed to the gateway
+    add_canary_arguments(p)  # passed to the gateway
     add_speculative_arguments(p)  # passed to the decode workers
 
 
@@ -145,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--prefill and --decode must be >= 1, got {args.prefill} and "
                          f"{args.decode}")
     from engine_core.model_files import resolve_model
+    from gateway.canary import CanaryConfig
+    from gateway.prefill_policy import PrefillPolicy
+
+    PrefillPolicy(args.prefill_policy, args.local_prefill_max_tokens)  # bad flags fail here
+    CanaryConfig(args.canary_idle_s, args.canary_timeout_s, args.canary_failures)
 
     resolve_model(args.model)  # fetch the default model once, with a progress bar, up front
     common = [a for a in (["--model", args.model] if args.model else [])
@@ -182,6 +193,11 @@ def run(args: argparse.Namespace) -> int:
             "--prefill", *prefill, "--decode", *decode, "--transport", args.transport,
             "--host", args.host, "--lease-ttl", str(args.lease_ttl),
             "--max-waiting", str(args.max_waiting), "--max-queue-wait", str(args.max_queue_wait),
+            "--prefill-policy", args.prefill_policy,
+            "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
+            "--canary-idle-s", str(args.canary_idle_s),
+            "--canary-timeout-s", str(args.canary_timeout_s),
+            "--canary-failures", str(args.canary_failures),
             "--max-num-choices", str(args.max_num_choices), *common])
         line = gateway.wait_ready(deadline)
         http_url = line.split("HTTP ")[1].split()[0]

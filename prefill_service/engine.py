@@ -42,14 +42,15 @@ class HandoffTarget:
     session: SendSession | None = field(default=None, repr=False)
 
 
-class PrefillEngine(LLMEngine):
-    """Not thread-safe except `set_target`/`pop_target`, like LLMEngine."""
+class HandoffConnector:
+    """The prefill worker's KV connector (engine_core/kv_connector.py): a request whose prompt
+    KV completes in a step gets a transfer session before the model runs, and every layer is
+    handed to the sessions as soon as it is computed. Targets are set from other threads."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, kv_cache: Callable[[], object]) -> None:
+        self._kv_cache = kv_cache  # the engine's cache, once the engine exists
         self._lock = threading.Lock()
         self._targets: dict[str, HandoffTarget] = {}  # guarded by _lock
-        self._step_handoffs: list[HandoffTarget] = []
 
     def set_target(self, req_id: str, target: HandoffTarget) -> None:
         with self._lock:
@@ -59,7 +60,7 @@ class PrefillEngine(LLMEngine):
         with self._lock:
             return self._targets.pop(req_id, None)
 
-    def _on_scheduled(self, out: SchedulerOutput, block_ids: list[list[int]]) -> None:
+    def build_step(self, out: SchedulerOutput, block_ids: list[list[int]]) -> HandoffStep | None:
         handoffs = []
         for req, n, blocks in zip(out.reqs, out.num_scheduled_tokens, block_ids, strict=True):
             if req.num_computed_tokens + n < req.num_prompt_tokens:
@@ -67,8 +68,8 @@ class PrefillEngine(LLMEngine):
             target = self.pop_target(req.req_id)
             if target is None:
                 continue
-            num_prompt_blocks = cdiv(req.num_prompt_tokens, self.layout.block_size)
-            src = blocks[target.first_block:num_prompt_blocks]
+            block_size = self._block_size
+            src = blocks[target.first_block:cdiv(req.num_prompt_tokens, block_size)]
             try:
                 target.session = target.conn.begin(target.lease_id, src, target.dst_block_ids)
             except Exception as e:  # the decode side refused or is gone: this request fails
@@ -76,23 +77,39 @@ class PrefillEngine(LLMEngine):
                 target.on_sent(None, e)
                 continue
             handoffs.append(target)
-        self._step_handoffs = handoffs
-        if not handoffs:
-            self.model.layer_done_hook = None
-            return
-        kv_cache = self.runner.kv_cache
+        return HandoffStep(handoffs, self._kv_cache()) if handoffs else None
 
-        def ship(layer: int) -> None:  # [num_layers, num_blocks, ...]: one layer of each
-            for t in handoffs:
-                t.session.send_layer(layer, kv_cache)  # False once the session has ended
+    _block_size = 16  # set by PrefillEngine to the engine's layout
 
-        self.model.layer_done_hook = ship
 
-    def step(self):
-        try:
-            return super().step()
-        finally:
-            self.model.layer_done_hook = None
-            handoffs, self._step_handoffs = self._step_handoffs, []
-            for t in handoffs:
-                t.on_sent(t.session, None)
+@dataclass
+class HandoffStep:
+    """One step's handoffs: each layer to every session as it lands, then on_sent."""
+
+    targets: list[HandoffTarget]
+    kv_cache: object  # [num_layers, num_blocks, ...]
+
+    def save_layer(self, layer: int) -> None:
+        for t in self.targets:
+            t.session.send_layer(layer, self.kv_cache)  # False once the session has ended
+
+    def finish(self) -> None:
+        for t in self.targets:
+            t.on_sent(t.session, None)
+
+
+class PrefillEngine(LLMEngine):
+    """An LLMEngine with a HandoffConnector. Not thread-safe except `set_target`/`pop_target`,
+    like LLMEngine."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        connector = HandoffConnector(lambda: self.runner.kv_cache)
+        super().__init__(*args, kv_connector=connector, **kwargs)
+        connector._block_size = self.layout.block_size
+        self.connector = connector
+
+    def set_target(self, req_id: str, target: HandoffTarget) -> None:
+        self.connector.set_target(req_id, target)
+
+    def pop_target(self, req_id: str) -> HandoffTarget | None:
+        return self.connector.pop_target(req_id)

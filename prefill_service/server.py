@@ -16,7 +16,11 @@ from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
 from service_infra.tls import tls_from_args
 from service_infra.worker_args import engine_kwargs
-from service_infra.worker_registration import checked_redis_config, worker_registration
+from service_infra.worker_registration import (
+    advertise_host,
+    checked_redis_config,
+    worker_registration,
+)
 from service_infra.worker_server import serve_worker
 
 logger = logging.getLogger(__name__)
@@ -39,8 +43,12 @@ async def _serve(args: argparse.Namespace) -> None:
             # its full blocks stay in this worker's prefix cache: tell the gateways
             registration.publish_prefix(hash_full_blocks(prompt_token_ids, block_size))
 
-    servicer = PrefillServicer(engine, backend, KVTransferMetrics(registry, engine.source.name),
-                               on_prefilled, tls)
+    transfer_metrics = KVTransferMetrics(registry, engine.source.name)
+    servicer = PrefillServicer(engine, backend, transfer_metrics, on_prefilled, tls)
+
+    async def on_bound(port: int) -> None:  # the `prefill` label of kv_transport_info
+        transfer_metrics.set_prefill(
+            getattr(args, "worker_id", None) or f"{advertise_host(args)}:{port}")
 
     def add(server) -> list[str]:
         pb_grpc.add_PrefillServicer_to_server(servicer, server)
@@ -51,7 +59,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await backend.close()
 
     await serve_worker("prefill", f"{args.host}:{args.port}", add, close, args.grace,
-                       announcer=registration, tls=tls)
+                       announcer=registration, tls=tls, on_bound=on_bound)
 
 
 def run(args: argparse.Namespace) -> int:

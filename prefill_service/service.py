@@ -49,6 +49,7 @@ COMMIT_TIMEOUT_S = 30.0
 # worker, expired) or that this worker gave up on: the connection is fine and other requests'
 # transfers are using it, so it is kept.
 LEASE_ENDED_CODES = frozenset({"ABORTED", "CANCELLED"})
+TRANSFER_SPEED_EWMA_WEIGHT = 0.2  # of the newest transfer in kv_transfer_bytes_per_s
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
@@ -63,6 +64,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.tls = tls  # mutual TLS to the decode workers' KV transfer service
         self._connections: dict[tuple[str, str], Connection] = {}
         self._connecting: dict[tuple[str, str], asyncio.Lock] = {}
+        # bytes per second of recent transfers (begin -> verified), a moving average; 0: none
+        self.kv_transfer_bytes_per_s = 0.0
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         t_received = time.monotonic()
@@ -124,6 +127,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if self.on_prefilled is not None:
                 self.on_prefilled(list(request.prompt_token_ids))
             self.metrics.transferred(stats.transport, stats.seconds, stats.num_bytes)
+            self._measure_transfer(stats.num_bytes, stats.seconds)
         except KVTransferError as e:
             self.metrics.failed(conn.kind, getattr(e, "code", "") or type(e).__name__)
             if getattr(e, "code", "") not in LEASE_ENDED_CODES:
@@ -160,7 +164,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             role="prefill", model=self.engine.source.name,
             layout_fingerprint=self.engine.layout.fingerprint(), num_blocks=s["num_blocks"],
             num_free_blocks=s["num_free_blocks"], num_running=s["num_running"],
-            num_waiting=s["num_waiting"], block_size=self.engine.layout.block_size)
+            num_waiting=s["num_waiting"], block_size=self.engine.layout.block_size,
+            prefill_tokens_per_s=self.engine.stats.prefill_tokens_per_s,
+            decode_step_s=self.engine.stats.decode_step_s,
+            kv_transfer_bytes_per_s=self.kv_transfer_bytes_per_s,
+            kv_bytes_per_token=self.engine.layout.bytes_per_token)
+
+    def _measure_transfer(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        speed, w = num_bytes / seconds, TRANSFER_SPEED_EWMA_WEIGHT
+        self.kv_transfer_bytes_per_s = (speed if self.kv_transfer_bytes_per_s == 0.0
+                                        else (1 - w) * self.kv_transfer_bytes_per_s + w * speed)
 
     async def _connection(self, address: str, kind: str, instance: str = "") -> Connection:
         """The cached connection to the decode worker at `address`, or a new handshake when
@@ -181,7 +196,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     credentials=self.tls.channel_credentials() if self.tls else None,
                     channel_options=self.tls.channel_options() if self.tls else ())
                 self._connections[key] = conn
-                self.metrics.connected(address, conn.kind, kind)
+                self.metrics.connected(address, conn.kind)
             return conn
 
     def _forget(self, conn: Connection) -> None:

@@ -89,6 +89,10 @@ class Timing:
     first_decode_step_s: float  # ready to decode -> second token (0 if only one token)
     ttft_s: float  # arrival -> first token
     total_s: float  # arrival -> end
+    # where the prompt was prefilled ("remote", "local" or "colocated") and why
+    # (gateway/prefill_policy.py's reasons; "" colocated)
+    prefill_where: str = "colocated"
+    prefill_reason: str = ""
 
 
 @dataclass

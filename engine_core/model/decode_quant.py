@@ -42,24 +42,19 @@ only weigh in sampling at temperature > 0.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine_core.model.decoder import DecoderForCausalLM
+from engine_core.model.forward_context import current
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 from kernels import native
 
 logger = logging.getLogger(__name__)
 ACT_DTYPE = torch.bfloat16
 REFINE_TOP_K = 16  # decode logits recomputed in float32 per row (see DecodeQuantLMHead)
-
-
-class DecodeRows:
-    """How many leading rows of the next matmuls are decode tokens (set by the model runner)."""
-
-    def __init__(self) -> None:
-        self.n = 0
 
 
 class Int4Matmul(nn.Module):
@@ -174,19 +169,28 @@ class NativeQ8Matmul(nn.Module):
         return out
 
 
-class DecodeQuantLinear(nn.Module):
-    """A linear layer whose first `rows.n` input rows use a quantized matmul."""
+@dataclass(frozen=True)
+class DecodeQuantization:
+    """What quantize_for_decode did, for whoever runs the model: put its decode_layers (None:
+    layer by layer) and the step's decode-row count in the ForwardContext."""
 
-    def __init__(self, dense: nn.Linear, quant: nn.Module, rows: DecodeRows) -> None:
+    decode_layers: NativeDecodeLayers | None
+
+
+class DecodeQuantLinear(nn.Module):
+    """A linear layer whose first input rows, as many as the forward context's
+    num_quant_rows, use a quantized matmul; the rest the dense one."""
+
+    def __init__(self, dense: nn.Linear, quant: nn.Module) -> None:
         super().__init__()
-        self.dense, self.quant, self.rows = dense, quant, rows
+        self.dense, self.quant = dense, quant
 
     @property
     def weight(self) -> torch.Tensor:
         return self.dense.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N]
-        nd = min(self.rows.n, x.shape[0])
+        nd = min(current().num_quant_rows, x.shape[0])
         if nd == 0:
             return self.dense(x.to(self.dense.weight.dtype))
         out = self.quant(x if nd == x.shape[0] else x[:nd]).to(x.dtype)  # [nd, N]
@@ -205,7 +209,7 @@ class DecodeQuantLMHead(DecodeQuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, vocab] float32
         out = super().forward(x).float()
-        nd = min(self.rows.n, x.shape[0])
+        nd = min(current().num_quant_rows, x.shape[0])
         if nd == 0:
             return out
         k = min(REFINE_TOP_K, out.shape[1])
@@ -226,9 +230,9 @@ class NativeDecodeLayers:
     whatever the model dtype: no Python between a layer's operations. The model's prefill rows
     take the torch path beside it (DecoderForCausalLM.forward)."""
 
-    def __init__(self, model: DecoderForCausalLM, lib, rows: DecodeRows) -> None:
+    def __init__(self, model: DecoderForCausalLM, lib) -> None:
         cfg = model.config
-        self.lib, self.rows = lib, rows
+        self.lib = lib
         self.num_heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
         self._keep = []  # float32 copies the C side points into
@@ -308,7 +312,7 @@ def quantize_for_decode(
     model: DecoderForCausalLM, q4: dict[str, Q4Weight] | None = None,
     activations: str = "float32", dense: set[str] | frozenset[str] = frozenset(),
     int8_scales: dict[str, torch.Tensor] | None = None,
-) -> DecodeRows:
+) -> DecodeQuantization:
     """Give every projection and the lm_head a quantized twin for decode rows, in place.
 
     q4: Hugging Face-named 4-bit weights from the GGUF (see GGUFFile.q4_weights); a fused
@@ -324,7 +328,6 @@ def quantize_for_decode(
     """
     q4 = q4 or {}
     int8_scales = int8_scales or {}
-    rows = DecodeRows()
     num_int4 = 0
     lib = native.load()
     int8 = activations == "int8"
@@ -359,14 +362,12 @@ def quantize_for_decode(
             if lib is not None and any(has_scales) and not all(has_scales):
                 continue  # see int8_scales
             linear = getattr(module, attr)
-            setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts), rows))
+            setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts)))
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
-    model.lm_head = DecodeQuantLMHead(model.lm_head, quant_for(model.lm_head, lm_head_parts),
-                                      rows)
+    model.lm_head = DecodeQuantLMHead(model.lm_head, quant_for(model.lm_head, lm_head_parts))
     model.lm_head.native = lib
     # the layers in one C call need its attention: use_native_kernels (load_model) set it
-    if NativeDecodeLayers.applies(model):
-        model.decode_layers = NativeDecodeLayers(model, lib, rows)
+    decode_layers = NativeDecodeLayers(model, lib) if NativeDecodeLayers.applies(model) else None
     total = 4 * len(model.layers) + 1
     num_dense = sum(isinstance(m, nn.Linear) for layer in model.layers
                     for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -375,4 +376,4 @@ def quantize_for_decode(
                 "the GGUF), %d int8, %d dense", "native kernels" if lib is not None else "torch",
                 activations if lib is not None else "bf16", num_int4,
                 total - num_int4 - num_dense, num_dense)
-    return rows
+    return DecodeQuantization(decode_layers)

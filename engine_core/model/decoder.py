@@ -18,6 +18,7 @@ from torch import nn
 
 from engine_core.config import ModelConfig
 from engine_core.model.attention import AttentionMetadata, paged_attention
+from engine_core.model.forward_context import current, use
 from engine_core.model.rope import apply_rope, cos_sin_cache
 from kernels import native
 
@@ -95,13 +96,13 @@ class Attention(nn.Module):
         first = 0 if meta.decodes_done else nd  # this call's first prefill row
         parts = []
         if first:
-            parts.append(native.decode_attention(
+            parts.append(native.row_attention(
                 self.native, rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
                 meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
                 meta.decode_max_len, window=self.window,
             ))
         if first < rows.shape[0]:
-            parts.append(native.decode_attention(
+            parts.append(native.row_attention(
                 self.native, rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
                 meta.prefill_block_tables, meta.prefill_row_lens, self.num_heads, self.scale,
                 meta.prefill_max_len, meta.prefill_row_tables, self.window,
@@ -199,10 +200,6 @@ class DecoderForCausalLM(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         # windowed layers' rope where their base differs (Gemma 3); empty: they use cos_sin
         self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
-        # per-layer observers (the prefill worker ships each layer's KV as soon as it is done)
-        self.layer_done_hook = None
-        # decode rows through all layers in C (decode_quant.NativeDecodeLayers), set on CPU
-        self.decode_layers = None
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -234,24 +231,23 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
         num_layers: int | None = None,  # run only the first layers (a self-speculative draft)
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The step's ForwardContext (forward_context.py) says which leading rows are decode
+        rows, whether they go through every layer in one C call, and who watches the layers."""
         cos_sin = self.cos_sin[positions]  # [num_tokens, head_dim] float32
         nd = meta.num_decode_tokens
-        if (self.decode_layers is None or nd == 0 or self.layer_done_hook is not None
+        ctx = current()
+        if (ctx.decode_layers is None or nd == 0 or ctx.on_layer_done is not None
                 or not kv_cache.is_contiguous()):
             return self._layers(input_ids, positions, cos_sin, kv_cache, meta, num_layers)
         # decode rows: every layer in one C call, float32 (NativeDecodeLayers); prefill rows
         # beside them on the torch path, in the model dtype
-        decoded = self.decode_layers(self.embed_tokens(input_ids[:nd]), cos_sin, kv_cache, meta,
-                                     len(self.layers) if num_layers is None else num_layers)
+        decoded = ctx.decode_layers(self.embed_tokens(input_ids[:nd]), cos_sin, kv_cache, meta,
+                                    len(self.layers) if num_layers is None else num_layers)
         if nd == input_ids.shape[0]:
             return decoded
-        rows = self.decode_layers.rows
-        saved, rows.n = rows.n, 0  # the prefill rows' matmuls are all dense
-        try:
+        with use(dataclasses.replace(ctx, num_quant_rows=0)):  # prefill rows: all dense
             prefilled = self._layers(input_ids[nd:], positions[nd:], cos_sin[nd:], kv_cache,
                                      dataclasses.replace(meta, decodes_done=True), num_layers)
-        finally:
-            rows.n = saved
         return torch.cat([decoded, prefilled.float()])
 
     def _layers(self, input_ids, positions, cos_sin, kv_cache, meta, num_layers) -> torch.Tensor:
@@ -259,11 +255,12 @@ class DecoderForCausalLM(nn.Module):
         residual = None
         local = self.cos_sin_local[positions] if self.cos_sin_local.numel() else cos_sin
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        on_layer_done = current().on_layer_done
         for i, layer in enumerate(layers):
             rope = local if layer.self_attn.window is not None else cos_sin
             x, residual = layer(x, residual, rope, kv_cache[i], meta)
-            if self.layer_done_hook is not None:
-                self.layer_done_hook(i)
+            if on_layer_done is not None:
+                on_layer_done(i)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32

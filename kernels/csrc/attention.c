@@ -284,7 +284,7 @@ static int group_kernel(const float *q, const void *kv, const int64_t *keys, int
 #undef GROUP_ATTENTION
 #endif
 
-static inline __attribute__((always_inline)) int decode_attention(
+static inline __attribute__((always_inline)) int row_attention(
         float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin, void *kv,
         const int64_t *slots, const int32_t *tables, int64_t table_stride,
         const int32_t *table_of_row, const int32_t *lens, int bs, float scale, float *out,
@@ -353,14 +353,14 @@ static inline __attribute__((always_inline)) int decode_attention(
  * max_len >= every lens[s]. D % 8 == 0, D <= 256. window > 0: each row attends to the last
  * `window` positions of its context (a sliding window), 0: to all of them.
  * Returns 0, or -1 when out of memory. */
-int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
+int pd_row_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
                         int bs, float scale, float *out, int64_t max_len, int threads,
                         int64_t window) {
     if (kv_bf16)
-        return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
+        return row_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
                                 table_of_row, lens, bs, scale, out, max_len, threads, window, 1);
-    return decode_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
+    return row_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
                             table_of_row, lens, bs, scale, out, max_len, threads, window, 0);
 }

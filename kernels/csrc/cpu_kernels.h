@@ -5,7 +5,7 @@
  *
  *   matmul.c        4-bit / 8-bit weights, float32 activations   pd_q4_matmul, pd_q8_matmul
  *   matmul_int8.c   the same weights, int8 activations (VNNI)    pd_i8_matmul
- *   attention.c     rope, K/V store and decode attention         pd_decode_attention
+ *   attention.c     rope, K/V store and attention of query rows  pd_row_attention
  *   topk.c          each row's k largest values                  pd_topk, pd_select_top
  *   sample.c        temperature/top-k/top-p/min-p and the draw   pd_sample
  *   layers.c        RMSNorm, and whole decoder layers            pd_add_rms_norm, pd_decode_layers
@@ -87,7 +87,7 @@ typedef struct {
 typedef struct {
     const float *in_norm, *post_norm; /* [hidden] float32 */
     pd_matrix qkv, o, gate_up, down;
-    int64_t window; /* a sliding window (pd_decode_attention's), 0: global */
+    int64_t window; /* a sliding window (pd_row_attention's), 0: global */
     const float *q_norm, *k_norm; /* [D] float32: RMSNorm of each q and k head; NULL: none */
 } pd_layer;
 
@@ -99,7 +99,7 @@ void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const 
 int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *w,
                  const float *d, const float *c, int64_t N, float *y, int threads);
 #endif
-int pd_decode_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
+int pd_row_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
                         int bs, float scale, float *out, int64_t max_len, int threads,

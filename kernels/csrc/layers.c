@@ -36,7 +36,7 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
  *   x = rmsnorm(h) * post_norm;  g|u = x @ Wgate_up;  h += (silu(g) * u) @ Wdown
  *
  * and at the end out = rmsnorm(h) * final_norm. The operations and their order are those of
- * the per-operation path (pd_add_rms_norm, pd_q4_matmul / pd_q8_matmul, pd_decode_attention),
+ * the per-operation path (pd_add_rms_norm, pd_q4_matmul / pd_q8_matmul, pd_row_attention),
  * so every row is still batch and thread invariant. */
 
 static int matmul(const float *x, int64_t M, const pd_matrix *w, float *y, int threads) {
@@ -111,7 +111,7 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
                 pd_add_rms_norm(q, 0, L->q_norm, eps, q, Hq, D);
                 pd_add_rms_norm(k, 0, L->k_norm, eps, k, Hkv, D);
             }
-        status |= pd_decode_attention(wide, S, Hq, Hkv, D, cos_sin,
+        status |= pd_row_attention(wide, S, Hq, Hkv, D, cos_sin,
                                       (char *)kv + (size_t)l * layer_stride * elem, kv_bf16,
                                       slots, tables, table_stride, 0, lens, bs, scale, att,
                                       max_len, threads, L->window);

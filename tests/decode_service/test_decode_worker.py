@@ -25,6 +25,7 @@ class FakeDecodeEngine(FakeEngine):
     def __init__(self) -> None:
         super().__init__()
         self.layout = type("Layout", (), {"block_size": BLOCK_SIZE})()
+        self.num_kv_blocks = 64
         self.reserved: dict[str, SamplingParams] = {}
 
     def reserve(self, prompt, params, req_id, num_prior_output_tokens=0):

@@ -231,7 +231,10 @@ def handoff(stack: Stack, address: str, ids: list[int], decode_address: str,
             request_id=rid, prompt_token_ids=ids, sampling=greedy(1),
             target=wpb.KVTarget(transfer_address=res.transfer_address, lease_id=res.lease_id,
                                 dst_block_ids=res.block_ids[first:], first_block=first,
-                                transport=transport)), timeout=60)
+                                transport=transport,
+                                # as the gateway does: a connection to a restarted decode
+                                # worker's previous instance handshakes again first
+                                transfer_instance=res.transfer_instance)), timeout=60)
     finally:
         decode.Abort(wpb.AbortRequestRequest(request_id=rid, reason="probe"), timeout=10)
     assert reply.transport == transport

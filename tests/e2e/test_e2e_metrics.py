@@ -33,6 +33,7 @@ GATEWAY = {
     "request_generation_tokens": H, "prompt_tokens": C, "generation_tokens": C,
     "request_success": C, "requests_rejected": C, "requests_aborted": C,
     "num_requests_running": G, "num_requests_waiting": G, "healthy_workers": G,
+    "prefill_decisions": C,
 }
 ENGINE = {
     "num_requests_running": G, "num_requests_waiting": G, "num_requests_reserved": G,
@@ -95,11 +96,17 @@ def test_counters_move_with_a_request(stack, ref):
     assert d(gw, gw0, "generation_tokens", "_total") == n_out
     assert d(gw, gw0, "prompt_tokens", "_total") == n_prompt
     assert d(gw, gw0, "request_success", "_total", finished_reason="length") == 1
+    # `pdserve up`'s default policy sends every prompt to the prefill pool
+    assert d(gw, gw0, "prefill_decisions", "_total", where="remote", reason="policy") == 1
     assert d(pf, pf0, "prefix_cache_queries", "_total") > 0
     assert d(pf, pf0, "engine_prompt_tokens", "_total") > 0
     assert d(pf, pf0, "kv_transfer_time_seconds", "_count", transport="shm") == 1
     assert d(pf, pf0, "kv_transfer_bytes", "_sum", transport="shm") > 0
     assert value(pf, "kv_transport_info", transport="shm") == 1
+    # one series per (prefill, decode) pair in use, named by both ends
+    (pair,) = [p.labels for p in pf["pdserve:kv_transport_info"].samples]
+    assert pair["prefill"] == stack.prefill[0] and pair["transport"] == "shm"
+    assert pair["decode"].rsplit(":", 1)[0] == stack.decode[0].rsplit(":", 1)[0]
     assert d(dc, dc0, "kv_leases_ended", "_total", state="CLAIMED") == 1
     assert d(dc, dc0, "iteration_tokens_total", "_count") >= 1
     # the output copies the prompt: the n-gram proposer drafted, and some drafts held

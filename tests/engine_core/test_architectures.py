@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine_core.model.architectures import UnsupportedArchitectureError
+from engine_core.model.decode_quant import DecodeQuantization
 from tests.engine_core import tiny_models as tm
 
 transformers = pytest.importorskip("transformers")
@@ -180,15 +181,16 @@ def test_one_call_c_decode_layers(case, tmp_path):
     window = overrides.get("sliding_window")
     assert all(layer.self_attn.native is not None and layer.self_attn.window == window
                for layer in eng.model.layers)
-    assert eng.model.decode_layers is not None
-    assert [layer.window for layer in eng.model.decode_layers.layers] == [window or 0] * 2
+    assert eng.runner.quantization.decode_layers is not None
+    decode_layers = eng.runner.quantization.decode_layers
+    assert [layer.window for layer in decode_layers.layers] == [window or 0] * 2
     assert all(bool(layer.q_norm) == (case == "qwen3")
-               for layer in eng.model.decode_layers.layers)
+               for layer in eng.runner.quantization.decode_layers.layers)
     prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
     assert tm.relative_error(tm.prompt_logits(eng, prompts[0]),
                              tm.hf_logits(hf, prompts[0])) < 1e-3
     one_call = tm.greedy(eng, prompts, 32)
-    eng.model.decode_layers = None
+    eng.runner.quantization = DecodeQuantization(decode_layers=None)  # layer by layer
     assert tm.greedy(eng, prompts, 32) == one_call
 
 

@@ -10,12 +10,13 @@ from test_real_model import PROMPTS, assert_batched_equals_solo  # same folder (
 
 from engine_core.model.decode_quant import (
     REFINE_TOP_K,
+    DecodeQuantization,
     DecodeQuantLinear,
     DecodeQuantLMHead,
-    DecodeRows,
     Int4Matmul,
     Int8Matmul,
 )
+from engine_core.model.forward_context import ForwardContext, use
 from engine_core.sampling_params import SamplingParams
 from engine_core.weights.gguf_loader import GGUFFile
 from kernels import native
@@ -102,14 +103,14 @@ def test_int4_matmul_uses_the_files_own_weights(model_path):
 def test_int8_matmul_and_row_split():
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
-    rows = DecodeRows()
-    layer = DecodeQuantLinear(linear, Int8Matmul(linear.weight), rows)
+    layer = DecodeQuantLinear(linear, Int8Matmul(linear.weight))
     x = torch.randn(7, 64)
     ref = linear(x)
-    rows.n = 0
-    assert torch.equal(layer(x), ref)  # no decode rows: the dense path, bit for bit
-    rows.n = 3
-    out = layer(x)
+    assert torch.equal(layer(x), ref)  # no forward context: every row dense, bit for bit
+    with use(ForwardContext(num_quant_rows=0)):
+        assert torch.equal(layer(x), ref)
+    with use(ForwardContext(num_quant_rows=3)):
+        out = layer(x)
     assert torch.equal(out[3:], linear(x[3:]))
     assert ((out[:3] - ref[:3]).abs().max() / ref.abs().max()).item() < 2e-2
 
@@ -121,12 +122,11 @@ def test_lm_head_refines_its_best_candidates_in_float32():
     linear = torch.nn.Linear(32, 500, bias=True)
     with torch.no_grad():
         linear.weight.mul_(8.0)  # logits of ~±20
-    rows = DecodeRows()
-    head = DecodeQuantLMHead(linear, Int8Matmul(linear.weight), rows)
+    head = DecodeQuantLMHead(linear, Int8Matmul(linear.weight))
     x = torch.randn(6, 32)
     ref = linear(x)
-    rows.n = 4
-    out = head(x)
+    with use(ForwardContext(num_quant_rows=4)):
+        out = head(x)
     assert out.dtype == torch.float32
     assert torch.equal(out[4:], linear(x[4:]))  # prefill rows: dense, bit for bit
     for r in range(4):
@@ -178,15 +178,16 @@ def test_decode_layers_in_one_call_match_the_per_operation_path(llm_quant):
     the steps compound over the layers, so the two paths differ about as much as either
     differs from the float32 path (test_quantized_decode_tracks_dense_logprobs)."""
     require_native_kernels()  # skips without a compiler or AVX2/FMA; a failed build fails
-    model = llm_quant.engine.model
-    assert model.decode_layers is not None, "the C kernels load but decode_layers is not set"
+    runner = llm_quant.engine.runner
+    assert runner.quantization.decode_layers is not None, \
+        "the C kernels load but decode_layers is not set"
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
     fused = llm_quant.generate(PROMPTS, params)
-    saved, model.decode_layers = model.decode_layers, None
+    saved, runner.quantization = runner.quantization, DecodeQuantization(decode_layers=None)
     try:
         per_op = llm_quant.generate(PROMPTS, params)
     finally:
-        model.decode_layers = saved
+        runner.quantization = saved
     for a, b in zip(fused, per_op, strict=True):
         a, b = a.outputs[0], b.outputs[0]
         assert a.token_ids == b.token_ids

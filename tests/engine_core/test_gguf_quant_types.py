@@ -77,7 +77,8 @@ def test_k_quants_decode_on_the_torch_path_and_say_so_once(tmp_path, caplog):
     layer = eng.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, torch.nn.Linear)
     assert isinstance(layer.mlp.down_proj, torch.nn.Linear)
-    assert eng.model.decode_layers is None
+    q = eng.runner.quantization
+    assert q is None or q.decode_layers is None
     prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
     assert tm.greedy(eng, prompts, 16) == tm.greedy(tm.engine(path), prompts, 16)
 
@@ -94,7 +95,7 @@ def test_q4_1_keeps_its_c_decode_path(tmp_path, caplog):
     assert not any("have no C decode kernel" in r.message for r in caplog.records)
     proj = eng.model.layers[0].self_attn.qkv_proj
     assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ4Matmul)
-    assert eng.model.decode_layers is not None  # every layer in one C call
+    assert eng.runner.quantization.decode_layers is not None  # every layer in one C call
 
 
 def test_q4_k_blocks_expand_to_gguf_dequantize():
@@ -129,7 +130,7 @@ def test_q4_k_decodes_in_c(activations, tmp_path, caplog):
     assert not any("have no C decode kernel" in r.message for r in caplog.records)
     proj = eng.model.layers[0].mlp.down_proj
     assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ4Matmul)
-    assert eng.model.decode_layers is not None
+    assert eng.runner.quantization.decode_layers is not None
     prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
     got = tm.greedy(eng, prompts, 16)
     if activations == "float32":
@@ -153,6 +154,6 @@ def test_q5_0_and_q8_0_decode_in_c_with_the_files_scales(qtype, tmp_path):
     q = proj.quant.qs.float().view(proj.quant.n, -1, 32)  # [N, K / 32, 32]
     back = (q * proj.quant.d[..., None]).view(proj.quant.n, -1)
     assert torch.equal(back, proj.dense.weight.float())
-    assert eng.model.decode_layers is not None
+    assert eng.runner.quantization.decode_layers is not None
     prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
     assert tm.greedy(eng, prompts, 16) == tm.greedy(tm.engine(path), prompts, 16)

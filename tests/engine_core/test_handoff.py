@@ -25,12 +25,19 @@ def handoff(prefill_llm, decode_llm, ids, params, req_id):
     """Prefill on one engine, move the prompt's KV block by block, decode on the other."""
     first_params = SamplingParams(**{**params.__dict__, "max_tokens": 1, "min_tokens": 0})
     pre = prefill_llm.engine
-    seen: list[list[int]] = []  # the request's blocks, as the step hook sees them
-    pre._on_scheduled = lambda out, block_ids: seen.append(list(block_ids[0]))
+    seen: list[list[int]] = []  # the request's blocks, as a KV connector sees them
+
+    class Recorder:  # engine_core/kv_connector.py: the scheduler side only
+        def build_step(self, out, block_ids):
+            seen.append(list(block_ids[0]))
+
+    pre.kv_connector = Recorder()
     pre.add_request(ids, first_params)
-    while pre.has_unfinished_requests():
-        outs = pre.step()
-    del pre._on_scheduled
+    try:
+        while pre.has_unfinished_requests():
+            outs = pre.step()
+    finally:
+        pre.kv_connector = None
     src_blocks = seen[-1]  # freed after the step, but nothing has overwritten them yet
     first = outs[0].outputs[0].token_ids[0]
     dec = decode_llm.engine

@@ -99,3 +99,23 @@ def test_pdserve_up_on_cuda_equals_offline(tiny, transport):
         assert transfers_by_transport(stack.metrics[1]) == {transport: len(PROMPTS)}
     finally:
         assert stop_stack(stack) == 0
+
+
+def test_sampled_requests_on_cuda_are_reproducible_and_follow_their_filters(tiny):
+    """Sampling on the card: the rows' parameters reach the device, seeded rows draw from
+    their own (host) generators, penalties apply there."""
+    llm = LLM(model=str(tiny), dtype="bfloat16", device="cuda", kv_cache_memory_gb=0.25)
+    prompts = [words(p) for p in PROMPTS]
+    seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, top_k=20,
+                            seed=7, repetition_penalty=1.2, presence_penalty=0.5,
+                            ignore_eos=True)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, min_p=0.05,
+                           frequency_penalty=0.3, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, [seeded, plain, seeded])]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], seeded)]
+    assert again[0] == first[0]  # a seeded request alone equals itself in a batch
+    assert all(len(ids) == MAX_TOKENS for ids in first)
+    one = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=1, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    assert (llm.generate(prompts[:1], one)[0].outputs[0].token_ids
+            == llm.generate(prompts[:1], greedy)[0].outputs[0].token_ids)  # top_k=1 is argmax

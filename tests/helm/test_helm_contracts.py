@@ -21,7 +21,9 @@ ENGINE_FLAGS = {"--model", "--dtype", "--kv-cache-memory-gb", "--max-num-seqs",
 TLS_FLAGS = {"--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name"}
 AGREED_FLAGS = {
     "gateway": {"--host", "--port", "--http-port", "--lease-ttl", "--max-waiting",
-                "--max-queue-wait", "--grace", "--model", "--tls-client-auth"}
+                "--max-queue-wait", "--prefill-policy", "--local-prefill-max-tokens",
+                "--canary-idle-s", "--canary-timeout-s", "--canary-failures", "--grace",
+                "--model", "--tls-client-auth"}
     | REDIS_FLAGS | TLS_FLAGS,
     "prefill": {"--host", "--port", "--advertise-host", "--metrics-port", "--worker-id"}
     | REDIS_FLAGS | ENGINE_FLAGS | TLS_FLAGS,

@@ -59,3 +59,23 @@ def test_torch_path_does_not_import_triton() -> None:
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_backend_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/backends.py: triton on CUDA; the C kernels on CPU where they load, else torch;
+    PDSERVE_ATTN_BACKEND overrides, and native is refused off the CPU."""
+    from kernels import native
+    from kernels.backends import attention_backend
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert attention_backend(torch.device("cuda", 0)) == "triton"
+    want_cpu = "native" if native.load() is not None else "torch"
+    assert attention_backend(torch.device("cpu")) == want_cpu
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert attention_backend(torch.device("cpu")) == "torch"
+    assert select_backend(torch.device("cuda", 0)) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "native")
+    assert attention_backend(torch.device("cpu")) == "native"
+    assert select_backend(torch.device("cpu")) == "torch"  # native is not a per-call backend
+    with pytest.raises(ValueError, match="native is the CPU's C kernels"):
+        attention_backend(torch.device("cuda", 0))

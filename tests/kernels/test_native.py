@@ -232,7 +232,7 @@ def test_decode_attention_over_a_bf16_cache(lib):
     expected_cache = kv.float()
     expected = reference_decode(qkv.clone(), cos_sin, expected_cache, slots, tables, ctx, 9,
                                 0.125, torch.bfloat16)
-    out = native.decode_attention(lib, qkv, cos_sin, kv, slots, tables, ctx, 9, 0.125, 130)
+    out = native.row_attention(lib, qkv, cos_sin, kv, slots, tables, ctx, 9, 0.125, 130)
     assert torch.equal(kv, expected_cache.to(torch.bfloat16))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
@@ -248,7 +248,7 @@ def test_decode_attention_matches_reference(lib, lens, heads, kv_heads, head_dim
     scale = head_dim**-0.5
     expected = reference_decode(qkv.clone(), cos_sin, expected_cache, slots, tables, ctx, heads,
                                 scale)
-    out = native.decode_attention(lib, qkv, cos_sin, kv_layer, slots, tables, ctx, heads, scale,
+    out = native.row_attention(lib, qkv, cos_sin, kv_layer, slots, tables, ctx, heads, scale,
                                   max(lens))
     assert torch.equal(kv_layer, expected_cache) or torch.allclose(kv_layer, expected_cache,
                                                                    atol=1e-6, rtol=0)
@@ -267,7 +267,7 @@ def test_decode_attention_sees_drafts_stored_in_the_same_call(lib):
             (positions + 1).int())
     expected_cache = kv_layer.clone()
     expected = reference_decode(rows[0].clone(), rows[1], expected_cache, *rows[3:], 4, 0.125)
-    out = native.decode_attention(lib, *rows, 4, 0.125, 40)
+    out = native.row_attention(lib, *rows, 4, 0.125, 40)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -304,13 +304,13 @@ def test_decode_attention_of_prefill_rows_matches_prefill_reference(lib, cache_d
     expected = paged_prefill_attention_ref(
         apply_rope(q.reshape(-1, 9, 64), cos, sin), expected_cache.float(), inputs.block_tables,
         inputs.query_start_loc, inputs.seq_lens, 0.125).reshape(len(positions), -1)
-    out = native.decode_attention(lib, qkv.clone(), cos_sin, kv_layer, slots,
+    out = native.row_attention(lib, qkv.clone(), cos_sin, kv_layer, slots,
                                   inputs.block_tables, meta.prefill_row_lens, 9, 0.125,
                                   meta.prefill_max_len, meta.prefill_row_tables)
     assert torch.equal(kv_layer, expected_cache)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
     # a row's result does not depend on the chunk around it: the last sequence's one row alone
-    alone = native.decode_attention(lib, qkv[-1:].clone(), cos_sin[-1:], kv_layer, slots[-1:],
+    alone = native.row_attention(lib, qkv[-1:].clone(), cos_sin[-1:], kv_layer, slots[-1:],
                                     inputs.block_tables[-1:], meta.prefill_row_lens[-1:], 9,
                                     0.125, 71)
     assert torch.equal(alone, out[-1:])
@@ -323,7 +323,7 @@ def test_decode_attention_is_batch_and_thread_invariant(lib):
 
     def run(index, threads):
         with torch_threads(threads):
-            return native.decode_attention(lib, qkv[index].clone(), cos_sin[index], kv_layer,
+            return native.row_attention(lib, qkv[index].clone(), cos_sin[index], kv_layer,
                                            slots[index], tables[index], ctx[index], 9, 0.125,
                                            int(ctx[index].max()))
 

@@ -102,7 +102,7 @@ def test_public_api_triton_window(triton_backend: torch.device) -> None:
 @pytest.mark.parametrize("isa", native.cpu_isas())
 @pytest.mark.parametrize("window", WINDOWS)
 def test_c_attention_window(window: int, isa: str) -> None:
-    """The C kernel (pd_decode_attention) with a window, decode rows and prefill rows (one
+    """The C kernel (pd_row_attention) with a window, decode rows and prefill rows (one
     row per token through table_of_row, a cached prefix longer than the window), against
     the reference; rope and K/V store as without one (tests/kernels/test_native.py)."""
     from engine_core.model.attention import AttentionMetadata
@@ -134,13 +134,13 @@ def test_c_attention_window(window: int, isa: str) -> None:
     expected = paged_prefill_attention_ref(
         apply_rope(q.reshape(-1, 6, 32), cos, sin), expected_cache, inputs.block_tables,
         inputs.query_start_loc, inputs.seq_lens, 0.2, window).reshape(len(positions), -1)
-    out = native.decode_attention(lib, qkv.clone(), cos_sin, kv_layer, slots,
+    out = native.row_attention(lib, qkv.clone(), cos_sin, kv_layer, slots,
                                   inputs.block_tables, meta.prefill_row_lens, 6, 0.2,
                                   meta.prefill_max_len, meta.prefill_row_tables, window)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
     # each sequence's last row alone, as a decode row (its own table, no table_of_row)
     last = (inputs.query_start_loc[1:] - 1).long()
-    alone = native.decode_attention(lib, qkv[last].clone(), cos_sin[last], kv_layer.clone(),
+    alone = native.row_attention(lib, qkv[last].clone(), cos_sin[last], kv_layer.clone(),
                                     slots[last], inputs.block_tables, inputs.seq_lens, 6, 0.2,
                                     0, None, window)
     torch.testing.assert_close(alone, expected[last], atol=1e-5, rtol=1e-4)

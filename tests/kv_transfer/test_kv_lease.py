@@ -61,6 +61,22 @@ def test_happy_path_claims_without_release(table, released):
     table.check_integrity()
 
 
+def test_withdraw_hands_a_reserved_lease_to_a_local_prefill_without_release(table, released):
+    lease = table.open("r1", [4, 5], ttl_s=10)
+    assert table.withdraw(lease.lease_id) == [4, 5]
+    assert released == [] and table.num_blocks_held == 0
+    assert table.get(lease.lease_id).state is LeaseState.CLAIMED
+    assert table.abort(lease.lease_id, "late") is False and released == []
+    with pytest.raises(LeaseEndedError, match="CLAIMED"):
+        table.withdraw(lease.lease_id)
+    # once a sender has begun, the blocks are being written: no local prefill
+    begun = table.open("r2", [6], ttl_s=10)
+    table.begin(begun.lease_id, [6], "grpc", is_one_sided=False)
+    with pytest.raises(LeaseError, match="RECEIVING, needs RESERVED"):
+        table.withdraw(begun.lease_id)
+    table.check_integrity()
+
+
 def test_abort_releases_exactly_once(table, released):
     lease = table.open("r1", [1, 2], ttl_s=10)
     assert table.abort(lease.lease_id, "client cancelled") is True

@@ -60,6 +60,7 @@ def test_bench_engine_times_sampled_settings_beside_greedy(tmp_path, model_path)
         ratios = [s / g for s, g in zip(r["runs_tokens_per_s"], greedy_runs, strict=True)]
         assert r["ratios_vs_greedy"] == sorted(ratios)
         assert r["ratio_vs_greedy"] == sorted(ratios)[1]
+        assert len(r["cpu_ratios_vs_greedy"]) == 2 and r["cpu_ratio_vs_greedy"] > 0
 
 
 def test_sampling_specs_parse_and_bad_ones_name_the_field():

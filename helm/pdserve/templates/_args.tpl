@@ -19,6 +19,16 @@ through `int` or `toString` so that large values never render as 1e+06.
 - {{ $v.maxWaiting | int | quote }}
 - --max-queue-wait
 - {{ $v.maxQueueWait | toString | quote }}
+- --prefill-policy
+- {{ $v.prefillPolicy | quote }}
+- --local-prefill-max-tokens
+- {{ $v.localPrefillMaxTokens | int | quote }}
+- --canary-idle-s
+- {{ $v.canary.idleS | toString | quote }}
+- --canary-timeout-s
+- {{ $v.canary.timeoutS | toString | quote }}
+- --canary-failures
+- {{ $v.canary.failures | int | quote }}
 - --grace
 - {{ $v.grace | toString | quote }}
 {{- include "pdserve.tlsArgs" (list . "gateway") }}

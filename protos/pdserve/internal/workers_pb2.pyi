@@ -115,21 +115,35 @@ class DecodeRequest(_message.Message):
     ready_timeout_s: float
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., ready_timeout_s: _Optional[float] = ...) -> None: ...
 
+class LocalPrefillRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id", "max_chunk_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    max_chunk_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ...) -> None: ...
+
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "num_cached_tokens", "first_decode_step_s")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "num_cached_tokens", "first_decode_step_s", "queue_s", "prefill_s")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     finish_reason: _generate_pb2.FinishReason
     num_cached_tokens: int
     first_decode_step_s: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., first_decode_step_s: _Optional[float] = ...) -> None: ...
+    queue_s: float
+    prefill_s: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., first_decode_step_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequestRequest(_message.Message):
     __slots__ = ("request_id", "reason")
@@ -150,7 +164,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "model", "layout_fingerprint", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "transfer_address", "block_size", "spec_num_drafts", "spec_num_accepted")
+    __slots__ = ("role", "model", "layout_fingerprint", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "transfer_address", "block_size", "spec_num_drafts", "spec_num_accepted", "prefill_tokens_per_s", "decode_step_s", "kv_transfer_bytes_per_s", "kv_bytes_per_token", "prefix_block_hashes")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +177,11 @@ class WorkerStatus(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     layout_fingerprint: str
@@ -175,4 +194,9 @@ class WorkerStatus(_message.Message):
     block_size: int
     spec_num_drafts: _containers.RepeatedScalarFieldContainer[int]
     spec_num_accepted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_num_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    kv_transfer_bytes_per_s: float
+    kv_bytes_per_token: int
+    prefix_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_num_accepted: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -167,6 +167,11 @@ class DecodeStub:
                 request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseResponse.FromString,
                 _registered_method=True)
+        self.PrefillLocally = channel.unary_stream(
+                '/pdserve.internal.Decode/PrefillLocally',
+                request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.LocalPrefillRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.internal.Decode/Abort',
                 request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.AbortRequestRequest.SerializeToString,
@@ -207,6 +212,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillLocally(self, request, context):
+        """Compute a reserved prompt here instead of on a prefill worker (a local prefill: the
+        gateway's choice, gateway/prefill_policy.py), chunked beside the running decodes in the
+        blocks Reserve holds, then stream every token from the first on, as Decode does.
+        FAILED_PRECONDITION if the lease has ended or a sender has begun writing into it.
+        Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """End a request wherever it is (reserved, receiving or decoding); frees its blocks.
         """
@@ -237,6 +253,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.RenewLease,
                     request_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseResponse.SerializeToString,
+            ),
+            'PrefillLocally': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillLocally,
+                    request_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.LocalPrefillRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -330,6 +351,33 @@ class Decode:
             '/pdserve.internal.Decode/RenewLease',
             protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseRequest.SerializeToString,
             protos_dot_pdserve_dot_internal_dot_workers__pb2.RenewLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillLocally(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.Decode/PrefillLocally',
+            protos_dot_pdserve_dot_internal_dot_workers__pb2.LocalPrefillRequest.SerializeToString,
+            protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

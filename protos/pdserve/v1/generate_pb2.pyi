@@ -152,20 +152,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "ttft_s", "total_s")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "ttft_s", "total_s", "prefill_where", "prefill_reason")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WHERE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
     first_decode_step_s: float
     ttft_s: float
     total_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+    prefill_where: str
+    prefill_reason: str
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_where: _Optional[str] = ..., prefill_reason: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

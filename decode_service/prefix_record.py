@@ -1,0 +1,46 @@
+"""The prefix blocks a decode worker has been given recently, for routing: a multi-turn chat
+returns to the worker that holds its history (gateway/decode_admission.py).
+
+    add(hashes)   the full blocks of a prompt whose KV is now in this worker's prefix cache
+                  (claimed from a transfer, or prefilled here)
+    hashes()      what is published in Status (gateways without Redis read it there);
+                  with Redis the worker publishes the same hashes to its registration
+
+Bounded like the Redis set of a prefill worker: at most `capacity` hashes (the pool's
+blocks), newest kept, each for ttl_s. A hash may outlive its block (evicted by LRU): it is a
+routing hint, and a miss only costs the prefill the hint promised to save.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from service_infra.redis_registry import PREFIX_TTL_S
+
+
+class PrefixRecord:
+    def __init__(self, capacity: int, ttl_s: float = PREFIX_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if capacity < 1 or ttl_s <= 0:
+            raise ValueError(f"capacity must be >= 1 and ttl_s > 0, got {capacity} and {ttl_s}")
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._expiry: OrderedDict[int, float] = OrderedDict()  # hash -> expiry, oldest first
+
+    def add(self, block_hashes: Sequence[int]) -> None:
+        expires = self._clock() + self.ttl_s
+        for h in block_hashes:
+            self._expiry.pop(h, None)
+            self._expiry[h] = expires
+        while len(self._expiry) > self.capacity:
+            self._expiry.popitem(last=False)
+
+    def hashes(self) -> list[int]:
+        """The unexpired hashes, oldest first (expired ones are dropped here)."""
+        now = self._clock()
+        while self._expiry and next(iter(self._expiry.values())) <= now:
+            self._expiry.popitem(last=False)
+        return list(self._expiry)

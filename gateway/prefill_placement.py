@@ -1,0 +1,95 @@
+"""The gateway's half of conditional prefill: once a decode worker has reserved a prompt's
+blocks (and said how much of it it caches), gather what the cost model needs from the pools'
+measured Status and decide local or remote (gateway/prefill_policy.py); count every decision
+and learn the remote path's fixed cost from finished requests. Part of DisaggregatedBackend
+(gateway/disaggregated.py), whose pools it reads."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from gateway.prefill_policy import PrefillCosts, PrefillDecision, PrefillPolicy, decide
+from gateway.worker_pools import Worker
+from protos.pdserve.internal import workers_pb2 as pb
+from service_infra.backend import GenerateInput, Timing
+
+HANDOFF_EWMA_WEIGHT = 0.2  # of the newest remote request in the measured handoff cost
+
+
+class PrefillPlacement:
+    """Mixed into DisaggregatedBackend: its prefill pool and block_size."""
+
+    def _init_placement(self, policy: PrefillPolicy) -> None:
+        self.prefill_policy = policy
+        self.num_prefill_decisions: Counter[tuple[str, str]] = Counter()  # (where, reason)
+        self.last_prefill_decision: PrefillDecision | None = None
+        # the remote path's cost beyond prefill compute and transfer (RPCs, commit, admission),
+        # learnt from finished remote requests; 0 until the first
+        self.handoff_s = 0.0
+
+    def _place(self, inp: GenerateInput, decode: Worker,
+               reservation: pb.ReserveResponse) -> PrefillDecision:
+        if inp.params.prompt_logprobs is not None:  # only a prefill worker computes them
+            decision = PrefillDecision("remote", "prompt_logprobs")
+        else:
+            decision = decide(self._costs(inp, decode, reservation), self.prefill_policy)
+        self.num_prefill_decisions[decision.where, decision.reason] += 1
+        self.last_prefill_decision = decision
+        return decision
+
+    def _costs(self, inp: GenerateInput, decode: Worker,
+               reservation: pb.ReserveResponse) -> PrefillCosts:
+        n_prompt = len(inp.prompt_token_ids)
+        n_local = n_prompt - reservation.num_cached_tokens
+        prefill = self._likely_prefill()
+        ds = decode.status
+        ps = prefill.status if prefill is not None else None
+        measured = [w.status.prefill_tokens_per_s for w in self.prefill
+                    if w.status is not None and w.status.prefill_tokens_per_s > 0]
+        return PrefillCosts(
+            num_local_tokens=n_local,
+            # the prefill worker that served this conversation's earlier turns caches what
+            # the decode worker caches (the KV it sent there): assume the same hit
+            num_remote_tokens=n_local,
+            num_transfer_tokens=n_local,
+            prefill_queue_tokens=prefill.num_tokens_in_flight if prefill is not None else 0,
+            prefill_tokens_per_s=(ps.prefill_tokens_per_s if ps and ps.prefill_tokens_per_s
+                                  else sum(measured) / len(measured) if measured else 0.0),
+            local_tokens_per_s=ds.prefill_tokens_per_s if ds is not None else 0.0,
+            # this gateway's own count is current (Status is up to a refresh old); in_flight
+            # includes this request
+            decode_batch=max(ds.num_running if ds is not None else 0, decode.in_flight - 1),
+            decode_step_s=ds.decode_step_s if ds is not None else 0.0,
+            transfer_bytes_per_s=ps.kv_transfer_bytes_per_s if ps is not None else 0.0,
+            kv_bytes_per_token=ds.kv_bytes_per_token if ds is not None else 0,
+            handoff_s=self.handoff_s,
+            local_queue_tokens=decode.num_local_tokens_in_flight)
+
+    def _likely_prefill(self) -> Worker | None:
+        """The prefill worker a remote prefill would most likely get: the shortest queue
+        from here (routing may still prefer another for its prefix cache)."""
+        live = [w for w in self.prefill if w.is_healthy]
+        return min(live, key=lambda w: w.num_tokens_in_flight, default=None)
+
+    def _learn_handoff(self, timing: Timing, decode: Worker, num_transfer_tokens: int) -> None:
+        """A remote request's first token arrived: what its tail (kv_transfer_s) took beyond
+        the modelled transfer is the hop's fixed cost."""
+        prefill = self._likely_prefill()
+        speed = prefill.status.kv_transfer_bytes_per_s if prefill and prefill.status else 0.0
+        per_token = decode.status.kv_bytes_per_token if decode.status else 0
+        transfer = num_transfer_tokens * per_token / speed if speed > 0 else 0.0
+        sample = max(0.0, timing.kv_transfer_s - transfer)
+        w = HANDOFF_EWMA_WEIGHT
+        self.handoff_s = sample if self.handoff_s == 0.0 else (1 - w) * self.handoff_s + w * sample
+
+    def placement_status(self) -> dict:
+        """For /internal/status."""
+        return {
+            "policy": self.prefill_policy.mode,
+            "local_prefill_max_tokens": self.prefill_policy.max_local_tokens,
+            "local_chunk_tokens": self.prefill_policy.local_chunk_tokens,
+            "handoff_s": self.handoff_s,
+            "decisions": [{"where": w, "reason": r, "count": n}
+                          for (w, r), n in sorted(self.num_prefill_decisions.items())],
+            "last": (self.last_prefill_decision.as_dict()
+                     if self.last_prefill_decision is not None else None)}

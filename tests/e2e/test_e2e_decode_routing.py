@@ -1,0 +1,92 @@
+"""Decode-side prefix routing end to end: one `pdserve up --decode 2 --prefill-policy auto`
+stack (1 prefill + 2 decode workers over shm, no Redis: decode workers publish the prefix
+blocks they hold in Status). Two chats start at once and land on different decode workers;
+each later turn returns to the worker that holds its history, hits its cache, is prefilled
+there, and gives the offline engine's greedy output."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from protos.pdserve.v1 import generate_pb2 as pb
+from tests.e2e.stack import (
+    BLOCK_SIZE,
+    Stack,
+    cacheable_tokens,
+    greedy,
+    out_ids,
+    out_text,
+    probe_decode_cache,
+    run,
+)
+
+pytestmark = pytest.mark.slow
+
+N = 12
+REFRESH_WAIT_S = 2.5  # the gateway rereads the workers' Status every second
+OPENERS = {
+    "a": "I am planning a long walk along the coast next spring, starting from a small fishing "
+         "village and following the cliffs north for about a week. What should I pack?",
+    "b": "My sourdough bread keeps coming out dense and flat even though the starter bubbles "
+         "nicely and I follow the recipe carefully. What could be going wrong with it?",
+}
+FOLLOW_UPS = ["Why?", "Give one more tip."]
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory) -> Stack:
+    start, stop = stack_factory
+    s = start("--decode", "2", "--transport", "shm", "--prefill-policy", "auto")
+    yield s
+    stop(s)
+
+
+def chat(conv: list[dict[str, str]]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in conv]),
+                              sampling=greedy(N))
+
+
+def test_each_chat_returns_to_the_decode_worker_that_holds_its_history(stack, ref):
+    assert len(stack.decode) == 2
+    convs = {k: [{"role": "user", "content": text}] for k, text in OPENERS.items()}
+    # turn 1 of both at once: the gateway spreads them over the two decode workers
+    with ThreadPoolExecutor(2) as pool:
+        firsts = dict(zip(convs, pool.map(lambda c: run(stack.generation(), chat(c)),
+                                          convs.values()), strict=True))
+    holders = {}
+    for k, msgs in firsts.items():
+        expected = ref.chat(convs[k], N)
+        assert out_ids(msgs) == expected.outputs[0].token_ids
+        ids = expected.prompt_token_ids
+        held = {a: probe_decode_cache(stack, a, ids) for a in stack.decode}
+        # the chat template's opening block is shared; the whole prompt is on one worker
+        holders[k] = max(held, key=held.get)
+        assert held[holders[k]] == cacheable_tokens(len(ids)) > 2 * BLOCK_SIZE, held
+        convs[k] += [{"role": "assistant", "content": out_text(msgs)}]
+    assert holders["a"] != holders["b"], holders
+    for turn, follow_up in enumerate(FOLLOW_UPS):
+        for k in ("a", "b") if turn == 0 else ("a",):
+            time.sleep(REFRESH_WAIT_S)  # the gateway learns what each worker holds
+            history = ref.chat(convs[k][:-1], N).prompt_token_ids if turn == 0 else None
+            convs[k] += [{"role": "user", "content": follow_up}]
+            msgs = run(stack.generation(), chat(convs[k]))
+            expected = ref.chat(convs[k], N)
+            assert out_ids(msgs) == expected.outputs[0].token_ids
+            assert out_text(msgs) == expected.outputs[0].text
+            # its history was found where it was left: at least turn 1's whole blocks hit
+            cached = msgs[-1].usage.cached_prompt_tokens
+            if history is not None:
+                assert cached >= cacheable_tokens(len(history)), (k, turn, cached)
+            else:
+                assert cached > 4 * BLOCK_SIZE, (k, turn, cached)
+            t = msgs[-1].timing
+            assert t.prefill_where == "local", (k, turn, t)
+            convs[k] += [{"role": "assistant", "content": out_text(msgs)}]
+    # the workers' own answer: each chat's latest prompt is held by its first worker only
+    for k in convs:
+        ids = ref.chat(convs[k][:-1], N).prompt_token_ids
+        held = {a: probe_decode_cache(stack, a, ids) for a in stack.decode}
+        assert max(held, key=held.get) == holders[k], (k, held)
