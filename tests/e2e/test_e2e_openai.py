@@ -135,3 +135,31 @@ def test_lm_eval_loglikelihood_prompt_logprobs_from_the_prefill_worker(stack, cl
     plp = msgs[0].prompt_logprobs
     assert [e.token_id for e in plp] == batch[0][1:]
     assert all(not m.prompt_logprobs for m in msgs[1:])
+
+
+@pytest.fixture(scope="module")
+def local_stack(stack_factory, stack):  # after the module's other stack is up
+    start, stop = stack_factory
+    s = start("--transport", "shm", "--prefill-policy", "always-local")
+    yield s
+    stop(s)
+
+
+def test_prompt_logprobs_prefill_remotely_under_always_local(local_stack, ref):
+    """A decode worker never computes prompt logprobs: such a request goes to the prefill
+    worker whatever the placement policy, and its logprobs equal the offline engine's."""
+    ids = ref.tokenizer.encode(PROMPT)
+    plain = run(local_stack.generation(), pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), sampling=greedy(2)))
+    assert plain[-1].timing.prefill_where == "local"
+    msgs = run(local_stack.generation(), pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), sampling=greedy(2, prompt_logprobs=0)))
+    t = msgs[-1].timing
+    assert (t.prefill_where, t.prefill_reason) == ("remote", "prompt_logprobs")
+    with torch_threads(1):
+        want = ref.offline.llm.generate(ids, SamplingParams(
+            max_tokens=1, temperature=0, prompt_logprobs=0))[0].prompt_logprobs
+    got = msgs[0].prompt_logprobs
+    assert [e.token_id for e in got] == ids[1:]
+    assert all(abs(e.logprob - want[p][ids[p]]) < 2e-2 for p, e in enumerate(got, start=1))
+    local_stack.wait_idle()
