@@ -18,10 +18,12 @@ Invariants (check_integrity() asserts the ones that are state):
   happen inside `writing()`, under the table lock, so a lease cannot end in mid-write.
 - A one-sided lease (shm, cuda_ipc: the sender writes into the pool itself) that is aborted
   while its sender may still be writing keeps its blocks until the sender acknowledges
-  (abort with writer_stopped=True), or the deadline has passed and the sender's process
-  (pid + start time, kv_transfer/process.py) no longer runs; senders stop writing a margin
-  before the deadline (session.py), but a frozen one would finish its copy on resuming.
-  Deadlines are therefore only ever extended.
+  (abort with writer_stopped=True) or its process (pid + start time, kv_transfer/process.py,
+  seen running at begin) no longer runs: a killed sender's blocks go back within one reap,
+  not at the deadline. A sender this host cannot see (no /proc, another pid namespace) is
+  trusted to stop a margin before the deadline (session.py): its blocks wait for the
+  deadline. A frozen sender would finish its copy on resuming, so a running one keeps its
+  blocks past the deadline. Deadlines are only ever extended.
 - No block belongs to two leases that still hold blocks.
 - A lease past its deadline is EXPIRED for every verb, whether or not expire_due() ran.
   Deadlines follow progress: RESERVED gets ttl_s from open and from each renew() (the gateway
@@ -168,9 +170,11 @@ class LeaseTable:
             if tuple(block_ids) != lease.block_ids:
                 raise LeaseError(lease_id, f"destination blocks {list(block_ids)} are not the "
                                            f"lease's blocks {list(lease.block_ids)}")
+            # a writer named but not seen running here cannot be watched: the deadline rules
+            seen = is_one_sided and self._is_running(*writer)
             return self._put(replace(lease, state=LeaseState.RECEIVING, transport=transport,
                                      is_one_sided=is_one_sided, is_writer_active=is_one_sided,
-                                     writer=writer if is_one_sided else (0, 0),
+                                     writer=writer if seen else (0, 0),
                                      deadline=max(lease.deadline, now + lease.ttl_s)))
 
     @contextmanager
@@ -231,12 +235,14 @@ class LeaseTable:
             return True
 
     def expire_due(self, now: float | None = None) -> list[Lease]:
-        """Expire every lease whose deadline has passed; returns the leases released."""
+        """Expire every lease whose deadline has passed and release the ended ones whose
+        writer can no longer write (its deadline passed, or its process exited); returns the
+        leases released."""
         with self._locked(now) as now:
-            due = [lease for lease in self._leases.values() if now >= lease.deadline]
-            for lease in due:
+            for lease in list(self._leases.values()):
                 if not lease.state.is_terminal:
-                    self._end(lease, LeaseState.EXPIRED, self._expiry_reason(lease), now)
+                    if now >= lease.deadline:
+                        self._end(lease, LeaseState.EXPIRED, self._expiry_reason(lease), now)
                 elif not self._may_write(lease, now):
                     self._retire(lease)
             return list(self._released)
@@ -340,12 +346,14 @@ class LeaseTable:
 
     def _may_write(self, lease: Lease, now: float) -> bool:
         """Whether a one-sided sender may still write into the lease's blocks: it has not
-        said it stopped and the deadline (which it stops writing before) has not passed, or
-        it still runs. A sender frozen past the deadline (SIGSTOP, a paused VM) would finish
-        the copy in progress when it resumes, so its blocks wait for its ack or its exit."""
+        said it stopped, and its process still runs (seen at begin: a dead one writes
+        nothing, a frozen one past the deadline would finish its copy on resuming) or, when
+        this host cannot see it, the deadline (which it stops writing before) has not passed."""
         if not lease.is_writer_active:
             return False
-        return now < lease.deadline or self._is_running(*lease.writer)
+        if lease.writer != (0, 0):
+            return self._is_running(*lease.writer)
+        return now < lease.deadline
 
     @staticmethod
     def _expiry_reason(lease: Lease) -> str:

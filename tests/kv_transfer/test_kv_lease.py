@@ -259,6 +259,31 @@ def test_one_sided_writer_frozen_past_the_deadline_keeps_its_blocks(clock):
     table.check_integrity()
 
 
+def test_one_sided_writer_killed_releases_before_the_deadline(clock):
+    """kill -9 of a sender mid-copy: it can write no more, so its aborted lease's blocks go
+    back at the next reap, not a whole ttl later; a writer never seen running here (another
+    pid namespace) cannot be watched, and its blocks wait for the deadline."""
+    released, running = [], {(4242, 77)}
+    table = LeaseTable(lambda lease, reason: released.append((lease.req_id, lease.state)),
+                       clock=clock, is_running=lambda pid, ticks: (pid, ticks) in running)
+    killed = table.open("killed", [1, 2], ttl_s=30)
+    table.begin(killed.lease_id, [1, 2], "shm", is_one_sided=True, writer=(4242, 77))
+    unseen = table.open("unseen", [3], ttl_s=30)
+    table.begin(unseen.lease_id, [3], "shm", is_one_sided=True, writer=(999, 5))
+    assert table.get(unseen.lease_id).writer == (0, 0)
+    table.abort(killed.lease_id, "prefill worker lost")
+    table.abort(unseen.lease_id, "prefill worker lost")
+    assert table.expire_due() == [] and table.num_blocks_held == 3  # 4242 still runs
+    running.clear()  # kill -9 of the sender
+    clock.now += 0.1
+    assert [x.req_id for x in table.expire_due()] == ["killed"]
+    assert released == [("killed", LeaseState.ABORTED)] and table.num_blocks_held == 1
+    clock.now += 30
+    assert [x.req_id for x in table.expire_due()] == ["unseen"]
+    assert table.num_blocks_held == 0
+    table.check_integrity()
+
+
 def test_process_identity_of_real_processes():
     proc = subprocess.Popen(["sleep", "30"])
     try:
