@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -163,6 +164,8 @@ class LLMEngine:
         """Reserve blocks for a request whose prompt KV a prefill worker will write. Returns
         (all its block ids, number of prompt tokens already cached here) or None if full.
         `num_prior_output_tokens` as in `add_request`."""
+        # the prompt's logprobs come from the prefill worker, never from the decode side
+        params = dataclasses.replace(params, prompt_logprobs=None)
         req, _ = self._new_request(list(prompt_token_ids), params, req_id,
                                    num_prior_output_tokens)
         blocks = self.scheduler.reserve(req)

@@ -199,9 +199,10 @@ class ModelRunner:
         n = req.sampling_params.prompt_logprobs
         prompt = req.prompt_token_ids
         end = min(start + num_new, req.num_prompt_tokens - 1)  # last position with a next
-        # the first position not recorded yet (a preempted request recomputes from 0)
-        p = max(len(req.prompt_logprobs), start)
+        # the first position not recorded yet (a preempted request recomputes from 0); the
+        # scheduler gives such a request no prefix-cache hits, so no position is skipped
         assert len(req.prompt_logprobs) >= start, "prompt logprobs need every position"
+        p = max(len(req.prompt_logprobs), start)
         while p < end:
             q = min(end, p + PROMPT_LOGPROBS_ROWS)
             rows = hidden[first_row + p - start : first_row + q - start]  # [q - p, hidden]

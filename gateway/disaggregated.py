@@ -69,6 +69,7 @@ from service_infra.backend import (
 from service_infra.proto_convert import (
     FINISH_REASON_NAMES,
     logprob_from_proto,
+    prompt_logprobs_from_proto,
     sampling_to_proto,
 )
 from service_infra.tls import TLSConfig
@@ -215,6 +216,8 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
                     first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
                     ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp))
             num_out, t_first = 0, None
+            prompt_lps = (prompt_logprobs_from_proto(pre.prompt_logprobs)
+                          if pre is not None and pre.prompt_logprobs else None)  # the prefill's
             try:
                 async for msg in call:
                     now = time.monotonic()
@@ -228,6 +231,7 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
                         [logprob_from_proto(lp) for lp in msg.logprobs] if msg.logprobs
                         else None, reason, len(inp.prompt_token_ids), num_out,
                         msg.num_cached_tokens)
+                    chunk.prompt_logprobs, prompt_lps = prompt_lps, None  # on the first
                     if reason is not None:
                         queue_s, prefill_s = ((msg.queue_s, msg.prefill_s) if pre is None
                                               else (pre.queue_s, pre.compute_s))

@@ -40,6 +40,7 @@ from service_infra.backend import (
     GenerateInput,
     Overloaded,
 )
+from service_infra.proto_convert import prompt_logprobs_to_proto
 from service_infra.tls import TLSConfig, add_port
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
@@ -122,14 +123,14 @@ class GenerationServicer:
         if n == 1:
             async with contextlib.aclosing(self.backend.generate(inp)) as chunks:
                 async for chunk in chunks:
-                    yield to_proto(inp.req_id, chunk, num_top)
+                    yield to_proto(inp.req_id, chunk, num_top, inp.prompt_token_ids)
             return
         inputs = fan_out([inp], n, inp.req_id)
         streams = ChoiceStreams(self.backend, inputs, n)
         self._samples[inp.req_id] = streams
         try:
             async for index, chunk in streams.chunks():
-                msg = to_proto(inp.req_id, chunk, num_top)
+                msg = to_proto(inp.req_id, chunk, num_top, inp.prompt_token_ids)
                 msg.index = index
                 yield msg
         finally:
@@ -179,7 +180,8 @@ async def _invalid(context: grpc.aio.ServicerContext, e: ValidationError) -> Non
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
 
 
-def to_proto(req_id: str, chunk: GenerateChunk, num_top: int | None) -> pb.GenerateResponse:
+def to_proto(req_id: str, chunk: GenerateChunk, num_top: int | None,
+             prompt_ids: list[int] | None = None) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=req_id, token_ids=chunk.token_ids,
                               text=chunk.text_delta, finish_reason=_FINISH[chunk.finish_reason])
     for entry in chunk.logprobs or ():
@@ -187,6 +189,8 @@ def to_proto(req_id: str, chunk: GenerateChunk, num_top: int | None) -> pb.Gener
         top = sorted(entry.items(), key=lambda kv: -kv[1])[: num_top or 0]
         msg.logprobs.add(token_id=token_id, logprob=logprob,
                          top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top])
+    if chunk.prompt_logprobs is not None and prompt_ids is not None:
+        msg.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt_ids, chunk.prompt_logprobs))
     if chunk.is_last:
         msg.usage.prompt_tokens = chunk.num_prompt_tokens
         msg.usage.completion_tokens = chunk.num_output_tokens

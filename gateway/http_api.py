@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP API on FastAPI, over a Backend.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
-    POST /tokenize, POST /detokenize (vLLM's shapes; gateway/tokenize_api.py)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; gateway/tokenize_api.py)
     GET  /v1/models   GET /health (= /health/ready)   GET /health/live   GET /internal/status (counts and free KV blocks)
     GET  /metrics (Prometheus; gateway/metrics.py)
 
@@ -36,7 +36,7 @@ from service_infra.backend import (
 )
 
 MAX_BODY_BYTES = 4 << 20  # larger request bodies are refused with 400
-_KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # need an API key when keys are set
+_KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # need an API key when keys are set
 Parser = Callable[[Any, Backend, int], Awaitable[oai.OpenAIRequest]]
 
 
@@ -162,6 +162,10 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
     async def detokenize(request: Request) -> Response:
         return await tokens(request, tokenize_api.detokenize)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return JSONResponse(tokenize_api.tokenizer_info(backend))
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         m = backend.model
@@ -202,17 +206,38 @@ async def _collect(backend: Backend, req: oai.OpenAIRequest, gen: _Generation) -
     texts: list[list[str]] = [[] for _ in range(num)]
     entries: list[list[dict[int, float]]] = [[] for _ in range(num)]
     lasts: dict[int, GenerateChunk] = {}
+    prompt_lps: dict[int, list[dict[int, float] | None]] = {}
     try:
         async for index, chunk in gen.chunks():
             texts[index].append(chunk.text_delta)
             entries[index] += chunk.logprobs or []
             lasts[index] = chunk
+            if chunk.prompt_logprobs is not None:  # the first attempt's (a migrated
+                prompt_lps.setdefault(index, chunk.prompt_logprobs)  # request's prompt grew)
     finally:
         gen.close()
     assert len(lasts) == num and all(c.is_last for c in lasts.values())
-    return JSONResponse(oai.response_object(
-        req, ["".join(t) for t in texts], [lasts[i] for i in range(num)],
-        [oai.logprobs_json(req, backend, e) for e in entries]))
+    heads = [_echo(backend, req, i, prompt_lps.get(i)) for i in range(num)]
+    obj = oai.response_object(
+        req, [head + "".join(t) for (head, _), t in zip(heads, texts, strict=True)],
+        [lasts[i] for i in range(num)],
+        [oai.join_logprobs(head_lp, oai.logprobs_json(req, backend, e))
+         for (_, head_lp), e in zip(heads, entries, strict=True)])
+    if req.num_prompt_logprobs is not None:
+        for i, choice in enumerate(obj["choices"]):
+            choice["prompt_logprobs"] = oai.prompt_logprobs_json(req, backend, prompt_lps.get(i))
+    return JSONResponse(obj)
+
+
+def _echo(backend: Backend, req: oai.OpenAIRequest, index: int,
+          prompt_lps: list[dict[int, float] | None] | None) -> tuple[str, dict[str, Any] | None]:
+    """What leads choice `index` when echo is on: the prompt's text and logprobs."""
+    if not req.echo:
+        return "", None
+    inp = req.inputs[index]
+    text = inp.prompt_text if inp.prompt_text is not None else backend.tokenizer.decode(
+        inp.prompt_token_ids, skip_special_tokens=False)
+    return text, oai.echo_logprobs(req, backend, inp.prompt_token_ids, prompt_lps)
 
 
 async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
@@ -229,9 +254,15 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
             latest[index] = chunk
             is_first = index not in started
             if chunk.text_delta or chunk.logprobs or chunk.is_last or is_first:
-                obj = oai.chunk_object(req, index, chunk.text_delta, chunk.finish_reason,
-                                       oai.logprobs_json(req, backend, chunk.logprobs), created,
-                                       role=is_first)
+                head, head_lp = _echo(backend, req, index, chunk.prompt_logprobs) \
+                    if is_first else ("", None)
+                obj = oai.chunk_object(
+                    req, index, head + chunk.text_delta, chunk.finish_reason,
+                    oai.join_logprobs(head_lp, oai.logprobs_json(req, backend, chunk.logprobs)),
+                    created, role=is_first)
+                if is_first and req.num_prompt_logprobs is not None:
+                    obj["choices"][0]["prompt_logprobs"] = oai.prompt_logprobs_json(
+                        req, backend, chunk.prompt_logprobs)
                 if chunk.is_last:
                     obj["timing"] = oai.timing(chunk.timing)
                 if req.continuous_usage:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
@@ -34,6 +34,10 @@ from service_infra.backend import Backend, GenerateChunk, GenerateInput, Timing
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty", "seed", "min_tokens", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens")
+# vLLM's structured-output fields: refused rather than ignored (an unconstrained answer to a
+# client that asked for a schema would be wrong)
+_UNSUPPORTED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "guided_decoding_backend")
 _BOOLS = ("stream", "ignore_eos", "skip_special_tokens", "echo")
 
 
@@ -50,6 +54,9 @@ class OpenAIRequest:
     num_top_logprobs: int | None  # None: no logprobs in the response
     # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far
     continuous_usage: bool = False
+    echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads each choice
+    # vLLM's prompt_logprobs: each choice gets "prompt_logprobs" (None: not asked for)
+    num_prompt_logprobs: int | None = None
 
 
 def _check_type(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> None:
@@ -69,6 +76,13 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
         _check_type(body, name, (bool,), "a boolean")
     _check_type(body, "model", (str,), "a string")
     check_model(body.get("model"), backend)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ValidationError("response_format", "response_format must be {'type': 'text'}: "
+                              "structured outputs are not supported yet")
+    for name in _UNSUPPORTED:
+        if body.get(name) is not None:
+            raise ValidationError(name, f"{name} is not supported yet")
     n = body.get("n")
     if n is not None and (type(n) is not int or n < 1):
         raise ValidationError("n", f"n must be an integer >= 1, got {n!r}")
@@ -134,9 +148,9 @@ def _finish(body: dict[str, Any], backend: Backend, prompts: list[tuple[list[int
 async def parse_completion(body: Any, backend: Backend,
                            max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
     kwargs = _common(body, backend)
-    for name in ("suffix", "echo"):
-        if body.get(name):
-            raise ValidationError(name, f"{name} is not supported")
+    if body.get("suffix"):
+        raise ValidationError("suffix", "suffix is not supported")
+    _check_type(body, "prompt_logprobs", (int,), "an integer")
     if body.get("best_of") not in (None, 1):
         raise ValidationError("best_of", f"best_of must be 1, got {body['best_of']!r}")
     prompt = body.get("prompt")
@@ -153,7 +167,14 @@ async def parse_completion(body: Any, backend: Backend,
     logprobs = body.get("logprobs")
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
-    return _finish(body, backend, prompts, kwargs, False, logprobs, "prompt", max_num_choices)
+    # echo with logprobs returns the prompt tokens' logprobs too (computed by the prefill)
+    wanted = [v for v in (body.get("prompt_logprobs"),
+                          logprobs if body.get("echo") else None) if v is not None]
+    if wanted:
+        kwargs["prompt_logprobs"] = max(wanted)
+    req = _finish(body, backend, prompts, kwargs, False, logprobs, "prompt", max_num_choices)
+    return replace(req, echo=bool(body.get("echo")),
+                   num_prompt_logprobs=body.get("prompt_logprobs"))
 
 
 async def _one_prompt(prompt: Any, field: str, backend: Backend) -> tuple[list[int], str | None]:
@@ -172,12 +193,9 @@ async def _one_prompt(prompt: Any, field: str, backend: Backend) -> tuple[list[i
 async def parse_chat(body: Any, backend: Backend,
                      max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
     kwargs = _common(body, backend)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise ValidationError(name, f"{name} is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ValidationError("response_format", "response_format must be {'type': 'text'}")
+    for name in ("tools", "functions", "prompt_logprobs"):
+        if body.get(name) is not None and body.get(name) is not False:
+            raise ValidationError(name, f"{name} is not supported in chat completions")
     ids = await encode_chat(backend, chat_messages(body.get("messages")), "messages")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -275,6 +293,55 @@ def logprobs_json(req: OpenAIRequest, backend: Backend,
         tops.append({token(t): v for t, v in sorted(entry.items(), key=lambda kv: -kv[1])[:n]})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if n else None,
             "text_offset": None}
+
+
+def echo_logprobs(req: OpenAIRequest, backend: Backend, prompt_ids: list[int],
+                  entries: list[dict[int, float] | None] | None) -> dict[str, Any] | None:
+    """The prompt's part of an echoed completion's logprobs (the first token's is None), to
+    lead the generated tokens' (`logprobs_json`); None when no logprobs were asked for."""
+    if req.num_top_logprobs is None or entries is None:
+        return None
+    tokens = [_token(backend, t) for t in prompt_ids]
+    lps: list[float | None] = [None]
+    tops: list[dict[str, float] | None] = [None]
+    for entry in entries[1:]:
+        assert entry is not None
+        (_, lp), *_ = entry.items()
+        lps.append(lp)
+        tops.append({_token(backend, t): v for t, v in
+                     sorted(entry.items(), key=lambda kv: -kv[1])[:req.num_top_logprobs]})
+    return {"tokens": tokens, "token_logprobs": lps,
+            "top_logprobs": tops if req.num_top_logprobs else None, "text_offset": None}
+
+
+def join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> Any:
+    if head is None or tail is None:
+        return tail if head is None else head
+    top = None if head["top_logprobs"] is None else \
+        head["top_logprobs"] + (tail["top_logprobs"] or [])
+    return {"tokens": head["tokens"] + tail["tokens"],
+            "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": top, "text_offset": None}
+
+
+def prompt_logprobs_json(req: OpenAIRequest, backend: Backend,
+                         entries: list[dict[int, float] | None] | None) -> Any:
+    """vLLM's choice["prompt_logprobs"]: None first, then {token id: {logprob,
+    decoded_token}} with the prompt token and the top-n (no rank)."""
+    if req.num_prompt_logprobs is None or entries is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries[1:]:
+        assert entry is not None
+        (first, _), *_ = entry.items()
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:req.num_prompt_logprobs]
+        out.append({str(t): {"logprob": v, "decoded_token": _token(backend, t)}
+                    for t, v in [(first, entry[first]), *top]})
+    return out
+
+
+def _token(backend: Backend, t: int) -> str:
+    return backend.tokenizer.decode([t], skip_special_tokens=False)
 
 
 def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateChunk],

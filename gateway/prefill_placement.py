@@ -29,7 +29,10 @@ class PrefillPlacement:
 
     def _place(self, inp: GenerateInput, decode: Worker,
                reservation: pb.ReserveResponse) -> PrefillDecision:
-        decision = decide(self._costs(inp, decode, reservation), self.prefill_policy)
+        if inp.params.prompt_logprobs is not None:  # only a prefill worker computes them
+            decision = PrefillDecision("remote", "prompt_logprobs")
+        else:
+            decision = decide(self._costs(inp, decode, reservation), self.prefill_policy)
         self.num_prefill_decisions[decision.where, decision.reason] += 1
         self.last_prefill_decision = decision
         return decision

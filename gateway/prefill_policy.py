@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("auto", "always-remote", "always-local")
-REASONS = ("policy", "max_local_tokens", "unmeasured", "cheaper_local", "cheaper_remote")
+REASONS = ("policy", "max_local_tokens", "unmeasured", "cheaper_local", "cheaper_remote",
+           "prompt_logprobs")  # the last: such a request always prefills remotely
 DEFAULT_MAX_LOCAL_TOKENS = 1024
 DEFAULT_LOCAL_CHUNK_TOKENS = 128  # a chunk step delays running decodes by ~this much prefill
 

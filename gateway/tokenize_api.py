@@ -5,6 +5,9 @@
                       (+ "return_token_strs": false)
                    -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"tokens": [int]} -> {"prompt": str}
+    GET  /tokenizer_info -> {"eos_token", "bos_token", "pad_token", "chat_template",
+                             "tokenizer_class", "model_max_length"}  (lm-eval's "remote"
+                             tokenizer backend reads it)
 """
 
 from __future__ import annotations
@@ -70,3 +73,10 @@ async def detokenize(body: Any, backend: Backend) -> dict[str, Any]:
         raise ValidationError("tokens", f"tokens must be a list of token ids, got {ids!r:.100}")
     check_token_ids(ids, "tokens", backend.model.vocab_size)
     return {"prompt": backend.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def tokenizer_info(backend: Backend) -> dict[str, Any]:
+    hf = backend.tokenizer.hf
+    return {"eos_token": hf.eos_token, "bos_token": hf.bos_token, "pad_token": hf.pad_token,
+            "chat_template": hf.chat_template, "tokenizer_class": type(hf).__name__,
+            "model_max_length": backend.model.max_model_len}

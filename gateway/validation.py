@@ -181,4 +181,5 @@ def proto_sampling_kwargs(s: pb.SamplingParameters) -> dict[str, Any]:
         seed=opt("seed", None), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos, logprobs=opt("logprobs", None),
         skip_special_tokens=opt("skip_special_tokens", True), logit_bias=dict(s.logit_bias),
+        prompt_logprobs=opt("prompt_logprobs", None),
     )

@@ -36,7 +36,11 @@ from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics
-from service_infra.proto_convert import logprob_to_proto, sampling_from_proto
+from service_infra.proto_convert import (
+    logprob_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_from_proto,
+)
 from service_infra.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
@@ -109,10 +113,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                             num_prior_output_tokens=request.num_prior_output_tokens)
         is_done = False
         try:
-            last = None
+            last, prompt_lps = None, None
             async with contextlib.aclosing(self.backend.generate(inp)) as chunks:
                 async for chunk in chunks:
                     last = chunk
+                    prompt_lps = chunk.prompt_logprobs or prompt_lps
             if last is None or last.finish_reason == "abort" or not last.token_ids:
                 await context.abort(grpc.StatusCode.ABORTED, f"request {req_id} was aborted")
             t_first = time.monotonic()
@@ -148,6 +153,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             transport=conn.kind, num_cached_tokens=last.num_cached_tokens)
         if last.logprobs:
             reply.first_logprob.CopyFrom(logprob_to_proto(last.token_ids[0], last.logprobs[0]))
+        if prompt_lps is not None:
+            reply.prompt_logprobs.extend(
+                prompt_logprobs_to_proto(list(request.prompt_token_ids), prompt_lps))
         return reply
 
     async def Status(self, request: pb.StatusRequest, context) -> pb.WorkerStatus:

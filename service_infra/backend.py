@@ -109,6 +109,8 @@ class GenerateChunk:
     num_output_tokens: int  # generated so far, this chunk included
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     timing: Timing | None = None  # on the last chunk
+    # SamplingParams.prompt_logprobs: on the first chunk, one per prompt token, None first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def is_last(self) -> bool:

@@ -218,6 +218,7 @@ class ColocatedBackend:
         logprobs: list[dict[int, float]] | None = None
         last: RequestOutput | None = None
         finish_reason = None
+        prompt_logprobs = None
         for item in items:
             if item is _ABORTED:
                 finish_reason = "abort"
@@ -232,6 +233,7 @@ class ColocatedBackend:
                 stream.t_scheduled = stream.t_add + out.metrics["first_scheduled"]
                 stream.t_first_token = stream.t_add + out.metrics["first_token"]
                 stream.num_cached_tokens = out.num_cached_tokens
+                prompt_logprobs = out.prompt_logprobs
             elif stream.t_second_token is None and out.delta_token_ids:
                 stream.t_second_token = t_step
             # the engine thread keeps appending to the logprobs list: slice by this step's count
@@ -246,7 +248,7 @@ class ColocatedBackend:
             finish_reason = completion.finish_reason
         chunk = GenerateChunk(token_ids, "".join(texts), logprobs, finish_reason,
                               len(stream.inp.prompt_token_ids), stream.num_output_tokens,
-                              stream.num_cached_tokens)
+                              stream.num_cached_tokens, prompt_logprobs=prompt_logprobs)
         if finish_reason is not None:
             finished = last.metrics.get("finished") if last is not None else None
             t_end = time.monotonic() if finished is None else stream.t_add + finished

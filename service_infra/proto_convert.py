@@ -27,6 +27,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParameters:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -40,7 +42,7 @@ def sampling_from_proto(m: pb.SamplingParameters) -> SamplingParams:
         logit_bias=dict(m.logit_bias),
     )
     for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed",
-                 "logprobs", "skip_special_tokens"):
+                 "logprobs", "skip_special_tokens", "prompt_logprobs"):
         if m.HasField(name):
             kwargs[name] = getattr(m, name)
     return SamplingParams(**kwargs)
@@ -54,6 +56,17 @@ def logprob_to_proto(token_id: int, entry: dict[int, float]) -> pb.TokenLogprob:
         token_id=token_id, logprob=entry.get(token_id, 0.0),
         top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
     )
+
+
+def prompt_logprobs_to_proto(prompt_ids: list[int],
+                             entries: list[dict[int, float] | None]) -> list[pb.TokenLogprob]:
+    """Entries 1.. of a prompt's logprobs (entry 0, the first token's, is None)."""
+    return [logprob_to_proto(t, e) for t, e in zip(prompt_ids[1:], entries[1:], strict=True)
+            if e is not None]
+
+
+def prompt_logprobs_from_proto(msgs) -> list[dict[int, float] | None]:
+    return [None, *(logprob_from_proto(m) for m in msgs)]
 
 
 def logprob_from_proto(m: pb.TokenLogprob) -> dict[int, float]:

@@ -111,3 +111,55 @@ def test_grpc_n_through_both_pools(stack, ref):
     assert sorted(m.index for m in last) == [0, 1, 2]
     full_blocks = len(out.prompt_token_ids) // 16 * 16
     assert sum(m.usage.cached_prompt_tokens for m in last) >= 2 * full_blocks
+
+
+def test_lm_eval_loglikelihood_prompt_logprobs_from_the_prefill_worker(stack, client, ref):
+    """lm-evaluation-harness's request as sent; the prompt logprobs come from the prefill
+    worker and equal the offline engine's, also when the prompt is cached on both workers."""
+    tok = ref.tokenizer
+    ctx = tok.encode("Question: What is the capital of France?\nAnswer:")
+    batch = [ctx + tok.encode(c, add_special_tokens=False) for c in (" Paris", " Rome")]
+    with torch_threads(1):
+        refs = [ref.offline.llm.generate(ids, SamplingParams(
+            max_tokens=1, temperature=0, prompt_logprobs=1))[0] for ids in batch]
+    for _ in range(2):  # the second time the prompts are in both workers' prefix caches
+        resp = client.completions.create(model=MODEL, prompt=batch, max_tokens=1, logprobs=1,
+                                         echo=True, temperature=0, seed=1234)
+        for ids, r, choice in zip(batch, refs, resp.choices, strict=True):
+            lps = choice.logprobs.token_logprobs
+            assert lps[0] is None and len(lps) == len(ids) + 1
+            for p in range(1, len(ids)):
+                assert abs(lps[p] - r.prompt_logprobs[p][ids[p]]) < 2e-2  # bf16 workers
+    msgs = run(stack.generation(), pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=batch[0]), sampling=greedy(2, prompt_logprobs=0)))
+    plp = msgs[0].prompt_logprobs
+    assert [e.token_id for e in plp] == batch[0][1:]
+    assert all(not m.prompt_logprobs for m in msgs[1:])
+
+
+@pytest.fixture(scope="module")
+def local_stack(stack_factory, stack):  # after the module's other stack is up
+    start, stop = stack_factory
+    s = start("--transport", "shm", "--prefill-policy", "always-local")
+    yield s
+    stop(s)
+
+
+def test_prompt_logprobs_prefill_remotely_under_always_local(local_stack, ref):
+    """A decode worker never computes prompt logprobs: such a request goes to the prefill
+    worker whatever the placement policy, and its logprobs equal the offline engine's."""
+    ids = ref.tokenizer.encode(PROMPT)
+    plain = run(local_stack.generation(), pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), sampling=greedy(2)))
+    assert plain[-1].timing.prefill_where == "local"
+    msgs = run(local_stack.generation(), pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), sampling=greedy(2, prompt_logprobs=0)))
+    t = msgs[-1].timing
+    assert (t.prefill_where, t.prefill_reason) == ("remote", "prompt_logprobs")
+    with torch_threads(1):
+        want = ref.offline.llm.generate(ids, SamplingParams(
+            max_tokens=1, temperature=0, prompt_logprobs=0))[0].prompt_logprobs
+    got = msgs[0].prompt_logprobs
+    assert [e.token_id for e in got] == ids[1:]
+    assert all(abs(e.logprob - want[p][ids[p]]) < 2e-2 for p, e in enumerate(got, start=1))
+    local_stack.wait_idle()

@@ -62,3 +62,10 @@ def test_bad_tokenize_input_is_http_400(gateway, case, path, body, param, bound)
     err = resp.json()["error"]
     assert err["param"] == param and bound in err["message"], err
     assert post(gateway, "tokenize", {"prompt": "hi"}).status_code == 200
+
+
+def test_tokenizer_info(gateway, offline):
+    info = httpx.get(f"{gateway.http_url}/tokenizer_info", timeout=30).json()
+    hf = offline.tokenizer.hf
+    assert info["eos_token"] == hf.eos_token and info["bos_token"] == hf.bos_token
+    assert info["chat_template"] == hf.chat_template and info["model_max_length"] == 8192

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import generate_pb2 as protos_dot_pdserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/pdserve/internal/workers.proto\x12\x10pdserve.internal\x1a protos/pdserve/v1/generate.proto\"\xbd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12*\n\x06target\x18\x04 \x01(\x0b\x32\x1a.pdserve.internal.KVTarget\x12\x1f\n\x17num_prior_output_tokens\x18\x05 \x01(\r\"\x90\x01\n\x08KVTarget\x12\x18\n\x10transfer_address\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x19\n\x11transfer_instance\x18\x06 \x01(\t\"\xdd\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x17\n\x0ftransfer_tail_s\x18\x05 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x06 \x01(\x04\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\"\xa6\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12\x1f\n\x17num_prior_output_tokens\x18\x05 \x01(\r\"\x86\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x19\n\x11transfer_instance\x18\x05 \x01(\t\"N\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\")\n\x12RenewLeaseResponse\x12\x13\n\x0bremaining_s\x18\x01 \x01(\x01\"\x85\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0fready_timeout_s\x18\x04 \x01(\x01\"U\n\x13LocalPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x18\n\x10max_chunk_tokens\x18\x03 \x01(\r\"\xea\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1b\n\x13\x66irst_decode_step_s\x18\x06 \x01(\x01\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\"9\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"%\n\x14\x41\x62ortRequestResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xa5\x03\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x08 \x01(\r\x12\x18\n\x10transfer_address\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x17\n\x0fspec_num_drafts\x18\x0b \x03(\x04\x12\x19\n\x11spec_num_accepted\x18\x0c \x03(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\r \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0e \x01(\x01\x12\x1f\n\x17kv_transfer_bytes_per_s\x18\x0f \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x10 \x01(\x04\x12\x1b\n\x13prefix_block_hashes\x18\x11 \x03(\x04\x32\xa4\x01\n\x07Prefill\x12N\n\x07Prefill\x12 .pdserve.internal.PrefillRequest\x1a!.pdserve.internal.PrefillResponse\x12I\n\x06Status\x12\x1f.pdserve.internal.StatusRequest\x1a\x1e.pdserve.internal.WorkerStatus2\x80\x04\n\x06\x44\x65\x63ode\x12N\n\x07Reserve\x12 .pdserve.internal.ReserveRequest\x1a!.pdserve.internal.ReserveResponse\x12M\n\x06\x44\x65\x63ode\x12\x1f.pdserve.internal.DecodeRequest\x1a .pdserve.internal.DecodeResponse0\x01\x12W\n\nRenewLease\x12#.pdserve.internal.RenewLeaseRequest\x1a$.pdserve.internal.RenewLeaseResponse\x12[\n\x0ePrefillLocally\x12%.pdserve.internal.LocalPrefillRequest\x1a .pdserve.internal.DecodeResponse0\x01\x12V\n\x05\x41\x62ort\x12%.pdserve.internal.AbortRequestRequest\x1a&.pdserve.internal.AbortRequestResponse\x12I\n\x06Status\x12\x1f.pdserve.internal.StatusRequest\x1a\x1e.pdserve.internal.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/pdserve/internal/workers.proto\x12\x10pdserve.internal\x1a protos/pdserve/v1/generate.proto\"\xbd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12*\n\x06target\x18\x04 \x01(\x0b\x32\x1a.pdserve.internal.KVTarget\x12\x1f\n\x17num_prior_output_tokens\x18\x05 \x01(\r\"\x90\x01\n\x08KVTarget\x12\x18\n\x10transfer_address\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x19\n\x11transfer_instance\x18\x06 \x01(\t\"\x90\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x17\n\x0ftransfer_tail_s\x18\x05 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x06 \x01(\x04\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xa6\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12\x1f\n\x17num_prior_output_tokens\x18\x05 \x01(\r\"\x86\x01\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x19\n\x11transfer_instance\x18\x05 \x01(\t\"N\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\")\n\x12RenewLeaseResponse\x12\x13\n\x0bremaining_s\x18\x01 \x01(\x01\"\x85\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0fready_timeout_s\x18\x04 \x01(\x01\"U\n\x13LocalPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x18\n\x10max_chunk_tokens\x18\x03 \x01(\r\"\xea\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1b\n\x13\x66irst_decode_step_s\x18\x06 \x01(\x01\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\"9\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"%\n\x14\x41\x62ortRequestResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xa5\x03\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x08 \x01(\r\x12\x18\n\x10transfer_address\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x17\n\x0fspec_num_drafts\x18\x0b \x03(\x04\x12\x19\n\x11spec_num_accepted\x18\x0c \x03(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\r \x01(\x01\x12\x15\n\rdecode_step_s\x18\x0e \x01(\x01\x12\x1f\n\x17kv_transfer_bytes_per_s\x18\x0f \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x10 \x01(\x04\x12\x1b\n\x13prefix_block_hashes\x18\x11 \x03(\x04\x32\xa4\x01\n\x07Prefill\x12N\n\x07Prefill\x12 .pdserve.internal.PrefillRequest\x1a!.pdserve.internal.PrefillResponse\x12I\n\x06Status\x12\x1f.pdserve.internal.StatusRequest\x1a\x1e.pdserve.internal.WorkerStatus2\x80\x04\n\x06\x44\x65\x63ode\x12N\n\x07Reserve\x12 .pdserve.internal.ReserveRequest\x1a!.pdserve.internal.ReserveResponse\x12M\n\x06\x44\x65\x63ode\x12\x1f.pdserve.internal.DecodeRequest\x1a .pdserve.internal.DecodeResponse0\x01\x12W\n\nRenewLease\x12#.pdserve.internal.RenewLeaseRequest\x1a$.pdserve.internal.RenewLeaseResponse\x12[\n\x0ePrefillLocally\x12%.pdserve.internal.LocalPrefillRequest\x1a .pdserve.internal.DecodeResponse0\x01\x12V\n\x05\x41\x62ort\x12%.pdserve.internal.AbortRequestRequest\x1a&.pdserve.internal.AbortRequestResponse\x12I\n\x06Status\x12\x1f.pdserve.internal.StatusRequest\x1a\x1e.pdserve.internal.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTARGET']._serialized_start=286
   _globals['_KVTARGET']._serialized_end=430
   _globals['_PREFILLRESPONSE']._serialized_start=433
-  _globals['_PREFILLRESPONSE']._serialized_end=654
-  _globals['_RESERVEREQUEST']._serialized_start=657
-  _globals['_RESERVEREQUEST']._serialized_end=823
-  _globals['_RESERVERESPONSE']._serialized_start=826
-  _globals['_RESERVERESPONSE']._serialized_end=960
-  _globals['_RENEWLEASEREQUEST']._serialized_start=962
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1040
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1042
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1083
-  _globals['_DECODEREQUEST']._serialized_start=1086
-  _globals['_DECODEREQUEST']._serialized_end=1219
-  _globals['_LOCALPREFILLREQUEST']._serialized_start=1221
-  _globals['_LOCALPREFILLREQUEST']._serialized_end=1306
-  _globals['_DECODERESPONSE']._serialized_start=1309
-  _globals['_DECODERESPONSE']._serialized_end=1543
-  _globals['_ABORTREQUESTREQUEST']._serialized_start=1545
-  _globals['_ABORTREQUESTREQUEST']._serialized_end=1602
-  _globals['_ABORTREQUESTRESPONSE']._serialized_start=1604
-  _globals['_ABORTREQUESTRESPONSE']._serialized_end=1641
-  _globals['_STATUSREQUEST']._serialized_start=1643
-  _globals['_STATUSREQUEST']._serialized_end=1658
-  _globals['_WORKERSTATUS']._serialized_start=1661
-  _globals['_WORKERSTATUS']._serialized_end=2082
-  _globals['_PREFILL']._serialized_start=2085
-  _globals['_PREFILL']._serialized_end=2249
-  _globals['_DECODE']._serialized_start=2252
-  _globals['_DECODE']._serialized_end=2764
+  _globals['_PREFILLRESPONSE']._serialized_end=705
+  _globals['_RESERVEREQUEST']._serialized_start=708
+  _globals['_RESERVEREQUEST']._serialized_end=874
+  _globals['_RESERVERESPONSE']._serialized_start=877
+  _globals['_RESERVERESPONSE']._serialized_end=1011
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1013
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1091
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1093
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1134
+  _globals['_DECODEREQUEST']._serialized_start=1137
+  _globals['_DECODEREQUEST']._serialized_end=1270
+  _globals['_LOCALPREFILLREQUEST']._serialized_start=1272
+  _globals['_LOCALPREFILLREQUEST']._serialized_end=1357
+  _globals['_DECODERESPONSE']._serialized_start=1360
+  _globals['_DECODERESPONSE']._serialized_end=1594
+  _globals['_ABORTREQUESTREQUEST']._serialized_start=1596
+  _globals['_ABORTREQUESTREQUEST']._serialized_end=1653
+  _globals['_ABORTREQUESTRESPONSE']._serialized_start=1655
+  _globals['_ABORTREQUESTRESPONSE']._serialized_end=1692
+  _globals['_STATUSREQUEST']._serialized_start=1694
+  _globals['_STATUSREQUEST']._serialized_end=1709
+  _globals['_WORKERSTATUS']._serialized_start=1712
+  _globals['_WORKERSTATUS']._serialized_end=2133
+  _globals['_PREFILL']._serialized_start=2136
+  _globals['_PREFILL']._serialized_end=2300
+  _globals['_DECODE']._serialized_start=2303
+  _globals['_DECODE']._serialized_end=2815
 # @@protoc_insertion_point(module_scope)

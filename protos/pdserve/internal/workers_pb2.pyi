@@ -38,7 +38,7 @@ class KVTarget(_message.Message):
     def __init__(self, transfer_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., transport: _Optional[str] = ..., transfer_instance: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "queue_s", "compute_s", "transfer_tail_s", "transfer_bytes", "transport", "num_cached_tokens")
+    __slots__ = ("first_token_id", "first_logprob", "queue_s", "compute_s", "transfer_tail_s", "transfer_bytes", "transport", "num_cached_tokens", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _generate_pb2.TokenLogprob
     queue_s: float
@@ -55,7 +56,8 @@ class PrefillResponse(_message.Message):
     transfer_bytes: int
     transport: str
     num_cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_tail_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_tail_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ttl_s", "num_prior_output_tokens")
