@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine_core import device_check
 from engine_core.config import (
     CacheConfig,
     SchedulerConfig,
@@ -66,6 +68,9 @@ class LLMEngine:
         worker's handoff; None moves nothing."""
         self.kv_connector = kv_connector
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # PDSERVE_CHECK_DEVICE=1 (tests): every step's ops read only tensors on self.device
+        self._device_check = (device_check.DeviceCheck(self.device)
+                              if device_check.is_enabled() else None)
         self.dtype = resolve_dtype(dtype, self.device)
         self.source = resolve_model(model)
         if quantize_decode is None:
@@ -226,13 +231,17 @@ class LLMEngine:
                 req.times.first_scheduled = now
         block_ids = [self.kv.block_ids(r.req_id) for r in out.reqs]
         kv_step = self.kv_connector.build_step(out, block_ids) if self.kv_connector else None
+        save_layer = kv_step.save_layer if kv_step is not None else None
+        check = self._device_check
+        if check is not None and save_layer is not None:
+            save_layer = check.exempt(save_layer)  # it stages KV off the device on purpose
         try:
-            rows = self.runner.sync(out, block_ids)
-            if self.spec is not None:
-                self.spec.propose(out, rows, self.runner)
-            sampled, sampler_out = self.runner.execute(
-                out, rows, self.spec.verify if self.spec is not None else None,
-                kv_step.save_layer if kv_step is not None else None)
+            with check if check is not None else contextlib.nullcontext():
+                rows = self.runner.sync(out, block_ids)
+                if self.spec is not None:
+                    self.spec.propose(out, rows, self.runner)
+                sampled, sampler_out = self.runner.execute(
+                    out, rows, self.spec.verify if self.spec is not None else None, save_layer)
             if sampler_out is not None and sampler_out[1].sampled_logprobs is not None:
                 self._record_logprobs(out, *sampler_out)
             advanced = self.scheduler.update_from_output(out, sampled)

@@ -207,7 +207,7 @@ class ModelRunner:
             q = min(end, p + PROMPT_LOGPROBS_ROWS)
             rows = hidden[first_row + p - start : first_row + q - start]  # [q - p, hidden]
             lp = self.logits(rows, 0).log_softmax(dim=-1, dtype=torch.float32)  # [q - p, V]
-            targets = torch.tensor(prompt[p + 1 : q + 1], dtype=torch.int64)
+            targets = torch.tensor(prompt[p + 1 : q + 1], dtype=torch.int64, device=lp.device)
             chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()  # [q - p]
             top_lps, top_ids = (lp.topk(n, dim=-1) if n else (None, None))  # [q - p, n]
             for j, token in enumerate(prompt[p + 1 : q + 1]):
@@ -217,6 +217,10 @@ class ModelRunner:
                         entry.setdefault(t, v)
                 req.prompt_logprobs.append(entry)
             p = q
+
+    def _index(self, idx: np.ndarray) -> torch.Tensor:
+        """Host indices as an index tensor on the engine's device (on the CPU, no copy)."""
+        return torch.as_tensor(idx, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def execute(
@@ -263,11 +267,11 @@ class ModelRunner:
         is_prefill[: len(plain)] = np.asarray(plain) >= nd
         if is_prefill.any():
             order = np.concatenate([np.flatnonzero(~is_prefill), np.flatnonzero(is_prefill)])
-            logits = self.logits(hidden[torch.from_numpy(token_idx[order])],
+            logits = self.logits(hidden[self._index(token_idx[order])],
                                  int((~is_prefill).sum()))
-            logits = logits[torch.from_numpy(np.argsort(order))]  # back to token_idx order
+            logits = logits[self._index(np.argsort(order))]  # back to token_idx order
         else:  # already in order: no copy of the [rows, vocab] logits
-            logits = self.logits(hidden[torch.from_numpy(token_idx)], len(token_idx))
+            logits = self.logits(hidden[self._index(token_idx)], len(token_idx))
         result = None
         if plain:
             reqs = [out.reqs[i] for i in plain]

@@ -350,7 +350,7 @@ def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]
     if len(seeded) < probs.shape[0]:
         q.exponential_()  # unseeded rows: one draw from the default generator
     for row, generator in seeded:  # drawn where the generator lives (the host), then moved
-        q[row] = torch.empty(q.shape[1], dtype=q.dtype).exponential_(generator=generator)
+        q[row].copy_(torch.empty(q.shape[1], dtype=q.dtype).exponential_(generator=generator))
     # q == 0 is possible; clamping keeps 0 / q at 0 instead of NaN (which argmax would pick).
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)

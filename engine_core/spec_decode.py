@@ -169,11 +169,12 @@ class DraftModelProposer:
         else:
             start = np.asarray([min(self.num_seen.get(r.req_id, 0), r.num_computed_tokens)
                                 for r in reqs], dtype=np.int64)
-        batch = _sampling_batch(reqs, self.vocab_size, self.eos_token_ids)
+        dev = runner.device
+        batch = _sampling_batch(reqs, self.vocab_size, self.eos_token_ids, dev)
         sel_rows = rows[idx]
         drafts = np.full((len(reqs), int(k.max())), -1, dtype=np.int64)
         probs = None if batch.all_greedy else torch.zeros(len(reqs), drafts.shape[1],
-                                                          self.vocab_size)
+                                                          self.vocab_size, device=dev)
         active = np.arange(len(reqs))
         num_new = num_tokens - start  # first step: catch up to (and including) the last token
         for j in range(drafts.shape[1]):
@@ -184,7 +185,7 @@ class DraftModelProposer:
                 sel_rows[a], start[a], num_new[a], nd)
             ndt = int(cu[nd - 1]) if nd else 0
             hidden = self._forward(runner, input_ids, positions, meta, ndt)
-            logits = self._logits(runner, hidden[torch.from_numpy(cu - 1)], nd)
+            logits = self._logits(runner, hidden[torch.as_tensor(cu - 1, device=dev)], nd)
             sub = _select(batch, a)
             greedy = logits.argmax(dim=-1)
             if sub.all_greedy:
@@ -193,8 +194,8 @@ class DraftModelProposer:
                 p = Sampler.probs(logits.clone(), sub)
                 tokens = torch.where(sub.is_greedy, greedy, exponential_race(p.clone(),
                                                                              sub.generators))
-                probs[torch.from_numpy(a), j] = p
-            tok = tokens.numpy()
+                probs[torch.as_tensor(a, device=dev), j] = p
+            tok = np.asarray(tokens.tolist(), dtype=np.int64)
             drafts[a, j] = tok
             pos = num_tokens[a] + j  # where draft j sits in the sequence
             runner.batch.token_ids[sel_rows[a], pos] = tok
@@ -219,18 +220,19 @@ class DraftModelProposer:
                              quantization=self.quantization)
 
 
-def _sampling_batch(reqs: list[Request], vocab_size: int, eos_token_ids) -> SamplingBatch:
+def _sampling_batch(reqs: list[Request], vocab_size: int, eos_token_ids,
+                    device: torch.device | str = "cpu") -> SamplingBatch:
     """The drafting requests' sampling rows (they have no penalties: Request.max_drafts)."""
     return SamplingBatch.from_requests(
         [r.sampling_params for r in reqs], [()] * len(reqs),
         [r.output_token_ids for r in reqs], [r.generator for r in reqs], vocab_size,
-        eos_token_ids=eos_token_ids)
+        eos_token_ids=eos_token_ids, device=device)
 
 
 def _select(batch: SamplingBatch, rows: np.ndarray) -> SamplingBatch:
     """The batch's rows `rows` (no penalties, blocked tokens or logit bias: drafting requests
     have none)."""
-    r = torch.from_numpy(rows)
+    r = torch.as_tensor(rows, dtype=torch.int64, device=batch.temperature.device)
     greedy = batch.is_greedy[r]
     return SamplingBatch(
         temperature=batch.temperature[r], is_greedy=greedy, top_p=batch.top_p[r],
@@ -258,7 +260,8 @@ def rejection_sample(
     """Accepted draft count a [B] and the token after them [B] (see the module docstring)."""
     num_seqs, kp1, vocab = target_logits.shape
     k = kp1 - 1
-    valid = torch.arange(k) < num_drafts[:, None]  # [B, K]
+    dev = target_logits.device
+    valid = torch.arange(k, device=dev) < num_drafts[:, None]  # [B, K]
     d = drafts.clamp(min=0)  # [B, K]
     greedy_ids = target_logits.argmax(dim=-1)  # [B, K + 1]
     accept = (d == greedy_ids[:, :k]) & valid  # greedy rule
@@ -269,11 +272,11 @@ def rejection_sample(
         p_d = p[:, :k].gather(2, d[..., None]).squeeze(2)  # [B, K]
         q_d = (torch.ones_like(p_d) if draft_probs is None
                else draft_probs.gather(2, d[..., None]).squeeze(2))
-        u = _uniform(num_seqs, k, batch.generators).to(p_d.device)
+        u = _uniform(num_seqs, k, batch.generators).to(dev)  # the rows' own generators
         random_accept = (u * q_d <= p_d) & valid
         accept = torch.where(batch.is_greedy[:, None], accept, random_accept)
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
-    seq = torch.arange(num_seqs)
+    seq = torch.arange(num_seqs, device=dev)
     final = greedy_ids[seq, num_accepted]
     if batch.all_greedy:
         return num_accepted, final
@@ -332,23 +335,28 @@ class SpecDecoder:
 
     def verify(self, reqs: list[Request], logits: Tensor) -> list[list[int]]:
         """Accepted drafts + 1 token per request; logits [sum(1 + k_i), V], request-major."""
-        num = torch.tensor([len(r.spec_token_ids) for r in reqs], dtype=torch.int64)
-        kmax = int(num.max())
-        starts = torch.cumsum(num + 1, 0) - (num + 1)  # [B]
+        # built on the host, then moved to the logits' device in one copy each
+        num_np = np.asarray([len(r.spec_token_ids) for r in reqs], dtype=np.int64)
+        kmax = int(num_np.max())
+        starts = np.cumsum(num_np + 1) - (num_np + 1)  # [B]
         # [B, K + 1] rows of logits; positions past a request's drafts repeat its last row
-        index = starts[:, None] + torch.minimum(torch.arange(kmax + 1), num[:, None])
-        target = logits[index]  # [B, K + 1, V]
-        drafts = torch.full((len(reqs), kmax), -1, dtype=torch.int64)
+        index = starts[:, None] + np.minimum(np.arange(kmax + 1), num_np[:, None])
+        drafts_np = np.full((len(reqs), kmax), -1, dtype=np.int64)
         for b, r in enumerate(reqs):
-            drafts[b, : len(r.spec_token_ids)] = torch.as_tensor(r.spec_token_ids)
-        batch = _sampling_batch(reqs, self.vocab_size, self.eos_token_ids)
+            drafts_np[b, : len(r.spec_token_ids)] = r.spec_token_ids
+        dev = logits.device
+        target = logits[torch.as_tensor(index, device=dev)]  # [B, K + 1, V]
+        num = torch.as_tensor(num_np, device=dev)
+        drafts = torch.as_tensor(drafts_np, device=dev)
+        batch = _sampling_batch(reqs, self.vocab_size, self.eos_token_ids, dev)
         draft_probs = None
         if self._draft_probs is not None:
-            sel = torch.tensor([self._draft_rows[r.req_id] for r in reqs])
+            sel = torch.tensor([self._draft_rows[r.req_id] for r in reqs],
+                               device=self._draft_probs.device)
             draft_probs = self._draft_probs[sel, :kmax]
         num_accepted, final = rejection_sample(target, drafts, num, batch, draft_probs)
-        self.stats.add(num.numpy(), num_accepted.numpy())
         acc, fin = num_accepted.tolist(), final.tolist()
+        self.stats.add(num_np, np.asarray(acc, dtype=np.int64))
         return [r.spec_token_ids[:a] + [f] for r, a, f in zip(reqs, acc, fin, strict=True)]
 
 

@@ -127,10 +127,13 @@ def _fmt(statuses: dict[str, wpb.WorkerStatus]) -> str:
         f"waiting {s.num_waiting}, reserved {s.num_reserved}" for a, s in statuses.items())
 
 
-def spawn_stack(*up_args: str) -> tuple[subprocess.Popen, Path]:
-    """`pdserve up` on its defaults, on free ports (returns at once; see wait_stack)."""
+def spawn_stack(*up_args: str, env: dict[str, str] | None = None
+                ) -> tuple[subprocess.Popen, Path]:
+    """`pdserve up` on its defaults, on free ports (returns at once; see wait_stack); its
+    engines check that every step computes on their device (engine_core/device_check.py).
+    `env` adds to the environment."""
     return spawn_pdserve("up", "--port", "0", "--http-port", "0", "--kv-cache-memory-gb", "0.25",
-                         *up_args, name="up")
+                         *up_args, name="up", env={"PDSERVE_CHECK_DEVICE": "1", **(env or {})})
 
 
 def wait_stack(proc: subprocess.Popen, log: Path) -> Stack:

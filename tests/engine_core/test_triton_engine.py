@@ -52,7 +52,8 @@ TRITON_MODULES = ["kernels.decode_attention", "kernels.prefill_attention",
 
 
 def backend_env(backend: str) -> dict[str, str]:
-    return {"PDSERVE_NATIVE": "0", "PDSERVE_ATTN_BACKEND": backend, "TRITON_INTERPRET": "1"}
+    return {"PDSERVE_NATIVE": "0", "PDSERVE_ATTN_BACKEND": backend, "TRITON_INTERPRET": "1",
+            "PDSERVE_CHECK_DEVICE": "1"}
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,12 @@ PROMPTS = [[5, 9, 200, 31], list(range(3, 70)), [(7 * i) % 500 + 3 for i in rang
 MAX_TOKENS = 24
 
 
+@pytest.fixture(autouse=True)
+def _check_device(monkeypatch):
+    """Every engine step here asserts it computes on the card (engine_core/device_check.py)."""
+    monkeypatch.setenv("PDSERVE_CHECK_DEVICE", "1")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
