@@ -16,7 +16,8 @@ seconds per point: its figures are measured over those requests, not extrapolate
 Requests go out as clients send them: chat completions, with the sampling fields given (none by
 default: the server's temperature 1.0). `--vs-greedy` (and `--curve`) runs every point twice on
 the same server, greedy (`<backend>-greedy`) and sampled, alternating which goes first, and
-reports their ratio.
+reports their ratio; each variant has prompts of its own (the workload's seed + 1 for the
+second), so that neither finds the other's in the prefix cache.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import dataclasses
 import math
 import shlex
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,13 +139,16 @@ def make_client(target: Target, protocol: str, sampling: Sampling, api: str = "c
     return HttpClient(target.http_url, sampling, api)
 
 
-async def bench_target(target: Target, workload: dict[str, list[BenchRequest]],
+async def bench_target(target: Target, workloads: Sequence[dict[str, list[BenchRequest]]],
                        cfg: BenchConfig, workload_name: str,
                        out_dir: Path) -> dict[str, dict[int, dict[str, Any]]]:
     """Every concurrency point of one system, once per sampling variant (label: the backend,
-    then `<backend>-greedy`); one JSON file per point."""
+    then `<backend>-greedy`), each variant with its own prompts (`workloads`, one per
+    variant: the second must not find the first's prompts in the prefix cache); one JSON
+    file per point."""
     clients = {target.name + suffix: make_client(target, cfg.protocol, sampling, cfg.api)
                for suffix, sampling in cfg.variants()}
+    workload_of = dict(zip(clients, workloads, strict=True))
     client = clients[target.name]
     is_naive = target.name == "naive"
     notes = [f"sampling: {cfg.sampling.describe()}", f"api: {cfg.api}"]
@@ -158,7 +162,7 @@ async def bench_target(target: Target, workload: dict[str, list[BenchRequest]],
     points: dict[str, dict[int, dict[str, Any]]] = {label: {} for label in clients}
     try:
         model_id = await client.model_id()
-        first = next(iter(workload.values()))[0]
+        first = next(iter(workloads[0].values()))[0]
         warm = await client.send(dataclasses.replace(first, output_len=WARMUP_TOKENS,
                                                      follow_ups=()))
         if not warm.is_success:
@@ -167,7 +171,7 @@ async def bench_target(target: Target, workload: dict[str, list[BenchRequest]],
             # alternate which variant goes first: a shared machine's speed drifts
             for label in list(clients)[::1 if i % 2 == 0 else -1]:
                 results, duration = await run_lanes(
-                    clients[label].send, lanes(workload, c, cfg, is_naive),
+                    clients[label].send, lanes(workload_of[label], c, cfg, is_naive),
                     cfg.naive_max_duration_s if is_naive else cfg.max_duration_s, cfg.seed,
                     desc=f"{label} c={c}")
                 point = report.point_result(
@@ -219,19 +223,21 @@ def run(args: argparse.Namespace) -> int:
     cfg, wcfg, stacks = configs(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    workload = build_workload(wcfg, load_tokenizer(resolve_model(args.model)))
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    workloads = [build_workload(dataclasses.replace(wcfg, seed=wcfg.seed + k), tokenizer)
+                 for k in range(len(cfg.variants()))]
     points: dict[str, dict[int, dict[str, Any]]] = {}
     try:
         with _sigterm_as_interrupt():
             for t in targets:
                 if isinstance(t, Target):
-                    points.update(asyncio.run(bench_target(t, workload, cfg, wcfg.name,
+                    points.update(asyncio.run(bench_target(t, workloads, cfg, wcfg.name,
                                                            out_dir)))
                     continue
                 print(f"pdserve bench: starting {t} (log: {out_dir / 'logs' / (t + '.log')})",
                       flush=True)
                 with launch(t, stacks, out_dir / "logs") as target:
-                    points.update(asyncio.run(bench_target(target, workload, cfg, wcfg.name,
+                    points.update(asyncio.run(bench_target(target, workloads, cfg, wcfg.name,
                                                            out_dir)))
     except KeyboardInterrupt:
         print(f"\npdserve bench: interrupted; the servers it started are stopped; the points "
