@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import argparse
 
-BACKENDS = ("naive", "colocated", "disagg")  # servers.py starts them
-WORKLOADS = ("fixed", "random", "prompts", "shared-prefix", "mixed", "code-edit")
+# servers.py starts them; conditional and always-remote are `pdserve up` with that
+# --prefill-policy (auto and always-remote), disagg with the stack's default policy
+BACKENDS = ("naive", "colocated", "disagg", "conditional", "always-remote")
+DEFAULT_BACKENDS = ("naive", "colocated", "disagg")
+# the workloads where the prefill policy is what is compared (issue 18)
+POLICY_BACKENDS = ("conditional", "always-remote", "colocated")
+WORKLOADS = ("fixed", "random", "prompts", "shared-prefix", "mixed", "code-edit",
+             "multi-turn")
+APIS = ("chat", "completions")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("systems under test")
-    what.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
-                      help="started by the harness one after the other, same model, same run")
+    what.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
+                      help="started by the harness one after the other, same model, same run "
+                           f"(default: {' '.join(DEFAULT_BACKENDS)}; for the mixed and "
+                           f"multi-turn workloads: {' '.join(POLICY_BACKENDS)})")
     what.add_argument("--gateway", default=None, metavar="HOST:PORT",
                       help="bench an already-running gateway over gRPC instead")
     what.add_argument("--base-url", default=None, metavar="URL",
@@ -40,8 +49,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--workload", choices=WORKLOADS, default="random")
     load.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     load.add_argument("--output-len", type=int, default=None,
-                      help="tokens to generate (default: 64; prompts: 128; code-edit: the "
-                           "code's length + 48)")
+                      help="tokens to generate (default: 64; prompts: 128; multi-turn: 32 per "
+                           "turn; code-edit: the code's length + 48)")
+    load.add_argument("--api", choices=APIS, default="chat",
+                      help="chat: every prompt goes out as a chat request (over HTTP "
+                           "/v1/chat/completions), as clients send them; completions: plain "
+                           "prompts as /v1/completions text (gRPC: token ids)")
     load.add_argument("--range-ratio", type=float, default=0.5,
                       help="random: lengths uniform in len * [1 - r, 1 + r]")
     load.add_argument("--prefix-len", type=int, default=256,
@@ -54,16 +67,29 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                       help="mixed: long prompts per second (Poisson)")
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                       help="generate exactly the output length (default: yes, except for "
-                           "prompts and code-edit)")
-    load.add_argument("--temperature", type=float, default=0.0,
-                      help="sampling temperature of every request (0: greedy)")
+                           "prompts, code-edit and multi-turn)")
+    load.add_argument("--temperature", type=float, default=None,
+                      help="sampling temperature of every request (0: greedy; default: left "
+                           "out, as most clients do, which means 1.0)")
     load.add_argument("--top-p", type=float, default=None,
                       help="nucleus sampling: every request's top_p in (0, 1] (default: unset)")
     load.add_argument("--top-k", type=int, default=None,
                       help="every request's top_k (-1 or 0: off; default: unset)")
-    load.add_argument("--num-prompts", type=int, default=32, help="requests per point")
-    load.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
-                      help="a sweep: one point per value (requests in flight at most)")
+    load.add_argument("--repetition-penalty", type=float, default=None,
+                      help="every request's repetition_penalty (> 0; 1: off; default: unset)")
+    load.add_argument("--vs-greedy", action="store_true",
+                      help="run every point twice on the same server, greedy then with the "
+                           "sampling above, and report their ratio")
+    load.add_argument("--curve", default=None, metavar="PNG",
+                      help="draw output tokens/s against concurrency, greedy and sampled side "
+                           "by side, to this PNG (implies --vs-greedy; default concurrency: "
+                           "1 8 32 64)")
+    load.add_argument("--num-prompts", type=int, default=32,
+                      help="requests per point (multi-turn: conversations of 4-8 turns)")
+    load.add_argument("--concurrency", type=int, nargs="+", default=None,
+                      help="a sweep: one point per value (requests in flight at most; "
+                           "multi-turn: conversations in flight; default: 1 8 32, with "
+                           "--curve 1 8 32 64)")
     load.add_argument("--request-rate", type=float, default=float("inf"),
                       help="Poisson arrivals per second (inf: all at once)")
     load.add_argument("--max-duration", type=float, default=300.0,

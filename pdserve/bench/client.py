@@ -3,6 +3,12 @@ server-sent events. Each sends one `BenchRequest`, streamed, greedy unless told 
 returns what it saw as a `RequestResult`; a failure is a result with its error, never an
 exception (cancellation aside: the runner cancels requests at its time limit).
 
+By default (`api="chat"`) every prompt goes out as a chat request, the way clients send them:
+a plain prompt's text becomes the user message (over HTTP `/v1/chat/completions` with
+`max_completion_tokens`); `api="completions"` sends it as a completion (text over HTTP, token
+ids over gRPC). Each result keeps the answer's text (multi-turn builds the next turn from it)
+and the server's timing breakdown from the last message.
+
 Over gRPC a message carries its tokens (`token_ids`), so a message of k tokens gives k ITL
 entries (metrics.spread_itl). An SSE event does not say how many tokens it holds: each event
 with text counts as one, as in `vllm bench serve`; the output length is the server's
@@ -12,6 +18,7 @@ with text counts as one, as in `vllm bench serve`; the output length is the serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -30,20 +37,31 @@ MAX_ERROR_CHARS = 500
 
 @dataclass(frozen=True)
 class Sampling:
-    """What every request of a run asks for; None leaves a field out (the server's default)."""
+    """What every request of a run asks for; None leaves a field out (the server's default:
+    temperature 1.0, the others off)."""
 
-    temperature: float = 0.0
+    temperature: float | None = 0.0
     top_p: float | None = None
     top_k: int | None = None
+    repetition_penalty: float | None = None
 
     def fields(self) -> dict[str, float | int]:
         """The set fields, by their request (and proto) names."""
-        out: dict[str, float | int] = {"temperature": self.temperature}
-        if self.top_p is not None:
-            out["top_p"] = self.top_p
-        if self.top_k is not None:
-            out["top_k"] = self.top_k
-        return out
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def describe(self) -> str:
+        """"greedy", "default sampling" (nothing set) or the set fields."""
+        if self.is_greedy:
+            return "greedy"
+        return ", ".join(f"{k} {v:g}" for k, v in self.fields().items()) or "default sampling"
+
+
+GREEDY = Sampling(0.0)
+APIS = ("chat", "completions")
 
 
 class Client(Protocol):
@@ -63,6 +81,10 @@ class _Timer:
         self.result = RequestResult(group=req.group, input_len=req.input_len)
         self.t_sent = time.perf_counter()
         self.t_last: float | None = None
+        self.parts: list[str] = []
+
+    def text(self, text: str) -> None:
+        self.parts.append(text)
 
     def tokens(self, num_tokens: int) -> None:
         now = time.perf_counter()
@@ -81,17 +103,35 @@ class _Timer:
         if not error and self.t_last is None:
             error = "the stream ended without a token"
         r.error = error[:MAX_ERROR_CHARS]
+        r.text = "".join(self.parts)
         r.is_success = not error
         return r
+
+
+def _check_api(api: str) -> str:
+    if api not in APIS:
+        raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
+    return api
+
+
+def _messages(req: BenchRequest, api: str) -> tuple[tuple[str, str], ...] | None:
+    """The chat messages to send, or None for a plain completion (a prompt of token ids only
+    has no text to chat with)."""
+    if req.messages is not None:
+        return req.messages
+    if api == "chat" and req.prompt_text is not None:
+        return (("user", req.prompt_text),)
+    return None
 
 
 class GrpcClient:
     protocol = "grpc"
 
-    def __init__(self, address: str, sampling: Sampling = Sampling()) -> None:
+    def __init__(self, address: str, sampling: Sampling = Sampling(), api: str = "chat") -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.sampling = sampling
+        self.api = _check_api(api)
 
     async def model_id(self) -> str:
         return (await self.stub.ListModels(pb.ListModelsRequest(), timeout=30)).models[0].id
@@ -100,8 +140,9 @@ class GrpcClient:
         sampling = pb.SamplingParameters(max_tokens=req.output_len, ignore_eos=req.ignore_eos,
                                          **self.sampling.fields())
         msg = pb.GenerateRequest(sampling=sampling)
-        if req.messages is not None:
-            for role, content in req.messages:
+        messages = _messages(req, self.api)
+        if messages is not None:
+            for role, content in messages:
                 msg.chat.messages.add(role=role, content=content)
         elif req.prompt_ids is not None:
             msg.token_ids.ids.extend(req.prompt_ids)
@@ -116,8 +157,11 @@ class GrpcClient:
             async for msg in call:
                 if msg.token_ids:
                     timer.tokens(len(msg.token_ids))
+                timer.text(msg.text)
                 if msg.HasField("usage"):
                     timer.result.input_len = msg.usage.prompt_tokens
+                if msg.HasField("timing"):
+                    timer.result.timing = {f.name: v for f, v in msg.timing.ListFields()}
         except grpc.aio.AioRpcError as e:
             return timer.finish(f"{e.code().name}: {e.details()}")
         except asyncio.CancelledError:
@@ -132,7 +176,7 @@ class GrpcClient:
 class HttpClient:
     protocol = "http"
 
-    def __init__(self, base_url: str, sampling: Sampling = Sampling(),
+    def __init__(self, base_url: str, sampling: Sampling = Sampling(), api: str = "chat",
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         # no pool limit: the runner's concurrency is the limit; no read timeout: a long
         # prefill queue is measured, not cut
@@ -141,6 +185,7 @@ class HttpClient:
                                       limits=httpx.Limits(max_connections=None),
                                       transport=transport)
         self.sampling = sampling
+        self.api = _check_api(api)
         self._model: str | None = None
 
     async def model_id(self) -> str:
@@ -152,12 +197,15 @@ class HttpClient:
 
     async def _body(self, req: BenchRequest) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
-            "model": await self.model_id(), "max_tokens": req.output_len,
-            **self.sampling.fields(), "ignore_eos": req.ignore_eos, "stream": True,
+            "model": await self.model_id(), **self.sampling.fields(),
+            "ignore_eos": req.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
-        if req.messages is not None:
-            body["messages"] = [{"role": r, "content": c} for r, c in req.messages]
+        messages = _messages(req, self.api)
+        if messages is not None:  # as OpenAI's clients send it now
+            body["max_completion_tokens"] = req.output_len
+            body["messages"] = [{"role": r, "content": c} for r, c in messages]
             return "/v1/chat/completions", body
+        body["max_tokens"] = req.output_len
         body["prompt"] = req.prompt_text if req.prompt_text is not None else \
             list(req.prompt_ids or ())
         return "/v1/completions", body
@@ -190,6 +238,9 @@ class HttpClient:
                 (choice.get("delta") or {}).get("content")
             if text:
                 timer.tokens(1)
+                timer.text(text)
+        if data.get("timing"):
+            timer.result.timing = data["timing"]
         usage = data.get("usage")
         if usage:
             timer.result.input_len = usage["prompt_tokens"]

@@ -2,6 +2,8 @@
 run, and report them side by side.
 
     pdserve bench                                        # naive | colocated | disagg, c = 1 8 32
+    pdserve bench --workload multi-turn --concurrency 4  # conditional | always-remote | colocated
+    pdserve bench --backends colocated disagg --temperature 1.0 --top-p 0.95 --curve curve.png
     pdserve bench --backends colocated disagg --workload mixed --concurrency 8
     pdserve bench --backends colocated --stack-args "--max-num-seqs 16" --protocol grpc
     pdserve bench --gateway 127.0.0.1:50051 --concurrency 1 4     # a gateway already running
@@ -10,6 +12,12 @@ The backends run one after the other (each started, benched at every concurrency
 they never share the two cores. The naive server generates one request at a time at about 10
 tokens/s here, so it gets at most --naive-max-requests requests and --naive-max-duration
 seconds per point: its figures are measured over those requests, not extrapolated.
+
+Requests go out as clients send them: chat completions, with the sampling fields given (none by
+default: the server's temperature 1.0). `--vs-greedy` (and `--curve`) runs every point twice on
+the same server, greedy (`<backend>-greedy`) and sampled, alternating which goes first, and
+reports their ratio; each variant has prompts of its own (the workload's seed + 1 for the
+second), so that neither finds the other's in the prefix cache.
 """
 
 from __future__ import annotations
@@ -21,13 +29,14 @@ import dataclasses
 import math
 import shlex
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench import report
-from pdserve.bench.client import Client, GrpcClient, HttpClient, Sampling
+from pdserve.bench.args import DEFAULT_BACKENDS, POLICY_BACKENDS
+from pdserve.bench.client import GREEDY, Client, GrpcClient, HttpClient, Sampling
 from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import Lane, run_lanes
 from pdserve.bench.servers import StackOptions, Target, launch
@@ -45,11 +54,14 @@ class BenchConfig:
     max_duration_s: float = 300.0
     naive_max_requests: int = 8
     naive_max_duration_s: float = 120.0
-    temperature: float = 0.0
+    temperature: float | None = None  # None: the request leaves it out (the server's 1.0)
     slo: SLO = SLO(2000.0, 200.0)
     seed: int = 0
     top_p: float | None = None  # None: the request leaves it out (the server's default, 1)
     top_k: int | None = None
+    repetition_penalty: float | None = None
+    api: str = "chat"  # plain prompts as chat requests ("chat") or as completions
+    is_vs_greedy: bool = False  # every point also greedy, on the same server
 
     def __post_init__(self) -> None:
         if self.protocol not in ("grpc", "http"):
@@ -61,8 +73,15 @@ class BenchConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.naive_max_requests < 1:
             raise ValueError(f"naive_max_requests must be >= 1, got {self.naive_max_requests}")
-        if not self.temperature >= 0:
+        if self.temperature is not None and not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.api not in ("chat", "completions"):
+            raise ValueError(f"api must be chat or completions, got {self.api!r}")
+        if self.is_vs_greedy and self.sampling.is_greedy:
+            raise ValueError("--vs-greedy and --curve compare a sampled run with greedy: "
+                             "give a temperature other than 0")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < -1:
@@ -70,16 +89,24 @@ class BenchConfig:
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k)
+        return Sampling(self.temperature, self.top_p, self.top_k, self.repetition_penalty)
+
+    def variants(self) -> list[tuple[str, Sampling]]:
+        """(label suffix, sampling) of the runs of every point."""
+        if self.is_vs_greedy:
+            return [("", self.sampling), (report.GREEDY_SUFFIX, GREEDY)]
+        return [("", self.sampling)]
 
 
 def configs(args: argparse.Namespace) -> tuple[BenchConfig, WorkloadConfig, StackOptions]:
     slo = SLO(args.ttft_slo_ms if args.ttft_slo_ms > 0 else None,
               args.tpot_slo_ms if args.tpot_slo_ms > 0 else None)
-    bench = BenchConfig(args.protocol, tuple(args.concurrency), args.request_rate,
+    concurrency = args.concurrency or ([1, 8, 32, 64] if args.curve else [1, 8, 32])
+    bench = BenchConfig(args.protocol, tuple(concurrency), args.request_rate,
                         args.long_rate, args.max_duration, args.naive_max_requests,
                         args.naive_max_duration, args.temperature, slo, args.seed,
-                        args.top_p, args.top_k)
+                        args.top_p, args.top_k, args.repetition_penalty, args.api,
+                        args.vs_greedy or bool(args.curve))
     workload = WorkloadConfig(
         args.workload, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
         args.prefix_len, args.num_long, tuple(args.long_input_len), args.long_output_len,
@@ -104,21 +131,27 @@ def lanes(workload: dict[str, list[BenchRequest]], concurrency: int, cfg: BenchC
     return [Lane(workload["main"][:cap], concurrency, cfg.request_rate)]
 
 
-def make_client(target: Target, protocol: str, sampling: Sampling) -> Client:
+def make_client(target: Target, protocol: str, sampling: Sampling, api: str = "chat") -> Client:
     if protocol == "grpc" and target.grpc_address:
-        return GrpcClient(target.grpc_address, sampling)
+        return GrpcClient(target.grpc_address, sampling, api)
     if target.http_url is None:
         raise ValueError(f"{target.name} has no HTTP address; use --protocol grpc")
-    return HttpClient(target.http_url, sampling)
+    return HttpClient(target.http_url, sampling, api)
 
 
-async def bench_target(target: Target, workload: dict[str, list[BenchRequest]],
+async def bench_target(target: Target, workloads: Sequence[dict[str, list[BenchRequest]]],
                        cfg: BenchConfig, workload_name: str,
-                       out_dir: Path) -> dict[int, dict[str, Any]]:
-    """Every concurrency point of one system; one JSON file per point."""
-    client = make_client(target, cfg.protocol, cfg.sampling)
+                       out_dir: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every concurrency point of one system, once per sampling variant (label: the backend,
+    then `<backend>-greedy`), each variant with its own prompts (`workloads`, one per
+    variant: the second must not find the first's prompts in the prefix cache); one JSON
+    file per point."""
+    clients = {target.name + suffix: make_client(target, cfg.protocol, sampling, cfg.api)
+               for suffix, sampling in cfg.variants()}
+    workload_of = dict(zip(clients, workloads, strict=True))
+    client = clients[target.name]
     is_naive = target.name == "naive"
-    notes = [f"sampling: {cfg.sampling.fields()}"]
+    notes = [f"sampling: {cfg.sampling.describe()}", f"api: {cfg.api}"]
     if is_naive:
         notes.append(f"naive: at most {cfg.naive_max_requests} requests and "
                      f"{cfg.naive_max_duration_s:g} s per point, one request at a time; "
@@ -126,34 +159,41 @@ async def bench_target(target: Target, workload: dict[str, list[BenchRequest]],
     if client.protocol != cfg.protocol:
         notes.append(f"{target.name}: reached over {client.protocol} (it has no "
                      f"{cfg.protocol} API)")
-    points = {}
+    points: dict[str, dict[int, dict[str, Any]]] = {label: {} for label in clients}
     try:
         model_id = await client.model_id()
-        first = next(iter(workload.values()))[0]
-        warm = await client.send(dataclasses.replace(first, output_len=WARMUP_TOKENS))
+        first = next(iter(workloads[0].values()))[0]
+        warm = await client.send(dataclasses.replace(first, output_len=WARMUP_TOKENS,
+                                                     follow_ups=()))
         if not warm.is_success:
             raise RuntimeError(f"{target.name}: the warm-up request failed: {warm.error}")
-        for c in cfg.concurrency:
-            results, duration = await run_lanes(
-                client.send, lanes(workload, c, cfg, is_naive),
-                cfg.naive_max_duration_s if is_naive else cfg.max_duration_s, cfg.seed,
-                desc=f"{target.name} c={c}")
-            point = report.point_result(
-                backend=target.name, protocol=client.protocol, model_id=model_id,
-                workload=workload_name, max_concurrency=c, request_rate=cfg.request_rate,
-                results=results, duration_s=duration, slo=cfg.slo, notes=notes)
-            report.write_json(out_dir / f"{target.name}-c{c}.json", point)
-            print(report.headline(point), flush=True)
-            points[c] = point
+        for i, c in enumerate(cfg.concurrency):
+            # alternate which variant goes first: a shared machine's speed drifts
+            for label in list(clients)[::1 if i % 2 == 0 else -1]:
+                results, duration = await run_lanes(
+                    clients[label].send, lanes(workload_of[label], c, cfg, is_naive),
+                    cfg.naive_max_duration_s if is_naive else cfg.max_duration_s, cfg.seed,
+                    desc=f"{label} c={c}")
+                point = report.point_result(
+                    backend=label, protocol=client.protocol, model_id=model_id,
+                    workload=workload_name, max_concurrency=c, request_rate=cfg.request_rate,
+                    results=results, duration_s=duration, slo=cfg.slo, notes=notes)
+                point["sampling"] = clients[label].sampling.fields()
+                report.write_json(out_dir / f"{label}-c{c}.json", point)
+                print(report.headline(point), flush=True)
+                points[label][c] = point
     finally:
-        await client.close()
+        for each in clients.values():
+            await each.close()
     return points
 
 
 def _targets(args: argparse.Namespace) -> list[str | Target]:
     """Backend names to start, or the one running server to bench."""
     if not (args.gateway or args.base_url):
-        return list(dict.fromkeys(args.backends))
+        default = POLICY_BACKENDS if args.workload in ("mixed", "multi-turn") \
+            else DEFAULT_BACKENDS
+        return list(dict.fromkeys(args.backends or default))
     if args.gateway and not args.base_url:
         args.protocol = "grpc"
     elif args.base_url and not args.gateway:
@@ -179,24 +219,26 @@ def run(args: argparse.Namespace) -> int:
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import load_tokenizer
 
+    targets = _targets(args)  # first: a lone --gateway or --base-url sets the protocol
     cfg, wcfg, stacks = configs(args)
-    targets = _targets(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    workload = build_workload(wcfg, load_tokenizer(resolve_model(args.model)))
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    workloads = [build_workload(dataclasses.replace(wcfg, seed=wcfg.seed + k), tokenizer)
+                 for k in range(len(cfg.variants()))]
     points: dict[str, dict[int, dict[str, Any]]] = {}
     try:
         with _sigterm_as_interrupt():
             for t in targets:
                 if isinstance(t, Target):
-                    points[t.name] = asyncio.run(bench_target(t, workload, cfg, wcfg.name,
-                                                              out_dir))
+                    points.update(asyncio.run(bench_target(t, workloads, cfg, wcfg.name,
+                                                           out_dir)))
                     continue
                 print(f"pdserve bench: starting {t} (log: {out_dir / 'logs' / (t + '.log')})",
                       flush=True)
                 with launch(t, stacks, out_dir / "logs") as target:
-                    points[t] = asyncio.run(bench_target(target, workload, cfg, wcfg.name,
-                                                         out_dir))
+                    points.update(asyncio.run(bench_target(target, workloads, cfg, wcfg.name,
+                                                           out_dir)))
     except KeyboardInterrupt:
         print(f"\npdserve bench: interrupted; the servers it started are stopped; the points "
               f"finished so far are in {out_dir}", flush=True)
@@ -209,14 +251,16 @@ def run(args: argparse.Namespace) -> int:
     print(report.table(points))
     for note in notes:
         print(f"note: {note}")
-    from pdserve.bench.plots import plot_latency, plot_throughput
+    from pdserve.bench.plots import plot_curve, plot_latency, plot_throughput
 
-    fields = cfg.sampling.fields()
-    sampling = ("greedy" if fields == {"temperature": 0.0}
-                else ", ".join(f"{k} {v:g}" for k, v in fields.items()))
-    title = f"{wcfg.name} workload, {cfg.protocol}, {sampling}"
+    title = f"{wcfg.name} workload, {cfg.api} over {cfg.protocol}, {cfg.sampling.describe()}"
     plot_latency(points, out_dir / "latency.png", f"Latency percentiles, {title}")
     plot_throughput(points, out_dir / "throughput.png", f"Throughput, {title}")
     print(f"\nwrote {out_dir}/: summary.json, <backend>-c<concurrency>.json per point, "
           f"latency.png, throughput.png, logs/")
+    if args.curve:
+        plot_curve(points, Path(args.curve),
+                   f"Output tokens/s, {wcfg.name} workload, {cfg.api} over {cfg.protocol}: "
+                   f"greedy and {cfg.sampling.describe()}")
+        print(f"wrote {args.curve}")
     return 0

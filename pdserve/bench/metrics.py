@@ -14,6 +14,10 @@ Run-level figures divide by the run's duration: request_throughput = completed /
 request_goodput = completed requests within every SLO / duration, output_throughput =
 output tokens / duration. Latency statistics are over completed requests only; failed ones are
 counted in `failed` and their messages kept in `errors`.
+
+Where the time went, from the server: each response's timing breakdown (queue, prefill, KV
+transfer, first decode step; where the prompt was prefilled) as medians over the requests that
+carried one (`server_timing`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+# the server's timing breakdown (the Timing message / the HTTP response's "timing"), seconds
+TIMING_PARTS = ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s")
 
 
 @dataclass
@@ -41,6 +47,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     start: float = 0.0  # when it was sent, seconds after the run started
+    text: str = ""  # the answer (multi-turn: the next turn's history)
+    timing: dict[str, float | str] | None = None  # the server's breakdown, if it sent one
 
     @property
     def tpot(self) -> float:
@@ -106,6 +114,23 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float, slo: SL
     out.update(stats_ms([r.tpot for r in done if r.output_len > 1], "tpot", percentiles))
     out.update(stats_ms([x for r in done for x in r.itl], "itl", percentiles))
     out.update(stats_ms([r.latency for r in done], "e2el", percentiles))
+    out.update(server_timing(done))
+    return out
+
+
+def server_timing(results: Sequence[RequestResult]) -> dict[str, float | int]:
+    """median_<part>_ms of the server's breakdown and prefill_<where>_share (local, remote,
+    colocated) over the results that carried one; nothing if none did."""
+    timed = [r.timing for r in results if r.timing]
+    if not timed:
+        return {}
+    out: dict[str, float | int] = {"num_timed": len(timed)}
+    for part in TIMING_PARTS:
+        out[f"median_{part[:-2]}_ms"] = 1000.0 * float(np.median([float(t.get(part, 0.0))
+                                                                   for t in timed]))
+    for where in sorted({str(t.get("prefill_where", "")) for t in timed} - {""}):
+        out[f"prefill_{where}_share"] = sum(t.get("prefill_where") == where
+                                            for t in timed) / len(timed)
     return out
 
 

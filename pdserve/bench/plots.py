@@ -1,5 +1,5 @@
 """PNG plots of a sweep (matplotlib, Agg backend): latency percentiles and throughput against
-concurrency, one line per backend."""
+concurrency, one line per backend; the curve of output tokens/s, greedy beside sampled."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+from pdserve.bench.report import GREEDY_SUFFIX  # noqa: E402
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "end-to-end"))
 PERCENTILE_STYLES = ((50, "-", "o"), (90, "--", "s"), (99, ":", "^"))
@@ -67,4 +69,34 @@ def plot_throughput(points: dict[str, dict[int, dict[str, Any]]], path: Path,
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curve(points: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> None:
+    """Output tokens/s against concurrency: one color per backend, its sampled run solid and
+    its greedy run (`<backend>-greedy`) dashed, each sampled point labelled with its ratio to
+    greedy."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    sampled = [b for b in points if not b.endswith(GREEDY_SUFFIX)]
+    for i, backend in enumerate(sampled):
+        color = colors[i % len(colors)]
+        x, y = _series(points[backend], "output_throughput")
+        ax.plot(x, y, "-o", color=color, label=f"{backend}, sampled")
+        greedy = points.get(backend + GREEDY_SUFFIX)
+        if greedy:
+            gx, gy = _series(greedy, "output_throughput")
+            ax.plot(gx, gy, "--s", color=color, alpha=0.7, label=f"{backend}, greedy")
+            for c, v in zip(x, y, strict=True):
+                if greedy.get(c, {}).get("output_throughput"):
+                    ax.annotate(f"{v / greedy[c]['output_throughput']:.2f}x", (c, v),
+                                textcoords="offset points", xytext=(4, -12), fontsize=8,
+                                color=color)
+    ax.set_ylabel("output tokens / s")
+    ax.set_ylim(bottom=0)
+    _axes_style(ax, {c for by_c in points.values() for c in by_c})
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -2,7 +2,9 @@
 
 One JSON per (backend, concurrency) in the shape of `vllm bench serve`'s result file (its keys,
 plus `incomplete`, the SLOs and, for the mixed workload, the same figures per lane under
-`groups`), and a summary with every point's figures and the ratios to the naive server.
+`groups`), and a summary with every point's figures and each comparison's ratios: to the
+naive server, sampled to greedy (`<backend>-greedy`, the same server's greedy run) and
+conditional prefill to always-remote.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ ROWS: list[tuple[str, str, bool]] = [
     ("output tok/s", "output_throughput", True),
 ] + [(f"{name} p{q} ms", f"p{q}_{key}_ms", True)
      for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2el"))
-     for q in (50, 90, 99)]
+     for q in (50, 90, 99)] + [
+    # where the time went, as the server reports it (metrics.server_timing)
+    ("server queue p50 ms", "median_queue_ms", True),
+    ("server prefill p50 ms", "median_prefill_ms", True),
+    ("server KV xfer p50 ms", "median_kv_transfer_ms", True),
+    ("local prefills", "prefill_local_share", False),
+]
 # the mixed workload's lanes: what the issue compares between colocated and disaggregated
 GROUP_ROWS: dict[str, list[tuple[str, str, bool]]] = {
     "decode": [("decode ITL p50 ms", "p50_itl_ms", True),
@@ -37,7 +45,26 @@ GROUP_ROWS: dict[str, list[tuple[str, str, bool]]] = {
     "long": [("long TTFT p50 ms", "p50_ttft_ms", True),
              ("long TTFT p99 ms", "p99_ttft_ms", True),
              ("long goodput req/s", "request_goodput", True)],
+    # multi-turn: the follow-ups are what conditional prefill is for
+    "first-turn": [("turn-1 TTFT p50 ms", "p50_ttft_ms", True)],
+    "follow-up": [("follow-up TTFT p50 ms", "p50_ttft_ms", True),
+                  ("follow-up TTFT p99 ms", "p99_ttft_ms", True),
+                  ("follow-up ITL p99 ms", "p99_itl_ms", True),
+                  ("follow-up local", "prefill_local_share", False)],
 }
+GREEDY_SUFFIX = "-greedy"  # the label of a backend's greedy run beside its sampled one
+
+
+def comparisons(labels: Sequence[str]) -> list[tuple[str, str]]:
+    """The (label, base) pairs the table and summary give ratios for: each backend against
+    naive, each sampled run against its greedy run, conditional against always-remote."""
+    pairs = [(b, "naive") for b in labels if b != "naive" and "naive" in labels]
+    pairs += [(b + GREEDY_SUFFIX, "naive") for b, base in list(pairs)
+              if b + GREEDY_SUFFIX in labels]
+    pairs += [(b, b + GREEDY_SUFFIX) for b in labels if b + GREEDY_SUFFIX in labels]
+    if "conditional" in labels and "always-remote" in labels:
+        pairs.append(("conditional", "always-remote"))
+    return pairs
 
 
 def point_result(*, backend: str, protocol: str, model_id: str, workload: str,
@@ -77,24 +104,22 @@ def value(point: dict[str, Any], group: str | None, key: str) -> float | None:
 
 def summary(points: dict[str, dict[int, dict[str, Any]]], notes: Sequence[str],
             config: dict[str, Any]) -> dict[str, Any]:
-    """Every point's figures (without the per-request lists) and the ratios to naive."""
+    """Every point's figures (without the per-request lists) and the ratios of each
+    comparison ("<label>/<base>": {concurrency: {row: ratio}})."""
     lists = set(per_request([]))
     out: dict[str, Any] = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "config": config,
-                           "notes": list(notes), "backends": {}, "ratios_vs_naive": {}}
+                           "notes": list(notes), "backends": {}, "ratios": {}}
     for backend, by_c in points.items():
         out["backends"][backend] = {str(c): {k: v for k, v in p.items() if k not in lists}
                                     for c, p in by_c.items()}
-    naive = points.get("naive", {})
-    for backend, by_c in points.items():
-        if backend == "naive":
-            continue
+    for label, base in comparisons(list(points)):
         ratios = {}
-        for c, p in by_c.items():
-            if c in naive:
-                ratios[str(c)] = {label: _ratio(value(p, g, k), value(naive[c], g, k))
-                                  for label, g, k, has_ratio in _rows(p) if has_ratio}
+        for c, p in points[label].items():
+            if c in points[base]:
+                ratios[str(c)] = {row: _ratio(value(p, g, k), value(points[base][c], g, k))
+                                  for row, g, k, has_ratio in _rows(p) if has_ratio}
         if ratios:
-            out["ratios_vs_naive"][backend] = ratios
+            out["ratios"][f"{label}/{base}"] = ratios
     return out
 
 
@@ -121,27 +146,30 @@ def _fmt(x: float | None) -> str:
 
 
 def table(points: dict[str, dict[int, dict[str, Any]]]) -> str:
-    """The metrics side by side per concurrency (naive | colocated | disagg ...), then each
-    backend's ratio to naive (times the naive figure: for throughput higher is better, for
+    """The metrics side by side per concurrency (naive | colocated | disagg ...), then the
+    ratio of each comparison (times the base's figure: for throughput higher is better, for
     latency lower is better)."""
     backends = list(points)
-    others = [b for b in backends if b != "naive" and "naive" in points]
     lines = []
     for c in sorted({c for by_c in points.values() for c in by_c}):
         have = [b for b in backends if c in points[b]]
+        pairs = [(b, base) for b, base in comparisons(have)]
+        width = max([12] + [len(b) + 2 for b in have])
+        ratio_width = max([17] + [len(f"{b}/{base}") + 2 for b, base in pairs])
         first = points[have[0]][c]
-        head = f"{'concurrency ' + str(c):<22}" + "".join(f"{b:>12}" for b in have) + \
-            "".join(f"{b + '/naive':>17}" for b in others if b in have)
+        head = f"{'concurrency ' + str(c):<22}" + "".join(f"{b:>{width}}" for b in have) + \
+            "".join(f"{b + '/' + base:>{ratio_width}}" for b, base in pairs)
         lines += ["", head, "-" * len(head)]
         for label, group, key, has_ratio in _rows(first):
             vals = [value(points[b][c], group, key) for b in have]
-            line = f"{label:<22}" + "".join(f"{_fmt(v):>12}" for v in vals)
-            if "naive" in have and has_ratio:
-                base = value(points["naive"][c], group, key)
-                for b in others:
-                    if b in have:
-                        r = _ratio(value(points[b][c], group, key), base)
-                        line += f"{'-' if r is None else f'{r:.2f}x':>17}"
+            if all(v is None for v in vals):
+                continue  # e.g. the server's timing, from a server that sends none
+            line = f"{label:<22}" + "".join(f"{_fmt(v):>{width}}" for v in vals)
+            if has_ratio:
+                for b, base in pairs:
+                    r = _ratio(value(points[b][c], group, key),
+                               value(points[base][c], group, key))
+                    line += f"{'-' if r is None else f'{r:.2f}x':>{ratio_width}}"
             lines.append(line)
     return "\n".join(lines)
 

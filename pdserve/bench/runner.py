@@ -7,6 +7,10 @@ with `until` set (the mixed workload's decode streams) stops sending once `until
 and every slot has sent at least one request: those streams decode for as long as the other
 lane's long prompts keep arriving.
 
+A request with follow-ups (the multi-turn workload) is a conversation: it holds its slot while
+its turns go out one after the other, each once the previous answer has arrived, with that
+answer in its history; every turn is a result of its own.
+
 At `max_duration_s` everything still running or waiting is cancelled and counted as
 `incomplete` (neither completed nor failed).
 """
@@ -47,7 +51,7 @@ class Lane:
 class _Issued:
     req: BenchRequest
     task: asyncio.Task | None = None  # None: never sent (time ran out first)
-    result: RequestResult | None = None
+    results: list[RequestResult] = field(default_factory=list)  # one per turn sent
     is_skipped: bool = False  # an `until` lane that had sent enough
 
 
@@ -57,20 +61,35 @@ async def run_lanes(send: Send, lanes: list[Lane], max_duration_s: float, seed: 
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     issued: list[list[_Issued]] = [[_Issued(r) for r in lane.requests] for lane in lanes]
-    with tqdm(total=sum(map(len, issued)), desc=desc, unit="req", leave=False) as bar:
+    num_turns = sum(1 + len(r.follow_ups) for lane in lanes for r in lane.requests)
+    with tqdm(total=num_turns, desc=desc, unit="req", leave=False) as bar:
 
         async def one(lane: Lane, item: _Issued, slots: asyncio.Semaphore, i: int) -> None:
             async with slots:
                 if lane.until is not None and lane.until.done.is_set() \
                         and i >= (lane.max_concurrency or 1):
                     item.is_skipped = True
-                    bar.total -= 1
+                    bar.total -= 1 + len(item.req.follow_ups)
                     bar.refresh()
                     return
-                start = time.perf_counter() - t0
-                item.result = await send(item.req)
-                item.result.start = start
-                bar.update(1)
+                req = item.req
+                for k in range(1 + len(item.req.follow_ups)):
+                    if k:
+                        if not item.results[-1].is_success:  # the chat ends at a failure
+                            bar.total -= len(item.req.follow_ups) - k + 1
+                            bar.refresh()
+                            return
+                        req = req.next_turn(item.results[-1].text, item.req.follow_ups[k - 1])
+                    start = time.perf_counter() - t0
+                    try:
+                        result = await send(req)
+                    except asyncio.CancelledError:
+                        if k:  # a chat cut at the time limit: this turn is incomplete
+                            item.results.append(_incomplete(req, max_duration_s))
+                        raise
+                    result.start = start
+                    item.results.append(result)
+                    bar.update(1)
 
         async def issue(lane: Lane, items: list[_Issued]) -> None:
             slots = asyncio.Semaphore(lane.max_concurrency or max(1, len(items)))
@@ -93,10 +112,12 @@ async def run_lanes(send: Send, lanes: list[Lane], max_duration_s: float, seed: 
     results = []
     for items in issued:
         for item in items:
-            if item.result is not None:
-                results.append(item.result)
-            elif not item.is_skipped:
-                results.append(RequestResult(
-                    group=item.req.group, is_incomplete=True, input_len=item.req.input_len,
-                    error=f"not finished within --max-duration {max_duration_s:g} s"))
+            results += item.results
+            if not item.results and not item.is_skipped:
+                results.append(_incomplete(item.req, max_duration_s))
     return results, duration
+
+
+def _incomplete(req: BenchRequest, max_duration_s: float) -> RequestResult:
+    return RequestResult(group=req.group, is_incomplete=True, input_len=req.input_len,
+                         error=f"not finished within --max-duration {max_duration_s:g} s")

@@ -5,6 +5,8 @@
 | naive | `python -m pdserve.bench.naive_server` (transformers generate, one request at a time) | GET /v1/models answers 200 |
 | colocated | `pdserve gateway --colocated` | /v1/models 200 and gRPC health SERVING |
 | disagg | `pdserve up --prefill N --decode M --transport T` | the same, on its gateway |
+| conditional | the same with `--prefill-policy auto` | the same |
+| always-remote | the same with `--prefill-policy always-remote` | the same |
 
 Each runs in its own session (Ctrl-C in the terminal reaches the harness only), writes its output
 to a log file, and is stopped by `stop`: SIGTERM, then SIGKILL for it and its direct children
@@ -35,6 +37,8 @@ from pdserve.bench.args import BACKENDS
 READY_TIMEOUT_S = 600.0  # `pdserve up` loads the model in three processes on two cores
 STOP_TIMEOUT_S = 60.0  # `pdserve up` stops its gateway (which drains), then each worker
 HOST = "127.0.0.1"
+# the `pdserve up` backends and the --prefill-policy each passes (None: the stack's default)
+DISAGG_POLICIES = {"disagg": None, "conditional": "auto", "always-remote": "always-remote"}
 
 
 @dataclass(frozen=True)
@@ -82,10 +86,12 @@ def command(backend: str, opts: StackOptions, grpc_port: int, http_port: int) ->
     if backend == "colocated":
         return [sys.executable, "-m", "pdserve", "gateway", "--colocated", *ports, *common,
                 *opts.colocated_args, *opts.stack_args]
-    if backend == "disagg":
+    if backend in DISAGG_POLICIES:
+        policy = DISAGG_POLICIES[backend]
         return [sys.executable, "-m", "pdserve", "up", *ports, "--prefill", str(opts.num_prefill),
                 "--decode", str(opts.num_decode), "--transport", opts.transport, *common,
-                *opts.disagg_args, *opts.stack_args]
+                *(["--prefill-policy", policy] if policy else []), *opts.disagg_args,
+                *opts.stack_args]
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 

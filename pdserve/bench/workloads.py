@@ -8,6 +8,11 @@
 | shared-prefix | a `prefix_len`-token document shared by all + a distinct `input_len`-token suffix | `output_len`, EOS ignored |
 | mixed | lane "decode": short prompts, long outputs; lane "long": 1-2k-token prompts, short outputs | EOS ignored |
 | code-edit | the shipped snippets (data/code_edit.jsonl) with an edit instruction, as chat | the code's length + 48, natural end |
+| multi-turn | chats of 4-8 turns: an opener of 30-60 tokens, then short follow-ups ("Why?"), each sent once the previous answer arrived, with that answer in its history | up to `output_len` per turn, natural end |
+
+A multi-turn request carries its follow-ups (`follow_ups`): the runner sends the first turn, then
+each follow-up as `next_turn(answer, follow_up)` of the turn before (group "first-turn", then
+"follow-up": the turns whose history a decode worker may already hold).
 
 Text prompts are cut from the shipped prompts' text (not random token ids, which decode to text
 that does not encode back to the same tokens), so the same prompt goes out as token ids over
@@ -16,6 +21,7 @@ gRPC and as text over HTTP: `fit_tokens` makes `encode(text) == ids`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -28,6 +34,24 @@ from pdserve.bench.args import WORKLOADS
 
 CODE_EDIT_EXTRA_TOKENS = 48  # room past the code's own length for the answer's wrapping
 MAX_FIT_TRIES = 50
+MIN_TURNS, MAX_TURNS = 4, 8  # multi-turn: turns per conversation
+OPENERS = (
+    "I am planning a long walk along the coast next spring, starting from a small fishing "
+    "village and following the cliffs north for about a week. What should I pack?",
+    "My sourdough bread keeps coming out dense and flat even though the starter bubbles "
+    "nicely and I follow the recipe carefully. What could be going wrong with it?",
+    "Explain how a refrigerator moves heat from its inside to the kitchen, as if I were a "
+    "curious twelve-year-old who likes taking things apart.",
+    "I have to give a five-minute talk to my team about why we should write tests before "
+    "fixing bugs. Help me structure it so that it is short and convincing.",
+    "What are the main differences between a lake and a reservoir, and why do engineers "
+    "care about how quickly sediment fills a reservoir?",
+    "Suggest a simple weekly plan for someone who wants to start running but has never "
+    "run more than a kilometre without stopping.",
+)
+FOLLOW_UPS = ("Why?", "Give one more tip.", "Can you say that more briefly?", "And then?",
+              "What is the most common mistake?", "Thanks. Anything else?",
+              "Explain the second point.", "Give an example.")
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,17 @@ class BenchRequest:
     messages: tuple[tuple[str, str], ...] | None = None  # a chat prompt: (role, content)
     ignore_eos: bool = True
     group: str = "main"
+    follow_ups: tuple[str, ...] = ()  # multi-turn: the user's later turns, in order
+
+    def next_turn(self, answer: str, follow_up: str) -> BenchRequest:
+        """The chat's next request: this one's messages, the answer, then the follow-up; its
+        prompt length is the server's to report (usage)."""
+        if self.messages is None:
+            raise ValueError("only a chat request has a next turn")
+        return dataclasses.replace(
+            self, input_len=0, messages=(*self.messages, ("assistant", answer),
+                                         ("user", follow_up)),
+            follow_ups=(), group="follow-up")
 
 
 @dataclass(frozen=True)
@@ -134,9 +169,22 @@ def _plain(src: _TextSource, n: int, out: int, head: str, ignore_eos: bool,
     return BenchRequest(out, len(ids), tuple(ids), text, ignore_eos=ignore_eos, group=group)
 
 
-def _chat(tokenizer: Tokenizer, content: str, out: int, ignore_eos: bool) -> BenchRequest:
+def _chat(tokenizer: Tokenizer, content: str, out: int, ignore_eos: bool,
+          group: str = "main", follow_ups: tuple[str, ...] = ()) -> BenchRequest:
     n = len(tokenizer.apply_chat_template([{"role": "user", "content": content}]))
-    return BenchRequest(out, n, messages=(("user", content),), ignore_eos=ignore_eos)
+    return BenchRequest(out, n, messages=(("user", content),), ignore_eos=ignore_eos,
+                        group=group, follow_ups=follow_ups)
+
+
+def _conversation(tokenizer: Tokenizer, rng: np.random.Generator, i: int, out: int,
+                  ignore_eos: bool) -> BenchRequest:
+    """Chat i: a tagged opener (no two chats share more than the template's head) and its
+    3-7 follow-ups."""
+    opener = OPENERS[int(rng.integers(len(OPENERS)))]
+    num_turns = int(rng.integers(MIN_TURNS, MAX_TURNS + 1))
+    follow_ups = tuple(FOLLOW_UPS[int(j)] for j in rng.integers(len(FOLLOW_UPS),
+                                                                size=num_turns - 1))
+    return _chat(tokenizer, f"(chat {i}) {opener}", out, ignore_eos, "first-turn", follow_ups)
 
 
 def build_workload(config: WorkloadConfig, tokenizer: Tokenizer) -> dict[str, list[BenchRequest]]:
@@ -144,9 +192,9 @@ def build_workload(config: WorkloadConfig, tokenizer: Tokenizer) -> dict[str, li
     rng = np.random.default_rng(config.seed)
     src = _TextSource(tokenizer, rng)
     n, c = config.num_prompts, config
-    natural = c.name in ("prompts", "code-edit")
+    natural = c.name in ("prompts", "code-edit", "multi-turn")
     eos = (not natural) if c.ignore_eos is None else c.ignore_eos
-    out_len = c.output_len or (128 if natural else 64)
+    out_len = c.output_len or {"prompts": 128, "code-edit": 128, "multi-turn": 32}.get(c.name, 64)
     if c.name == "fixed":
         return {"main": [_plain(src, c.input_len, out_len, f"Request {i}: ", eos)
                          for i in range(n)]}
@@ -169,6 +217,8 @@ def build_workload(config: WorkloadConfig, tokenizer: Tokenizer) -> dict[str, li
         long = [_plain(src, int(rng.integers(lo, hi + 1)), c.long_output_len,
                        f"Document {i}: ", eos, "long") for i in range(c.num_long)]
         return {"decode": decode, "long": long}
+    if c.name == "multi-turn":
+        return {"main": [_conversation(tokenizer, rng, i, out_len, eos) for i in range(n)]}
     texts = shipped_prompts() if c.name == "prompts" else shipped_code_edits()
     order = rng.permutation(len(texts))
     reqs = []

@@ -27,10 +27,12 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         if request.sampling.max_tokens == 99:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens too large")
         for ids in ([7], [8, 9, 10], [11, 12]):
-            yield pb.GenerateResponse(token_ids=ids)
+            yield pb.GenerateResponse(token_ids=ids, text=f"<{len(ids)}>")
             await asyncio.sleep(GAP_S)
         yield pb.GenerateResponse(usage=pb.Usage(prompt_tokens=3, completion_tokens=6),
-                                  finish_reason=pb.FINISH_REASON_LENGTH)
+                                  finish_reason=pb.FINISH_REASON_LENGTH,
+                                  timing=pb.Timing(queue_s=0.5, prefill_s=0.25,
+                                                   prefill_where="local"))
 
     async def ListModels(self, request, context):
         return pb.ListModelsResponse(models=[pb.ModelInfo(id="fake", max_model_len=64)])
@@ -63,9 +65,39 @@ def test_multi_token_messages_give_one_itl_per_token():
     assert r.itl[0] == pytest.approx(r.itl[2]) and r.itl[3] == pytest.approx(r.itl[4])
     assert sum(r.itl[:3]) == pytest.approx(GAP_S, abs=0.03)
     assert r.latency == pytest.approx(r.ttft + sum(r.itl))
+    assert r.text == "<1><3><2>"  # the answer, for a chat's next turn
+    assert r.timing == {"queue_s": 0.5, "prefill_s": 0.25, "prefill_where": "local"}
     sent = servicer.requests[0]
-    assert list(sent.token_ids.ids) == [1, 2, 3]
+    assert list(sent.token_ids.ids) == [1, 2, 3]  # ids alone: no text to chat with
     assert sent.sampling.ignore_eos and sent.sampling.temperature == 0.0
+
+
+def test_plain_prompts_go_out_as_chat_by_default_with_the_servers_sampling():
+    req = BenchRequest(output_len=6, input_len=3, prompt_ids=(1, 2, 3), prompt_text="Hi there")
+
+    async def body(client):
+        return await client.send(req)
+
+    _, servicer = asyncio.run(with_server(body, Sampling(None)))
+    sent = servicer.requests[0]
+    assert [(m.role, m.content) for m in sent.chat.messages] == [("user", "Hi there")]
+    assert not sent.sampling.HasField("temperature")  # left out: the server's 1.0
+
+    async def http_body(api):
+        client = HttpClient("http://unused", Sampling(None, repetition_penalty=1.1), api)
+        client._model = "m"
+        try:
+            return await client._body(req)
+        finally:
+            await client.http.aclose()
+
+    path, chat = asyncio.run(http_body("chat"))
+    assert path == "/v1/chat/completions" and "temperature" not in chat
+    assert chat["messages"] == [{"role": "user", "content": "Hi there"}]
+    assert (chat["max_completion_tokens"], chat["repetition_penalty"]) == (6, 1.1)
+    assert chat["stream"] and chat["stream_options"] == {"include_usage": True}
+    path, plain = asyncio.run(http_body("completions"))
+    assert (path, plain["prompt"], plain["max_tokens"]) == ("/v1/completions", "Hi there", 6)
 
 
 def test_an_rpc_error_is_a_failed_result():

@@ -54,17 +54,23 @@ def bench(out: Path, *flags: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_bench_a_running_gateway(colocated, tmp_path, protocol):
+@pytest.mark.parametrize(("protocol", "api"), [("grpc", "completions"), ("http", "chat")])
+def test_bench_a_running_gateway(colocated, tmp_path, protocol, api):
     summary = bench(tmp_path, "--gateway", colocated.grpc_address, "--base-url",
                     colocated.http_url, "--protocol", protocol, "--label", "colocated",
-                    "--concurrency", "2")
+                    "--concurrency", "2", "--api", api, "--temperature", "0")
     assert set(summary["backends"]) == {"colocated"}
     point = json.loads((tmp_path / "colocated-c2.json").read_text())
     assert point["endpoint_type"] == protocol and point["model_id"] == "SmolLM2-135M-Instruct"
     assert (point["completed"], point["failed"], point["incomplete"]) == (NUM_PROMPTS, 0, 0)
     assert point["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS  # ignore_eos
-    assert point["input_lens"] == [16] * NUM_PROMPTS  # the server's count of our prompt
+    if api == "completions":
+        assert point["input_lens"] == [16] * NUM_PROMPTS  # the server's count of our prompt
+    else:  # the same text as the user's message: the chat template's tokens come on top
+        assert all(n > 16 for n in point["input_lens"])
+    # the server's timing breakdown: every request prefilled by the colocated engine
+    assert point["num_timed"] == NUM_PROMPTS and point["prefill_colocated_share"] == 1.0
+    assert 0 < point["median_prefill_ms"] < point["p99_ttft_ms"]
     assert all(0 < t < 60 for t in point["ttfts"])
     itls = [x for itl in point["itls"] for x in itl]
     if protocol == "grpc":  # every token is timed; over SSE held-back text merges events
@@ -75,6 +81,17 @@ def test_bench_a_running_gateway(colocated, tmp_path, protocol):
     assert point["output_throughput"] > 0 and point["errors"] == [""] * NUM_PROMPTS
     for png in ("latency.png", "throughput.png"):
         assert (tmp_path / png).stat().st_size > 10_000
+
+
+def test_multi_turn_chats_carry_their_history(colocated, tmp_path):
+    summary = bench(tmp_path, "--gateway", colocated.grpc_address, "--label", "colocated",
+                    "--workload", "multi-turn", "--num-prompts", "2", "--concurrency", "2")
+    point = summary["backends"]["colocated"]["2"]
+    turns = point["groups"]["first-turn"]["completed"] + point["groups"]["follow-up"]["completed"]
+    assert point["groups"]["first-turn"]["completed"] == 2 and 8 <= turns <= 16
+    assert point["failed"] == point["incomplete"] == 0
+    lens = json.loads((tmp_path / "colocated-c2.json").read_text())["input_lens"]
+    assert max(lens) > 2 * min(lens)  # later turns hold the earlier answers
 
 
 def test_naive_server_is_capped_and_says_so(naive, tmp_path):

@@ -66,7 +66,7 @@ def test_streams_one_event_per_token_with_usage(fake):
     model, transport = fake
 
     async def go():
-        client = HttpClient("http://naive", transport=transport)
+        client = HttpClient("http://naive", api="completions", transport=transport)
         try:
             assert await client.model_id() == "fake-model"
             return await client.send(BenchRequest(output_len=6, input_len=0,
@@ -108,7 +108,7 @@ def test_one_request_generates_at_a_time(fake):
     model, transport = fake
 
     async def go():
-        client = HttpClient("http://naive", transport=transport)
+        client = HttpClient("http://naive", api="completions", transport=transport)
         try:
             return await asyncio.gather(*(client.send(BenchRequest(
                 output_len=5, input_len=0, prompt_text=f"Request {i}")) for i in range(3)))

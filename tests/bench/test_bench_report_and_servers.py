@@ -55,11 +55,43 @@ def test_table_and_summary_compare_to_naive():
     assert rows["output tok/s"].split()[-1] == "1.00x"  # same tokens in the same time
     assert not rows["completed"].endswith("x")  # counts get no ratio
     s = report.summary(points, ["a note"], {"workload": "fixed"})
-    assert s["ratios_vs_naive"]["colocated"]["2"]["TTFT p50 ms"] == pytest.approx(0.5)
+    assert s["ratios"]["colocated/naive"]["2"]["TTFT p50 ms"] == pytest.approx(0.5)
     assert "ttfts" not in s["backends"]["naive"]["2"]  # per-request lists stay in the points
     mixed = {"naive": {1: point("naive", 0.1, ("decode", "long"))},
              "disagg": {1: point("disagg", 0.02, ("decode", "long"))}}
     assert "decode ITL p99 ms" in report.table(mixed)
+
+
+def test_sampled_vs_greedy_and_conditional_vs_always_remote(tmp_path):
+    from pdserve.bench.plots import plot_curve
+
+    points = {"colocated": {1: point("colocated", 0.02), 8: point("colocated", 0.04)},
+              "colocated-greedy": {1: point("colocated-greedy", 0.02),
+                                   8: point("colocated-greedy", 0.03)}}
+    assert report.comparisons(list(points)) == [("colocated", "colocated-greedy")]
+    rows = {line[:22].strip(): line for line in report.table(points).splitlines()}
+    assert "colocated/colocated-greedy" in report.table(points)
+    assert rows["TTFT p50 ms"].split()[-1] == "1.33x"  # at c=8 (the last block): 40 / 30
+    s = report.summary(points, [], {})
+    assert s["ratios"]["colocated/colocated-greedy"]["1"]["TTFT p50 ms"] == pytest.approx(1)
+    plot_curve(points, tmp_path / "curve.png", "curve")
+    png = (tmp_path / "curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 200_000
+    # the prefill policies: conditional against always-remote; the server's timing as rows
+    timed = [RequestResult(is_success=True, output_len=2, ttft=0.1, latency=0.2, itl=[0.1],
+                           timing={"queue_s": q, "prefill_s": 0.02, "prefill_where": w})
+             for q, w in ((0.01, "local"), (0.03, "remote"), (0.05, "local"))]
+    policies = {b: {4: report.point_result(
+        backend=b, protocol="grpc", model_id="m", workload="multi-turn", max_concurrency=4,
+        request_rate=float("inf"), results=timed, duration_s=1.0, slo=SLO())}
+        for b in ("conditional", "always-remote", "colocated")}
+    p = policies["conditional"][4]
+    assert p["median_queue_ms"] == pytest.approx(30) and p["median_prefill_ms"] == 20
+    assert p["prefill_local_share"] == pytest.approx(2 / 3) and p["num_timed"] == 3
+    assert report.comparisons(list(policies)) == [("conditional", "always-remote")]
+    rows = {line[:22].strip(): line for line in report.table(policies).splitlines()}
+    assert rows["server queue p50 ms"].split()[-1] == "1.00x"
+    assert "server KV xfer p50 ms" in rows  # zero everywhere, still shown
 
 
 def test_commands_pass_extra_stack_args_through():
@@ -71,6 +103,9 @@ def test_commands_pass_extra_stack_args_through():
     up = " ".join(command("disagg", opts, 5001, 5002))
     assert "up --host 127.0.0.1 --port 5001 --http-port 5002 --prefill 2" in up
     assert up.endswith("--transport shm --model /m.gguf --no-pin --speculative ngram")
+    for backend, policy in (("conditional", "auto"), ("always-remote", "always-remote")):
+        up = " ".join(command(backend, opts, 5001, 5002))
+        assert f"--transport shm --model /m.gguf --prefill-policy {policy} --no-pin" in up
     naive = command("naive", opts, 5001, 5002)
     assert "pdserve.bench.naive_server" in naive and "--speculative" not in naive
     # transformers runs on the dtype our stacks resolve "auto" to, or the one asked for
@@ -92,6 +127,25 @@ def test_cli_flags(tmp_path):
     assert wcfg.name == "mixed" and wcfg.long_input_range == (1000, 1500)
     with pytest.raises(ValueError, match="concurrency"):
         configs(build_parser().parse_args(["bench", "--concurrency", "0"]))
+    # the defaults: chat requests with the server's sampling; the policy backends for the
+    # workloads that compare them; a curve runs greedy beside sampled at 1 8 32 64
+    from pdserve.bench.command import _targets
+
+    args = build_parser().parse_args(["bench"])
+    cfg, _, _ = configs(args)
+    assert (cfg.api, cfg.sampling.fields(), cfg.concurrency) == ("chat", {}, (1, 8, 32))
+    assert _targets(args) == ["naive", "colocated", "disagg"]
+    args = build_parser().parse_args(["bench", "--workload", "multi-turn"])
+    assert _targets(args) == ["conditional", "always-remote", "colocated"]
+    cfg, _, _ = configs(build_parser().parse_args(
+        ["bench", "--curve", "c.png", "--temperature", "0.7", "--top-k", "50",
+         "--repetition-penalty", "1.1"]))
+    assert cfg.concurrency == (1, 8, 32, 64)
+    assert [(suffix, s.fields()) for suffix, s in cfg.variants()] == [
+        ("", {"temperature": 0.7, "top_k": 50, "repetition_penalty": 1.1}),
+        ("-greedy", {"temperature": 0.0})]
+    with pytest.raises(ValueError, match="temperature other than 0"):
+        configs(build_parser().parse_args(["bench", "--vs-greedy", "--temperature", "0"]))
 
 
 def test_wait_healthy_names_an_early_exit_with_the_log(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -107,3 +108,35 @@ def test_lane_checks_its_arguments():
         Lane([], max_concurrency=0)
     with pytest.raises(ValueError, match="request_rate"):
         Lane([], request_rate=0.0)
+
+
+def test_a_conversation_sends_its_turns_in_order_with_the_answers():
+    sent: list[BenchRequest] = []
+
+    async def send(req: BenchRequest) -> RequestResult:
+        sent.append(req)
+        await asyncio.sleep(0.01)
+        turn = len(req.messages) // 2 + 1
+        return RequestResult(group=req.group, is_success=turn != 3 or "fail" not in
+                             req.messages[0][1], output_len=2, ttft=0.005, latency=0.01,
+                             text=f"answer {turn}")
+
+    chats = [BenchRequest(4, 5, messages=(("user", f"chat {i}"),), group="first-turn",
+                          follow_ups=("Why?", "And then?", "More?")) for i in range(3)]
+    chats[2] = dataclasses.replace(chats[2], messages=(("user", "fail at turn 3"),))
+
+    async def go():
+        return await run_lanes(send, [Lane(chats, max_concurrency=2)], 10.0)
+
+    results, _ = run(go())
+    # chats 0 and 1: 4 turns each; chat 2 stops at its failed third turn
+    assert [r.group for r in results] == ["first-turn"] + ["follow-up"] * 3 + \
+        ["first-turn"] + ["follow-up"] * 3 + ["first-turn"] + ["follow-up"] * 2
+    assert [r.is_success for r in results[-3:]] == [True, True, False]
+    last = [r for r in sent if r.messages[0][1] == "chat 0"][-1]
+    assert last.messages == (("user", "chat 0"), ("assistant", "answer 1"), ("user", "Why?"),
+                             ("assistant", "answer 2"), ("user", "And then?"),
+                             ("assistant", "answer 3"), ("user", "More?"))
+    # two chats at a time: chat 2's first turn waits for a whole chat to end
+    first_of_2 = next(i for i, r in enumerate(sent) if r.messages[0][1].startswith("fail"))
+    assert first_of_2 >= 4

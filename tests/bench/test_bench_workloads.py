@@ -80,3 +80,25 @@ def test_seeded_and_validated(tokenizer):
         WorkloadConfig("sharegpt")
     with pytest.raises(ValueError, match="range_ratio"):
         WorkloadConfig(range_ratio=1.0)
+
+
+def test_multi_turn_conversations(tokenizer):
+    from pdserve.bench.workloads import FOLLOW_UPS, OPENERS
+
+    cfg = WorkloadConfig("multi-turn", num_prompts=20, seed=3)
+    chats = build_workload(cfg, tokenizer)["main"]
+    assert chats == build_workload(cfg, tokenizer)["main"]  # deterministic for a seed
+    assert len(chats) == 20 and len({c.messages for c in chats}) == 20  # tagged: distinct
+    turns = [1 + len(c.follow_ups) for c in chats]
+    assert min(turns) >= 4 and max(turns) <= 8 and len(set(turns)) > 2
+    for c in chats:
+        (role, content), = c.messages
+        assert role == "user" and any(content.endswith(o) for o in OPENERS)
+        assert set(c.follow_ups) <= set(FOLLOW_UPS)
+        assert (c.group, c.output_len, c.ignore_eos) == ("first-turn", 32, False)
+        assert c.input_len == len(tokenizer.apply_chat_template([{"role": "user",
+                                                                   "content": content}]))
+    nxt = chats[0].next_turn("An answer.", chats[0].follow_ups[0])
+    assert nxt.messages == (*chats[0].messages, ("assistant", "An answer."),
+                            ("user", chats[0].follow_ups[0]))
+    assert (nxt.group, nxt.follow_ups, nxt.output_len) == ("follow-up", (), 32)

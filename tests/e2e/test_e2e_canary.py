@@ -3,7 +3,9 @@ KV over grpc). While idle the gateway proves the whole path with one-token reque
 prefill worker is frozen (SIGSTOP: the process lives and keeps its connections, only the path
 is broken), readiness turns NOT_SERVING on gRPC health and HTTP /health/ready within a few
 seconds, well before the Status-based stall detection (3 Status timeouts of 5 s), while
-liveness stays up; once the worker resumes, readiness comes back and no block is left held."""
+liveness stays up; once the worker resumes, readiness comes back and no block is left held.
+The same holds when the decode worker is the one frozen: its KV transfer service (which shares
+its gRPC port) stops answering while the process lives."""
 
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ def test_an_idle_stack_sends_canaries_through_the_whole_path(stack):
     assert grpc_health(stack) == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_a_frozen_prefill_worker_turns_readiness_off_and_back_without_leaking(stack):
-    pid = pid_of(stack, "prefill-0")
+@pytest.mark.parametrize("worker", ["prefill-0", "decode-0"])
+def test_a_frozen_worker_turns_readiness_off_and_back_without_leaking(stack, worker):
+    pid = pid_of(stack, worker)
     os.kill(pid, signal.SIGSTOP)
     t_frozen = time.monotonic()
     try:
