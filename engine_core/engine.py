@@ -35,6 +35,7 @@ from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.spec_decode import SpecDecoder, build_spec_decoder
 from engine_core.stats import EngineStats
+from engine_core.structured_output import GrammarCompiler
 from engine_core.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class LLMEngine:
         self.text_states: dict[str, RequestTextState] = {}
         self.stats = EngineStats()  # read by metrics exporters
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,
                     self.dtype, num_blocks, cache_config.block_size)
 
@@ -154,7 +156,25 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
                              f"{[t for t, _ in params.logit_bias if t >= vocab]}")
         req_id = req_id if req_id is not None else str(next(self._ids))
-        return Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens), text
+        req = Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens)
+        if params.structured is not None:
+            req.matcher = self.grammar_compiler.matcher(params.structured)
+            # a continuation: the earlier attempt's output is already part of the grammar's text
+            prior = ids[len(ids) - num_prior_output_tokens:] if num_prior_output_tokens else []
+            if prior and not req.matcher.consume_tokens(prior):
+                raise ValueError("the prompt's prior output tokens do not match the grammar "
+                                 f"of structured: {req.matcher.get_error()}")
+        return req, text
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output grammars for this engine's tokenizer (cached)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the engine's tokenizer")
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars
 
     # -- disaggregated decode: prompt KV written by a prefill worker ------------------------
     def reserve(

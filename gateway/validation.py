@@ -19,8 +19,11 @@ from typing import Any
 import jinja2
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import StructuredOutput
+from gateway.structured import compile_error
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend, GenerateInput
+from service_infra.proto_convert import structured_from_proto
 
 DEFAULT_MAX_TOKENS = 16  # gRPC and /v1/completions when max_tokens is unset (OpenAI's default)
 MAX_REQUEST_ID_LEN = 128
@@ -105,6 +108,14 @@ async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
         raise ValidationError(field, f"{field}: the chat template refused them: {e}") from None
 
 
+async def check_structured(backend: Backend, so: StructuredOutput | None, field: str) -> None:
+    """The grammar compiles (off the event loop, cached), else a ValidationError on `field`."""
+    if so is not None:
+        error = await compile_error(backend, so)
+        if error is not None:
+            raise ValidationError(field, f"{field} is {error}")
+
+
 def check_token_ids(ids: Sequence[int], field: str, vocab_size: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
@@ -163,6 +174,7 @@ async def from_proto(req: pb.GenerateRequest, backend: Backend,
         raise ValidationError("prompt", "prompt must be set: one of text, token_ids or chat")
     params = sampling_params("sampling.", **proto_sampling_kwargs(req.sampling))
     check_lengths(backend, len(ids), params, kind or "prompt", "sampling.")
+    await check_structured(backend, params.structured, "sampling.structured")
     return GenerateInput(req_id, ids, params, text, deadline, arrival)
 
 
@@ -182,4 +194,12 @@ def proto_sampling_kwargs(s: pb.SamplingParameters) -> dict[str, Any]:
         ignore_eos=s.ignore_eos, logprobs=opt("logprobs", None),
         skip_special_tokens=opt("skip_special_tokens", True), logit_bias=dict(s.logit_bias),
         prompt_logprobs=opt("prompt_logprobs", None),
+        structured=_structured_from_proto(s),
     )
+
+
+def _structured_from_proto(s: pb.SamplingParameters) -> StructuredOutput | None:
+    try:
+        return structured_from_proto(s.structured)
+    except ValueError as e:
+        raise ValidationError("sampling.structured", f"sampling.structured: {e}") from None
