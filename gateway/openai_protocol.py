@@ -21,6 +21,7 @@ from typing import Any
 
 from engine_core.structured_output import StructuredOutput
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
+from gateway.tools import ToolChoice, generic_messages, parse_output, parse_tools
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
     ValidationError,
@@ -64,6 +65,8 @@ class OpenAIRequest:
     echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads each choice
     # vLLM's prompt_logprobs: each choice gets "prompt_logprobs" (None: not asked for)
     num_prompt_logprobs: int | None = None
+    # chat with tools (not tool_choice none): how the output becomes tool_calls
+    tool_choice: ToolChoice | None = None
 
 
 def _check_type(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> None:
@@ -288,10 +291,22 @@ async def parse_chat(body: Any, backend: Backend,
     kwargs = _common(body, backend)
     if "structured" in kwargs:
         await check_structured(backend, kwargs["structured"], _structured_field(body))
-    for name in ("tools", "functions", "prompt_logprobs"):
+    for name in ("functions", "prompt_logprobs"):
         if body.get(name) is not None and body.get(name) is not False:
             raise ValidationError(name, f"{name} is not supported in chat completions")
-    ids = await encode_chat(backend, chat_messages(body.get("messages")), "messages")
+    tools, tool_choice, tool_constraint = parse_tools(body)
+    if tool_constraint is not None:
+        if "structured" in kwargs:
+            raise ValidationError("tool_choice", "tool_choice required or a named function "
+                                  "constrains the output: it cannot be combined with "
+                                  "response_format or structured_outputs")
+        kwargs["structured"] = tool_constraint
+        await check_structured(backend, tool_constraint, "tools")
+    messages = chat_messages(body.get("messages"))
+    if backend.tokenizer.template_renders_tools:
+        ids = await encode_chat(backend, messages, "messages", tools=tools)
+    else:
+        ids = await encode_chat(backend, generic_messages(messages, tools), "messages")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -307,8 +322,8 @@ async def parse_chat(body: Any, backend: Backend,
     elif body.get("top_logprobs") is not None:
         raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true")
     try:
-        return _finish(body, backend, [(ids, None)], kwargs, True, num_top, "messages",
-                       max_num_choices)
+        return replace(_finish(body, backend, [(ids, None)], kwargs, True, num_top, "messages",
+                               max_num_choices), tool_choice=tool_choice)
     except ValidationError as e:
         if e.field == "logprobs":  # the chat API calls the count top_logprobs
             raise ValidationError("top_logprobs", e.message.replace("logprobs", "top_logprobs",
@@ -316,14 +331,15 @@ async def parse_chat(body: Any, backend: Backend,
         raise
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI's messages as {"role", "content"} dicts (text content parts joined)."""
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages as {"role", "content"} dicts (text content parts joined), with an
+    assistant's `tool_calls` and a tool result's `tool_call_id` kept."""
     if not isinstance(messages, list):
         raise ValidationError("messages", f"messages must be a list, got {messages!r:.100}")
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise ValidationError(f"messages[{i}]", f"messages[{i}] must be an object, got {m!r:.80}")
     content = m.get("content")
@@ -342,7 +358,18 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise ValidationError(f"messages[{i}].content",
                               f"messages[{i}].content must be a string, got {content!r:.80}")
-    return {"role": m.get("role"), "content": content}
+    out: dict[str, Any] = {"role": m.get("role"), "content": content}
+    calls = m.get("tool_calls")
+    if calls is not None and m.get("role") == "assistant":
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls):
+            raise ValidationError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls must "
+                                  "be a list of {'function': {'name', 'arguments'}} objects")
+        out["tool_calls"] = calls
+    if m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -449,6 +476,13 @@ def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateCh
                                   "logprobs": lp}
         if req.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if req.tool_choice is not None:
+                content, calls = parse_output(req.tool_choice, text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "tool_calls": calls}
+                    if last.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         choices.append(choice)
@@ -460,15 +494,18 @@ def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateCh
 
 def chunk_object(req: OpenAIRequest, index: int, delta: str | None, finish_reason: str | None,
                  logprobs: dict[str, Any] | None, created: int,
-                 role: bool = False) -> dict[str, Any]:
+                 role: bool = False,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index`; `delta` None means an empty delta (the final
-    chunk of a chat)."""
+    chunk of a chat). `tool_calls`: OpenAI's tool_calls deltas (chat only)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
                               "logprobs": logprobs}
     if req.is_chat:
         d: dict[str, Any] = {"role": "assistant"} if role else {}
         if delta is not None:
             d["content"] = delta
+        if tool_calls:
+            d["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         choice["delta"] = d
     else:
         choice["text"] = delta or ""

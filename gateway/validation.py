@@ -89,8 +89,10 @@ async def encode_text(backend: Backend, text: str, field: str) -> list[int]:
     return ids
 
 
-async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
-                      field: str, add_generation_prompt: bool = True) -> list[int]:
+async def encode_chat(backend: Backend, messages: Sequence[dict[str, Any]],
+                      field: str, add_generation_prompt: bool = True,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """`tools` go to a template with a tool section (gateway/tools.py renders the others)."""
     if not messages:
         raise ValidationError(field, f"{field} must contain at least 1 message, got 0")
     for i, m in enumerate(messages):
@@ -100,10 +102,11 @@ async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
                                   f"got {m.get('role')!r}")
     tokenizer = backend.tokenizer
     try:
-        if sum(len(m["content"]) for m in messages) <= MAX_INLINE_TOKENIZE_CHARS:
+        if not tools and sum(len(m["content"] or "") for m in messages) \
+                <= MAX_INLINE_TOKENIZE_CHARS:
             return tokenizer.apply_chat_template(list(messages), add_generation_prompt)
         return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages),
-                                       add_generation_prompt)
+                                       add_generation_prompt, tools)
     except (ValueError, jinja2.TemplateError) as e:  # no template, or the template refuses
         raise ValidationError(field, f"{field}: the chat template refused them: {e}") from None
 

@@ -70,3 +70,20 @@ def prompt_for(name: str, schema: dict[str, Any]) -> list[dict[str, str]]:
     small model pick plausible values)."""
     return [{"role": "user", "content": f"Write a JSON value for a '{name.replace('_', ' ')}'"
              " and nothing else."}]
+
+
+# tool calling: two tools with closed, bounded arguments
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 16},
+    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"],
+    "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather",
+                                           "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time",
+                                           "description": "Current time in a zone",
+                                           "parameters": TIME}}]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris and the time in Berlin?"}]

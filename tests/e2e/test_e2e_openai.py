@@ -19,7 +19,7 @@ from engine_core.structured_output import StructuredOutput
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.e2e.stack import greedy, out_ids, out_text, run
 from tests.helpers import torch_threads
-from tests.structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for
+from tests.structured_schemas import ASK, MAX_TOKENS, SCHEMAS, TOOL_SCHEMAS, TOOLS, prompt_for
 
 pytestmark = pytest.mark.slow
 
@@ -218,3 +218,24 @@ def test_structured_outputs_through_both_pools(stack, client, ref):
                                        max_tokens=2, extra_body={
                                            "structured_outputs": {"regex": "(bad"}})
     assert e.value.body["param"] == "structured_outputs.regex"
+
+
+def test_tool_calls_through_both_pools(stack, client):
+    """`required` and a named tool_choice are enforced across the handoff (the first token
+    of the call on the prefill worker, the rest on the decode worker), streamed and not."""
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                          max_tokens=200, temperature=1.0,
+                                          tool_choice="required", seed=3)
+    assert resp.choices[0].finish_reason == "tool_calls"
+    for call in resp.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0.0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), TOOL_SCHEMAS["get_weather"])
