@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -120,6 +121,7 @@ class LLMEngine:
         self.stats = EngineStats()  # read by metrics exporters
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,
                     self.dtype, num_blocks, cache_config.block_size)
 
@@ -168,13 +170,16 @@ class LLMEngine:
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        """Compiles structured-output grammars for this engine's tokenizer (cached)."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need the engine's tokenizer")
-            self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size,
-                                             self.eos_token_ids)
-        return self._grammars
+        """Compiles structured-output grammars for this engine's tokenizer (cached; safe to
+        use from other threads, as a colocated gateway does to compile ahead of the engine)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the engine's tokenizer")
+                self._grammars = GrammarCompiler(self.tokenizer.hf,
+                                                 self.model_config.vocab_size,
+                                                 self.eos_token_ids)
+            return self._grammars
 
     # -- disaggregated decode: prompt KV written by a prefill worker ------------------------
     def reserve(

@@ -1,7 +1,8 @@
 """Checks a request's structured output before it goes anywhere: the grammar compiles, off the
 event loop, for the served model's tokenizer (llguidance's LLTokenizer, built once per
 tokenizer). Compiled grammars are cached by the grammar (engine_core/structured_output.py), so
-a schema sent again costs a dictionary look-up."""
+a schema sent again costs a dictionary look-up. A colocated gateway uses its engine's compiler:
+the engine thread then only copies the compiled matcher."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ _compilers: dict[int, GrammarCompiler] = {}  # by id() of the backend's tokenize
 
 
 def _compiler(backend: Backend) -> GrammarCompiler:
+    engine = getattr(backend, "engine", None)  # colocated: share the engine's compiler, so
+    if engine is not None and getattr(engine, "tokenizer", None) is backend.tokenizer:
+        return engine.grammar_compiler  # the engine thread finds the grammar compiled
     tokenizer = backend.tokenizer
     with _lock:
         compiler = _compilers.get(id(tokenizer))
