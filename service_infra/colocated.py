@@ -153,6 +153,8 @@ class ColocatedBackend:
                     "num_waiting": sched.num_waiting, "num_free_blocks": kv.num_free_blocks,
                     "num_blocks": kv.pool.num_blocks, "num_preemptions": sched.num_preemptions,
                     "kv_integrity": integrity,
+                    "grammar_mask": {"num_steps": self.engine.runner.mask_timer.num_steps,
+                                     "seconds": self.engine.runner.mask_timer.seconds},
                     **({"speculative": self.engine.spec.stats.as_dict()}
                        if self.engine.spec is not None else {})}
 

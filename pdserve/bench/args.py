@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 BACKENDS = ("naive", "colocated", "disagg")  # servers.py starts them
-WORKLOADS = ("fixed", "random", "prompts", "shared-prefix", "mixed", "code-edit")
+WORKLOADS = ("fixed", "random", "prompts", "shared-prefix", "mixed", "code-edit",
+             "structured")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:

@@ -99,6 +99,9 @@ class GrpcClient:
     def _request(self, req: BenchRequest) -> pb.GenerateRequest:
         sampling = pb.SamplingParameters(max_tokens=req.output_len, ignore_eos=req.ignore_eos,
                                          **self.sampling.fields())
+        if req.response_format is not None:  # a json_schema response_format
+            schema = json.loads(req.response_format)["json_schema"]["schema"]
+            sampling.structured.json_schema = json.dumps(schema)
         msg = pb.GenerateRequest(sampling=sampling)
         if req.messages is not None:
             for role, content in req.messages:
@@ -155,6 +158,8 @@ class HttpClient:
             "model": await self.model_id(), "max_tokens": req.output_len,
             **self.sampling.fields(), "ignore_eos": req.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
+        if req.response_format is not None:
+            body["response_format"] = json.loads(req.response_format)
         if req.messages is not None:
             body["messages"] = [{"role": r, "content": c} for r, c in req.messages]
             return "/v1/chat/completions", body

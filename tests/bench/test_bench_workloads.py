@@ -80,3 +80,24 @@ def test_seeded_and_validated(tokenizer):
         WorkloadConfig("sharegpt")
     with pytest.raises(ValueError, match="range_ratio"):
         WorkloadConfig(range_ratio=1.0)
+
+
+def test_structured_workload_pairs_constrained_and_plain_chats(tokenizer):
+    import json
+
+    import jsonschema
+
+    from pdserve.bench.workloads import STRUCTURED_SCHEMA
+
+    w = build_workload(WorkloadConfig(name="structured", num_prompts=5), tokenizer)
+    plain, constrained = w["unconstrained"], w["json-schema"]
+    assert len(plain) == len(constrained) == 5
+    for p, c in zip(plain, constrained, strict=True):
+        # the same question, tagged per lane (no prefix-cache hits across the lanes)
+        assert p.messages[0][1].split("] ", 1)[1] == c.messages[0][1].split("] ", 1)[1]
+        assert p.messages != c.messages and p.response_format is None and p.ignore_eos
+        assert not c.ignore_eos and c.output_len == 2 * p.output_len
+        fmt = json.loads(c.response_format)
+        assert fmt["type"] == "json_schema"
+        assert fmt["json_schema"]["schema"] == STRUCTURED_SCHEMA
+    jsonschema.Draft202012Validator.check_schema(STRUCTURED_SCHEMA)
