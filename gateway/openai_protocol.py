@@ -21,7 +21,7 @@ from typing import Any
 
 from engine_core.structured_output import StructuredOutput
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
-from gateway.tools import ToolChoice, generic_messages, parse_output, parse_tools
+from gateway.tools import ToolChoice, encode_tool_chat, parse_output, parse_tools
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
     ValidationError,
@@ -29,7 +29,6 @@ from gateway.validation import (
     check_model,
     check_structured,
     check_token_ids,
-    encode_chat,
     encode_text,
     request_id,
     sampling_params,
@@ -302,11 +301,8 @@ async def parse_chat(body: Any, backend: Backend,
                                   "response_format or structured_outputs")
         kwargs["structured"] = tool_constraint
         await check_structured(backend, tool_constraint, "tools")
-    messages = chat_messages(body.get("messages"))
-    if backend.tokenizer.template_renders_tools:
-        ids = await encode_chat(backend, messages, "messages", tools=tools)
-    else:
-        ids = await encode_chat(backend, generic_messages(messages, tools), "messages")
+    ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
+                                 "messages")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")

@@ -1,4 +1,5 @@
-"""Tool calling through a real colocated gateway with the official `openai` client: a named
+"""Tool calling through a real colocated gateway with the official `openai` client (and the
+same over gRPC, ChatMessages.tools_json / tool_choice_json): a named
 tool_choice and `required` are enforced by the tools' schemas (parallel or not), `auto` parses
 the calls the model writes, streamed as tool_calls deltas; tool results go back through the
 conversation; bad tools / tool_choice are a 400 naming the field."""
@@ -8,11 +9,13 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
 
+from protos.pdserve.v1 import generate_pb2 as pb
 from tests.structured_schemas import ASK, TOOL_SCHEMAS, TOOLS
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -159,3 +162,50 @@ def test_bad_tools_are_http_400(gateway, client, case, fields, param):
     assert err["param"] == param, err
     assert re.search(r"\S", err["message"])
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).usage
+
+
+def test_grpc_tools_named_required_auto_and_bad(gateway):
+    def chat(**kw) -> pb.ChatMessages:
+        msgs = pb.ChatMessages(tools_json=json.dumps(TOOLS), **kw)
+        msgs.messages.add(role="user", content=ASK[0]["content"])
+        return msgs
+
+    with gateway.channel() as channel:
+        stub = gateway.stub(channel)
+        named = list(stub.Generate(pb.GenerateRequest(chat=chat(tool_choice_json=json.dumps(
+            {"type": "function", "function": {"name": "get_time"}})),
+            sampling=pb.SamplingParameters(max_tokens=60, temperature=1.0)), timeout=120))
+        last = named[-1]
+        assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+        assert "".join(m.text for m in named) == "" and len(last.tool_calls) == 1
+        assert last.tool_calls[0].name == "get_time" and last.tool_calls[0].id.startswith("call_")
+        jsonschema.validate(json.loads(last.tool_calls[0].arguments), TOOL_SCHEMAS["get_time"])
+        one = list(stub.Generate(pb.GenerateRequest(
+            chat=chat(tool_choice_json='"required"', parallel_tool_calls=False),
+            sampling=pb.SamplingParameters(max_tokens=120, temperature=0.0)), timeout=120))
+        assert one[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+        assert len(one[-1].tool_calls) == 1
+        auto = list(stub.Generate(pb.GenerateRequest(chat=chat(), sampling=pb.SamplingParameters(
+            max_tokens=60, temperature=0.0, structured=pb.StructuredOutput(regex=AUTO_REGEX))),
+            timeout=120))
+        assert "".join(m.text for m in auto).strip() == "Let me check."
+        assert [c.name for c in auto[-1].tool_calls] == ["get_weather"]
+        # the call and its result go back into the conversation
+        follow = chat()
+        follow.messages.add(role="assistant", tool_calls=[last.tool_calls[0]])
+        follow.messages.add(role="tool", tool_call_id=last.tool_calls[0].id, content="12:00")
+        again = list(stub.Generate(pb.GenerateRequest(chat=follow, sampling=pb.SamplingParameters(
+            max_tokens=2, temperature=0.0)), timeout=120))
+        assert again[-1].usage.prompt_tokens > named[-1].usage.prompt_tokens + 10
+        for kw, field in (({"tool_choice_json": '"sometimes"'}, "chat.tool_choice"),
+                          ({"tool_choice_json": "{oops"}, "chat.tool_choice_json")):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(pb.GenerateRequest(chat=chat(**kw)), timeout=60))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert dict(e.value.trailing_metadata())["pdserve-invalid-field"] == field
+        bad = pb.ChatMessages(tools_json="[1]")
+        bad.messages.add(role="user", content="hi")
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(chat=bad), timeout=60))
+        assert dict(e.value.trailing_metadata())["pdserve-invalid-field"] == "chat.tools[0]"
+    gateway.wait_idle()
