@@ -122,13 +122,13 @@ class Request:
 
         Only a request in its decode phase drafts, and only when its sampling needs nothing
         that depends on every earlier token of the step (penalties, min_tokens blocking,
-        logprobs) or that the verifier does not apply (logit_bias, a grammar mask); the drafts
-        never run past max_tokens.
+        logprobs) or that the verifier does not apply (logit_bias); the drafts never run past
+        max_tokens. A structured output's drafts are checked against its grammar's masks.
         """
         p = self.sampling_params
         if (k <= 0 or self.num_computed_tokens != self.num_tokens - 1
                 or not self.output_token_ids or p.has_penalties
-                or p.logprobs is not None or p.logit_bias or p.structured is not None
+                or p.logprobs is not None or p.logit_bias
                 or self.num_output_tokens < p.min_tokens):
             return 0
         return max(0, min(k, p.max_tokens - self.num_output_tokens - 1))

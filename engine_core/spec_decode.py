@@ -35,6 +35,7 @@ from engine_core.config import SpeculativeConfig
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplingBatch, exponential_race
 from engine_core.scheduler import SchedulerOutput
+from engine_core.structured_output import fill_draft_masks, unpack_masks
 
 logger = logging.getLogger(__name__)
 
@@ -338,6 +339,17 @@ class SpecDecoder:
         # [B, K + 1] rows of logits; positions past a request's drafts repeat its last row
         index = starts[:, None] + torch.minimum(torch.arange(kmax + 1), num[:, None])
         target = logits[index]  # [B, K + 1, V]
+        constrained = [b for b, r in enumerate(reqs) if r.matcher is not None]
+        if constrained:  # structured outputs: each position's grammar mask, drafts walked
+            masks = fill_draft_masks([reqs[b].matcher for b in constrained],
+                                     [reqs[b].spec_token_ids for b in constrained],
+                                     kmax + 1, self.vocab_size)  # [R, K + 1, W]
+            allowed = unpack_masks(masks.reshape(-1, masks.shape[-1]), self.vocab_size)
+            rows = torch.tensor(constrained, dtype=torch.int64)
+            # a refused draft now has target probability 0: rejected, and the token drawn
+            # in its place comes from the allowed ones
+            target[rows] = target[rows].masked_fill_(
+                ~allowed.view(len(constrained), kmax + 1, -1), float("-inf"))
         drafts = torch.full((len(reqs), kmax), -1, dtype=torch.int64)
         for b, r in enumerate(reqs):
             drafts[b, : len(r.spec_token_ids)] = torch.as_tensor(r.spec_token_ids)

@@ -138,6 +138,24 @@ def fill_token_masks(matchers: Sequence[llguidance.LLMatcher], vocab_size: int) 
     return masks
 
 
+def fill_draft_masks(matchers: Sequence[llguidance.LLMatcher], drafts: Sequence[Sequence[int]],
+                     num_positions: int, vocab_size: int) -> np.ndarray:
+    """[len(matchers), num_positions, ceil(V / 32)] int32: row b's mask before its first
+    draft, then after each of its drafts (llguidance walks the drafts and rolls the matcher
+    back). Positions past a row's drafts, or past a draft the grammar refuses, allow every
+    token: the verifier never takes a token there."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    width = (vocab_size + 31) // 32
+    masks = np.full((len(matchers), num_positions, width), -1, dtype=np.int32)
+    _executor.unsafe_compute_mask_ptr_with_draft_token(
+        [(m, b * num_positions, list(d)) for b, (m, d) in enumerate(zip(matchers, drafts,
+                                                                         strict=True))],
+        masks.ctypes.data, width * 4, len(matchers) * num_positions)
+    return masks
+
+
 def unpack_masks(masks: np.ndarray, vocab_size: int) -> torch.Tensor:
     """[R, W] int32 bitmasks -> [R, vocab_size] bool, True = allowed."""
     bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")  # [R, 32 W]

@@ -132,3 +132,48 @@ def test_sampler_masks_exactly_the_disallowed_tokens(llm):
             if temperature == 0.0:
                 assert out[1] == int(logits[1].argmax())
     assert np.count_nonzero(masks) >= 1
+
+
+RECORDS = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "role"],
+    "properties": {"name": {"enum": ["Ann", "Bob", "Cid"]},
+                   "role": {"enum": ["dev", "ops"]}}}}
+
+
+def test_draft_masks_walk_the_drafts(llm):
+    from engine_core.structured_output import fill_draft_masks
+
+    compiler = llm.engine.grammar_compiler
+    matcher = compiler.matcher(StructuredOutput("choice", json.dumps(["ab", "cd"])))
+    vocab = llm.engine.model_config.vocab_size
+    enc = llm.tokenizer.encode
+    a, c = enc("a", add_special_tokens=False)[0], enc("c", add_special_tokens=False)[0]
+    b = enc("b", add_special_tokens=False)[0]
+    masks = fill_draft_masks([matcher], [[a, c]], 3, vocab)[0]  # "a", then "c" is refused
+
+    def allowed(row):
+        return {t for t in range(vocab) if row[t // 32] >> (t % 32) & 1}
+
+    assert {a, c} <= allowed(masks[0]) and b not in allowed(masks[0])
+    assert b in allowed(masks[1]) and c not in allowed(masks[1])
+    assert len(allowed(masks[2])) == vocab  # past the refused draft: never used
+    assert matcher.consume_token(a) and matcher.consume_token(b)  # rolled back to the start
+
+
+def test_speculative_drafts_are_checked_against_the_grammar(model_path):
+    """n-gram drafts of constrained requests are verified under the grammar's masks: drafts
+    are proposed and accepted, and every output still validates."""
+    from engine_core.llm import LLM
+
+    spec = LLM(str(model_path), kv_cache_memory_gb=0.1,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompt = spec.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "List four team members as JSON."}])
+    params = [SamplingParams(max_tokens=120, temperature=t, seed=1, structured=(
+        StructuredOutput("json", json.dumps(RECORDS)))) for t in (0.0, 0.0, 1.0, 1.0)]
+    outs = spec.generate([prompt] * 4, params)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), RECORDS)
+    stats = spec.engine.spec.stats
+    assert stats.num_steps > 0 and sum(stats.num_accepted) > 0
