@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,6 +38,7 @@ from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.spec_decode import SpecDecoder, build_spec_decoder
 from engine_core.stats import EngineStats
+from engine_core.structured_output import GrammarCompiler
 from engine_core.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -123,6 +125,8 @@ class LLMEngine:
         self.text_states: dict[str, RequestTextState] = {}
         self.stats = EngineStats()  # read by metrics exporters
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,
                     self.dtype, num_blocks, cache_config.block_size)
 
@@ -159,7 +163,28 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
                              f"{[t for t, _ in params.logit_bias if t >= vocab]}")
         req_id = req_id if req_id is not None else str(next(self._ids))
-        return Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens), text
+        req = Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens)
+        if params.structured is not None:
+            req.matcher = self.grammar_compiler.matcher(params.structured)
+            # a continuation: the earlier attempt's output is already part of the grammar's text
+            prior = ids[len(ids) - num_prior_output_tokens:] if num_prior_output_tokens else []
+            if prior and not req.matcher.consume_tokens(prior):
+                raise ValueError("the prompt's prior output tokens do not match the grammar "
+                                 f"of structured: {req.matcher.get_error()}")
+        return req, text
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output grammars for this engine's tokenizer (cached; safe to
+        use from other threads, as a colocated gateway does to compile ahead of the engine)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the engine's tokenizer")
+                self._grammars = GrammarCompiler(self.tokenizer.hf,
+                                                 self.model_config.vocab_size,
+                                                 self.eos_token_ids)
+            return self._grammars
 
     # -- disaggregated decode: prompt KV written by a prefill worker ------------------------
     def reserve(

@@ -7,6 +7,8 @@ operations, not a Python loop that assembles tensors sequence by sequence.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -20,6 +22,7 @@ from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
+from engine_core.structured_output import MaskTimer
 
 PROMPT_LOGPROBS_ROWS = 64  # prompt positions per logits slice (64 x 49152 float32: 12 MiB)
 
@@ -98,6 +101,10 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         # decode rows run quantized matmuls (CPU): the count goes in each step's ForwardContext
         self.quantization = quantization
+        # structured outputs: the grammar masks of a step are built on this thread while the
+        # forward runs (llguidance drops the GIL), and timed
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self.mask_timer = MaskTimer()
 
     def sync(self, out: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
         """Bring the rows of the step's requests up to date (tokens sampled since the last
@@ -240,6 +247,14 @@ class ModelRunner:
             )
         num_new = np.asarray(out.num_scheduled_tokens, dtype=np.int64)  # [num_seqs]
         start = np.asarray([r.num_computed_tokens for r in out.reqs], dtype=np.int64)
+        # requests caught up after this step sample; a prefill chunk's token would be thrown
+        # away, and drawing it would advance a seeded request's generator
+        num_spec = np.asarray([len(r.spec_token_ids) for r in out.reqs], dtype=np.int64)
+        complete = np.flatnonzero(start + num_new - num_spec
+                                  == np.asarray([r.num_tokens for r in out.reqs]))
+        spec_set = set(drafted)
+        plain = [int(i) for i in complete if int(i) not in spec_set]
+        masks = self._start_masks([out.reqs[i] for i in plain])
         input_ids, positions, meta, cu = self.build_inputs(rows, start, num_new, nd)
         ndt = int(cu[nd - 1]) if nd else 0
         hidden = self.forward(input_ids, positions, meta, ndt, on_layer_done=on_layer_done)
@@ -247,18 +262,11 @@ class ModelRunner:
             if out.reqs[i].needs_prompt_logprobs:
                 self._record_prompt_logprobs(out.reqs[i], hidden, int(cu[i] - num_new[i]),
                                              int(start[i]), int(num_new[i]))
-        # requests caught up after this step sample; a prefill chunk's token would be thrown
-        # away, and drawing it would advance a seeded request's generator
-        num_spec = np.asarray([len(r.spec_token_ids) for r in out.reqs], dtype=np.int64)
-        complete = np.flatnonzero(start + num_new - num_spec
-                                  == np.asarray([r.num_tokens for r in out.reqs]))
         sampled: list[list[int]] = [[] for _ in out.reqs]
         if len(complete) == 0:
             return sampled, None
         # logits rows: every token of a drafted decode, the last token of any other request
         last = cu - 1
-        spec_set = set(drafted)
-        plain = [int(i) for i in complete if int(i) not in spec_set]
         spec_rows = [np.arange(cu[i] - num_new[i], cu[i]) for i in drafted]
         token_idx = np.concatenate([last[plain], *spec_rows]).astype(np.int64)
         # quantized (decode) rows must lead: plain decodes, then drafted decodes' rows; only
@@ -284,6 +292,7 @@ class ModelRunner:
                 eos_token_ids=self.eos_token_ids,
                 device=logits.device,
                 token_counts=[b.token_counts.get(int(rows[i])) for i in plain],
+                token_masks=None if masks is None else (masks[0], masks[1].result()),
             )
             result = self.sampler(logits[: len(plain)], batch)
             for i, token in zip(plain, result.sampled_token_ids.tolist(), strict=True):
@@ -293,3 +302,14 @@ class ModelRunner:
             for i, toks in zip(drafted, tokens, strict=True):
                 sampled[i] = toks
         return sampled, ((plain, result) if plain else None)
+
+    def _start_masks(self, reqs: list[Request]) -> tuple[list[int], Future] | None:
+        """The grammar masks of the constrained requests among `reqs` (the step's sampling
+        rows), computed in one llguidance call on the mask thread while the forward runs:
+        (their indices in `reqs`, a future of the [R, ceil(V / 32)] bitmasks)."""
+        rows = [j for j, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return None
+        matchers = [reqs[j].matcher for j in rows]
+        return rows, self._mask_pool.submit(self.mask_timer.timed_fill, matchers,
+                                            self.vocab_size)

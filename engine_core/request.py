@@ -82,6 +82,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.times = RequestTimes()
         self.generator: torch.Generator | None = None
+        # SamplingParams.structured's llguidance matcher (set by the engine): it consumes
+        # every output token, so it always stands where the next token's mask starts
+        self.matcher = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
 
@@ -120,7 +123,7 @@ class Request:
         Only a request in its decode phase drafts, and only when its sampling needs nothing
         that depends on every earlier token of the step (penalties, min_tokens blocking,
         logprobs) or that the verifier does not apply (logit_bias); the drafts never run past
-        max_tokens.
+        max_tokens. A structured output's drafts are checked against its grammar's masks.
         """
         p = self.sampling_params
         if (k <= 0 or self.num_computed_tokens != self.num_tokens - 1
@@ -133,6 +136,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.matcher is not None:
+            # a token outside the mask leaves the matcher in its error state (never here:
+            # the sampler only draws allowed tokens, and EOS ends the request)
+            self.matcher.consume_token(token_id)
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past the first `num_output_tokens` (a stop string ended the
@@ -142,6 +149,8 @@ class Request:
             del self.output_token_ids[-drop:]
             del self.all_token_ids[-drop:]
             del self.output_logprobs[num_output_tokens:]
+            if self.matcher is not None:
+                self.matcher.rollback(drop)
 
     def check_stop(self) -> RequestStatus | None:
         """Finish status after the latest token, or None to keep going (stop strings are

@@ -4,6 +4,8 @@ Pipeline, in order (each stage is skipped when no request in the batch needs it)
 
     raw logprobs   log_softmax of the logits as given (only if some request wants logprobs)
     logit bias     (row, token) += bias, OpenAI's logit_bias (before every other step)
+    grammar mask   constrained rows: tokens their grammar does not allow set to -inf
+                   (structured outputs; the bitmasks come from structured_output.py)
     penalties      repetition (prompt + output), frequency and presence (output only)
     blocked ids    (row, token) pairs set to -inf, e.g. EOS before min_tokens
     greedy         rows with temperature < eps take the argmax
@@ -28,11 +30,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from engine_core.penalties import PenaltyTokens, TokenCounts, apply_penalties
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import unpack_masks
 from kernels import native
 
 
@@ -115,6 +119,10 @@ class SamplingBatch:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    # structured outputs: the constrained rows [R] int64 and their allowed tokens [R, V] bool
+    # (True = allowed). None = no row is constrained.
+    mask_rows: Tensor | None = None
+    allowed_tokens: Tensor | None = None
 
     @classmethod
     def from_requests(
@@ -128,6 +136,7 @@ class SamplingBatch:
         eos_token_ids: Iterable[int],
         device: torch.device | str = "cpu",
         token_counts: Sequence[TokenCounts | None] | None = None,
+        token_masks: tuple[Sequence[int], np.ndarray] | None = None,
     ) -> SamplingBatch:
         """Batch the running requests' parameters (row i = request i).
 
@@ -194,6 +203,10 @@ class SamplingBatch:
             no_top_k=all(k == 0 for k in top_k),
             no_top_p=all(p == 1.0 for p in top_p),
             no_min_p=all(p == 0.0 for p in min_p),
+            mask_rows=(torch.tensor(list(token_masks[0]), dtype=torch.int64, device=device)
+                       if token_masks is not None else None),
+            allowed_tokens=(unpack_masks(token_masks[1], vocab_size).to(device)
+                            if token_masks is not None else None),
         )
 
 
@@ -224,6 +237,9 @@ class Sampler:
         if batch.bias_token_ids is not None:
             assert batch.bias_values is not None
             apply_logit_bias(logits, batch.bias_token_ids, batch.bias_values)
+        if batch.mask_rows is not None:
+            assert batch.allowed_tokens is not None
+            apply_token_masks(logits, batch.mask_rows, batch.allowed_tokens)
 
         if not batch.no_penalties:
             assert batch.penalty_tokens is not None
@@ -288,6 +304,11 @@ def apply_logit_bias(logits: Tensor, token_ids: Tensor, values: Tensor) -> None:
     """In place: logits[row, token] += bias for each column (row, token) of [2, N] pairs and
     its bias in values [N]."""
     logits.index_put_((token_ids[0], token_ids[1]), values, accumulate=True)
+
+
+def apply_token_masks(logits: Tensor, rows: Tensor, allowed: Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf where allowed[i, t] is False ([R] rows, [R, V])."""
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
 
 
 def apply_blocked_tokens(logits: Tensor, blocked_token_ids: Tensor) -> None:

@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine_core.structured_output import StructuredOutput
+
 # Temperatures below this are treated as greedy (argmax) decoding.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_NUM_STOP_STRINGS = 16
@@ -55,6 +57,9 @@ class SamplingParams:
     # (token id, bias in [-100, 100]) added to the logits before every other sampling step
     # (OpenAI's logit_bias); ids >= the vocabulary size are refused by the gateway
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # a grammar the whole output must match (JSON schema, regex, choice, grammar): applied as
+    # a token mask after logit_bias; None = unconstrained
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Normalise container fields first (frozen: go through object.__setattr__).
@@ -104,6 +109,8 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         self._validate_stops()
         self._validate_logit_bias()
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r:.80}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

@@ -35,6 +35,7 @@ from engine_core.config import SpeculativeConfig
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplingBatch, exponential_race
 from engine_core.scheduler import SchedulerOutput
+from engine_core.structured_output import fill_draft_masks, unpack_masks
 
 logger = logging.getLogger(__name__)
 
@@ -346,6 +347,17 @@ class SpecDecoder:
             drafts_np[b, : len(r.spec_token_ids)] = r.spec_token_ids
         dev = logits.device
         target = logits[torch.as_tensor(index, device=dev)]  # [B, K + 1, V]
+        constrained = [b for b, r in enumerate(reqs) if r.matcher is not None]
+        if constrained:  # structured outputs: each position's grammar mask, drafts walked
+            masks = fill_draft_masks([reqs[b].matcher for b in constrained],
+                                     [reqs[b].spec_token_ids for b in constrained],
+                                     kmax + 1, self.vocab_size)  # [R, K + 1, W]
+            allowed = unpack_masks(masks.reshape(-1, masks.shape[-1]), self.vocab_size)
+            rows = torch.tensor(constrained, dtype=torch.int64, device=dev)
+            # a refused draft now has target probability 0: rejected, and the token drawn
+            # in its place comes from the allowed ones
+            target[rows] = target[rows].masked_fill_(
+                ~allowed.to(dev).view(len(constrained), kmax + 1, -1), float("-inf"))
         num = torch.as_tensor(num_np, device=dev)
         drafts = torch.as_tensor(drafts_np, device=dev)
         batch = _sampling_batch(reqs, self.vocab_size, self.eos_token_ids, dev)

@@ -7,6 +7,7 @@ afterwards.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,16 +42,36 @@ class Tokenizer:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template has a tool section: it writes a probe tool's name."""
+        if not self.hf.chat_template:
+            return False
+        probe = {"type": "function", "function": {
+            "name": "pdserve_probe_tool", "description": "probe",
+            "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = self.hf.apply_chat_template([{"role": "user", "content": "hi"}],
+                                               tools=[probe], tokenize=False,
+                                               add_generation_prompt=True)
+        except Exception:  # a template that refuses tools has no tool section either
+            return False
+        return "pdserve_probe_tool" in text
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
+        """`tools`: OpenAI's tool list, for a template with a tool section
+        (`template_renders_tools`); messages may then carry tool_calls and tool results."""
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         text = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+            tools=tools or None,
         )
         # the template already wrote every special token it wants
         return self.encode(text, add_special_tokens=False)

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway import validation
 from gateway.auth import APIKeys, key_from_metadata
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams, check_num_choices, fan_out
+from gateway.tools import ToolChoice, ToolStream, grpc_tool_chat, tool_calls_to_proto
 from gateway.validation import ValidationError
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import (
@@ -92,6 +93,7 @@ class GenerationServicer:
             req = parse(pb.GenerateRequest, raw)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
+            req, tool_choice = await grpc_tool_chat(req, self.backend)
             inp = await validation.from_proto(req, self.backend, deadline)
         except ValidationError as e:
             self.on_reject("invalid_argument")
@@ -104,7 +106,7 @@ class GenerationServicer:
             await _invalid(context, e)
         try:
             async with contextlib.aclosing(self._responses(inp, n)) as responses:
-                async for msg in responses:
+                async for msg in _with_tool_calls(responses, tool_choice):
                     yield msg
         except DuplicateRequestError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
@@ -155,6 +157,25 @@ class GenerationServicer:
         m = self.backend.model
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=m.name, max_model_len=m.max_model_len, vocab_size=m.vocab_size)])
+
+
+async def _with_tool_calls(responses: AsyncIterator[pb.GenerateResponse],
+                           tool_choice: ToolChoice | None) -> AsyncIterator[pb.GenerateResponse]:
+    """A chat with tools: each sample's content held back where a call may start, and its
+    calls parsed into its last message (gateway/tools.py)."""
+    streams: dict[int, ToolStream] = {}
+    async for msg in responses:
+        if tool_choice is not None:
+            stream = streams.setdefault(msg.index, ToolStream(tool_choice))
+            msg.text = stream.feed(msg.text)
+            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                rest, calls = stream.finish()
+                msg.text += rest
+                if calls:
+                    msg.tool_calls.extend(tool_calls_to_proto(calls))
+                    if msg.finish_reason == pb.FINISH_REASON_STOP:
+                        msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+        yield msg
 
 
 async def _abort_past_deadline(context: grpc.aio.ServicerContext, e: DeadlineExceeded) -> None:

@@ -6,24 +6,29 @@ index = prompt index * n + sample index, sample i of a seeded request seeded see
 n x prompts is bounded by `max_num_choices`. logit_bias as OpenAI's ({"token id": bias in
 [-100, 100]}). Extra sampling fields that vLLM also accepts (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens) are taken from the body, so the
-`openai` client passes them with `extra_body`.
+`openai` client passes them with `extra_body`. Structured outputs: OpenAI's response_format
+(json_object, json_schema) or vLLM's structured_outputs (json, regex, choice, grammar), one
+per request, compiled (off the event loop, cached) before anything runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine_core.structured_output import StructuredOutput
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
+from gateway.tools import ToolChoice, encode_tool_chat, parse_output, parse_tools
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
     ValidationError,
     check_lengths,
     check_model,
+    check_structured,
     check_token_ids,
-    encode_chat,
     encode_text,
     request_id,
     sampling_params,
@@ -34,10 +39,12 @@ from service_infra.backend import Backend, GenerateChunk, GenerateInput, Timing
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty", "seed", "min_tokens", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens")
-# vLLM's structured-output fields: refused rather than ignored (an unconstrained answer to a
-# client that asked for a schema would be wrong)
-_UNSUPPORTED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "guided_decoding_backend")
+# vLLM's structured_outputs constraints -> StructuredOutput kinds (exactly one per request)
+_STRUCTURED_KINDS = {"json": "json", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar", "json_object": "json_object"}
+# vLLM's older top-level names of the same
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
 _BOOLS = ("stream", "ignore_eos", "skip_special_tokens", "echo")
 
 
@@ -57,6 +64,8 @@ class OpenAIRequest:
     echo: bool = False  # /v1/completions: the prompt (and its logprobs) leads each choice
     # vLLM's prompt_logprobs: each choice gets "prompt_logprobs" (None: not asked for)
     num_prompt_logprobs: int | None = None
+    # chat with tools (not tool_choice none): how the output becomes tool_calls
+    tool_choice: ToolChoice | None = None
 
 
 def _check_type(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> None:
@@ -76,13 +85,7 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
         _check_type(body, name, (bool,), "a boolean")
     _check_type(body, "model", (str,), "a string")
     check_model(body.get("model"), backend)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ValidationError("response_format", "response_format must be {'type': 'text'}: "
-                              "structured outputs are not supported yet")
-    for name in _UNSUPPORTED:
-        if body.get(name) is not None:
-            raise ValidationError(name, f"{name} is not supported yet")
+    structured = structured_output(body)
     n = body.get("n")
     if n is not None and (type(n) is not int or n < 1):
         raise ValidationError("n", f"n must be an integer >= 1, got {n!r}")
@@ -104,7 +107,97 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
         kwargs["stop"] = stop
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
+    if structured is not None:
+        kwargs["structured"] = structured
     return kwargs
+
+
+def structured_output(body: dict[str, Any]) -> StructuredOutput | None:
+    """The request's constraint: OpenAI's response_format (json_object, json_schema), vLLM's
+    structured_outputs {json | regex | choice | grammar | json_object} or its older guided_*
+    fields; at most one of them. Whether the grammar compiles is `check_structured`'s."""
+    found: list[tuple[str, StructuredOutput]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        found += [("response_format", so) for so in [_response_format(fmt)] if so is not None]
+    options = body.get("structured_outputs")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ValidationError("structured_outputs", "structured_outputs must be an object, "
+                                  f"got {options!r:.100}")
+        given = [k for k in _STRUCTURED_KINDS if options.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise ValidationError("structured_outputs", "structured_outputs must set exactly "
+                                  f"one of {', '.join(_STRUCTURED_KINDS)}, got "
+                                  f"{', '.join(given) or 'none'}")
+        found.append(("structured_outputs", _constraint(
+            _STRUCTURED_KINDS[given[0]], options[given[0]], f"structured_outputs.{given[0]}")))
+    for name, kind in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, _constraint(kind, body[name], name)))
+    if len(found) > 1:
+        raise ValidationError(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain "
+                              "the output: send one of them")
+    return found[0][1] if found else None
+
+
+def _response_format(fmt: Any) -> StructuredOutput | None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValidationError("response_format.json_schema.schema",
+                                  "response_format.json_schema.schema must be a JSON schema "
+                                  f"object, got {spec!r:.100}")
+        return _constraint("json", spec["schema"], "response_format.json_schema.schema")
+    raise ValidationError("response_format", "response_format.type must be text, json_object "
+                          f"or json_schema, got {fmt!r:.100}")
+
+
+def _constraint(kind: str, value: Any, field: str) -> StructuredOutput:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValidationError(field, f"{field} must be a JSON schema, got text that "
+                                      f"is not JSON: {value!r:.100}") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValidationError(field, f"{field} must be a JSON schema object, got "
+                                  f"{value!r:.100}")
+        value = json.dumps(value)  # key order kept: it is the order the output follows
+    elif kind == "choice":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(c, str) for c in value)):
+            raise ValidationError(field, f"{field} must be a non-empty list of strings, got "
+                                  f"{value!r:.100}")
+        value = json.dumps(value)
+    elif kind == "json_object":
+        value = ""
+    elif not isinstance(value, str) or not value:
+        raise ValidationError(field, f"{field} must be a non-empty string, got {value!r:.100}")
+    try:
+        return StructuredOutput(kind, value)
+    except ValueError as e:
+        raise ValidationError(field, f"{field}: {e}") from None
+
+
+def _structured_field(body: dict[str, Any]) -> str:
+    """The body field the request's constraint came from (for compile errors)."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        return "response_format.json_schema.schema"
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return "response_format"
+    options = body.get("structured_outputs")
+    if isinstance(options, dict):
+        return next((f"structured_outputs.{k}" for k in _STRUCTURED_KINDS
+                     if options.get(k) not in (None, False)), "structured_outputs")
+    return next((k for k in _GUIDED if body.get(k) is not None), "structured_outputs")
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -148,6 +241,8 @@ def _finish(body: dict[str, Any], backend: Backend, prompts: list[tuple[list[int
 async def parse_completion(body: Any, backend: Backend,
                            max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
     kwargs = _common(body, backend)
+    if "structured" in kwargs:
+        await check_structured(backend, kwargs["structured"], _structured_field(body))
     if body.get("suffix"):
         raise ValidationError("suffix", "suffix is not supported")
     _check_type(body, "prompt_logprobs", (int,), "an integer")
@@ -193,10 +288,21 @@ async def _one_prompt(prompt: Any, field: str, backend: Backend) -> tuple[list[i
 async def parse_chat(body: Any, backend: Backend,
                      max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
     kwargs = _common(body, backend)
-    for name in ("tools", "functions", "prompt_logprobs"):
+    if "structured" in kwargs:
+        await check_structured(backend, kwargs["structured"], _structured_field(body))
+    for name in ("functions", "prompt_logprobs"):
         if body.get(name) is not None and body.get(name) is not False:
             raise ValidationError(name, f"{name} is not supported in chat completions")
-    ids = await encode_chat(backend, chat_messages(body.get("messages")), "messages")
+    tools, tool_choice, tool_constraint = parse_tools(body)
+    if tool_constraint is not None:
+        if "structured" in kwargs:
+            raise ValidationError("tool_choice", "tool_choice required or a named function "
+                                  "constrains the output: it cannot be combined with "
+                                  "response_format or structured_outputs")
+        kwargs["structured"] = tool_constraint
+        await check_structured(backend, tool_constraint, "tools")
+    ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
+                                 "messages")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -212,8 +318,8 @@ async def parse_chat(body: Any, backend: Backend,
     elif body.get("top_logprobs") is not None:
         raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true")
     try:
-        return _finish(body, backend, [(ids, None)], kwargs, True, num_top, "messages",
-                       max_num_choices)
+        return replace(_finish(body, backend, [(ids, None)], kwargs, True, num_top, "messages",
+                               max_num_choices), tool_choice=tool_choice)
     except ValidationError as e:
         if e.field == "logprobs":  # the chat API calls the count top_logprobs
             raise ValidationError("top_logprobs", e.message.replace("logprobs", "top_logprobs",
@@ -221,14 +327,15 @@ async def parse_chat(body: Any, backend: Backend,
         raise
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI's messages as {"role", "content"} dicts (text content parts joined)."""
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages as {"role", "content"} dicts (text content parts joined), with an
+    assistant's `tool_calls` and a tool result's `tool_call_id` kept."""
     if not isinstance(messages, list):
         raise ValidationError("messages", f"messages must be a list, got {messages!r:.100}")
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise ValidationError(f"messages[{i}]", f"messages[{i}] must be an object, got {m!r:.80}")
     content = m.get("content")
@@ -247,7 +354,18 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise ValidationError(f"messages[{i}].content",
                               f"messages[{i}].content must be a string, got {content!r:.80}")
-    return {"role": m.get("role"), "content": content}
+    out: dict[str, Any] = {"role": m.get("role"), "content": content}
+    calls = m.get("tool_calls")
+    if calls is not None and m.get("role") == "assistant":
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls):
+            raise ValidationError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls must "
+                                  "be a list of {'function': {'name', 'arguments'}} objects")
+        out["tool_calls"] = calls
+    if m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -354,6 +472,13 @@ def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateCh
                                   "logprobs": lp}
         if req.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if req.tool_choice is not None:
+                content, calls = parse_output(req.tool_choice, text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "tool_calls": calls}
+                    if last.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         choices.append(choice)
@@ -365,15 +490,18 @@ def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateCh
 
 def chunk_object(req: OpenAIRequest, index: int, delta: str | None, finish_reason: str | None,
                  logprobs: dict[str, Any] | None, created: int,
-                 role: bool = False) -> dict[str, Any]:
+                 role: bool = False,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index`; `delta` None means an empty delta (the final
-    chunk of a chat)."""
+    chunk of a chat). `tool_calls`: OpenAI's tool_calls deltas (chat only)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
                               "logprobs": logprobs}
     if req.is_chat:
         d: dict[str, Any] = {"role": "assistant"} if role else {}
         if delta is not None:
             d["content"] = delta
+        if tool_calls:
+            d["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         choice["delta"] = d
     else:
         choice["text"] = delta or ""

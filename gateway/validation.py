@@ -19,8 +19,11 @@ from typing import Any
 import jinja2
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import StructuredOutput
+from gateway.structured import compile_error
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend, GenerateInput
+from service_infra.proto_convert import structured_from_proto
 
 DEFAULT_MAX_TOKENS = 16  # gRPC and /v1/completions when max_tokens is unset (OpenAI's default)
 MAX_REQUEST_ID_LEN = 128
@@ -86,8 +89,10 @@ async def encode_text(backend: Backend, text: str, field: str) -> list[int]:
     return ids
 
 
-async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
-                      field: str, add_generation_prompt: bool = True) -> list[int]:
+async def encode_chat(backend: Backend, messages: Sequence[dict[str, Any]],
+                      field: str, add_generation_prompt: bool = True,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """`tools` go to a template with a tool section (gateway/tools.py renders the others)."""
     if not messages:
         raise ValidationError(field, f"{field} must contain at least 1 message, got 0")
     for i, m in enumerate(messages):
@@ -97,12 +102,21 @@ async def encode_chat(backend: Backend, messages: Sequence[dict[str, str]],
                                   f"got {m.get('role')!r}")
     tokenizer = backend.tokenizer
     try:
-        if sum(len(m["content"]) for m in messages) <= MAX_INLINE_TOKENIZE_CHARS:
+        if not tools and sum(len(m["content"] or "") for m in messages) \
+                <= MAX_INLINE_TOKENIZE_CHARS:
             return tokenizer.apply_chat_template(list(messages), add_generation_prompt)
         return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages),
-                                       add_generation_prompt)
+                                       add_generation_prompt, tools)
     except (ValueError, jinja2.TemplateError) as e:  # no template, or the template refuses
         raise ValidationError(field, f"{field}: the chat template refused them: {e}") from None
+
+
+async def check_structured(backend: Backend, so: StructuredOutput | None, field: str) -> None:
+    """The grammar compiles (off the event loop, cached), else a ValidationError on `field`."""
+    if so is not None:
+        error = await compile_error(backend, so)
+        if error is not None:
+            raise ValidationError(field, f"{field} is {error}")
 
 
 def check_token_ids(ids: Sequence[int], field: str, vocab_size: int) -> None:
@@ -163,6 +177,7 @@ async def from_proto(req: pb.GenerateRequest, backend: Backend,
         raise ValidationError("prompt", "prompt must be set: one of text, token_ids or chat")
     params = sampling_params("sampling.", **proto_sampling_kwargs(req.sampling))
     check_lengths(backend, len(ids), params, kind or "prompt", "sampling.")
+    await check_structured(backend, params.structured, "sampling.structured")
     return GenerateInput(req_id, ids, params, text, deadline, arrival)
 
 
@@ -182,4 +197,12 @@ def proto_sampling_kwargs(s: pb.SamplingParameters) -> dict[str, Any]:
         ignore_eos=s.ignore_eos, logprobs=opt("logprobs", None),
         skip_special_tokens=opt("skip_special_tokens", True), logit_bias=dict(s.logit_bias),
         prompt_logprobs=opt("prompt_logprobs", None),
+        structured=_structured_from_proto(s),
     )
+
+
+def _structured_from_proto(s: pb.SamplingParameters) -> StructuredOutput | None:
+    try:
+        return structured_from_proto(s.structured)
+    except ValueError as e:
+        raise ValidationError("sampling.structured", f"sampling.structured: {e}") from None

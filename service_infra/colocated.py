@@ -142,6 +142,8 @@ class ColocatedBackend:
     async def status(self) -> dict[str, Any]:
         def snapshot() -> dict[str, Any]:
             sched, kv = self.engine.scheduler, self.engine.kv
+            # structured outputs' mask time (an engine without a model runner has none)
+            mask = getattr(getattr(self.engine, "runner", None), "mask_timer", None)
             integrity = "not checked (busy)"  # the check walks every block: only at idle
             if not self.engine.has_unfinished_requests():
                 try:
@@ -153,6 +155,8 @@ class ColocatedBackend:
                     "num_waiting": sched.num_waiting, "num_free_blocks": kv.num_free_blocks,
                     "num_blocks": kv.pool.num_blocks, "num_preemptions": sched.num_preemptions,
                     "kv_integrity": integrity,
+                    **({"grammar_mask": {"num_steps": mask.num_steps, "seconds": mask.seconds}}
+                       if mask is not None else {}),
                     **({"speculative": self.engine.spec.stats.as_dict()}
                        if self.engine.spec is not None else {})}
 

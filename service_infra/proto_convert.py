@@ -4,7 +4,10 @@ generated stubs stay a leaf that imports nothing of ours."""
 
 from __future__ import annotations
 
+import json
+
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import StructuredOutput
 from protos.pdserve.v1 import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -29,7 +32,33 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParameters:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(p.structured))
     return msg
+
+
+def structured_to_proto(so: StructuredOutput) -> pb.StructuredOutput:
+    if so.kind == "json":
+        return pb.StructuredOutput(json_schema=so.spec)
+    if so.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if so.kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(values=json.loads(so.spec)))
+    return pb.StructuredOutput(**{so.kind: so.spec})
+
+
+def structured_from_proto(m: pb.StructuredOutput) -> StructuredOutput | None:
+    """None when no constraint is set (json_object: false is none either)."""
+    kind = m.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not m.json_object):
+        return None
+    if kind == "json_schema":
+        return StructuredOutput("json", m.json_schema)
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(m.choice.values)))
+    return StructuredOutput(kind, getattr(m, kind))
 
 
 def sampling_from_proto(m: pb.SamplingParameters) -> SamplingParams:
@@ -39,7 +68,7 @@ def sampling_from_proto(m: pb.SamplingParameters) -> SamplingParams:
         min_tokens=m.min_tokens, top_k=m.top_k, min_p=m.min_p,
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-        logit_bias=dict(m.logit_bias),
+        logit_bias=dict(m.logit_bias), structured=structured_from_proto(m.structured),
     )
     for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed",
                  "logprobs", "skip_special_tokens", "prompt_logprobs"):

@@ -11,7 +11,7 @@ DEFAULT_BACKENDS = ("naive", "colocated", "disagg")
 # the workloads where the prefill policy is what is compared (issue 18)
 POLICY_BACKENDS = ("conditional", "always-remote", "colocated")
 WORKLOADS = ("fixed", "random", "prompts", "shared-prefix", "mixed", "code-edit",
-             "multi-turn")
+             "multi-turn", "structured")
 APIS = ("chat", "completions")
 
 

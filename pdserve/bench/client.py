@@ -139,6 +139,9 @@ class GrpcClient:
     def _request(self, req: BenchRequest) -> pb.GenerateRequest:
         sampling = pb.SamplingParameters(max_tokens=req.output_len, ignore_eos=req.ignore_eos,
                                          **self.sampling.fields())
+        if req.response_format is not None:  # a json_schema response_format
+            schema = json.loads(req.response_format)["json_schema"]["schema"]
+            sampling.structured.json_schema = json.dumps(schema)
         msg = pb.GenerateRequest(sampling=sampling)
         messages = _messages(req, self.api)
         if messages is not None:
@@ -200,6 +203,8 @@ class HttpClient:
             "model": await self.model_id(), **self.sampling.fields(),
             "ignore_eos": req.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
+        if req.response_format is not None:
+            body["response_format"] = json.loads(req.response_format)
         messages = _messages(req, self.api)
         if messages is not None:  # as OpenAI's clients send it now
             body["max_completion_tokens"] = req.output_len

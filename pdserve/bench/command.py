@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
+
 from pdserve.bench import report
 from pdserve.bench.args import DEFAULT_BACKENDS, POLICY_BACKENDS
 from pdserve.bench.client import GREEDY, Client, GrpcClient, HttpClient, Sampling
@@ -188,6 +190,42 @@ async def bench_target(target: Target, workloads: Sequence[dict[str, list[BenchR
     return points
 
 
+def _structured_points(target: Target, workload: dict[str, list[BenchRequest]],
+                       cfg: BenchConfig, out_dir: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    """The structured workload: the unconstrained lane, then the json-schema lane, as two
+    systems "<target>-<lane>" of one run; the json-schema points note the engine's mask time
+    per step (a colocated server's /internal/status), where the server reports it."""
+    points = {}
+    for lane in ("unconstrained", "json-schema"):
+        named = dataclasses.replace(target, name=f"{target.name}-{lane}")
+        before = _mask_stats(target)
+        got = asyncio.run(bench_target(named, [{"main": workload[lane]}] * len(cfg.variants()),
+                                       cfg, "structured", out_dir))
+        points.update(got)
+        after = _mask_stats(target)
+        if before is not None and after is not None and after[0] > before[0]:
+            steps, seconds = after[0] - before[0], after[1] - before[1]
+            note = (f"grammar mask: {1e3 * seconds / steps:.2f} ms per step over {steps} "
+                    f"steps ({lane})")
+            print(note, flush=True)
+            for by_c in got.values():
+                for point in by_c.values():
+                    point["notes"].append(note)
+    return points
+
+
+def _mask_stats(target: Target) -> tuple[int, float] | None:
+    """(mask steps, mask seconds) of a colocated server; None where it does not say."""
+    if target.http_url is None:
+        return None
+    try:
+        status = httpx.get(f"{target.http_url}/internal/status", timeout=30).json()
+        mask = status["grammar_mask"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return int(mask["num_steps"]), float(mask["seconds"])
+
+
 def _targets(args: argparse.Namespace) -> list[str | Target]:
     """Backend names to start, or the one running server to bench."""
     if not (args.gateway or args.base_url):
@@ -231,12 +269,18 @@ def run(args: argparse.Namespace) -> int:
         with _sigterm_as_interrupt():
             for t in targets:
                 if isinstance(t, Target):
+                    if wcfg.name == "structured":
+                        points.update(_structured_points(t, workloads[0], cfg, out_dir))
+                        continue
                     points.update(asyncio.run(bench_target(t, workloads, cfg, wcfg.name,
                                                            out_dir)))
                     continue
                 print(f"pdserve bench: starting {t} (log: {out_dir / 'logs' / (t + '.log')})",
                       flush=True)
                 with launch(t, stacks, out_dir / "logs") as target:
+                    if wcfg.name == "structured":
+                        points.update(_structured_points(target, workloads[0], cfg, out_dir))
+                        continue
                     points.update(asyncio.run(bench_target(target, workloads, cfg, wcfg.name,
                                                            out_dir)))
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@
 | shared-prefix | a `prefix_len`-token document shared by all + a distinct `input_len`-token suffix | `output_len`, EOS ignored |
 | mixed | lane "decode": short prompts, long outputs; lane "long": 1-2k-token prompts, short outputs | EOS ignored |
 | code-edit | the shipped snippets (data/code_edit.jsonl) with an edit instruction, as chat | the code's length + 48, natural end |
+| structured | lane "json-schema": chats asking for a list of records, each with `response_format` json_schema (STRUCTURED_SCHEMA, ~150 tokens of JSON); lane "unconstrained": the same chats without it | json-schema: up to 2 x `output_len`, natural end (the schema ends it); unconstrained: `output_len`, EOS ignored |
 | multi-turn | chats of 4-8 turns: an opener of 30-60 tokens, then short follow-ups ("Why?"), each sent once the previous answer arrived, with that answer in its history | up to `output_len` per turn, natural end |
 
 A multi-turn request carries its follow-ups (`follow_ups`): the runner sends the first turn, then
@@ -32,6 +33,15 @@ import numpy as np
 from engine_core.tokenizer import Tokenizer
 from pdserve.bench.args import WORKLOADS
 
+# structured: six records of bounded fields; the JSON is ~150 tokens (the default output_len)
+STRUCTURED_SCHEMA = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
+    "type": "object", "additionalProperties": False,
+    "required": ["name", "age", "city", "role"],
+    "properties": {"name": {"type": "string", "maxLength": 16},
+                   "age": {"type": "integer", "minimum": 18, "maximum": 99},
+                   "city": {"type": "string", "maxLength": 16},
+                   "role": {"enum": ["engineer", "designer", "manager", "analyst"]}}}}
+STRUCTURED_OUTPUT_LEN = 150
 CODE_EDIT_EXTRA_TOKENS = 48  # room past the code's own length for the answer's wrapping
 MAX_FIT_TRIES = 50
 MIN_TURNS, MAX_TURNS = 4, 8  # multi-turn: turns per conversation
@@ -63,6 +73,8 @@ class BenchRequest:
     messages: tuple[tuple[str, str], ...] | None = None  # a chat prompt: (role, content)
     ignore_eos: bool = True
     group: str = "main"
+    # structured outputs: OpenAI's response_format object as JSON text (None: unconstrained)
+    response_format: str | None = None
     follow_ups: tuple[str, ...] = ()  # multi-turn: the user's later turns, in order
 
     def next_turn(self, answer: str, follow_up: str) -> BenchRequest:
@@ -217,6 +229,8 @@ def build_workload(config: WorkloadConfig, tokenizer: Tokenizer) -> dict[str, li
         long = [_plain(src, int(rng.integers(lo, hi + 1)), c.long_output_len,
                        f"Document {i}: ", eos, "long") for i in range(c.num_long)]
         return {"decode": decode, "long": long}
+    if c.name == "structured":
+        return _structured(tokenizer, c, rng)
     if c.name == "multi-turn":
         return {"main": [_conversation(tokenizer, rng, i, out_len, eos) for i in range(n)]}
     texts = shipped_prompts() if c.name == "prompts" else shipped_code_edits()
@@ -230,6 +244,30 @@ def build_workload(config: WorkloadConfig, tokenizer: Tokenizer) -> dict[str, li
             out = len(tokenizer.encode(code, add_special_tokens=False)) + CODE_EDIT_EXTRA_TOKENS
         reqs.append(_chat(tokenizer, text, out, eos))
     return {"main": reqs}
+
+
+def _structured(tokenizer: Tokenizer, c: WorkloadConfig,
+                rng: np.random.Generator) -> dict[str, list[BenchRequest]]:
+    """The same chats twice: constrained by STRUCTURED_SCHEMA, and not (EOS ignored, so each
+    unconstrained answer is about as long as a constrained one). Each lane's chats start with
+    its own tag, so the lane that runs second finds no prompt in the prefix cache."""
+    out = c.output_len or STRUCTURED_OUTPUT_LEN
+    fmt = json.dumps({"type": "json_schema", "json_schema": {
+        "name": "people", "schema": STRUCTURED_SCHEMA}})
+    texts = shipped_prompts()
+    order = rng.permutation(len(texts))
+
+    def chat(i: int, lane: str) -> BenchRequest:
+        text = texts[order[i % len(texts)]][:300]
+        return _chat(tokenizer, f"[{lane} {i}] {text}\n\nNow list six people who could "
+                     "help, as JSON records.", out, True)
+
+    return {"unconstrained": [dataclasses.replace(chat(i, "u"), group="unconstrained")
+                              for i in range(c.num_prompts)],
+            "json-schema": [dataclasses.replace(chat(i, "j"), output_len=2 * out,
+                                                ignore_eos=False, group="json-schema",
+                                                response_format=fmt)
+                            for i in range(c.num_prompts)]}
 
 
 def _bounds(length: int, ratio: float) -> tuple[int, int]:

@@ -87,6 +87,13 @@ class EngineCollector:
                 ("engine_generation_tokens", "Tokens sampled by this engine.",
                  stats.num_generation_tokens)):
             yield self._family(CounterMetricFamily, name, doc, value)
+        mask = self.engine.runner.mask_timer
+        for name, doc, value in (
+                ("grammar_mask_steps", "Engine steps that built structured-output token "
+                 "masks.", mask.num_steps),
+                ("grammar_mask_seconds", "Seconds spent building structured-output token "
+                 "masks (on the mask thread, overlapped with the forward).", mask.seconds)):
+            yield self._family(CounterMetricFamily, name, doc, value)
 
     def _speculative(self, spec):
         c = CounterMetricFamily

@@ -102,3 +102,22 @@ def test_multi_turn_conversations(tokenizer):
     assert nxt.messages == (*chats[0].messages, ("assistant", "An answer."),
                             ("user", chats[0].follow_ups[0]))
     assert (nxt.group, nxt.follow_ups, nxt.output_len) == ("follow-up", (), 32)
+def test_structured_workload_pairs_constrained_and_plain_chats(tokenizer):
+    import json
+
+    import jsonschema
+
+    from pdserve.bench.workloads import STRUCTURED_SCHEMA
+
+    w = build_workload(WorkloadConfig(name="structured", num_prompts=5), tokenizer)
+    plain, constrained = w["unconstrained"], w["json-schema"]
+    assert len(plain) == len(constrained) == 5
+    for p, c in zip(plain, constrained, strict=True):
+        # the same question, tagged per lane (no prefix-cache hits across the lanes)
+        assert p.messages[0][1].split("] ", 1)[1] == c.messages[0][1].split("] ", 1)[1]
+        assert p.messages != c.messages and p.response_format is None and p.ignore_eos
+        assert not c.ignore_eos and c.output_len == 2 * p.output_len
+        fmt = json.loads(c.response_format)
+        assert fmt["type"] == "json_schema"
+        assert fmt["json_schema"]["schema"] == STRUCTURED_SCHEMA
+    jsonschema.Draft202012Validator.check_schema(STRUCTURED_SCHEMA)

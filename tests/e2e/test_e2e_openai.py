@@ -1,17 +1,25 @@
 """OpenAI API parity through the disaggregated stack (`pdserve up --transport shm`, 1 prefill +
-1 decode): logit_bias reaches the prefill worker, which samples the first token, and the decode
-worker, which samples the rest. Through HTTP (the official `openai` client) and gRPC."""
+1 decode): logit_bias and structured outputs reach the prefill worker, which samples the first
+token, and the decode worker, which samples the rest. Through HTTP (the official `openai`
+client) and gRPC."""
 
 from __future__ import annotations
 
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
+import jsonschema
 import openai
 import pytest
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import StructuredOutput
 from protos.pdserve.v1 import generate_pb2 as pb
-from tests.e2e.stack import greedy, out_ids, run
+from tests.e2e.stack import greedy, out_ids, out_text, run
 from tests.helpers import torch_threads
+from tests.structured_schemas import ASK, MAX_TOKENS, SCHEMAS, TOOL_SCHEMAS, TOOLS, prompt_for
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +171,71 @@ def test_prompt_logprobs_prefill_remotely_under_always_local(local_stack, ref):
     assert [e.token_id for e in got] == ids[1:]
     assert all(abs(e.logprob - want[p][ids[p]]) < 2e-2 for p, e in enumerate(got, start=1))
     local_stack.wait_idle()
+
+
+STRUCTURED = ["person", "nested_address", "array_of_objects", "matrix", "one_of_shapes",
+              "refs", "product", "top_level_array"]
+
+
+def test_structured_outputs_through_both_pools(stack, client, ref):
+    """The prefill worker samples the first token under the grammar; the decode worker replays
+    it into its own matcher and constrains the rest: greedy outputs equal the offline engine's
+    and sampled ones validate, on both endpoints and over gRPC."""
+    def chat(args):
+        name, temperature = args
+        resp = client.chat.completions.create(
+            model=MODEL, messages=prompt_for(name, SCHEMAS[name]), max_tokens=MAX_TOKENS,
+            temperature=temperature, response_format={"type": "json_schema", "json_schema": {
+                "name": name, "schema": SCHEMAS[name]}})
+        return name, temperature, resp.choices[0]
+
+    jobs = [(name, t) for name in STRUCTURED for t in (0.0, 1.0)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(chat, jobs))
+    greedy_names = STRUCTURED[:2]
+    with torch_threads(1):
+        refs = ref.offline.llm.generate(
+            [ref.tokenizer.apply_chat_template(prompt_for(n, SCHEMAS[n])) for n in greedy_names],
+            [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured=StructuredOutput(
+                "json", json.dumps(SCHEMAS[n]))) for n in greedy_names])
+    expected = dict(zip(greedy_names, (r.outputs[0].text for r in refs), strict=True))
+    for name, temperature, choice in results:
+        assert choice.finish_reason == "stop", (name, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name])
+        if temperature == 0.0 and name in expected:
+            assert choice.message.content == expected[name]
+    resp = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20,
+                                     temperature=1.0,
+                                     extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", resp.choices[0].text)
+    msgs = run(stack.generation(), pb.GenerateRequest(text="Pick:", sampling=greedy(
+        10, structured=pb.StructuredOutput(choice=pb.Choices(values=["north-east",
+                                                                     "south-west"])))))
+    assert out_text(msgs) in ("north-east", "south-west")
+    assert msgs[-1].timing.prefill_where == "remote"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, extra_body={
+                                           "structured_outputs": {"regex": "(bad"}})
+    assert e.value.body["param"] == "structured_outputs.regex"
+
+
+def test_tool_calls_through_both_pools(stack, client):
+    """`required` and a named tool_choice are enforced across the handoff (the first token
+    of the call on the prefill worker, the rest on the decode worker), streamed and not."""
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                          max_tokens=200, temperature=1.0,
+                                          tool_choice="required", seed=3)
+    assert resp.choices[0].finish_reason == "tool_calls"
+    for call in resp.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0.0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), TOOL_SCHEMAS["get_weather"])

@@ -121,12 +121,12 @@ BAD_BODIES = [  # (case, path, body, status, param, bound named in the message)
     ("stop string too long", "completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop",
      "256"),
     ("n 0", "completions", {"prompt": "hi", "n": 0}, 400, "n", ">= 1"),
-    ("json_schema (not yet)", "chat/completions", {
+    ("json_schema without a schema", "chat/completions", {
         "messages": CONV, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
-     "response_format", "not supported"),
-    ("vLLM structured_outputs (not yet)", "completions", {
-        "prompt": "hi", "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs",
-     "not supported"),
+     "response_format.json_schema.schema", "JSON schema object"),
+    ("vLLM structured_outputs bad regex", "completions", {
+        "prompt": "hi", "structured_outputs": {"regex": "a+("}}, 400,
+     "structured_outputs.regex", "not a valid regex"),
     ("no messages", "chat/completions", {"messages": []}, 400, "messages", "1 message"),
     ("unknown role", "chat/completions", {"messages": [{"role": "x", "content": "hi"}]}, 400,
      "messages[0].role", "user"),

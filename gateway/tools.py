@@ -1,0 +1,318 @@
+"""Tool calling for /v1/chat/completions: OpenAI's `tools`, `tool_choice` and
+`parallel_tool_calls` in, `tool_calls` out.
+
+Rendering. When the model's chat template has a tool section (it renders `tools`), the tools
+and the conversation's tool calls and results go through it as they are. Otherwise the
+generic format below is used: a system message lists the tools and asks for calls as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the Hermes convention that
+many templates share); an assistant message's earlier calls are written back as such blocks
+and a `tool` message becomes a user turn holding `<tool_response>...</tool_response>`.
+
+tool_choice:
+    none       the tools are left out of the prompt; the output is plain content
+    auto       the model decides; `<tool_call>` blocks in its output become tool_calls, the
+               text before the first block is the content
+    required   the output is constrained (structured outputs) to a JSON array of one or more
+               calls, {"name", "arguments"} each, arguments valid against that tool's schema
+               (exactly one call when parallel_tool_calls is false)
+    named      the output is constrained to the named tool's arguments schema
+
+A request with tool calls finishes with finish_reason "tool_calls". Streamed, content is sent
+as it comes (holding back what may start a `<tool_call>` tag); tool calls are sent whole, one
+`tool_calls` delta per call, when the choice finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine_core.structured_output import StructuredOutput
+from gateway.structured import compile_error
+from gateway.validation import ValidationError, encode_chat
+from protos.pdserve.v1 import generate_pb2 as pb
+from service_infra.backend import Backend
+from service_infra.proto_convert import structured_to_proto
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE),
+                    re.DOTALL)
+MAX_NUM_TOOLS = 128
+GENERIC_TOOLS_PROMPT = (
+    "You may call one or more functions to assist with the user query. The functions are "
+    "listed, one JSON object each, between <tools> and </tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, reply with a JSON object holding its name and arguments between "
+    "<tool_call> and </tool_call> tags, one block per call:\n"
+    '<tool_call>{{"name": <function name>, "arguments": <arguments object>}}</tool_call>')
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What the client asked for; `mode` is "auto", "required" or "named" (none: no
+    ToolChoice at all)."""
+
+    mode: str
+    names: tuple[str, ...]  # every tool's function name, in order
+    name: str | None = None  # the named function
+    parallel: bool = True
+
+
+def parse_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], ToolChoice | None,
+                                               StructuredOutput | None]:
+    """(the tools as the template takes them, the choice or None, the constraint that enforces
+    required/named or None), or a ValidationError naming the field."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ValidationError("parallel_tool_calls", "parallel_tool_calls must be a boolean, "
+                              f"got {parallel!r:.40}")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ValidationError("tool_choice", "tool_choice needs tools")
+        return [], None, None
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_NUM_TOOLS:
+        raise ValidationError("tools", f"tools must be a list of 1 to {MAX_NUM_TOOLS} tools, "
+                              f"got {tools!r:.100}")
+    funcs = [_function(t, i) for i, t in enumerate(tools)]
+    names = tuple(f["name"] for f in funcs)
+    if len(set(names)) != len(names):
+        raise ValidationError("tools", "tools must have distinct function names")
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return [], None, None
+    if choice in ("auto", "required"):
+        tc = ToolChoice(choice, names, parallel=parallel is not False)
+    elif (isinstance(choice, dict) and choice.get("type") == "function"
+          and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str)):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise ValidationError("tool_choice", f"tool_choice names {name!r}, which is not "
+                                  f"one of the tools ({', '.join(names)})")
+        tc = ToolChoice("named", names, name, parallel is not False)
+    else:
+        raise ValidationError("tool_choice", "tool_choice must be none, auto, required or "
+                              "{'type': 'function', 'function': {'name': ...}}, got "
+                              f"{choice!r:.100}")
+    return [{"type": "function", "function": f} for f in funcs], tc, _constraint(tc, funcs)
+
+
+def _function(tool: Any, i: int) -> dict[str, Any]:
+    field = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" \
+            or not isinstance(tool.get("function"), dict):
+        raise ValidationError(field, f"{field} must be {{'type': 'function', 'function': "
+                              f"{{...}}}}, got {tool!r:.100}")
+    f = tool["function"]
+    name = f.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        raise ValidationError(f"{field}.function.name", f"{field}.function.name must be 1 to "
+                              f"64 letters, digits, _ . or -, got {name!r:.80}")
+    params = f.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise ValidationError(f"{field}.function.parameters", f"{field}.function.parameters "
+                              f"must be a JSON schema object, got {params!r:.80}")
+    out = {"name": name, "parameters": params}
+    if isinstance(f.get("description"), str):
+        out["description"] = f["description"]
+    return out
+
+
+def _constraint(tc: ToolChoice, funcs: list[dict[str, Any]]) -> StructuredOutput | None:
+    if tc.mode == "auto":
+        return None
+    if tc.mode == "named":
+        params = next(f["parameters"] for f in funcs if f["name"] == tc.name)
+        return StructuredOutput("json", json.dumps(params))
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                "arguments": f["parameters"]},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for f in funcs]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not tc.parallel:
+        schema["maxItems"] = 1
+    return StructuredOutput("json", json.dumps(schema))
+
+
+# -- prompt -----------------------------------------------------------------------------------
+def generic_messages(messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The conversation in the generic tool format, for a template without a tool section:
+    plain {"role", "content"} messages only."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        content = m.get("content") or ""
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            content += "".join(f"{TOOL_CALL_OPEN}{json.dumps(call)}{TOOL_CALL_CLOSE}"
+                               for call in _calls_as_written(m["tool_calls"]))
+            out.append({"role": "assistant", "content": content})
+        elif m["role"] == "tool":
+            out.append({"role": "user",
+                        "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": content})
+    if tools:
+        listing = "\n".join(json.dumps(t["function"]) for t in tools)
+        prompt = GENERIC_TOOLS_PROMPT.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _calls_as_written(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    calls = []
+    for call in tool_calls:
+        f = call.get("function", {})
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            with contextlib.suppress(ValueError):  # else written back as the string it was
+                args = json.loads(args)
+        calls.append({"name": f.get("name"), "arguments": args})
+    return calls
+
+
+async def encode_tool_chat(backend: Backend, messages: list[dict[str, Any]],
+                           tools: list[dict[str, Any]], field: str) -> list[int]:
+    """The conversation's prompt: through the template's own tool section when it has one,
+    else in the generic format."""
+    if backend.tokenizer.template_renders_tools:
+        return await encode_chat(backend, messages, field, tools=tools)
+    return await encode_chat(backend, generic_messages(messages, tools), field)
+
+
+async def grpc_tool_chat(req: pb.GenerateRequest,
+                         backend: Backend) -> tuple[pb.GenerateRequest, ToolChoice | None]:
+    """A gRPC chat with tools as the request the rest of the path knows: the prompt rendered
+    here (token ids), and required / named enforced in `sampling.structured`; with the
+    ToolChoice that parses the output. Other requests come back as they are."""
+    if req.WhichOneof("prompt") != "chat":
+        return req, None
+    chat = req.chat
+    has_calls = any(m.tool_calls or m.tool_call_id for m in chat.messages)
+    if not (chat.tools_json or chat.tool_choice_json or has_calls):
+        return req, None
+    body: dict[str, Any] = {}
+    for name, text in (("tools", chat.tools_json), ("tool_choice", chat.tool_choice_json)):
+        if text:
+            try:
+                body[name] = json.loads(text)
+            except ValueError:
+                raise ValidationError(f"chat.{name}_json", f"chat.{name}_json must be JSON, "
+                                      f"got {text!r:.100}") from None
+    if chat.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = chat.parallel_tool_calls
+    try:
+        tools, choice, constraint = parse_tools(body)
+    except ValidationError as e:
+        raise ValidationError(f"chat.{e.field}", e.message) from None
+    if constraint is not None:
+        if req.sampling.HasField("structured"):
+            raise ValidationError("chat.tool_choice_json", "tool_choice required or a named "
+                                  "function constrains the output: sampling.structured must "
+                                  "be unset")
+        error = await compile_error(backend, constraint)
+        if error is not None:
+            raise ValidationError("chat.tools_json", f"chat.tools_json: the parameters are "
+                                  f"{error}")
+    messages = [{"role": m.role, "content": m.content,
+                 **({"tool_calls": [{"id": c.id, "type": "function", "function": {
+                     "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]}
+                    if m.tool_calls else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
+                for m in chat.messages]
+    ids = await encode_tool_chat(backend, messages, tools, "chat.messages")
+    out = pb.GenerateRequest()
+    out.CopyFrom(req)
+    out.token_ids.ids[:] = ids  # replaces the chat (one of the prompt oneof)
+    if constraint is not None:
+        out.sampling.structured.CopyFrom(structured_to_proto(constraint))
+    return out, choice
+
+
+def tool_calls_to_proto(calls: list[dict[str, Any]]) -> list[pb.ToolCall]:
+    return [pb.ToolCall(id=c["id"], name=c["function"]["name"],
+                        arguments=c["function"]["arguments"]) for c in calls]
+
+
+# -- output -----------------------------------------------------------------------------------
+def parse_output(tc: ToolChoice, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, OpenAI tool_calls) of a finished output; no calls when none parse (a cut
+    output, or an auto answer without tool calls), and then the text is the content."""
+    if tc.mode == "named":
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [_call(tc.name, text)]
+    if tc.mode == "required":
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [_call(c["name"], json.dumps(c["arguments"])) for c in calls]
+    calls = []
+    for block in _BLOCK.findall(text):
+        try:
+            value = json.loads(block)
+        except ValueError:
+            continue
+        if isinstance(value, dict) and value.get("name") in tc.names:
+            args = value.get("arguments", value.get("parameters", {}))
+            calls.append(_call(value["name"], json.dumps(args)))
+    if not calls:
+        return text, []
+    head = text[: text.index(TOOL_CALL_OPEN)].strip()
+    return head or None, calls[: None if tc.parallel else 1]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class ToolStream:
+    """One streamed choice: content goes out as it comes, except what may be (the start of)
+    a tool call; `finish` parses the whole output."""
+
+    def __init__(self, tc: ToolChoice) -> None:
+        self.tc = tc
+        self.text = ""
+        self.num_sent = 0  # characters of `text` sent as content
+        self.in_calls = tc.mode != "auto"  # required / named: the whole output is calls
+
+    def feed(self, delta: str) -> str:
+        """The content to send now."""
+        self.text += delta
+        if self.in_calls:
+            return ""
+        start = self.text.find(TOOL_CALL_OPEN, self.num_sent)
+        if start >= 0:
+            self.in_calls = True
+            end = start
+        else:  # hold back a suffix that may begin the tag
+            end = len(self.text)
+            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text) - self.num_sent), 0,
+                           -1):
+                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
+                    end = len(self.text) - k
+                    break
+        out = self.text[self.num_sent:end]
+        self.num_sent = end
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(the content not sent yet, the tool calls)."""
+        content, calls = parse_output(self.tc, self.text)
+        if not calls:
+            rest = self.text[self.num_sent:]
+            self.num_sent = len(self.text)
+            return rest, []
+        return "", calls
