@@ -48,10 +48,11 @@ static int matmul(const float *x, int64_t M, const pd_matrix *w, float *y, int t
 #else
         return -1; /* packed for a build this is not */
 #endif
-    else if (w->kind == 4)
+    else if (w->kind == KIND_Q4)
         status = pd_q4_matmul(x, M, w->k, (const uint8_t *)w->qs, w->d, w->c, w->n, y, threads);
     else
-        pd_q8_matmul(x, M, w->k, (const int8_t *)w->qs, w->d, w->n, y, threads);
+        status = pd_q8_matmul(x, M, w->k, w->kind, (const int8_t *)w->qs, w->d, w->c, w->n, y,
+                              threads);
     if (w->bias != 0)
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < w->n; j++) y[r * w->n + j] += w->bias[j];
