@@ -68,7 +68,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
-    "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _i64,
+    "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _p,
+                          _i64,
                           _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
 }
 VNNI_SIGNATURES = {"pd_i8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int)}
@@ -286,14 +287,17 @@ def decode_layers(
     scale: float,
     max_len: int,
     final_norm: torch.Tensor,  # [H] float32
+    cos_sin_local: torch.Tensor | None = None,  # [S, D] float32: the local_rope layers'
 ) -> torch.Tensor:  # [S, H] float32: rmsnorm(h) * final_norm
     """S decode rows through num_layers decoder layers in one call (pd_decode_layers)."""
+    if cos_sin_local is None:
+        cos_sin_local = cos_sin
     num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
     out = torch.empty_like(h)
     check(lib.pd_decode_layers(
         h.data_ptr(), h.shape[0], h.shape[1], ctypes.addressof(layers), num_layers,
         intermediate, eps, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
-        kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.dtype == torch.bfloat16,
+        cos_sin_local.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.dtype == torch.bfloat16,
         slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         context_lens.data_ptr(), kv_cache.shape[3], scale, max_len, final_norm.data_ptr(),
         out.data_ptr(), torch.get_num_threads()))

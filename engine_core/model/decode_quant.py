@@ -250,7 +250,7 @@ class NativeDecodeLayers:
         cfg = model.config
         self.lib = lib
         self.num_heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
-        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.attention_scale or cfg.head_dim**-0.5
         self._keep = []  # float32 copies the C side points into
 
         def f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -263,27 +263,36 @@ class NativeDecodeLayers:
         def matrix(linear: DecodeQuantLinear) -> native.Matrix:
             return linear.quant.matrix(f32(linear.dense.bias))
 
+        def norm(module) -> int | None:  # a norm's float32 weight (offset included at load)
+            return None if module is None else f32(module.weight).data_ptr()
+
+        local_rope = cfg.local_rope_theta is not None  # windowed layers rotate with their own
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            # Gemma's sandwich: the norm before the MLP is pre_feedforward_layernorm, and
+            # post_attention_layernorm norms the attention's output
+            sandwich = layer.sandwich
             layers.append(native.Layer(
-                f32(layer.input_layernorm.weight).data_ptr(),
-                f32(layer.post_attention_layernorm.weight).data_ptr(),
+                norm(layer.input_layernorm),
+                norm(layer.pre_feedforward_layernorm if sandwich
+                     else layer.post_attention_layernorm),
                 matrix(attn.qkv_proj), matrix(attn.o_proj), matrix(mlp.gate_up_proj),
-                matrix(mlp.down_proj), attn.window or 0,
-                f32(attn.q_norm.weight).data_ptr() if attn.q_norm is not None else None,
-                f32(attn.k_norm.weight).data_ptr() if attn.k_norm is not None else None))
+                matrix(mlp.down_proj), attn.window or 0, norm(attn.q_norm), norm(attn.k_norm),
+                norm(layer.post_attention_layernorm) if sandwich else None,
+                norm(layer.post_feedforward_layernorm) if sandwich else None,
+                int(cfg.hidden_act == "gelu_pytorch_tanh"),
+                int(local_rope and attn.window is not None)))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = f32(model.norm.weight)
 
     @staticmethod
     def applies(model: DecoderForCausalLM) -> bool:
         """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
-        bias, q/k norm, a window per layer) with every matmul quantized and attention in C on
-        every layer."""
+        bias, q/k norm, a window per layer) or Gemma 3's (GeGLU, sandwich norms, a rope per
+        kind of layer), with every matmul quantized and attention in C on every layer."""
         cfg = model.config
-        if (cfg.hidden_act != "silu"
-                or cfg.sandwich_norms or cfg.embedding_scale or cfg.attention_scale):
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             return False
         return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)
                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)
@@ -292,15 +301,17 @@ class NativeDecodeLayers:
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")))
 
     def __call__(self, embeddings: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                 meta, num_layers: int) -> torch.Tensor:  # [nd, hidden] float32, normed
+                 meta, num_layers: int, cos_sin_local: torch.Tensor | None = None,
+                 ) -> torch.Tensor:  # [nd, hidden] float32, normed
         # the embedding lookup is a fresh tensor: it becomes the residual stream, in place
         h = embeddings.float().contiguous()
         nd = h.shape[0]
+        local = None if cos_sin_local is None else cos_sin_local[:nd].contiguous()
         return native.decode_layers(
             self.lib, self.layers, num_layers, h, cos_sin[:nd].contiguous(), kv_cache,
             meta.slot_mapping[:nd], meta.decode_block_tables, meta.decode_context_lens,
             self.num_heads, self.intermediate, self.eps, self.scale, meta.decode_max_len,
-            self.final_norm)
+            self.final_norm, local)
 
 
 DECODE_ACTIVATIONS = ("auto", "float32", "int8")

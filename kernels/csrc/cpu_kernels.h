@@ -100,10 +100,15 @@ typedef struct {
 } pd_matrix;
 
 typedef struct {
-    const float *in_norm, *post_norm; /* [hidden] float32 */
+    const float *in_norm, *post_norm; /* [hidden] float32: before attention, before the MLP */
     pd_matrix qkv, o, gate_up, down;
     int64_t window; /* a sliding window (pd_row_attention's), 0: global */
     const float *q_norm, *k_norm; /* [D] float32: RMSNorm of each q and k head; NULL: none */
+    /* Gemma's sandwich: RMSNorm of the attention's and the MLP's outputs before they join the
+     * residual stream, [hidden] float32; NULL: none */
+    const float *attn_out_norm, *mlp_out_norm;
+    int32_t gelu;       /* the MLP's gate: 0 silu, 1 tanh-approximated GELU (GeGLU) */
+    int32_t local_rope; /* 1: rotate with the call's cos_sin_local (Gemma's local layers) */
 } pd_layer;
 
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,

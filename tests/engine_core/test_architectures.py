@@ -165,12 +165,13 @@ def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
     check_against_hf(hf, gguf_dir / "m.gguf")
 
 
-@pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3", "gemma3", "gemma3-mqa"])
 def test_one_call_c_decode_layers(case, tmp_path):
     """Where the C kernels load, every layer's attention runs in them (windowed ones with
     their window), and the decode rows of Llama-style layers, with q/k/v bias, q/k norm or a
-    window, go through all layers in one C call (pd_decode_layers), giving the tokens the
-    layer-by-layer path gives with the same quantized weights."""
+    window, and of Gemma 3's (GeGLU, sandwich norms, local layers' own rope base, scaled
+    embeddings and attention), go through all layers in one C call (pd_decode_layers),
+    giving the tokens the layer-by-layer path gives with the same quantized weights."""
     from kernels import native
 
     if native.load() is None:
@@ -179,13 +180,19 @@ def test_one_call_c_decode_layers(case, tmp_path):
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
     eng = tm.engine(tmp_path, quantize_decode=True)
     window = overrides.get("sliding_window")
-    assert all(layer.self_attn.native is not None and layer.self_attn.window == window
-               for layer in eng.model.layers)
+    types = overrides.get("layer_types", ["sliding_attention"] * 2)
+    windows = [window if t == "sliding_attention" else None for t in types]
+    assert [layer.self_attn.window for layer in eng.model.layers] == windows
+    assert all(layer.self_attn.native is not None for layer in eng.model.layers)
     assert eng.runner.quantization.decode_layers is not None
-    decode_layers = eng.runner.quantization.decode_layers
-    assert [layer.window for layer in decode_layers.layers] == [window or 0] * 2
-    assert all(bool(layer.q_norm) == (case == "qwen3")
-               for layer in eng.runner.quantization.decode_layers.layers)
+    layers = eng.runner.quantization.decode_layers.layers
+    assert [layer.window for layer in layers] == [w or 0 for w in windows]
+    gemma = case.startswith("gemma3")
+    assert all(bool(layer.q_norm) == (case == "qwen3" or gemma) for layer in layers)
+    assert all(bool(layer.attn_out_norm) == bool(layer.mlp_out_norm) == layer.gelu == gemma
+               for layer in layers)
+    assert [layer.local_rope for layer in layers] == [int(gemma and w is not None)
+                                                      for w in windows]
     prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
     assert tm.relative_error(tm.prompt_logits(eng, prompts[0]),
                              tm.hf_logits(hf, prompts[0])) < 1e-3
