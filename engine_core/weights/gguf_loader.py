@@ -116,9 +116,9 @@ class GGUFFile:
                 rope_freqs.data, GGMLQuantizationType(rope_freqs.tensor_type)).reshape(-1))
         arch = self.architecture
         num_layers = int(self.field(f"{a}.block_count"))
+        # a window the file states applies whatever the architecture's name: llama.cpp writes
+        # a Mistral GGUF as `llama`, whose HF configs have no window
         window = self.field(f"{a}.attention.sliding_window")
-        if not arch.sliding_window:
-            window = None
         sliding = None
         if window is not None and arch.gguf_global_every:
             every = arch.gguf_global_every

@@ -153,6 +153,19 @@ def test_gguf_qwen3_unpermuted_with_qk_norm(tmp_path):
     check_against_hf(hf, gguf_dir / "m.gguf")
 
 
+def test_gguf_mistral_written_as_llama_keeps_its_window(tmp_path):
+    """llama.cpp writes Mistral as `llama`; where the file says `llama.attention.sliding_window`,
+    every layer slides, and prompts longer than the window match transformers."""
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    hf = tm.build_hf(transformers.MistralConfig, tmp_path, sliding_window=12)
+    path = tmp_path / "m.gguf"
+    tm.write_gguf(hf, path, arch="llama", extra={"llama.attention.sliding_window": 12})
+    cfg = GGUFFile(path).model_config()
+    assert cfg.sliding_window == 12 and cfg.sliding_layers is None
+    check_against_hf(hf, path)
+
+
 def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
     """llama.cpp's Gemma 3 GGUF: norms already + 1, its own norm names, head_dim as
     key_length, the window without a layer pattern (every 6th layer is global), the local
