@@ -63,7 +63,7 @@ def load_model(
                     ", ".join(sorted({types[n].name for n in dense})), len(dense))
         quantization = quantize_for_decode(
             model, dict(gguf.q4_weights(config)) if gguf else None, decode_activations, dense,
-            dict(gguf.int8_scales(config)) if gguf else None)
+            dict(gguf.q8_weights(config)) if gguf else None)
     logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
                 time.perf_counter() - t0)
     return model, config, quantization

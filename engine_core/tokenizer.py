@@ -19,11 +19,38 @@ from engine_core.model_files import ModelSource, pdserve_home
 logger = logging.getLogger(__name__)
 
 
-class Tokenizer:
-    """A thin, narrow face over a Hugging Face fast tokenizer."""
+class NoChatTemplateError(ValueError):
+    """A chat request to a model with no chat template (and no --chat-template)."""
 
-    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int] = ()) -> None:
+
+def read_chat_template(path: str | Path) -> str:
+    """The Jinja chat template in `path` (--chat-template), checked to parse."""
+    import jinja2
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--chat-template: {str(p)!r} is not a file")
+    text = p.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"--chat-template: {str(p)!r} is empty")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: {str(p)!r} is not a valid Jinja template: "
+                         f"line {e.lineno}: {e.message}") from None
+    return text
+
+
+class Tokenizer:
+    """A thin, narrow face over a Hugging Face fast tokenizer.
+
+    chat_template: a Jinja template that replaces the model's own (--chat-template); None
+    keeps the model's, which a base model may lack."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int] = (),
+                 chat_template: str | None = None) -> None:
         self.hf = hf
+        self.chat_template = chat_template or hf.chat_template or None
         ids = list(eos_token_ids)
         if hf.eos_token_id is not None:
             ids.append(hf.eos_token_id)
@@ -45,13 +72,14 @@ class Tokenizer:
     @functools.cached_property
     def template_renders_tools(self) -> bool:
         """Whether the chat template has a tool section: it writes a probe tool's name."""
-        if not self.hf.chat_template:
+        if not self.chat_template:
             return False
         probe = {"type": "function", "function": {
             "name": "pdserve_probe_tool", "description": "probe",
             "parameters": {"type": "object", "properties": {}}}}
         try:
             text = self.hf.apply_chat_template([{"role": "user", "content": "hi"}],
+                                               chat_template=self.chat_template,
                                                tools=[probe], tokenize=False,
                                                add_generation_prompt=True)
         except Exception:  # a template that refuses tools has no tool section either
@@ -67,23 +95,29 @@ class Tokenizer:
     ) -> list[int]:
         """`tools`: OpenAI's tool list, for a template with a tool section
         (`template_renders_tools`); messages may then carry tool_calls and tool results."""
-        if not self.hf.chat_template:
-            raise ValueError("this model has no chat template; send a plain prompt instead")
+        if not self.chat_template:
+            raise NoChatTemplateError(
+                "this model has no chat template (a base model?); send a plain prompt to "
+                "/v1/completions instead, or start the server with --chat-template FILE")
         text = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+            messages, chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt, tokenize=False,
             tools=tools or None,
         )
         # the template already wrote every special token it wants
         return self.encode(text, add_special_tokens=False)
 
 
-def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = (),
+                   chat_template: str | None = None) -> Tokenizer:
+    """The model's tokenizer; chat_template (a template's text) replaces the model's own."""
     if source.kind == "hf":
-        return Tokenizer(AutoTokenizer.from_pretrained(str(source.path)), eos_token_ids)
+        return Tokenizer(AutoTokenizer.from_pretrained(str(source.path)), eos_token_ids,
+                         chat_template)
     stat = source.path.stat()
     cache = pdserve_home() / "tokenizers" / f"{source.path.stem}-{stat.st_size}"
     if (cache / "tokenizer.json").exists():
-        return Tokenizer(AutoTokenizer.from_pretrained(str(cache)), eos_token_ids)
+        return Tokenizer(AutoTokenizer.from_pretrained(str(cache)), eos_token_ids, chat_template)
     logger.info("building the tokenizer from %s (once; cached in %s)", source.path, cache)
     hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     cache.mkdir(parents=True, exist_ok=True)
@@ -92,7 +126,7 @@ def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> To
     for f in Path(tmp).iterdir():
         f.replace(cache / f.name)
     Path(tmp).rmdir()
-    return Tokenizer(hf, eos_token_ids)
+    return Tokenizer(hf, eos_token_ids, chat_template)
 
 
 class IncrementalDetokenizer:

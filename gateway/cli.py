@@ -59,6 +59,12 @@ def add_canary_arguments(p) -> None:
                         "NOT_SERVING")
 
 
+def add_chat_template_argument(p) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions that replaces the "
+                        "model's own (a base model has none: chat requests get 400)")
+
+
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `pdserve gateway`. The disaggregated mode finds its workers at static
     addresses (--prefill ADDR... --decode ADDR...) or in Redis (--redis-url)."""
@@ -76,6 +82,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     add_canary_arguments(mode)
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_chat_template_argument(mode)
     add_decode_activations_argument(mode)
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     add_cache_decoded_blocks_argument(mode)

@@ -73,6 +73,13 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          max_num_choices=args.max_num_choices)
 
 
+def chat_template_of(args: argparse.Namespace) -> str | None:
+    """--chat-template's text (read and parsed now: a bad file fails at start), or None."""
+    from engine_core.tokenizer import read_chat_template
+
+    return read_chat_template(args.chat_template) if args.chat_template else None
+
+
 def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     """Loads the engine now (before the event loop exists), wraps it inside the loop."""
     from engine_core.config import CacheConfig, SchedulerConfig
@@ -80,6 +87,7 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     from service_infra.colocated import ColocatedBackend
     from service_infra.worker_args import speculative_config
 
+    chat_template = chat_template_of(args)
     engine = LLMEngine(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         speculative_config=speculative_config(args),
@@ -88,6 +96,8 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_model_len=args.max_model_len),
     )
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
 
     async def create() -> Backend:
         return ColocatedBackend(engine, max_waiting=args.max_waiting)
@@ -122,7 +132,7 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
         from engine_core.weights.safetensors_loader import load_hf_config
 
         config = load_hf_config(source.path)
-    tokenizer = load_tokenizer(source, config.eos_token_ids)
+    tokenizer = load_tokenizer(source, config.eos_token_ids, chat_template_of(args))
     max_len = min(args.max_model_len or config.max_position_embeddings,
                   config.max_position_embeddings)
 

@@ -78,5 +78,6 @@ async def detokenize(body: Any, backend: Backend) -> dict[str, Any]:
 def tokenizer_info(backend: Backend) -> dict[str, Any]:
     hf = backend.tokenizer.hf
     return {"eos_token": hf.eos_token, "bos_token": hf.bos_token, "pad_token": hf.pad_token,
-            "chat_template": hf.chat_template, "tokenizer_class": type(hf).__name__,
+            "chat_template": backend.tokenizer.chat_template,  # --chat-template wins
+            "tokenizer_class": type(hf).__name__,
             "model_max_length": backend.model.max_model_len}

@@ -20,6 +20,7 @@ import jinja2
 
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_output import StructuredOutput
+from engine_core.tokenizer import NoChatTemplateError
 from gateway.structured import compile_error
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend, GenerateInput
@@ -107,7 +108,9 @@ async def encode_chat(backend: Backend, messages: Sequence[dict[str, Any]],
             return tokenizer.apply_chat_template(list(messages), add_generation_prompt)
         return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages),
                                        add_generation_prompt, tools)
-    except (ValueError, jinja2.TemplateError) as e:  # no template, or the template refuses
+    except NoChatTemplateError as e:
+        raise ValidationError(field, f"{field}: {e}") from None
+    except (ValueError, jinja2.TemplateError) as e:  # the template refuses them
         raise ValidationError(field, f"{field}: the chat template refused them: {e}") from None
 
 

@@ -62,13 +62,14 @@ I8_COLS = 16  # output columns per tile of pd_i8_matmul's packed weights
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name: (argument types, result type)
     "pd_q4_matmul": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _int], _int),
-    "pd_q8_matmul": ([_p, _i64, _i64, _p, _p, _i64, _p, _int], None),
+    "pd_q8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int),
     "pd_row_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _p,
                           _int, _f32, _p, _i64, _int, _i64], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
-    "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _i64,
+    "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _p,
+                          _i64,
                           _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
 }
 VNNI_SIGNATURES = {"pd_i8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int)}
@@ -198,17 +199,29 @@ def pack_q4_int8(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor):
             huge_pages.copy(_tiles(c)))
 
 
-def pack_q8_int8(q: torch.Tensor, d: torch.Tensor):
-    """q [N, K] int8, d [N, K / 32] as pd_i8_matmul's q8 tiles: byte (tile, group, m, n, i)
-    is q[n, 32 g + 4 m + i] + 128."""
+def pack_q8_int8(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None):
+    """q [N, K] int8, d (and c) [N, K / 32] as pd_i8_matmul's q8 tiles: byte (tile, group, m,
+    n, i) is q[n, 32 g + 4 m + i] + 128; d [N / 16, K / 32, 16]. A half kind's d (and c),
+    [N, K / 16], become [N / 16, K / 32, 2, 16]. Returns (q, d, c or None)."""
     n, k = q.shape
-    q = (_pad_columns(q).to(torch.int16) + 128).to(torch.uint8)
-    q = q.view(-1, I8_COLS, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # t g m n i
-    return huge_pages.copy(q), huge_pages.copy(_tiles(d))
+    packed = (_pad_columns(q).to(torch.int16) + 128).to(torch.uint8)
+    packed = packed.view(-1, I8_COLS, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # t g m n i
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[1] == k // 32:
+            return _tiles(t)
+        t = _pad_columns(t.float()).view(-1, I8_COLS, k // 32, 2)  # t n g h
+        return t.permute(0, 2, 3, 1).contiguous()  # t g h n
+
+    return (huge_pages.copy(packed), huge_pages.copy(scales(d)),
+            None if c is None else huge_pages.copy(scales(c)))
 
 
 def check(status: int) -> None:
-    """A kernel's status: 0, or -1 when it could not allocate its scratch."""
+    """A kernel's status: 0, -1 when it could not allocate its scratch, -2 for a weight kind
+    it does not know."""
+    if status == -2:
+        raise ValueError("native CPU kernel was given a weight kind it does not know")
     if status != 0:
         raise MemoryError("native CPU kernel could not allocate its scratch memory")
 
@@ -274,14 +287,17 @@ def decode_layers(
     scale: float,
     max_len: int,
     final_norm: torch.Tensor,  # [H] float32
+    cos_sin_local: torch.Tensor | None = None,  # [S, D] float32: the local_rope layers'
 ) -> torch.Tensor:  # [S, H] float32: rmsnorm(h) * final_norm
     """S decode rows through num_layers decoder layers in one call (pd_decode_layers)."""
+    if cos_sin_local is None:
+        cos_sin_local = cos_sin
     num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
     out = torch.empty_like(h)
     check(lib.pd_decode_layers(
         h.data_ptr(), h.shape[0], h.shape[1], ctypes.addressof(layers), num_layers,
         intermediate, eps, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
-        kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.dtype == torch.bfloat16,
+        cos_sin_local.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.dtype == torch.bfloat16,
         slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         context_lens.data_ptr(), kv_cache.shape[3], scale, max_len, final_norm.data_ptr(),
         out.data_ptr(), torch.get_num_threads()))

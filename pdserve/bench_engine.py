@@ -192,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
                "engine": [], "transformers": None}
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    hf = None if args.skip_hf else HFGenerate(llm.engine.source.path, llm.engine.dtype)
+    hf_dtype = getattr(torch, args.hf_dtype) if args.hf_dtype else llm.engine.dtype
+    results["transformers_dtype"] = dtype_name(hf_dtype)
+    hf = None if args.skip_hf else HFGenerate(llm.engine.source.path, hf_dtype)
     hf_prompts = make_prompts(llm.tokenizer, args.hf_requests, args.prompt_len)
     # round 0 is untimed (first-use costs of every shape: oneDNN primitives, kernel scratch);
     # each later round times every sampling setting and concurrency and then transformers, so

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed runs of each concurrency after an untimed one; the median is "
                         "reported, every run is kept in results.json")
     b.add_argument("--skip-hf", action="store_true")
+    b.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="transformers' dtype (default: the engine's); transformers 5 "
+                        "computes a GGUF's packed weights in float32 and calls that fastest")
     b.add_argument("--sampling", nargs="+", default=["greedy"], metavar="SPEC",
                    help="sampling settings, each timed at every concurrency in every round: "
                         "'greedy' or SamplingParams fields as name=value,... (e.g. "

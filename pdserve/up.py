@@ -30,6 +30,7 @@ import time
 from gateway.cli import (
     add_admission_arguments,
     add_canary_arguments,
+    add_chat_template_argument,
     add_prefill_policy_arguments,
 )
 from pdserve.supervisor import Child, RestartPolicy, supervise
@@ -52,6 +53,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                         "between its GPUs, else grpc)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_chat_template_argument(p)  # passed to the gateway
     add_decode_activations_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="the gateway's interface")
     p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (0: any free)")
@@ -151,12 +153,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--prefill and --decode must be >= 1, got {args.prefill} and "
                          f"{args.decode}")
     from engine_core.model_files import resolve_model
+    from engine_core.tokenizer import read_chat_template
     from gateway.canary import CanaryConfig
     from gateway.prefill_policy import PrefillPolicy
 
     PrefillPolicy(args.prefill_policy, args.local_prefill_max_tokens)  # bad flags fail here
     CanaryConfig(args.canary_idle_s, args.canary_timeout_s, args.canary_failures)
 
+    if args.chat_template:
+        read_chat_template(args.chat_template)  # a bad file fails here, before any worker
     resolve_model(args.model)  # fetch the default model once, with a progress bar, up front
     common = [a for a in (["--model", args.model] if args.model else [])
               + (["--dtype", args.dtype] if args.dtype else [])
@@ -198,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
             "--canary-idle-s", str(args.canary_idle_s),
             "--canary-timeout-s", str(args.canary_timeout_s),
             "--canary-failures", str(args.canary_failures),
-            "--max-num-choices", str(args.max_num_choices), *common])
+            "--max-num-choices", str(args.max_num_choices), *common,
+            *(["--chat-template", os.path.abspath(args.chat_template)]
+              if args.chat_template else [])])
         line = gateway.wait_ready(deadline)
         http_url = line.split("HTTP ")[1].split()[0]
         metrics = [f"{http_url}/metrics"] + [w.metrics_url or "?" for w in stack.workers]

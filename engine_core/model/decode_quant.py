@@ -10,8 +10,10 @@ different paths, decided by position (decodes come first in every step, see atte
                                             (the exact path)
 
 A token takes the same path whatever else shares its step, so batched output equals
-one-at-a-time output. Weights come from the GGUF's own Q4_0/Q4_1 blocks where the file has them;
-any other matrix (the Q8_0 embedding used as lm_head, safetensors models) is quantized to int8.
+one-at-a-time output. Weights come from the GGUF's own blocks where the file has them: 4-bit
+(Q4_0, Q4_1, Q4_K) or the q8 family (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: int8 integers with the
+file's scales, see gguf_q8.py); any other matrix (the Q8_0 embedding used as lm_head,
+safetensors models) is requantized to int8 per 32.
 
 Two implementations:
 - **Native** (`kernels/csrc/`, used when kernels.native.load() succeeds: a C
@@ -50,6 +52,7 @@ from torch import nn
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.forward_context import current
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
+from engine_core.weights.gguf_q8 import Q8Weight
 from kernels import native
 
 logger = logging.getLogger(__name__)
@@ -125,39 +128,38 @@ class NativeQ4Matmul(nn.Module):
 
 
 class NativeQ8Matmul(nn.Module):
-    """x @ W.T with W as int8 and one scale per group of 32 along K; float32 activations, or
-    int8 ones as in NativeQ4Matmul.
+    """x @ W.T with W in the C kernels' q8 family (kernels/csrc/cpu_kernels.h): int8 q and a
+    scale (and a constant) per group of 32 or 16 along K; float32 activations, or int8 ones as
+    in NativeQ4Matmul.
 
-    A Q8_0 tensor (as the default model's embedding) is requantized exactly: its dense weight
-    is d * q with |q| reaching 127 in every block, so amax / 127 gives d back and q follows.
-    `d`, the file's own block scales, makes that exact for any tensor whose dense weight is d
-    times an integer in -127..127 per group of 32 (Q8_0, and Q5_0: d * (q - 16)).
+    `weight` is either a GGUF tensor's own integers and scales (a Q8Weight: Q8_0, Q5_0, Q5_1,
+    Q5_K, Q6_K, or a fused projection of those and 4-bit parts), exactly the file's values, or
+    a float tensor, requantized to int8 with one scale per 32. A Q8_0 tensor (as the default
+    model's embedding) is requantized exactly: its dense weight is d * q with |q| reaching 127
+    in every block, so amax / 127 gives d back and q follows; `d`, given, makes that exact for
+    any tensor whose dense weight is d times an integer in -127..127 per group of 32.
     Plain attributes, as in NativeQ4Matmul.
     """
 
-    def __init__(self, weight: torch.Tensor, lib, int8: bool = False,  # weight: [N, K] float
+    def __init__(self, weight: torch.Tensor | Q8Weight, lib, int8: bool = False,
                  d: torch.Tensor | None = None) -> None:  # d: [N, K / 32] float32
         super().__init__()
-        self.n, self.k = weight.shape
-        self.int8 = int8
-        w = weight.float().view(self.n, -1, GROUP_SIZE)  # [N, K / 32, 32]
-        if d is None:
-            d = w.abs().amax(dim=2) / 127  # [N, K / 32]
-        d = d.float()
-        # a file's d may be negative; a zero d has zero weights
-        safe_d = torch.where(d == 0, torch.ones_like(d), d)
-        q = torch.round(w / safe_d[..., None]).to(torch.int8).view(self.n, self.k)
+        if not isinstance(weight, Q8Weight):
+            weight = requantize_int8(weight, d)
+        self.n, self.k = weight.q.shape
+        self.int8, self.kind = int8, weight.kind
         if int8:
-            self.qs, self.d = native.pack_q8_int8(q, d)
-            self._fn = lambda x, m, k, qs, d, n, y, t: lib.pd_i8_matmul(x, m, k, 8, qs, d, None,
-                                                                       n, y, t)
+            self.qs, self.d, self.c = native.pack_q8_int8(weight.q, weight.d, weight.c)
+            self._fn = lambda x, m, k, *rest: lib.pd_i8_matmul(x, m, k, self.kind, *rest)
         else:
-            self.qs, self.d = q.contiguous(), d.contiguous()  # [N, K], [N, K / 32]
-            self._fn = lib.pd_q8_matmul  # returns nothing: it allocates no scratch
-        self._weights = (self.qs.data_ptr(), self.d.data_ptr())
+            self.qs, self.d = weight.q.contiguous(), weight.d.float().contiguous()
+            self.c = None if weight.c is None else weight.c.float().contiguous()
+            self._fn = lambda x, m, k, *rest: lib.pd_q8_matmul(x, m, k, self.kind, *rest)
+        self._weights = (self.qs.data_ptr(), self.d.data_ptr(),
+                         None if self.c is None else self.c.data_ptr())
 
     def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
-        return native.Matrix(8, self.int8, self.n, self.k, *self._weights, None,
+        return native.Matrix(self.kind, self.int8, self.n, self.k, *self._weights,
                              None if bias is None else bias.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
@@ -165,8 +167,22 @@ class NativeQ8Matmul(nn.Module):
             x = x.float().contiguous()
         out = torch.empty((x.shape[0], self.n), dtype=torch.float32)
         native.check(self._fn(x.data_ptr(), x.shape[0], self.k, *self._weights, self.n,
-                              out.data_ptr(), torch.get_num_threads()) or 0)
+                              out.data_ptr(), torch.get_num_threads()))
         return out
+
+
+def requantize_int8(weight: torch.Tensor, d: torch.Tensor | None = None) -> Q8Weight:
+    """A float [N, K] weight as int8 with one scale per 32 along K: d [N, K / 32] if given (a
+    file's own), else amax / 127 of each group."""
+    n, k = weight.shape
+    w = weight.float().view(n, -1, GROUP_SIZE)  # [N, K / 32, 32]
+    if d is None:
+        d = w.abs().amax(dim=2) / 127  # [N, K / 32]
+    d = d.float()
+    # a file's d may be negative; a zero d has zero weights
+    safe_d = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(w / safe_d[..., None]).to(torch.int8).view(n, k)
+    return Q8Weight(q, d, None)
 
 
 @dataclass(frozen=True)
@@ -234,7 +250,7 @@ class NativeDecodeLayers:
         cfg = model.config
         self.lib = lib
         self.num_heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
-        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.attention_scale or cfg.head_dim**-0.5
         self._keep = []  # float32 copies the C side points into
 
         def f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -247,27 +263,36 @@ class NativeDecodeLayers:
         def matrix(linear: DecodeQuantLinear) -> native.Matrix:
             return linear.quant.matrix(f32(linear.dense.bias))
 
+        def norm(module) -> int | None:  # a norm's float32 weight (offset included at load)
+            return None if module is None else f32(module.weight).data_ptr()
+
+        local_rope = cfg.local_rope_theta is not None  # windowed layers rotate with their own
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            # Gemma's sandwich: the norm before the MLP is pre_feedforward_layernorm, and
+            # post_attention_layernorm norms the attention's output
+            sandwich = layer.sandwich
             layers.append(native.Layer(
-                f32(layer.input_layernorm.weight).data_ptr(),
-                f32(layer.post_attention_layernorm.weight).data_ptr(),
+                norm(layer.input_layernorm),
+                norm(layer.pre_feedforward_layernorm if sandwich
+                     else layer.post_attention_layernorm),
                 matrix(attn.qkv_proj), matrix(attn.o_proj), matrix(mlp.gate_up_proj),
-                matrix(mlp.down_proj), attn.window or 0,
-                f32(attn.q_norm.weight).data_ptr() if attn.q_norm is not None else None,
-                f32(attn.k_norm.weight).data_ptr() if attn.k_norm is not None else None))
+                matrix(mlp.down_proj), attn.window or 0, norm(attn.q_norm), norm(attn.k_norm),
+                norm(layer.post_attention_layernorm) if sandwich else None,
+                norm(layer.post_feedforward_layernorm) if sandwich else None,
+                int(cfg.hidden_act == "gelu_pytorch_tanh"),
+                int(local_rope and attn.window is not None)))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = f32(model.norm.weight)
 
     @staticmethod
     def applies(model: DecoderForCausalLM) -> bool:
         """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
-        bias, q/k norm, a window per layer) with every matmul quantized and attention in C on
-        every layer."""
+        bias, q/k norm, a window per layer) or Gemma 3's (GeGLU, sandwich norms, a rope per
+        kind of layer), with every matmul quantized and attention in C on every layer."""
         cfg = model.config
-        if (cfg.hidden_act != "silu"
-                or cfg.sandwich_norms or cfg.embedding_scale or cfg.attention_scale):
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             return False
         return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)
                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)
@@ -276,15 +301,17 @@ class NativeDecodeLayers:
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")))
 
     def __call__(self, embeddings: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                 meta, num_layers: int) -> torch.Tensor:  # [nd, hidden] float32, normed
+                 meta, num_layers: int, cos_sin_local: torch.Tensor | None = None,
+                 ) -> torch.Tensor:  # [nd, hidden] float32, normed
         # the embedding lookup is a fresh tensor: it becomes the residual stream, in place
         h = embeddings.float().contiguous()
         nd = h.shape[0]
+        local = None if cos_sin_local is None else cos_sin_local[:nd].contiguous()
         return native.decode_layers(
             self.lib, self.layers, num_layers, h, cos_sin[:nd].contiguous(), kv_cache,
             meta.slot_mapping[:nd], meta.decode_block_tables, meta.decode_context_lens,
             self.num_heads, self.intermediate, self.eps, self.scale, meta.decode_max_len,
-            self.final_norm)
+            self.final_norm, local)
 
 
 DECODE_ACTIVATIONS = ("auto", "float32", "int8")
@@ -311,39 +338,43 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
 def quantize_for_decode(
     model: DecoderForCausalLM, q4: dict[str, Q4Weight] | None = None,
     activations: str = "float32", dense: set[str] | frozenset[str] = frozenset(),
-    int8_scales: dict[str, torch.Tensor] | None = None,
+    q8: dict[str, Q8Weight] | None = None,
 ) -> DecodeQuantization:
     """Give every projection and the lm_head a quantized twin for decode rows, in place.
 
     q4: Hugging Face-named 4-bit weights from the GGUF (see GGUFFile.q4_weights); a fused
-    projection uses them when all of its parts are 4-bit, else int8.
+    projection uses them when all of its parts are 4-bit.
+    q8: Hugging Face-named q8-family weights from the GGUF (GGUFFile.q8_weights: Q8_0, Q5_0,
+    Q5_1, Q5_K, Q6_K); a fused projection whose parts are all q4 or q8 weights, not all q4,
+    is one q8-family matrix of their own integers and scales, exactly the file's values (the
+    native kernels only). One that mixes them with float parts keeps its dense weight, since a
+    shared requantization would not be exact.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
     dense: Hugging Face names of GGUF weights in a type the C kernels have no block decoder
-    for (Q5_1, K-quants but Q4_K): a projection with any such part keeps its dense float
-    weight for decode rows too (the torch path), rather than being requantized to int8.
-    int8_scales: Hugging Face names of GGUF weights that are d times an integer in -127..127
-    per group of 32 (Q8_0, Q5_0), with the file's d [N, K / 32]: a projection whose parts all
-    have them is int8 with those scales, exactly the file's values; one that mixes them with
-    other parts keeps its dense weight, since a shared requantization would not be exact.
+    for (Q2_K, Q3_K): a projection with any such part keeps its dense float weight for decode
+    rows too (the torch path), rather than being requantized to int8.
+    Float weights (safetensors, F16/BF16/F32 tensors) are requantized to int8 per 32.
     """
     q4 = q4 or {}
-    int8_scales = int8_scales or {}
-    num_int4 = 0
+    q8 = q8 or {}
+    num_int4 = num_file_q8 = 0
     lib = native.load()
     int8 = activations == "int8"
     if int8 and not native.has_int8(lib):
         raise ValueError("int8 decode activations need the native kernels' VNNI build")
 
     def quant_for(linear: nn.Linear, parts: list[str]) -> nn.Module:
-        nonlocal num_int4
+        nonlocal num_int4, num_file_q8
         if parts and all(p in q4 for p in parts):
             num_int4 += 1
             w = Q4Weight.cat([q4[p] for p in parts])
             return NativeQ4Matmul(w, lib, int8) if lib is not None else Int4Matmul(w)
+        if lib is not None and parts and all(p in q4 or p in q8 for p in parts):
+            num_file_q8 += 1
+            w8 = Q8Weight.cat([q8[p] if p in q8 else Q8Weight.from_q4(q4[p]) for p in parts])
+            return NativeQ8Matmul(w8, lib, int8)
         if lib is not None and linear.weight.shape[1] % GROUP_SIZE == 0:
-            scaled = parts and all(p in int8_scales for p in parts)
-            d = torch.cat([int8_scales[p] for p in parts]) if scaled else None
-            return NativeQ8Matmul(linear.weight, lib, int8, d)
+            return NativeQ8Matmul(linear.weight, lib, int8)
         return Int8Matmul(linear.weight)
 
     for i, layer in enumerate(model.layers):
@@ -358,12 +389,14 @@ def quantize_for_decode(
         for (module, attr), parts in names.items():
             if any(p in dense for p in parts):
                 continue
-            has_scales = [p in int8_scales for p in parts]
-            if lib is not None and any(has_scales) and not all(has_scales):
-                continue  # see int8_scales
+            in_file = [p in q8 for p in parts]
+            if lib is not None and any(in_file) and not all(p in q4 or p in q8 for p in parts):
+                continue  # see q8
             linear = getattr(module, attr)
             setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts)))
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
+    if any(p in dense for p in lm_head_parts):
+        lm_head_parts = []  # requantized per 32: its top candidates are made exact anyway
     model.lm_head = DecodeQuantLMHead(model.lm_head, quant_for(model.lm_head, lm_head_parts))
     model.lm_head.native = lib
     # the layers in one C call need its attention: use_native_kernels (load_model) set it
@@ -373,7 +406,8 @@ def quantize_for_decode(
                     for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                               layer.mlp.gate_up_proj, layer.mlp.down_proj))
     logger.info("decode rows use quantized matmuls (%s, %s activations): %d int4 weights (from "
-                "the GGUF), %d int8, %d dense", "native kernels" if lib is not None else "torch",
-                activations if lib is not None else "bf16", num_int4,
-                total - num_int4 - num_dense, num_dense)
+                "the GGUF), %d q8-family weights from the GGUF, %d int8, %d dense",
+                "native kernels" if lib is not None else "torch",
+                activations if lib is not None else "bf16", num_int4, num_file_q8,
+                total - num_int4 - num_file_q8 - num_dense, num_dense)
     return DecodeQuantization(decode_layers)

@@ -241,8 +241,10 @@ class DecoderForCausalLM(nn.Module):
             return self._layers(input_ids, positions, cos_sin, kv_cache, meta, num_layers)
         # decode rows: every layer in one C call, float32 (NativeDecodeLayers); prefill rows
         # beside them on the torch path, in the model dtype
-        decoded = ctx.decode_layers(self.embed_tokens(input_ids[:nd]), cos_sin, kv_cache, meta,
-                                    len(self.layers) if num_layers is None else num_layers)
+        local = self.cos_sin_local[positions[:nd]] if self.cos_sin_local.numel() else None
+        decoded = ctx.decode_layers(self.embed(input_ids[:nd]), cos_sin, kv_cache, meta,
+                                    len(self.layers) if num_layers is None else num_layers,
+                                    local)
         if nd == input_ids.shape[0]:
             return decoded
         with use(dataclasses.replace(ctx, num_quant_rows=0)):  # prefill rows: all dense

@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from engine_core.config import ModelConfig
 from engine_core.model import architectures
 from engine_core.weights.gguf_q4 import Q4_TYPES, Q4Weight, unpack_q4
+from engine_core.weights.gguf_q8 import Q8_TYPES, Q8Weight, unpack_q8
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = {
@@ -30,12 +31,10 @@ SUPPORTED_TYPES = {
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 }
-# types whose decode matmuls the C kernels take from the file's own blocks, or (float, Q8_0)
-# requantize to int8 exactly as decode_quant.py describes; the others decode on the torch path
-NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0}
-# types whose weights are an f16 d (each block's first 2 bytes) times an integer in -127..127
-# per block of 32: the C int8 matmul holds them exactly with the file's d; block bytes
-INT8_TYPES = {Q.Q8_0: 34, Q.Q5_0: 22}
+# types whose decode matmuls the C kernels take from the file's own blocks (gguf_q4.py,
+# gguf_q8.py), or (float) requantize to int8 as decode_quant.py describes; the others (Q2_K,
+# Q3_K) decode on the torch path
+NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, *Q4_TYPES, *Q8_TYPES}
 ROPE_FREQS = "rope_freqs.weight"
 
 _LAYER_NAMES = {
@@ -117,9 +116,9 @@ class GGUFFile:
                 rope_freqs.data, GGMLQuantizationType(rope_freqs.tensor_type)).reshape(-1))
         arch = self.architecture
         num_layers = int(self.field(f"{a}.block_count"))
+        # a window the file states applies whatever the architecture's name: llama.cpp writes
+        # a Mistral GGUF as `llama`, whose HF configs have no window
         window = self.field(f"{a}.attention.sliding_window")
-        if not arch.sliding_window:
-            window = None
         sliding = None
         if window is not None and arch.gguf_global_every:
             every = arch.gguf_global_every
@@ -200,23 +199,21 @@ class GGUFFile:
                     w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
             yield name, w
 
-    def int8_scales(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, [N, K / 32] float32 block scales d) for every Q8_0 and
-        Q5_0 tensor, rows in the same order as `weights` gives them."""
+    def q8_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q8Weight]]:
+        """Yield (Hugging Face name, q8-family weight) for every Q8_0, Q5_0, Q5_1, Q5_K and
+        Q6_K matrix but the embedding (looked up, not multiplied), rows in the same order as
+        `weights` gives them."""
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
-            if qtype not in INT8_TYPES:
-                continue
-            rows = t.data.shape[0]
-            blocks = t.data.reshape(rows, -1, INT8_TYPES[qtype])  # [N, K / 32, block bytes]
-            d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]
-                                 .astype(np.float32))  # [N, K / 32]
             name = hf_name(t.name, self.architecture)
-            if self.architecture.gguf_permutes_qk and name.endswith("q_proj.weight"):
-                d = unpermute_qk(d, config.num_heads)
-            elif self.architecture.gguf_permutes_qk and name.endswith("k_proj.weight"):
-                d = unpermute_qk(d, config.num_kv_heads)
-            yield name, d
+            if qtype not in Q8_TYPES or name == "model.embed_tokens.weight":
+                continue
+            w = unpack_q8(t.data, qtype)
+            heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
+            for suffix, n in heads.items():
+                if self.architecture.gguf_permutes_qk and name.endswith(suffix):
+                    w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
+            yield name, w
 
     def chat_template(self) -> str | None:
         return self.field("tokenizer.chat_template")

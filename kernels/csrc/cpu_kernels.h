@@ -76,8 +76,23 @@ static inline __m256 exp256(__m256 x) {
 
 /* The structs Python passes in through ctypes (kernels/native.py mirrors them, and checks the
  * mirror against pd_struct_layout of layout.c when it loads the library). */
+/* Weight kinds (pd_matrix.kind). q4: qs u8 [N, K/32, 16] nibbles, w = q * d + c per 32.
+ * The q8 family: qs i8 [N, K], w = q * d (+ c), d (and c) per group of 32 or, "half", of 16:
+ *   8: q * d, per 32        Q8_0, Q5_0 (d * (q - 16)), a float tensor requantized
+ *   5: q * d + c, per 32    Q5_K, Q5_1, and a Q4_K/Q4_1 part fused beside them
+ *   6: q * d, per 16        Q6_K (d * scale_j * (q - 32) per 16)
+ *   7: q * d + c, per 16    a fused projection mixing 6 with 5 (q/k Q4_K, v Q6_K)
+ * The product is rounded, then c added (two roundings, as gguf's dequantizers do). */
+#define KIND_Q4 4
+#define KIND_Q8 8
+#define KIND_Q8_MIN 5
+#define KIND_Q8_HALF 6
+#define KIND_Q8_HALF_MIN 7
+#define KIND_HALF(kind) ((kind) == KIND_Q8_HALF || (kind) == KIND_Q8_HALF_MIN)
+#define KIND_MIN(kind) ((kind) == KIND_Q8_MIN || (kind) == KIND_Q8_HALF_MIN)
+
 typedef struct {
-    int32_t kind;   /* 4: q4 (qs u8 [N, K/32, 16], d, c); 8: q8 (qs i8 [N, K], d) */
+    int32_t kind;   /* KIND_*, above */
     int32_t int8_x; /* 1: qs, d, c packed in tiles for pd_i8_matmul (VNNI build only) */
     int64_t n, k;
     const void *qs;
@@ -85,16 +100,21 @@ typedef struct {
 } pd_matrix;
 
 typedef struct {
-    const float *in_norm, *post_norm; /* [hidden] float32 */
+    const float *in_norm, *post_norm; /* [hidden] float32: before attention, before the MLP */
     pd_matrix qkv, o, gate_up, down;
     int64_t window; /* a sliding window (pd_row_attention's), 0: global */
     const float *q_norm, *k_norm; /* [D] float32: RMSNorm of each q and k head; NULL: none */
+    /* Gemma's sandwich: RMSNorm of the attention's and the MLP's outputs before they join the
+     * residual stream, [hidden] float32; NULL: none */
+    const float *attn_out_norm, *mlp_out_norm;
+    int32_t gelu;       /* the MLP's gate: 0 silu, 1 tanh-approximated GELU (GeGLU) */
+    int32_t local_rope; /* 1: rotate with the call's cos_sin_local (Gemma's local layers) */
 } pd_layer;
 
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                  const float *c, int64_t N, float *y, int threads);
-void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
-                  int64_t N, float *y, int threads);
+int pd_q8_matmul(const float *x, int64_t M, int64_t K, int kind, const int8_t *qs,
+                 const float *d, const float *c, int64_t N, float *y, int threads);
 #ifdef __AVX512VNNI__
 int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *w,
                  const float *d, const float *c, int64_t N, float *y, int threads);

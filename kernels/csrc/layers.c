@@ -35,6 +35,9 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
  *   attention (over the layer's window, when set) -> a; h += a @ Wo
  *   x = rmsnorm(h) * post_norm;  g|u = x @ Wgate_up;  h += (silu(g) * u) @ Wdown
  *
+ * Gemma's layer: GeGLU (gelu) instead of silu, its local layers' own rope (local_rope), and
+ * the sandwich norms: h += rmsnorm(a @ Wo) * attn_out_norm, and the MLP's output likewise.
+ *
  * and at the end out = rmsnorm(h) * final_norm. The operations and their order are those of
  * the per-operation path (pd_add_rms_norm, pd_q4_matmul / pd_q8_matmul, pd_row_attention),
  * so every row is still batch and thread invariant. */
@@ -48,35 +51,49 @@ static int matmul(const float *x, int64_t M, const pd_matrix *w, float *y, int t
 #else
         return -1; /* packed for a build this is not */
 #endif
-    else if (w->kind == 4)
+    else if (w->kind == KIND_Q4)
         status = pd_q4_matmul(x, M, w->k, (const uint8_t *)w->qs, w->d, w->c, w->n, y, threads);
     else
-        pd_q8_matmul(x, M, w->k, (const int8_t *)w->qs, w->d, w->n, y, threads);
+        status = pd_q8_matmul(x, M, w->k, w->kind, (const int8_t *)w->qs, w->d, w->c, w->n, y,
+                              threads);
     if (w->bias != 0)
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < w->n; j++) y[r * w->n + j] += w->bias[j];
     return status;
 }
 
-/* act[r, :] = silu(gu[r, :I]) * gu[r, I:], silu(g) = g / (1 + e^-g); rows split over the
- * threads (32 rows of 1,536 take ~16 us on one Zen 5 core, 30 times a step) */
-static void silu_mul(const float *gu, int64_t M, int64_t I, float *act, int threads) {
+/* act[r, :] = act(gu[r, :I]) * gu[r, I:], act silu(g) = g / (1 + e^-g) or (gelu) the
+ * tanh-approximated GELU, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) with
+ * tanh(z) = 1 - 2 / (e^2z + 1); rows split over the threads (32 rows of 1,536 take ~16 us on
+ * one Zen 5 core, 30 times a step) */
+static inline __m256 gate256(__m256 g, const int gelu) {
     const __m256 one = _mm256_set1_ps(1.0f);
+    if (!gelu) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        return _mm256_div_ps(g, _mm256_add_ps(one, e));
+    }
+    const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 z = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                   _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+    const __m256 e = exp256(_mm256_add_ps(z, z));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t));
+}
+
+static void gated_mul(const float *gu, int64_t M, int64_t I, float *act, int gelu,
+                      int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
     for (int64_t r = 0; r < M; r++) {
         const float *g = gu + r * 2 * I, *u = g + I;
         float *a = act + r * I;
         int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(a + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-        }
+        for (; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(gate256(_mm256_loadu_ps(g + i), gelu),
+                                                  _mm256_loadu_ps(u + i)));
         for (; i < I; i++) {
-            float tail[8] = {-g[i]};
-            float e = _mm256_cvtss_f32(exp256(_mm256_loadu_ps(tail)));
-            a[i] = g[i] / (1.0f + e) * u[i];
+            float tail[8] = {g[i]}, out[8];
+            _mm256_storeu_ps(out, gate256(_mm256_loadu_ps(tail), gelu));
+            a[i] = out[0] * u[i];
         }
     }
 }
@@ -86,6 +103,7 @@ static void silu_mul(const float *gu, int64_t M, int64_t I, float *act, int thre
  * out [S, H]: rmsnorm(h) * final_norm. Returns 0, or -1 when out of memory. */
 int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int num_layers,
                      int64_t I, float eps, int Hq, int Hkv, int D, const float *cos_sin,
+                     const float *cos_sin_local,
                      void *kv, int64_t layer_stride, int kv_bf16, const int64_t *slots,
                      const int32_t *tables, int64_t table_stride, const int32_t *lens, int bs,
                      float scale, int64_t max_len, const float *final_norm, float *out,
@@ -111,15 +129,17 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
                 pd_add_rms_norm(q, 0, L->q_norm, eps, q, Hq, D);
                 pd_add_rms_norm(k, 0, L->k_norm, eps, k, Hkv, D);
             }
-        status |= pd_row_attention(wide, S, Hq, Hkv, D, cos_sin,
+        status |= pd_row_attention(wide, S, Hq, Hkv, D, L->local_rope ? cos_sin_local : cos_sin,
                                       (char *)kv + (size_t)l * layer_stride * elem, kv_bf16,
                                       slots, tables, table_stride, 0, lens, bs, scale, att,
                                       max_len, threads, L->window);
         status |= matmul(att, S, &L->o, tmp, threads);
+        if (L->attn_out_norm != 0) pd_add_rms_norm(tmp, 0, L->attn_out_norm, eps, tmp, S, H);
         pd_add_rms_norm(h, tmp, L->post_norm, eps, x, S, H);
         status |= matmul(x, S, &L->gate_up, wide, threads);
-        silu_mul(wide, S, I, att, threads);
+        gated_mul(wide, S, I, att, L->gelu, threads);
         status |= matmul(att, S, &L->down, tmp, threads);
+        if (L->mlp_out_norm != 0) pd_add_rms_norm(tmp, 0, L->mlp_out_norm, eps, tmp, S, H);
     }
     if (status == 0) pd_add_rms_norm(h, num_layers > 0 ? tmp : 0, final_norm, eps, out, S, H);
     free(x);

@@ -10,6 +10,8 @@
  *               d, c [N, K/32] f32                    (from the GGUF's own Q4_0/Q4_1 blocks:
  *               w = q * d + c                          c = m - off * d, off 8 for Q4_0, else 0)
  *   q8 weights: qs [N, K] i8, d [N, K/32] f32        w = q * d
+ *               (the q8 family of cpu_kernels.h: d, and c [N, K/32] where the kind has
+ *               one, or both per 16, [N, K/16]; w = q * d + c, the product rounded first)
  *
  * y[r, n] is computed by one thread in a fixed order (8 or 16 float lanes over K, then one
  * horizontal sum), whatever the number of rows or threads: a row's result is the same bit
@@ -38,10 +40,15 @@ static inline void nibbles_q4(const uint8_t *qs, __m256 q[4]) {
     q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-static inline void expand_q8(const int8_t *qs, __m256 d, __m256 w[4]) {
+/* The 32 weights of a q8-family group (kind: see cpu_kernels.h) as 4 x 8 floats. dg, cg:
+ * the group's d and c (two of each for a half kind: lanes 0..15, then 16..31). */
+static inline __attribute__((always_inline)) void expand_q8(
+        const int8_t *qs, const float *dg, const float *cg, __m256 w[4], const int kind) {
     for (int i = 0; i < 4; i++) {
+        const int h = KIND_HALF(kind) ? i / 2 : 0;
         __m128i b = _mm_loadl_epi64((const __m128i *)(qs + 8 * i));
-        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(dg[h]));
+        if (KIND_MIN(kind)) w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(cg[h]));
     }
 }
 
@@ -86,27 +93,32 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * constant at both calls. */
 static inline __attribute__((always_inline)) void tile512(
         const float *x, int64_t K, const void *qs, const float *d, const float *c, float *y,
-        int64_t N, const int rows, const int q4) {
+        int64_t N, const int rows, const int kind) {
     const int64_t groups = K / GROUP;
+    const int per = KIND_HALF(kind) ? 2 : 1; /* d (and c) per group */
     const __m128i mask = _mm_set1_epi8(0x0F);
     __m512 acc[ROW_TILE];
 #pragma GCC unroll 16
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const __m512 dg = _mm512_set1_ps(d[g]);
+        const __m512 d0 = _mm512_set1_ps(d[g * per]), d1 = _mm512_set1_ps(d[g * per + per - 1]);
         __m512 w0, w1;
-        if (q4) {
+        if (kind == KIND_Q4) {
             const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + g * 16));
             const __m512 cg = _mm512_set1_ps(c[g]);
             w0 = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), dg, cg);
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), d0, cg);
             w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                     _mm_and_si128(_mm_srli_epi16(b, 4), mask))), dg, cg);
+                                     _mm_and_si128(_mm_srli_epi16(b, 4), mask))), d0, cg);
         } else {
             const __m128i *q = (const __m128i *)((const int8_t *)qs + g * GROUP);
-            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dg);
+            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d0);
             w1 = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dg);
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d1);
+            if (KIND_MIN(kind)) {
+                w0 = _mm512_add_ps(w0, _mm512_set1_ps(c[g * per]));
+                w1 = _mm512_add_ps(w1, _mm512_set1_ps(c[g * per + per - 1]));
+            }
         }
 #pragma GCC unroll 16
         for (int r = 0; r < rows; r++) {
@@ -123,7 +135,7 @@ static inline __attribute__((always_inline)) void q4_tile(
         const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
         const float *c, float *y, int64_t N, const int rows) {
     (void)xsum;
-    tile512(x, K, qs, d, c, y, N, rows, 1);
+    tile512(x, K, qs, d, c, y, N, rows, KIND_Q4);
 }
 #else
 static inline __attribute__((always_inline)) void q4_tile(
@@ -176,21 +188,22 @@ static void q4_columns(const float *x, const float *xsum, int64_t M, int64_t K,
 
 #ifdef __AVX512F__
 static inline __attribute__((always_inline)) void q8_tile(
-        const float *x, int64_t K, const int8_t *qs, const float *d, float *y, int64_t N,
-        const int rows) {
-    tile512(x, K, qs, d, 0, y, N, rows, 0);
+        const float *x, int64_t K, const int8_t *qs, const float *d, const float *c, float *y,
+        int64_t N, const int rows, const int kind) {
+    tile512(x, K, qs, d, c, y, N, rows, kind);
 }
 #else
 static inline __attribute__((always_inline)) void q8_tile(
-        const float *x, int64_t K, const int8_t *qs, const float *d, float *y, int64_t N,
-        const int rows) {
+        const float *x, int64_t K, const int8_t *qs, const float *d, const float *c, float *y,
+        int64_t N, const int rows, const int kind) {
     const int64_t groups = K / GROUP;
+    const int per = KIND_HALF(kind) ? 2 : 1;
     __m256 acc[ROW_TILE];
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 w[4];
-        expand_q8(qs + g * GROUP, _mm256_set1_ps(d[g]), w);
+        expand_q8(qs + g * GROUP, d + g * per, KIND_MIN(kind) ? c + g * per : 0, w, kind);
         fma_rows(x + g * GROUP, K, rows, w, acc);
     }
 #pragma GCC unroll 8
@@ -199,12 +212,14 @@ static inline __attribute__((always_inline)) void q8_tile(
 #endif
 
 /* Columns n0 .. n1 - 1 for all M rows, row tiles outer (see q4_columns). */
-static void q8_columns(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
-                       int64_t n0, int64_t n1, float *y, int64_t N) {
-    const int64_t groups = K / GROUP;
+static inline __attribute__((always_inline)) void q8_columns(
+        const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, const float *c,
+        int64_t n0, int64_t n1, float *y, int64_t N, const int kind) {
+    const int64_t scales = K / GROUP * (KIND_HALF(kind) ? 2 : 1); /* d (and c) per column */
 #define Q8_TILE(ROWS)                                                                      \
     for (int64_t n = n0; n < n1; n++)                                                      \
-        q8_tile(x + r * K, K, qs + n * K, d + n * groups, y + r * N + n, N, ROWS)
+        q8_tile(x + r * K, K, qs + n * K, d + n * scales, KIND_MIN(kind) ? c + n * scales : 0, \
+                y + r * N + n, N, ROWS, kind)
     int64_t r = 0;
 #if ROW_TILE > 8
     if (K * ROW_TILE * sizeof(float) <= L1_ROWS_BYTES)
@@ -213,6 +228,17 @@ static void q8_columns(const float *x, int64_t M, int64_t K, const int8_t *qs, c
     for (; r + 8 <= M; r += 8) Q8_TILE(8);
     LAST_ROWS(Q8_TILE, M - r);
 #undef Q8_TILE
+}
+
+static void q8_block(const float *x, int64_t M, int64_t K, int kind, const int8_t *qs,
+                     const float *d, const float *c, int64_t n0, int64_t n1, float *y,
+                     int64_t N) {
+    switch (kind) { /* each kind its own compiled tile */
+    case KIND_Q8: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8); break;
+    case KIND_Q8_MIN: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_MIN); break;
+    case KIND_Q8_HALF: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_HALF); break;
+    default: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_HALF_MIN); break;
+    }
 }
 
 /* y [M, N] = x [M, K] @ W.T, W as q4 (see the top of the file). K % 32 == 0.
@@ -242,13 +268,18 @@ int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const 
     return 0;
 }
 
-/* y [M, N] = x [M, K] @ W.T, W as q8 (see the top of the file). K % 32 == 0. */
-void pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
-                  int64_t N, float *y, int threads) {
+/* y [M, N] = x [M, K] @ W.T, W in the q8 family (kind 8, 5, 6 or 7; see the top of the file
+ * and cpu_kernels.h). K % 32 == 0. Returns 0, or -2 for a kind that is not one of them. */
+int pd_q8_matmul(const float *x, int64_t M, int64_t K, int kind, const int8_t *qs,
+                 const float *d, const float *c, int64_t N, float *y, int threads) {
+    if (kind != KIND_Q8 && kind != KIND_Q8_MIN && kind != KIND_Q8_HALF &&
+        kind != KIND_Q8_HALF_MIN)
+        return -2;
     const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t end = (b + 1) * COL_BLOCK < N ? (b + 1) * COL_BLOCK : N;
-        q8_columns(x, M, K, qs, d, b * COL_BLOCK, end, y, N);
+        q8_block(x, M, K, kind, qs, d, c, b * COL_BLOCK, end, y, N);
     }
+    return 0;
 }

@@ -17,6 +17,9 @@
  *   q8: w [N/16, K/32, 8, 16, 4] u8: byte (m, n, i) = q[n, 4m + i] + 128 (u8 for vpdpbusd)
  *       d [N/16, K/32, 16] f32                        w = q * d; the + 128 is taken back
  *                                                     as 128 * sum(xq) per row and group
+ *       the rest of the q8 family (cpu_kernels.h) packs q the same way, and c as q4's d;
+ *       a half kind has d (and c) [N/16, K/32, 2, 16]: k 0..15 of a group (m 0..3) take
+ *       the first 16 columns' scales, k 16..31 (m 4..7) the second, each half its own dot
  * Columns past N are zero in the packing and not stored.
  *
  * y[r, n] = sum_g (d[n, g] * sx[r, g]) * dot_int(q[n, g], xq[r, g]) (+ c[n, g] * xsum[r, g]),
@@ -34,6 +37,8 @@ typedef struct {
     float *sx;     /* [M, G] */
     float *xsum;   /* [M, G] */
     int32_t *xqs;  /* [M, G] */
+    float *xsum_lo;  /* [M, G]: of the group's first 16 (the half kinds) */
+    int32_t *xqs_lo; /* [M, G] */
 } pd_xq;
 
 static int quantize_rows(const float *x, int64_t M, int64_t K, pd_xq *q) {
@@ -42,7 +47,11 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, pd_xq *q) {
     q->sx = malloc((size_t)(M * G) * sizeof(float));
     q->xsum = malloc((size_t)(M * G) * sizeof(float));
     q->xqs = malloc((size_t)(M * G) * sizeof(int32_t));
-    if (q->xq == 0 || q->sx == 0 || q->xsum == 0 || q->xqs == 0) return -1;
+    q->xsum_lo = malloc((size_t)(M * G) * sizeof(float));
+    q->xqs_lo = malloc((size_t)(M * G) * sizeof(int32_t));
+    if (q->xq == 0 || q->sx == 0 || q->xsum == 0 || q->xqs == 0 || q->xsum_lo == 0 ||
+        q->xqs_lo == 0)
+        return -1;
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t i = 0; i < M * G; i++) {
         const float *xg = x + i * GROUP;
@@ -57,6 +66,8 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, pd_xq *q) {
         q->sx[i] = sx;
         q->xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
         q->xqs[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        q->xsum_lo[i] = _mm512_reduce_add_ps(a);
+        q->xqs_lo[i] = _mm512_reduce_add_epi32(qa);
     }
     return 0;
 }
@@ -66,9 +77,11 @@ static void free_xq(pd_xq *q) {
     free(q->sx);
     free(q->xsum);
     free(q->xqs);
+    free(q->xsum_lo);
+    free(q->xqs_lo);
 }
 
-/* Rows 0 .. rows - 1 of one tile of 16 columns (`rows` and `q4` compile-time constants).
+/* Rows 0 .. rows - 1 of one tile of 16 columns (`rows` and `kind` compile-time constants).
  * next, far: the weights of the next tile and of the one FAR_TILES ahead, asked for group by
  * group into L1 and L2 while this one computes (NULL: none). A step's weights (~110 MB with
  * the lm_head) stream from memory, and the hardware prefetchers alone kept a 32-row call of
@@ -77,8 +90,10 @@ static void free_xq(pd_xq *q) {
 static inline __attribute__((always_inline)) void i8_tile(
         const pd_xq *xq, int64_t r0, int64_t K, const uint8_t *w, const float *d,
         const float *c, float *y, int64_t N, __mmask16 cols, const uint8_t *next,
-        const uint8_t *far, const int rows, const int q4) {
+        const uint8_t *far, const int rows, const int kind) {
     const int64_t G = K / GROUP;
+    const int q4 = kind == KIND_Q4, half = KIND_HALF(kind), min = q4 || KIND_MIN(kind);
+    const int64_t scales = half ? 2 * I8_COLS : I8_COLS; /* floats of d (and c) per group */
     const __m512i low = _mm512_set1_epi8(0x0F);
     const int64_t group_bytes = q4 ? 256 : 512;
     __m512 acc[ROW_TILE];
@@ -91,8 +106,8 @@ static inline __attribute__((always_inline)) void i8_tile(
             if (far)
                 for (int64_t b = 0; b < group_bytes; b += 64)
                     _mm_prefetch((const char *)far + g * group_bytes + b, _MM_HINT_T1);
-            _mm_prefetch((const char *)(d + (G + g) * I8_COLS), _MM_HINT_T0);
-            if (q4) _mm_prefetch((const char *)(c + (G + g) * I8_COLS), _MM_HINT_T0);
+            _mm_prefetch((const char *)(d + (G + g) * scales), _MM_HINT_T0);
+            if (min) _mm_prefetch((const char *)(c + (G + g) * scales), _MM_HINT_T0);
         }
         __m512i wv[8];
         if (q4) {
@@ -107,42 +122,61 @@ static inline __attribute__((always_inline)) void i8_tile(
 #pragma GCC unroll 8
             for (int m = 0; m < 8; m++) wv[m] = _mm512_loadu_si512(w + g * 512 + 64 * m);
         }
-        const __m512 dv = _mm512_loadu_ps(d + g * I8_COLS);
-        const __m512 cv = q4 ? _mm512_loadu_ps(c + g * I8_COLS) : _mm512_setzero_ps();
+        const __m512 dv = _mm512_loadu_ps(d + g * scales);
+        const __m512 cv = min ? _mm512_loadu_ps(c + g * scales) : _mm512_setzero_ps();
+        const __m512 dv1 = half ? _mm512_loadu_ps(d + g * scales + I8_COLS) : dv;
+        const __m512 cv1 = half && min ? _mm512_loadu_ps(c + g * scales + I8_COLS) : cv;
 #pragma GCC unroll 16
         for (int r = 0; r < rows; r++) {
             const int64_t rg = (r0 + r) * G + g;
             const int32_t *xr = (const int32_t *)(xq->xq + rg * GROUP);
+            const __m512 sx = _mm512_set1_ps(xq->sx[rg]);
+            if (half) { /* the two halves of the group: their own dots and scales */
+                __m512i ia = _mm512_set1_epi32(-128 * xq->xqs_lo[rg]);
+                __m512i ib = _mm512_set1_epi32(-128 * (xq->xqs[rg] - xq->xqs_lo[rg]));
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) {
+                    ia = _mm512_dpbusd_epi32(ia, wv[m], _mm512_set1_epi32(xr[m]));
+                    ib = _mm512_dpbusd_epi32(ib, wv[m + 4], _mm512_set1_epi32(xr[m + 4]));
+                }
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(dv, sx), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(dv1, sx), acc[r]);
+                if (min) {
+                    const float lo = xq->xsum_lo[rg];
+                    acc[r] = _mm512_fmadd_ps(cv, _mm512_set1_ps(lo), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(cv1, _mm512_set1_ps(xq->xsum[rg] - lo), acc[r]);
+                }
+                continue;
+            }
             __m512i ia = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * xq->xqs[rg]);
 #pragma GCC unroll 8
             for (int m = 0; m < 8; m++)
                 ia = _mm512_dpbusd_epi32(ia, wv[m], _mm512_set1_epi32(xr[m]));
-            const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(xq->sx[rg]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
-            if (q4) acc[r] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xq->xsum[rg]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(dv, sx), acc[r]);
+            if (min) acc[r] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xq->xsum[rg]), acc[r]);
         }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * N, cols, acc[r]);
 }
 
-static void i8_columns(const pd_xq *xq, int64_t M, int64_t K, int64_t t, const uint8_t *w,
-                       const float *d, const float *c, float *y, int64_t N, const int q4) {
-    const int64_t G = K / GROUP, n0 = t * I8_COLS;
+static inline __attribute__((always_inline)) void i8_columns(
+        const pd_xq *xq, int64_t M, int64_t K, int64_t t, const uint8_t *w, const float *d,
+        const float *c, float *y, int64_t N, const int kind) {
+    const int q4 = kind == KIND_Q4, min = q4 || KIND_MIN(kind);
+    const int64_t scales = KIND_HALF(kind) ? 2 * I8_COLS : I8_COLS;
+    const int64_t G = K / GROUP, n0 = t * I8_COLS, tile_bytes = G * (q4 ? 256 : 512);
     const int64_t ncols = N - n0 < I8_COLS ? N - n0 : I8_COLS;
     const __mmask16 cols = (__mmask16)((1u << ncols) - 1);
-    const uint8_t *wt = w + t * G * (q4 ? 256 : 512);
-    const float *dt = d + t * G * I8_COLS, *ct = q4 ? c + t * G * I8_COLS : 0;
+    const uint8_t *wt = w + t * tile_bytes;
+    const float *dt = d + t * G * scales, *ct = min ? c + t * G * scales : 0;
     /* the next tile's weights and scales, fetched during the first row block */
-    const uint8_t *next = n0 + I8_COLS < N ? wt + G * (q4 ? 256 : 512) : 0;
-    const uint8_t *far = n0 + FAR_TILES * I8_COLS < N ? wt + FAR_TILES * G * (q4 ? 256 : 512) : 0;
+    const uint8_t *next = n0 + I8_COLS < N ? wt + tile_bytes : 0;
+    const uint8_t *far = n0 + FAR_TILES * I8_COLS < N ? wt + FAR_TILES * tile_bytes : 0;
 #define I8_TILE(ROWS)                                                                      \
     do {                                                                                   \
         const uint8_t *pf = r == 0 ? next : 0, *pff = r == 0 ? far : 0;                    \
-        if (q4)                                                                            \
-            i8_tile(xq, r, K, wt, dt, ct, y + r * N + n0, N, cols, pf, pff, ROWS, 1);      \
-        else                                                                               \
-            i8_tile(xq, r, K, wt, dt, ct, y + r * N + n0, N, cols, pf, pff, ROWS, 0);      \
+        i8_tile(xq, r, K, wt, dt, ct, y + r * N + n0, N, cols, pf, pff, ROWS, kind);       \
     } while (0)
     int64_t r = 0;
     for (; r + ROW_TILE <= M; r += ROW_TILE) I8_TILE(ROW_TILE);
@@ -151,10 +185,24 @@ static void i8_columns(const pd_xq *xq, int64_t M, int64_t K, int64_t t, const u
 #undef I8_TILE
 }
 
-/* y [M, N] = x [M, K] @ W.T with W packed as above (kind 4 or 8) and x quantized to int8.
- * Returns 0, or -1 when out of memory. */
+static void i8_tiles(const pd_xq *xq, int64_t M, int64_t K, int64_t t, const uint8_t *w,
+                     const float *d, const float *c, float *y, int64_t N, int kind) {
+    switch (kind) { /* each kind its own compiled tile */
+    case KIND_Q4: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q4); break;
+    case KIND_Q8: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q8); break;
+    case KIND_Q8_MIN: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q8_MIN); break;
+    case KIND_Q8_HALF: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q8_HALF); break;
+    default: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q8_HALF_MIN); break;
+    }
+}
+
+/* y [M, N] = x [M, K] @ W.T with W packed as above (any kind of cpu_kernels.h) and x
+ * quantized to int8. Returns 0, -1 when out of memory, or -2 for an unknown kind. */
 int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *w,
                  const float *d, const float *c, int64_t N, float *y, int threads) {
+    if (kind != KIND_Q4 && kind != KIND_Q8 && kind != KIND_Q8_MIN && kind != KIND_Q8_HALF &&
+        kind != KIND_Q8_HALF_MIN)
+        return -2;
     pd_xq xq;
     if (quantize_rows(x, M, K, &xq) != 0) {
         free_xq(&xq);
@@ -162,8 +210,7 @@ int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *
     }
     const int64_t tiles = (N + I8_COLS - 1) / I8_COLS;
 #pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++)
-        i8_columns(&xq, M, K, t, w, d, c, y, N, kind == 4);
+    for (int64_t t = 0; t < tiles; t++) i8_tiles(&xq, M, K, t, w, d, c, y, N, kind);
     free_xq(&xq);
     return 0;
 }

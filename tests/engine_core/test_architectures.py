@@ -153,6 +153,19 @@ def test_gguf_qwen3_unpermuted_with_qk_norm(tmp_path):
     check_against_hf(hf, gguf_dir / "m.gguf")
 
 
+def test_gguf_mistral_written_as_llama_keeps_its_window(tmp_path):
+    """llama.cpp writes Mistral as `llama`; where the file says `llama.attention.sliding_window`,
+    every layer slides, and prompts longer than the window match transformers."""
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    hf = tm.build_hf(transformers.MistralConfig, tmp_path, sliding_window=12)
+    path = tmp_path / "m.gguf"
+    tm.write_gguf(hf, path, arch="llama", extra={"llama.attention.sliding_window": 12})
+    cfg = GGUFFile(path).model_config()
+    assert cfg.sliding_window == 12 and cfg.sliding_layers is None
+    check_against_hf(hf, path)
+
+
 def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
     """llama.cpp's Gemma 3 GGUF: norms already + 1, its own norm names, head_dim as
     key_length, the window without a layer pattern (every 6th layer is global), the local
@@ -165,12 +178,13 @@ def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
     check_against_hf(hf, gguf_dir / "m.gguf")
 
 
-@pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3", "gemma3", "gemma3-mqa"])
 def test_one_call_c_decode_layers(case, tmp_path):
     """Where the C kernels load, every layer's attention runs in them (windowed ones with
     their window), and the decode rows of Llama-style layers, with q/k/v bias, q/k norm or a
-    window, go through all layers in one C call (pd_decode_layers), giving the tokens the
-    layer-by-layer path gives with the same quantized weights."""
+    window, and of Gemma 3's (GeGLU, sandwich norms, local layers' own rope base, scaled
+    embeddings and attention), go through all layers in one C call (pd_decode_layers),
+    giving the tokens the layer-by-layer path gives with the same quantized weights."""
     from kernels import native
 
     if native.load() is None:
@@ -179,13 +193,19 @@ def test_one_call_c_decode_layers(case, tmp_path):
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
     eng = tm.engine(tmp_path, quantize_decode=True)
     window = overrides.get("sliding_window")
-    assert all(layer.self_attn.native is not None and layer.self_attn.window == window
-               for layer in eng.model.layers)
+    types = overrides.get("layer_types", ["sliding_attention"] * 2)
+    windows = [window if t == "sliding_attention" else None for t in types]
+    assert [layer.self_attn.window for layer in eng.model.layers] == windows
+    assert all(layer.self_attn.native is not None for layer in eng.model.layers)
     assert eng.runner.quantization.decode_layers is not None
-    decode_layers = eng.runner.quantization.decode_layers
-    assert [layer.window for layer in decode_layers.layers] == [window or 0] * 2
-    assert all(bool(layer.q_norm) == (case == "qwen3")
-               for layer in eng.runner.quantization.decode_layers.layers)
+    layers = eng.runner.quantization.decode_layers.layers
+    assert [layer.window for layer in layers] == [w or 0 for w in windows]
+    gemma = case.startswith("gemma3")
+    assert all(bool(layer.q_norm) == (case == "qwen3" or gemma) for layer in layers)
+    assert all(bool(layer.attn_out_norm) == bool(layer.mlp_out_norm) == layer.gelu == gemma
+               for layer in layers)
+    assert [layer.local_rope for layer in layers] == [int(gemma and w is not None)
+                                                      for w in windows]
     prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
     assert tm.relative_error(tm.prompt_logits(eng, prompts[0]),
                              tm.hf_logits(hf, prompts[0])) < 1e-3

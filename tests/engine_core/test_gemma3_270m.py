@@ -56,14 +56,22 @@ def test_greedy_and_logits_match_transformers(gemma_path, gemma_hf, prompts):
 
 
 def test_cpu_defaults_decode_its_quant_types(gemma_path, gemma_hf, prompts, caplog):
-    """Quantized decode: Q4_K, Q5_0 and Q8_0 in C, Q6_K dense (logged once); attention in C
-    (head_dim 256, one KV head)."""
+    """Quantized decode: every tensor type of the file in C (Q4_K as 4-bit, Q5_0, Q8_0 and
+    Q6_K in the q8 family, no torch-path log line); attention in C (head_dim 256, one KV
+    head)."""
+    from engine_core.model.decode_quant import DecodeQuantization, NativeQ8Matmul
+
     with caplog.at_level(logging.INFO):
         eng = tm.engine(gemma_path, block_size=16, quantize_decode=True,
                         decode_activations="float32")
     messages = [r.message for r in caplog.records]
-    assert sum("Q6_K have no C decode kernel" in m for m in messages) == 1
+    assert not any("have no C decode kernel" in m for m in messages)
+    down = eng.model.layers[0].mlp.down_proj.quant  # Q6_K in this file
+    assert isinstance(down, NativeQ8Matmul) and down.kind == 6
+    assert eng.runner.quantization.decode_layers is not None  # all 18 layers in one C call
     assert all(layer.self_attn.native is not None for layer in eng.model.layers)
     got = tm.greedy(eng, prompts[:2], 8)
     for p, tokens in zip(prompts[:2], got, strict=True):
         assert tokens[:2] == tm.hf_greedy(gemma_hf, p, 2)
+    eng.runner.quantization = DecodeQuantization(decode_layers=None)  # layer by layer
+    assert tm.greedy(eng, prompts[:2], 8) == got

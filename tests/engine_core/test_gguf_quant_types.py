@@ -68,12 +68,12 @@ def test_quantized_model_matches_transformers(qtype, tmp_path):
 
 def test_k_quants_decode_on_the_torch_path_and_say_so_once(tmp_path, caplog):
     """Quantized decode (the CPU default) keeps the dense weights of tensors whose type the C
-    kernels lack, logs that once, and decodes the exact engine's greedy tokens."""
-    hf, path = gguf_model(tmp_path, Q.Q6_K)
+    kernels lack (Q3_K), logs that once, and decodes the exact engine's greedy tokens."""
+    hf, path = gguf_model(tmp_path, Q.Q3_K)
     with caplog.at_level(logging.INFO):
         eng = tm.engine(path, quantize_decode=True)
     lines = [r.message for r in caplog.records if "have no C decode kernel" in r.message]
-    assert len(lines) == 1 and "Q6_K" in lines[0], lines
+    assert len(lines) == 1 and "Q3_K" in lines[0], lines
     layer = eng.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, torch.nn.Linear)
     assert isinstance(layer.mlp.down_proj, torch.nn.Linear)
@@ -153,6 +153,87 @@ def test_q5_0_and_q8_0_decode_in_c_with_the_files_scales(qtype, tmp_path):
     assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ8Matmul)
     q = proj.quant.qs.float().view(proj.quant.n, -1, 32)  # [N, K / 32, 32]
     back = (q * proj.quant.d[..., None]).view(proj.quant.n, -1)
+    assert torch.equal(back, proj.dense.weight.float())
+    assert eng.runner.quantization.decode_layers is not None
+    prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
+    assert tm.greedy(eng, prompts, 16) == tm.greedy(tm.engine(path), prompts, 16)
+
+
+def raw_blocks(qtype, rows: int, cols: int, seed: int):
+    """[rows, bytes] raw blocks: gguf's own quantization of random weights where it writes the
+    type, random blocks (tiny_models.random_k_quant) for the K-quants it only reads."""
+    import numpy as np
+    from gguf.quants import quantize
+
+    if qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return tm.random_k_quant(qtype, rows, cols, seed)
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    return quantize(w, qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K, Q.Q5_1, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_q8_family_expands_to_gguf_dequantize_and_multiplies_in_c(qtype):
+    """The q8 form of a tensor (gguf_q8.unpack_q8) expands to gguf's own dequantization bit
+    for bit, and the C matmul of decode rows (float32 activations) equals that dequantized
+    weight times x, computed by torch in float64, to float32 rounding."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.weights.gguf_q8 import unpack_q8
+    from kernels import native
+
+    raw = raw_blocks(qtype, 40, 512, seed=qtype.value)
+    w = unpack_q8(raw, qtype)
+    expected = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32)
+                                .reshape(40, 512))
+    assert torch.equal(w.dequantize(), expected)
+    assert w.kind == {Q.Q6_K: 6, Q.Q5_K: 5, Q.Q5_1: 5}.get(qtype, 8)
+    lib = native.load()
+    if lib is None:
+        pytest.skip("the C kernels do not load here")
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(NativeQ8Matmul(w, lib)(x).double(),
+                               x.double() @ expected.double().T, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_projection_of_q4_k_and_q6_k_parts_is_one_exact_matrix():
+    """q/k in Q4_K and v in Q6_K (as Q4_K_M files hold them) fuse into one half-kind matrix
+    with a constant (kind 7) whose weights are each part's gguf dequantization."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from engine_core.weights.gguf_q4 import unpack_q4
+    from engine_core.weights.gguf_q8 import Q8Weight, unpack_q8
+
+    a, b = tm.random_k_quant(Q.Q4_K, 8, 256, 1), tm.random_k_quant(Q.Q6_K, 4, 256, 2)
+    fused = Q8Weight.cat([Q8Weight.from_q4(unpack_q4(a, Q.Q4_K)), unpack_q8(b, Q.Q6_K)])
+    assert fused.kind == 7
+    expected = np.concatenate([np.asarray(dequantize(a, Q.Q4_K)).reshape(8, 256),
+                               np.asarray(dequantize(b, Q.Q6_K)).reshape(4, 256)])
+    assert torch.equal(fused.dequantize(), torch.from_numpy(expected.astype(np.float32)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
+def test_k_quants_decode_in_c(qtype, tmp_path, caplog):
+    """Q6_K and Q5_K tensors decode in C from their own integers and scales (all layers in one
+    call), with no torch-path log line; float32 activations give the dense engine's tokens."""
+    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ8Matmul
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    _, path = gguf_model(tmp_path, qtype)
+    with caplog.at_level(logging.INFO):
+        eng = tm.engine(path, quantize_decode=True, decode_activations="float32")
+    assert not any("have no C decode kernel" in r.message for r in caplog.records)
+    proj = eng.model.layers[0].mlp.down_proj
+    assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ8Matmul)
+    quant = proj.quant  # its weights are the file's: q * d (+ c) is the dense weight
+    group = 16 if quant.kind in (6, 7) else 32
+    back = quant.qs.float() * quant.d.repeat_interleave(group, dim=1)
+    if quant.c is not None:
+        back = back + quant.c.repeat_interleave(group, dim=1)
     assert torch.equal(back, proj.dense.weight.float())
     assert eng.runner.quantization.decode_layers is not None
     prompts = tm.prompts(WIDE["vocab_size"], [9, 40])

@@ -138,6 +138,81 @@ def test_int8_q8_matmul_matches_its_reference(vnni_lib, n, k):
     assert ((y - exact).norm() / exact.norm()).item() < 2e-2
 
 
+def random_q8_family(n: int, k: int, kind: int, seed: int):
+    """A random weight of the q8 family (kernels/csrc/cpu_kernels.h): 5 has c, 6 and 7 have d
+    (and c) per 16, as Q5_K / Q6_K / a fused mix hold them."""
+    from engine_core.weights.gguf_q8 import Q8Weight
+
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 16 if kind in (6, 7) else k // 32
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, groups, generator=g) * 0.01).half().float()
+    d[0, 0] = 0.0  # a zero scale: its group is c alone
+    c = (torch.randn(n, groups, generator=g) * 0.05) if kind in (5, 7) else None
+    return Q8Weight(q, d, c)
+
+
+@pytest.mark.parametrize("kind", [5, 6, 7])
+@pytest.mark.parametrize("n,k", [(100, 576), (17, 64)])
+def test_q8_family_matmul_matches_float64_reference(lib, kind, n, k):
+    """Float32 activations: the weights expand to q * d (+ c), the product rounded first, as
+    gguf's dequantizers compute them; the sums agree with float64 to float32 rounding."""
+    from engine_core.model.decode_quant import NativeQ8Matmul
+
+    w = random_q8_family(n, k, kind, seed=n + kind)
+    layer = NativeQ8Matmul(w, lib)
+    assert layer.kind == kind
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(kind))
+    torch.testing.assert_close(layer(x).double(), x.double() @ w.dequantize().double().T,
+                               atol=1e-5, rtol=1e-5)
+
+
+def int8_reference_half(x: torch.Tensor, w) -> torch.Tensor:
+    """pd_i8_matmul's arithmetic in float64 for a q8-family weight of any kind: per half of 16
+    (or per 32) an integer dot times d * sx, plus c times the exact sum of x."""
+    m, k = x.shape
+    group = 16 if w.is_half else 32
+    xg = x.view(m, k // 32, 32)
+    amax = xg.abs().amax(dim=2)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = torch.round(xg * inv[..., None]).clamp(-128, 127).view(m, -1, group)
+    sx = (amax / 127).double().repeat_interleave(32 // group, dim=1)  # [m, K / group]
+    dots = torch.einsum("mgk,ngk->mng", xq.double(), w.q.double().view(w.q.shape[0], -1, group))
+    y = (dots * (w.d.double()[None] * sx[:, None])).sum(dim=2)
+    if w.c is not None:
+        xs = x.view(m, -1, group).sum(dim=2).double()
+        y = y + (w.c.double()[None] * xs[:, None]).sum(dim=2)
+    return y
+
+
+@pytest.mark.parametrize("kind", [5, 6, 7])
+@pytest.mark.parametrize("n,k", [(100, 576), (16, 32)])
+def test_int8_q8_family_matmul_matches_its_reference(vnni_lib, kind, n, k):
+    from engine_core.model.decode_quant import NativeQ8Matmul
+
+    w = random_q8_family(n, k, kind, seed=n + 10 * kind)
+    layer = NativeQ8Matmul(w, vnni_lib, int8=True)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(kind))
+    x[3] = 0.0
+    y = layer(x).double()
+    expected = int8_reference_half(x, w)
+    scale = expected.abs().amax(dim=1, keepdim=True).clamp(min=1.0)
+    assert ((y - expected).abs() / scale).max().item() < 1e-5
+    exact = x.double() @ w.dequantize().double().T
+    assert ((y - exact).norm() / exact.norm()).item() < 2e-2
+
+
+def test_int8_half_packing_layout():
+    """A half kind's d [N, K / 16] packs as [N / 16, K / 32, 2, 16]: (tile, group, half, col)."""
+    q = torch.zeros(20, 64, dtype=torch.int8)
+    d = torch.arange(20 * 4, dtype=torch.float32).view(20, 4)
+    _, packed, _ = native.pack_q8_int8(q, d)
+    assert packed.shape == (2, 2, 2, 16)
+    t, g, h, col = 1, 1, 0, 3
+    assert packed[t, g, h, col] == d[16 * t + col, 2 * g + h]
+    assert torch.all(packed[1, :, :, 4:] == 0)
+
+
 def test_int8_packing_layout():
     """Byte (tile, group, j, column, i) of the q4 packing holds k = 8j + i and 8j + 4 + i."""
     w = random_q4(20, 64, 0.0, seed=11)
@@ -148,11 +223,11 @@ def test_int8_packing_layout():
     assert packed[t, g, j, col, i] == w.q[n, k] | (w.q[n, k + 4] << 4)
     assert d[t, g, col] == w.d[n, g]
     assert torch.all(packed[1, :, :, 4:] == 0)  # columns 20..31 do not exist: zero
-    q8, _ = native.pack_q8_int8(torch.full((3, 32), -5, dtype=torch.int8), torch.ones(3, 1))
+    q8, _, _ = native.pack_q8_int8(torch.full((3, 32), -5, dtype=torch.int8), torch.ones(3, 1))
     assert q8.shape == (1, 1, 8, 16, 4) and q8[0, 0, :, :3].eq(123).all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q4-int8", "q8-int8"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8h", "q4-int8", "q8-int8", "q8h-int8"])
 def test_matmul_rows_are_batch_and_thread_invariant(lib, kind):
     from engine_core.model.decode_quant import NativeQ4Matmul, NativeQ8Matmul
 
@@ -161,7 +236,8 @@ def test_matmul_rows_are_batch_and_thread_invariant(lib, kind):
         pytest.skip("int8 activations are in the VNNI build only")
     w = random_q4(200, 576, 0.0, seed=7)
     layer = (NativeQ4Matmul(w, lib, int8) if kind.startswith("q4")
-             else NativeQ8Matmul(w.dequantize(), lib, int8))
+             else NativeQ8Matmul(random_q8_family(200, 576, 7, seed=7), lib, int8)
+             if kind.startswith("q8h") else NativeQ8Matmul(w.dequantize(), lib, int8))
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(2))
     with torch_threads(2):
         batched = layer(x)

@@ -1,0 +1,126 @@
+"""GGUF tensors whose weights are a small integer times a scale, plus a constant, per group
+of 32 or 16 along K: the C kernels' q8 family (kernels/csrc/cpu_kernels.h).
+
+    type   group  w                            q            from the block header
+    Q8_0   32     d * q                        -127..127    d
+    Q5_0   32     d * q                        -16..15      d
+    Q5_1   32     d * q + m                    0..31        d, m
+    Q5_K   32     (d * sc) * q - dmin * mn     0..31        d, dmin, 6-bit (sc, mn) pairs
+    Q6_K   16     (d * sc) * q                 -32..31      d, int8 sc per 16
+
+Each is kept as q (int8), d and c per group (c = the constant, absent where it is 0), so
+w = q * d + c with the product rounded first: the same float32 operations as gguf's own
+dequantizers, bit for bit. The scales come from the block headers (for Q5_K through gguf's own
+`Q4_K.get_scale_min`); the integers are recovered from gguf's own `gguf.quants.dequantize`, as
+round((w - c) / d), and checked to give w back exactly, so no bit layout is re-derived here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import Q4_K, dequantize
+
+from engine_core.weights.gguf_q4 import Q4Weight
+
+Q = GGMLQuantizationType
+Q8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
+GROUP_SIZE = 32
+
+
+@dataclass
+class Q8Weight:
+    """A [out_features, in_features] weight as int8 q and float32 d (and c) per group: 32 along
+    K, or 16 ("half": d.shape[1] == K / 16)."""
+
+    q: torch.Tensor  # [N, K] int8
+    d: torch.Tensor  # [N, K / 32] or [N, K / 16] float32
+    c: torch.Tensor | None  # like d, or None: no constant
+
+    @property
+    def is_half(self) -> bool:
+        return self.d.shape[1] * 16 == self.q.shape[1]
+
+    @property
+    def kind(self) -> int:
+        """The C kernels' weight kind (cpu_kernels.h): 8, 5 (+ c), 6 (half), 7 (half + c)."""
+        return {(False, False): 8, (False, True): 5, (True, False): 6,
+                (True, True): 7}[(self.is_half, self.c is not None)]
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        group = 16 if self.is_half else GROUP_SIZE
+        w = self.q.float() * self.d.repeat_interleave(group, dim=1)
+        return w if self.c is None else w + self.c.repeat_interleave(group, dim=1)
+
+    def permute_rows(self, index: torch.Tensor) -> Q8Weight:
+        return Q8Weight(self.q[index], self.d[index], None if self.c is None else self.c[index])
+
+    def halved(self) -> Q8Weight:
+        """The same weights with d (and c) per 16: every group's scale twice."""
+        if self.is_half:
+            return self
+        return Q8Weight(self.q, self.d.repeat_interleave(2, dim=1),
+                        None if self.c is None else self.c.repeat_interleave(2, dim=1))
+
+    @staticmethod
+    def from_q4(w: Q4Weight) -> Q8Weight:
+        """A 4-bit weight, (q - offset) * d + m, in the q8 form (for a fused projection whose
+        other parts are q8): q - offset times d, plus m where the type has one."""
+        q = (w.q.to(torch.int16) - w.offset.to(torch.int16)[:, None]).to(torch.int8)
+        return Q8Weight(q, w.d.float(), None if bool((w.m == 0).all()) else w.m.float())
+
+    @staticmethod
+    def cat(parts: list[Q8Weight]) -> Q8Weight:
+        """Stack weights along the output dimension (fused q/k/v or gate/up projections): in
+        the most general form any part needs (per 16 if one is, with c if one has it)."""
+        if any(p.is_half for p in parts):
+            parts = [p.halved() for p in parts]
+        c = None
+        if any(p.c is not None for p in parts):
+            c = torch.cat([torch.zeros_like(p.d) if p.c is None else p.c for p in parts])
+        return Q8Weight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), c)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:  # [B, 1] float32
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _scales(blocks: np.ndarray, qtype: GGMLQuantizationType):
+    """d and c (or None) per group of each block, float32 as gguf computes them: [B, groups]."""
+    if qtype in (Q.Q8_0, Q.Q5_0):
+        return _f16(blocks, 0), None
+    if qtype == Q.Q5_1:
+        return _f16(blocks, 0), _f16(blocks, 2)
+    if qtype == Q.Q5_K:  # [d][dmin][12 bytes of 6-bit (sc, mn)]...
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [B, 8] each
+        return _f16(blocks, 0) * sc.astype(np.float32), -(_f16(blocks, 2) * mn.astype(np.float32))
+    if qtype == Q.Q6_K:  # [ql: 128][qh: 64][sc: 16 x i8][d]
+        sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [B, 16]
+        return _f16(blocks, 208) * sc, None
+    raise ValueError(f"GGUF type {qtype.name} is not in the q8 family ({Q8_TYPES})")
+
+
+def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType) -> Q8Weight:
+    """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them."""
+    rows = data.shape[0]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = data.reshape(-1, type_size)  # [B, block bytes]
+    w = dequantize(data, qtype).astype(np.float32).reshape(blocks.shape[0], block_size)
+    d, c = _scales(blocks, qtype)  # [B, groups]
+    group = block_size // d.shape[1]
+    wg = w.reshape(blocks.shape[0], d.shape[1], group)  # [B, groups, group]
+    shifted = wg if c is None else wg - c[..., None]
+    safe_d = np.where(d == 0, np.float32(1), d)[..., None]
+    q = np.where(d[..., None] == 0, 0, np.rint(shifted / safe_d)).astype(np.int8)
+    back = q.astype(np.float32) * d[..., None]
+    if c is not None:
+        back = back + c[..., None]
+    if not np.array_equal(back, wg):
+        raise ValueError(f"{qtype.name} tensor: its integers do not give gguf's weights back")
+    per_row = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
+    return Q8Weight(per_row(q), per_row(d), None if c is None else per_row(c))
+
