@@ -30,10 +30,14 @@ def _compiler(backend: Backend) -> GrammarCompiler:
         return compiler
 
 
+NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
+         "choice": "choice list", "grammar": "grammar"}  # a StructuredOutput kind, in errors
+
+
 async def compile_error(backend: Backend, so: StructuredOutput) -> str | None:
     """Why `so` does not compile for the backend's tokenizer; None when it does."""
     try:
         await asyncio.to_thread(lambda: _compiler(backend).matcher(so))
     except ValueError as e:
-        return f"not a valid {so.kind.replace('_', ' ')}: {str(e)[:500]}"
+        return f"not a valid {NAMES.get(so.kind, so.kind)}: {str(e)[:500]}"
     return None

@@ -124,6 +124,10 @@ BAD_BODIES = [  # (case, path, body, status, param, bound named in the message)
     ("json_schema without a schema", "chat/completions", {
         "messages": CONV, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
      "response_format.json_schema.schema", "JSON schema object"),
+    ("json_schema of a type that does not exist", "chat/completions", {
+        "messages": CONV, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "bogus"}}}}, 400,
+     "response_format.json_schema.schema", "not a valid JSON schema"),
     ("vLLM structured_outputs bad regex", "completions", {
         "prompt": "hi", "structured_outputs": {"regex": "a+("}}, 400,
      "structured_outputs.regex", "not a valid regex"),
