@@ -14,13 +14,12 @@ per request, compiled (off the event loop, cached) before anything runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine_core.structured_output import StructuredOutput
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
+from gateway.openai_structured import parse_structured
 from gateway.tools import ToolChoice, encode_tool_chat, parse_output, parse_tools
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
@@ -39,12 +38,6 @@ from service_infra.backend import Backend, GenerateChunk, GenerateInput, Timing
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty", "seed", "min_tokens", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens")
-# vLLM's structured_outputs constraints -> StructuredOutput kinds (exactly one per request)
-_STRUCTURED_KINDS = {"json": "json", "regex": "regex", "choice": "choice",
-                     "grammar": "grammar", "json_object": "json_object"}
-# vLLM's older top-level names of the same
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
 _BOOLS = ("stream", "ignore_eos", "skip_special_tokens", "echo")
 
 
@@ -85,7 +78,6 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
         _check_type(body, name, (bool,), "a boolean")
     _check_type(body, "model", (str,), "a string")
     check_model(body.get("model"), backend)
-    structured = structured_output(body)
     n = body.get("n")
     if n is not None and (type(n) is not int or n < 1):
         raise ValidationError("n", f"n must be an integer >= 1, got {n!r}")
@@ -107,97 +99,15 @@ def _common(body: Any, backend: Backend) -> dict[str, Any]:
         kwargs["stop"] = stop
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
-    if structured is not None:
-        kwargs["structured"] = structured
     return kwargs
 
 
-def structured_output(body: dict[str, Any]) -> StructuredOutput | None:
-    """The request's constraint: OpenAI's response_format (json_object, json_schema), vLLM's
-    structured_outputs {json | regex | choice | grammar | json_object} or its older guided_*
-    fields; at most one of them. Whether the grammar compiles is `check_structured`'s."""
-    found: list[tuple[str, StructuredOutput]] = []
-    fmt = body.get("response_format")
-    if fmt is not None:
-        found += [("response_format", so) for so in [_response_format(fmt)] if so is not None]
-    options = body.get("structured_outputs")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise ValidationError("structured_outputs", "structured_outputs must be an object, "
-                                  f"got {options!r:.100}")
-        given = [k for k in _STRUCTURED_KINDS if options.get(k) not in (None, False)]
-        if len(given) != 1:
-            raise ValidationError("structured_outputs", "structured_outputs must set exactly "
-                                  f"one of {', '.join(_STRUCTURED_KINDS)}, got "
-                                  f"{', '.join(given) or 'none'}")
-        found.append(("structured_outputs", _constraint(
-            _STRUCTURED_KINDS[given[0]], options[given[0]], f"structured_outputs.{given[0]}")))
-    for name, kind in _GUIDED.items():
-        if body.get(name) is not None:
-            found.append((name, _constraint(kind, body[name], name)))
-    if len(found) > 1:
-        raise ValidationError(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain "
-                              "the output: send one of them")
-    return found[0][1] if found else None
-
-
-def _response_format(fmt: Any) -> StructuredOutput | None:
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput("json_object")
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise ValidationError("response_format.json_schema.schema",
-                                  "response_format.json_schema.schema must be a JSON schema "
-                                  f"object, got {spec!r:.100}")
-        return _constraint("json", spec["schema"], "response_format.json_schema.schema")
-    raise ValidationError("response_format", "response_format.type must be text, json_object "
-                          f"or json_schema, got {fmt!r:.100}")
-
-
-def _constraint(kind: str, value: Any, field: str) -> StructuredOutput:
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise ValidationError(field, f"{field} must be a JSON schema, got text that "
-                                      f"is not JSON: {value!r:.100}") from None
-        if not isinstance(value, (dict, bool)):
-            raise ValidationError(field, f"{field} must be a JSON schema object, got "
-                                  f"{value!r:.100}")
-        value = json.dumps(value)  # key order kept: it is the order the output follows
-    elif kind == "choice":
-        if (not isinstance(value, list) or not value
-                or not all(isinstance(c, str) for c in value)):
-            raise ValidationError(field, f"{field} must be a non-empty list of strings, got "
-                                  f"{value!r:.100}")
-        value = json.dumps(value)
-    elif kind == "json_object":
-        value = ""
-    elif not isinstance(value, str) or not value:
-        raise ValidationError(field, f"{field} must be a non-empty string, got {value!r:.100}")
-    try:
-        return StructuredOutput(kind, value)
-    except ValueError as e:
-        raise ValidationError(field, f"{field}: {e}") from None
-
-
-def _structured_field(body: dict[str, Any]) -> str:
-    """The body field the request's constraint came from (for compile errors)."""
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        return "response_format.json_schema.schema"
-    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
-        return "response_format"
-    options = body.get("structured_outputs")
-    if isinstance(options, dict):
-        return next((f"structured_outputs.{k}" for k in _STRUCTURED_KINDS
-                     if options.get(k) not in (None, False)), "structured_outputs")
-    return next((k for k in _GUIDED if body.get(k) is not None), "structured_outputs")
+async def _structured(body: dict[str, Any], backend: Backend, kwargs: dict[str, Any]) -> None:
+    """The body's constraint into kwargs, once it compiles (a 400 naming its field if not)."""
+    found = parse_structured(body)
+    if found is not None:
+        kwargs["structured"], field = found
+        await check_structured(backend, kwargs["structured"], field)
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -241,8 +151,7 @@ def _finish(body: dict[str, Any], backend: Backend, prompts: list[tuple[list[int
 async def parse_completion(body: Any, backend: Backend,
                            max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
     kwargs = _common(body, backend)
-    if "structured" in kwargs:
-        await check_structured(backend, kwargs["structured"], _structured_field(body))
+    await _structured(body, backend, kwargs)
     if body.get("suffix"):
         raise ValidationError("suffix", "suffix is not supported")
     _check_type(body, "prompt_logprobs", (int,), "an integer")
@@ -288,8 +197,7 @@ async def _one_prompt(prompt: Any, field: str, backend: Backend) -> tuple[list[i
 async def parse_chat(body: Any, backend: Backend,
                      max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
     kwargs = _common(body, backend)
-    if "structured" in kwargs:
-        await check_structured(backend, kwargs["structured"], _structured_field(body))
+    await _structured(body, backend, kwargs)
     for name in ("functions", "prompt_logprobs"):
         if body.get(name) is not None and body.get(name) is not False:
             raise ValidationError(name, f"{name} is not supported in chat completions")
