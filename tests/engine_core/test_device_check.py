@@ -41,7 +41,7 @@ def tiny(tmp_path_factory):
 def every_path(folder, device: str) -> list[tuple]:
     """Greedy, sampled with every filter and penalty, logit_bias, prompt logprobs, and
     ngram speculation: each step path of the engine once."""
-    llm = LLM(model=str(folder), device=device, dtype="float32", kv_cache_memory_gb=0.05,
+    llm = LLM(model=str(folder), device=device, kv_cache_memory_gb=0.05,  # the defaults
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     params = [
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2,
