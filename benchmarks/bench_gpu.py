@@ -7,7 +7,7 @@
 3. the engine on CUDA, bf16, on a model of SmolLM2-135M's shapes with random weights (the
    weights' values don't change the speed): output tokens/s at each concurrency, 128-token
    prompts, 128 output tokens, against transformers `generate` of the same model one request
-   at a time.
+   at a time; greedy and sampled (T=1, top_p 0.95, top_k 50) at each concurrency.
 
     python benchmarks/bench_gpu.py                  # needs CUDA
     python benchmarks/bench_gpu.py --concurrency 1 32 --out bench_results/gpu
@@ -67,21 +67,26 @@ def engine(folder: Path, concurrency: list[int], prompt_len: int, output_len: in
 
     llm = LLM(model=str(folder), dtype="bfloat16", device="cuda", kv_cache_memory_gb=8.0,
               enable_prefix_caching=False, max_num_seqs=max(concurrency))
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=output_len, temperature=1.0, top_p=0.95, top_k=50,
+                             ignore_eos=True)
 
     def prompts(n: int, first: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(first)
         return torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (n, prompt_len), generator=g).tolist()
 
-    llm.generate(prompts(max(concurrency), 0), params)  # compile every kernel shape once
+    for params in (greedy, sampled):  # compile every kernel shape once
+        llm.generate(prompts(max(concurrency), 0), params)
     out = {}
     for c in concurrency:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate(prompts(c, c), params)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        out[c] = {"seconds": seconds, "output_tokens_per_s": c * output_len / seconds}
+        for name, params in (("greedy", greedy), ("sampled", sampled)):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate(prompts(c, c), params)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            out[f"{name} c={c}"] = {"seconds": seconds,
+                                    "output_tokens_per_s": c * output_len / seconds}
     return out
 
 
@@ -127,7 +132,7 @@ def main() -> int:
         eng = engine(folder, args.concurrency, args.prompt_len, args.output_len)
         hf = hf_generate(folder, args.prompt_len, args.output_len)
     for c, r in eng.items():
-        print(f"engine c={c:3}: {r['output_tokens_per_s']:9.0f} output tokens/s "
+        print(f"engine {c:12}: {r['output_tokens_per_s']:9.0f} output tokens/s "
               f"({r['output_tokens_per_s'] / hf['output_tokens_per_s']:6.1f}x transformers "
               f"generate, {hf['output_tokens_per_s']:.0f} tokens/s at c=1)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,9 @@ PDSERVE_CHECK_DEVICE=1 the engine runs each step under DeviceCheck, a torch func
 that raises DeviceMisplaced on the first op reading a tensor of more than zero dimensions
 from another device. Explicit moves (`to`, `copy_`, `cpu`, `tolist`, ...) and metadata
 reads (shape, dtype, ...) pass: the step's inputs are meant to cross to the device that way
-(engine_core/step_inputs.py), and its outputs to come back. Zero-dimension host tensors
-pass too: torch treats them as scalars.
+(engine_core/step_inputs.py), and its outputs to come back. So does taking a view of pinned
+host memory (the staging buffer's used part, sliced to be copied): pinned memory exists to
+be copied from. Zero-dimension host tensors pass too: torch treats them as scalars.
 
 On a CPU engine every tensor is on the host, so the check finds nothing there; it is on in
 the GPU tests (tests/gpu), where it does.
@@ -15,6 +16,7 @@ the GPU tests (tests/gpu), where it does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -32,6 +34,9 @@ _PASS = frozenset({
     "__dlpack_device__", "__array__", "is_floating_point", "is_complex",
 })
 
+# views, which pass on pinned host memory (a staging buffer being sliced for its copy)
+_VIEWS = frozenset({"__getitem__", "narrow", "view", "reshape", "flatten"})
+
 
 def _tensors(x):
     """The tensors in an op's arguments (nested in tuples, lists and dicts)."""
@@ -47,6 +52,15 @@ def _tensors(x):
 
 class DeviceMisplaced(AssertionError):
     """An op inside a checked step read a tensor that is not on the engine's device."""
+
+
+@contextlib.contextmanager
+def host_side():
+    """Host work a step does on purpose, left unchecked: the draws of seeded requests, whose
+    generators live on the host so that a seed draws the same on any device. (Outside a
+    check this changes nothing.)"""
+    with torch._C.DisableTorchFunction():
+        yield
 
 
 def is_enabled() -> bool:
@@ -82,6 +96,8 @@ class DeviceCheck(TorchFunctionMode):
         if not self._num_exempt and name not in _PASS:
             for t in _tensors((args, kwargs)):
                 if t.dim() > 0 and not _same(t.device, self.device):
+                    if name in _VIEWS and t.device.type == "cpu" and t.is_pinned():
+                        continue
                     raise DeviceMisplaced(
                         f"{getattr(func, '__qualname__', name)} reads a {tuple(t.shape)} "
                         f"{t.dtype} tensor on {t.device}; the engine runs on {self.device}")

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine_core import device_check
 from engine_core.penalties import PenaltyTokens, TokenCounts, apply_penalties
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_output import unpack_masks
@@ -58,16 +59,20 @@ def skip_draw(generator: torch.Generator) -> None:
     torch.rand((), dtype=torch.float64, generator=generator)
 
 
-def draw_uniform(generators: Sequence[torch.Generator | None]) -> Tensor:
-    """One u in [0, 1) per row [B] float64: seeded rows from their own generator, the others
-    from one draw of the default generator."""
-    u = torch.empty(len(generators), dtype=torch.float64)
-    if any(g is None for g in generators):
-        u.uniform_()
+def draw_uniform(generators: Sequence[torch.Generator | None],
+                 device: torch.device | str = "cpu") -> Tensor:
+    """One u in [0, 1) per row [B] float64 on `device`: seeded rows from their own (host)
+    generator, the others from one draw of the default generator. Drawn on the host, so a
+    seeded request draws the same on any device; then one small non-blocking copy."""
+    u = (torch.rand(len(generators), dtype=torch.float64).tolist()
+         if any(g is None for g in generators) else [0.0] * len(generators))
     for row, generator in enumerate(generators):
         if generator is not None:
-            u[row] = torch.rand((), dtype=torch.float64, generator=generator)
-    return u
+            u[row] = torch.rand((), dtype=torch.float64, generator=generator).item()
+    host = torch.tensor(u, dtype=torch.float64)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)  # no wait on the device's queue
 
 
 def min_tokens_blocked_ids(
@@ -265,7 +270,7 @@ class Sampler:
     def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
         if batch.all_greedy:
             return argmax_rows(logits)
-        u = draw_uniform(batch.generators)  # [B]
+        u = draw_uniform(batch.generators, logits.device)  # [B]
         temperature = batch.temperature  # greedy rows: 0, the kernel's argmax
         if not batch.all_random:
             temperature = temperature.masked_fill(batch.is_greedy, 0.0)
@@ -371,7 +376,9 @@ def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]
     if len(seeded) < probs.shape[0]:
         q.exponential_()  # unseeded rows: one draw from the default generator
     for row, generator in seeded:  # drawn where the generator lives (the host), then moved
-        q[row].copy_(torch.empty(q.shape[1], dtype=q.dtype).exponential_(generator=generator))
+        with device_check.host_side():
+            drawn = torch.empty(q.shape[1], dtype=q.dtype).exponential_(generator=generator)
+        q[row].copy_(drawn)
     # q == 0 is possible; clamping keeps 0 / q at 0 instead of NaN (which argmax would pick).
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
@@ -383,7 +390,6 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     drawn."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
     total = cdf[:, -1]  # [B]
-    u = u.to(cdf.device)  # drawn on the host, from the rows' own generators
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 

@@ -31,6 +31,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 from torch import Tensor
 
+from engine_core import device_check
 from engine_core.config import SpeculativeConfig
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplingBatch, exponential_race
@@ -299,10 +300,12 @@ def rejection_sample(
 
 
 def _uniform(rows: int, cols: int, generators) -> Tensor:
-    u = torch.rand(rows, cols)
-    for row, g in enumerate(generators):
-        if g is not None:
-            u[row] = torch.rand(cols, generator=g)
+    """[rows, cols] uniforms on the host: seeded rows from their own (host) generators."""
+    with device_check.host_side():
+        u = torch.rand(rows, cols)
+        for row, g in enumerate(generators):
+            if g is not None:
+                u[row] = torch.rand(cols, generator=g)
     return u
 
 

@@ -45,13 +45,14 @@ GEMMA3_AS_GGUF = {"num_hidden_layers": 6, "sliding_window": 12,
 LENGTHS = [5, 19, 70]
 
 
-def check_against_hf(hf, path, vocab: int = tm.SIZES["vocab_size"]) -> None:
+def check_against_hf(hf, path, vocab: int = tm.SIZES["vocab_size"], device: str = "cpu") -> None:
+    """Our engine on `device` against transformers on the host (float32 both)."""
     prompts = tm.prompts(vocab, LENGTHS)
     # a fourth prompt shares the third's first 64 tokens: a prefix-cache hit once it is cached
     prompts.append(prompts[2][:64] + prompts[0])
     # a 16-token budget chunks every prompt longer than 16 (the prefill chunks attend over
     # earlier chunks' KV, across the window)
-    eng = tm.engine(path, max_num_batched_tokens=16)
+    eng = tm.engine(path, max_num_batched_tokens=16, device=device)
     for p in prompts[1:3]:
         rel = tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p))
         assert rel < 1e-3, f"logits differ by {rel:.2e} (prompt of {len(p)})"

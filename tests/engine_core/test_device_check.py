@@ -25,6 +25,8 @@ def test_an_op_on_a_host_tensor_is_caught_and_explicit_moves_pass():
             host + 1
         with pytest.raises(DeviceMisplaced):
             on[torch.tensor([0, 2])]  # indexing device memory with host indices
+        with pytest.raises(DeviceMisplaced):
+            host[:3]  # a view of unpinned host memory (pinned: staging, tests/gpu)
     check = DeviceCheck("meta")
     with check:
         assert check.exempt(lambda: (host + 1).sum())() == 21  # the KV connector's staging

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_core.device_check import DeviceCheck
 from engine_core.step_inputs import StepUploader, pack, total_size, unpack
 
 
@@ -47,7 +48,8 @@ def test_on_cuda_one_pinned_buffer_is_reused_across_steps():
     staging = up._staging
     assert staging.is_pinned()
     second = {k: v + 1 for k, v in arrays().items()}
-    got2 = up.upload(second)
+    with DeviceCheck("cuda"):  # what the engine's step does: slicing pinned staging passes
+        got2 = up.upload(second)
     assert up._staging is staging  # reused, and the first step's values were not clobbered
     for name in first:
         assert got[name].is_cuda and np.array_equal(got[name].cpu().numpy(), first[name])

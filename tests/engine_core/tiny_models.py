@@ -5,6 +5,7 @@ vocabulary worth tokenizing."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +45,9 @@ def build_hf(config_cls, folder: Path, seed: int = 0, **overrides):
 
 def engine(path: Path, block_size: int = 8, max_num_batched_tokens: int = 2048,
            quantize_decode: bool = False, decode_activations: str | None = None,
-           **kw) -> LLMEngine:
+           device: str | torch.device = "cpu", **kw) -> LLMEngine:
     return LLMEngine(
-        model=str(path), dtype="float32", device="cpu", load_tokenizer_=False,
+        model=str(path), dtype="float32", device=device, load_tokenizer_=False,
         quantize_decode=quantize_decode, decode_activations=decode_activations,
         cache_config=CacheConfig(block_size=block_size, num_blocks=96, **kw),
         scheduler_config=SchedulerConfig(max_num_seqs=8,
@@ -82,11 +83,11 @@ def hf_logits(model, prompt: list[int]) -> torch.Tensor:
 
 def prompt_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits of every prompt position from one prefill into a fresh paged cache whose block
-    table is a permutation (paging exercised, not just contiguous memory)."""
+    table is a permutation (paging exercised, not just contiguous memory). On the host."""
     layout: KVLayout = eng.layout
     bs = layout.block_size
     num_blocks = -(-len(ids) // bs)
-    kv = layout.allocate(num_blocks + 3)
+    kv = layout.allocate(num_blocks + 3, eng.device)
     table = torch.randperm(num_blocks + 3, generator=torch.Generator().manual_seed(0))
     table = table[:num_blocks].to(torch.int32)
     pos = torch.arange(len(ids))
@@ -99,8 +100,15 @@ def prompt_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
         prefill_query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32),
         prefill_seq_lens=torch.tensor([len(ids)], dtype=torch.int32),
     )
+    meta = AttentionMetadata(**{f.name: _to(getattr(meta, f.name), eng.device)
+                                for f in dataclasses.fields(meta)})
     with torch.inference_mode():
-        return eng.model.compute_logits(eng.model(torch.tensor(ids), pos, kv, meta))
+        hidden = eng.model(torch.tensor(ids, device=eng.device), pos.to(eng.device), kv, meta)
+        return eng.model.compute_logits(hidden).cpu()
+
+
+def _to(x, device: torch.device):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

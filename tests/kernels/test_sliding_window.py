@@ -149,9 +149,8 @@ def test_c_attention_window(window: int, isa: str) -> None:
 @pytest.mark.parametrize("case", ["mistral-window", "gemma3"])
 def test_engine_on_triton_kernels_matches_transformers(case, tmp_path, monkeypatch,
                                                         triton_backend: torch.device):
-    """The engine with its attention on the Triton kernels (interpreted on CPU here, the C
-    kernels off): a tiny
-    windowed model, prompts longer than the window, chunked prefill (16-token budget) and a
+    """The engine with its attention on the Triton kernels (on the card where there is one,
+    else interpreted on the CPU, the C kernels off): a tiny windowed model, prompts longer than the window, chunked prefill (16-token budget) and a
     prefix-cache hit, against transformers (tests/engine_core/test_architectures.py)."""
     pytest.importorskip("transformers")
     from kernels import decode_attention, prefill_attention
@@ -173,5 +172,6 @@ def test_engine_on_triton_kernels_matches_transformers(case, tmp_path, monkeypat
     # without the C kernels, whose attention would otherwise take every layer
     monkeypatch.setattr(native, "load", lambda *args, **kwargs: None)
     config_cls, overrides = CASES[case]
-    check_against_hf(tm.build_hf(config_cls, tmp_path, **overrides), tmp_path)
+    check_against_hf(tm.build_hf(config_cls, tmp_path, **overrides), tmp_path,
+                     device=triton_backend)
     assert 12 in windows  # the windowed layers ran on the Triton kernels
