@@ -90,6 +90,22 @@ def test_prefill_triton_window(window: int, triton_device: torch.device) -> None
     assert_close_to_reference(actual, expected)
 
 
+def test_triton_gemma3_shape_window(triton_device: torch.device) -> None:
+    """Gemma 3 270M's attention shape: 4 query heads on 1 KV head of head_dim 256, windowed."""
+    from kernels.decode_attention import paged_decode_attention_triton
+    from kernels.prefill_attention import paged_prefill_attention_triton
+
+    dec = make_decode_inputs(CONTEXT_LENS, 4, 1, 256, 8, torch.float32, seed=5)
+    assert_close_to_reference(
+        paged_decode_attention_triton(*dec.to(triton_device).args(), 8, block_n=16),
+        paged_decode_attention_ref(*dec.args(), 8))
+    pre = make_prefill_inputs(*PREFILL_CASE, 4, 1, 256, 8, torch.float32, seed=5)
+    assert_close_to_reference(
+        paged_prefill_attention_triton(*pre.to(triton_device).args(), 8, block_m=16,
+                                       block_n=16),
+        paged_prefill_attention_ref(*pre.args(), 8))
+
+
 def test_public_api_triton_window(triton_backend: torch.device) -> None:
     dec = make_decode_inputs([3, 30], 4, 2, 16, 8, torch.float32, seed=1)
     assert_close_to_reference(paged_decode_attention(*dec.to(triton_backend).args(), None, 5),
