@@ -23,6 +23,7 @@ from engine_core.config import (
     dtype_name,
     resolve_dtype,
 )
+from engine_core.decode_graphs import DecodeGraphRunner, capture_sizes
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_connector import KVConnector
@@ -40,6 +41,7 @@ from engine_core.spec_decode import SpecDecoder, build_spec_decoder
 from engine_core.stats import EngineStats
 from engine_core.structured_output import GrammarCompiler
 from engine_core.tokenizer import Tokenizer, load_tokenizer
+from kernels.backends import attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class LLMEngine:
         speculative_config: SpeculativeConfig | None = None,
         decode_activations: str | None = None,
         kv_connector: KVConnector | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         """quantize_decode: decode tokens use 4/8-bit weight matmuls (model/decode_quant.py);
         None means on for CPU. Pass False for exact dense math in every row.
@@ -67,7 +70,10 @@ class LLMEngine:
         zeroed tensor; the decode worker passes a shared-memory pool).
         speculative_config: speculative decoding (spec_decode.py); None decodes plainly.
         kv_connector: what moves KV out while a step runs (kv_connector.py): the prefill
-        worker's handoff; None moves nothing."""
+        worker's handoff; None moves nothing.
+        enforce_eager: never run decode steps from CUDA graphs (decode_graphs.py); on CUDA
+        they are captured here, per batch-size bucket up to max_num_seqs. On a CPU there are
+        none either way."""
         self.kv_connector = kv_connector
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # PDSERVE_CHECK_DEVICE=1 (tests): every step's ops read only tensors on self.device
@@ -119,6 +125,8 @@ class LLMEngine:
                                   self.device, self.eos_token_ids, quantization,
                                   kv_allocator(self.layout, num_blocks, self.device)
                                   if kv_allocator else None)
+        self.decode_mode = self._init_decode_graphs(enforce_eager,
+                                                    scheduler_config.max_num_seqs)
         self.spec: SpecDecoder | None = (
             build_spec_decoder(speculative_config, self) if speculative_config else None
         )
@@ -127,8 +135,27 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._grammars_lock = threading.Lock()
-        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens", self.source.name,
-                    self.dtype, num_blocks, cache_config.block_size)
+        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens, decode steps %s",
+                    self.source.name, self.dtype, num_blocks, cache_config.block_size,
+                    self.decode_mode)
+
+    def _init_decode_graphs(self, enforce_eager: bool, max_num_seqs: int) -> str:
+        """Capture the decode steps' CUDA graphs where they can run; returns the decode mode
+        in words, for the log. The KV cache is sized by kv_cache_memory_gb, not by the free
+        memory, so the graphs' memory (logged) comes on top of it rather than out of it."""
+        if self.device.type != "cuda":
+            return f"eager (no CUDA graphs on {self.device.type})"
+        if enforce_eager:
+            return "eager (enforce_eager)"
+        backend = attention_backend(self.device)
+        if backend != "triton":  # the torch path reads lengths back: not capturable
+            return f"eager (attention backend {backend!r}: CUDA graphs need 'triton')"
+        graphs = DecodeGraphRunner(self.runner, capture_sizes(max_num_seqs),
+                                   self.max_model_len, use_cuda_graphs=True)
+        graphs.capture()
+        self.runner.graphs = graphs
+        return (f"from CUDA graphs (batch sizes {list(graphs.sizes)}, captured in "
+                f"{graphs.capture_seconds:.1f} s)")
 
     # -- requests ------------------------------------------------------------------------
     def add_request(

@@ -37,12 +37,15 @@ class LLM:
         speculative_config: SpeculativeConfig | dict | None = None,
         decode_activations: str | None = None,
         cache_decoded_blocks: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
         """speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
         {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig.
         decode_activations: "auto", "float32" or "int8", for the CPU's quantized decode
         matmuls (see model/decode_quant.resolve_activations).
-        cache_decoded_blocks: see CacheConfig.cache_decoded_blocks."""
+        cache_decoded_blocks: see CacheConfig.cache_decoded_blocks.
+        enforce_eager: no CUDA graphs for decode steps (engine_core/decode_graphs.py); they
+        are only ever used on CUDA."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         self.engine = LLMEngine(
@@ -52,6 +55,7 @@ class LLM:
             device=device,
             quantize_decode=quantize_decode,
             decode_activations=decode_activations,
+            enforce_eager=enforce_eager,
             cache_config=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                      kv_cache_memory_gb=kv_cache_memory_gb,
                                      enable_prefix_caching=enable_prefix_caching,

@@ -8,6 +8,7 @@ operations, not a Python loop that assembles tensors sequence by sequence.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
 from engine_core.structured_output import MaskTimer
+
+if TYPE_CHECKING:
+    from engine_core.decode_graphs import DecodeGraphRunner
 
 PROMPT_LOGPROBS_ROWS = 64  # prompt positions per logits slice (64 x 49152 float32: 12 MiB)
 
@@ -105,6 +109,9 @@ class ModelRunner:
         # forward runs (llguidance drops the GIL), and timed
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.mask_timer = MaskTimer()
+        # eligible decode steps run over static, padded buffers (decode_graphs.py: CUDA
+        # graphs); None: every step runs eagerly
+        self.graphs: DecodeGraphRunner | None = None
 
     def sync(self, out: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
         """Bring the rows of the step's requests up to date (tokens sampled since the last
@@ -129,6 +136,25 @@ class ModelRunner:
         each of their tokens attends as a decode query over the positions up to its own (one
         token normally; a token and its drafts when verifying speculation). Returns input ids,
         positions, attention metadata and cu (the end offset of each sequence's tokens)."""
+        arrays, cu = self.host_inputs(rows, start, num_new, num_decodes)
+        ndt = int(cu[num_decodes - 1]) if num_decodes else 0
+        decode_lens, prefill_lens = arrays["decode_context_lens"], arrays["prefill_seq_lens"]
+        on_device = self.uploader.upload(arrays)
+        input_ids_t = on_device.pop("input_ids")
+        positions_t = on_device.pop("positions")
+        meta = AttentionMetadata(
+            num_decode_tokens=ndt,
+            decode_max_len=int(decode_lens.max()) if ndt else 0,
+            prefill_max_len=int(prefill_lens.max()) if len(prefill_lens) else 0,
+            **on_device,
+        )
+        return input_ids_t, positions_t, meta, cu
+
+    def host_inputs(
+        self, rows: np.ndarray, start: np.ndarray, num_new: np.ndarray, num_decodes: int
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The integer inputs of `build_inputs` as host arrays, named as AttentionMetadata's
+        fields (and input_ids, positions), and cu."""
         b = self.batch
         cu = np.cumsum(num_new)  # [num_seqs], end offset of each sequence's tokens
         total = int(cu[-1])
@@ -150,7 +176,7 @@ class ModelRunner:
             decode_lens = (positions[:ndt] + 1).astype(np.int32)
         prefill_qsl = np.concatenate([[0], cu[nd:] - ndt]).astype(np.int32)
         prefill_lens = seq_lens[nd:]
-        on_device = self.uploader.upload({
+        arrays = {
             "input_ids": input_ids.astype(np.int64),
             "positions": positions.astype(np.int64),
             "slot_mapping": slots,
@@ -163,16 +189,8 @@ class ModelRunner:
             "prefill_row_tables": np.repeat(np.arange(len(prefill_lens), dtype=np.int32),
                                             num_new[nd:]),
             "prefill_row_lens": (positions[ndt:] + 1).astype(np.int32),
-        })
-        input_ids_t = on_device.pop("input_ids")
-        positions_t = on_device.pop("positions")
-        meta = AttentionMetadata(
-            num_decode_tokens=ndt,
-            decode_max_len=int(decode_lens.max()) if ndt else 0,
-            prefill_max_len=int(prefill_lens.max()) if len(prefill_lens) else 0,
-            **on_device,
-        )
-        return input_ids_t, positions_t, meta, cu
+        }
+        return arrays, cu
 
     def context(self, num_quant_rows: int, quantization: DecodeQuantization | None = None,
                 on_layer_done=None) -> ForwardContext:
@@ -255,9 +273,15 @@ class ModelRunner:
         spec_set = set(drafted)
         plain = [int(i) for i in complete if int(i) not in spec_set]
         masks = self._start_masks([out.reqs[i] for i in plain])
-        input_ids, positions, meta, cu = self.build_inputs(rows, start, num_new, nd)
-        ndt = int(cu[nd - 1]) if nd else 0
-        hidden = self.forward(input_ids, positions, meta, ndt, on_layer_done=on_layer_done)
+        bucket = (self.graphs.batch_size(out, on_layer_done is not None)
+                  if self.graphs is not None else None)
+        if bucket is not None:  # decode-only: replayed over the bucket's static buffers
+            arrays, cu = self.host_inputs(rows, start, num_new, nd)
+            hidden = self.graphs.run(bucket, arrays)
+        else:
+            input_ids, positions, meta, cu = self.build_inputs(rows, start, num_new, nd)
+            ndt = int(cu[nd - 1]) if nd else 0
+            hidden = self.forward(input_ids, positions, meta, ndt, on_layer_done=on_layer_done)
         for i in range(nd, len(out.reqs)):
             if out.reqs[i].needs_prompt_logprobs:
                 self._record_prompt_logprobs(out.reqs[i], hidden, int(cu[i] - num_new[i]),
