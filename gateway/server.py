@@ -91,6 +91,7 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     engine = LLMEngine(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         speculative_config=speculative_config(args),
+        enforce_eager=args.enforce_eager,
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  cache_decoded_blocks=args.cache_decoded_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,

@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     llm = LLM(args.model, dtype=args.dtype, decode_activations=args.decode_activations,
-              enable_prefix_caching=False,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
               max_num_seqs=max(args.concurrency), kv_cache_memory_gb=1.0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"model": llm.engine.source.name, "dtype": dtype,
                "quantize_decode": llm.engine.runner.quantization is not None,
                "decode_activations": llm.engine.decode_activations,
+               "decode_mode": llm.engine.decode_mode,
                "prompt_len": args.prompt_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "machine": platform.processor(),
                "engine": [], "transformers": None}

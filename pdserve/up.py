@@ -37,6 +37,7 @@ from pdserve.supervisor import Child, RestartPolicy, supervise
 from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
+    add_enforce_eager_argument,
     add_speculative_arguments,
     speculative_argv,
 )
@@ -70,6 +71,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_prefill_policy_arguments(p)  # passed to the gateway
     add_canary_arguments(p)  # passed to the gateway
     add_speculative_arguments(p)  # passed to the decode workers
+    add_enforce_eager_argument(p)  # passed to the decode workers
 
 
 def split_cores(cores: list[int]) -> tuple[list[int] | None, list[int] | None]:
@@ -188,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
             stack.add_worker(f"decode-{i}", [
                 "decode", "--transports", transports, "--max-num-seqs", str(args.max_num_seqs),
                 *kv, *speculative_argv(args), *common,
-                *(["--cache-decoded-blocks"] if args.cache_decoded_blocks else [])], dec_cores)
+                *(["--cache-decoded-blocks"] if args.cache_decoded_blocks else []),
+                *(["--enforce-eager"] if args.enforce_eager else [])], dec_cores)
         deadline = time.monotonic() + READY_TIMEOUT_S
         for w in stack.workers:  # a worker that cannot start once will not start again
             w.wait_ready(deadline)

@@ -102,6 +102,8 @@ class PrefillEngine(LLMEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         self.connector = HandoffConnector(lambda: self)
+        # its requests end at their first token, so it runs no decode steps to capture
+        kwargs["enforce_eager"] = True
         super().__init__(*args, kv_connector=self.connector, **kwargs)
 
     def set_target(self, req_id: str, target: HandoffTarget) -> None:

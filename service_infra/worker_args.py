@@ -24,6 +24,13 @@ def add_cache_decoded_blocks_argument(p) -> None:
                         "depends on the tokens only")
 
 
+def add_enforce_eager_argument(p) -> None:
+    """--enforce-eager, for every command that runs decode steps (as vLLM's flag)."""
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every decode step eagerly: no CUDA graphs (on CUDA they are "
+                        "captured at start, one per batch-size bucket; a CPU has none)")
+
+
 def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     """Flags shared by `pdserve prefill` and `pdserve decode`."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
@@ -121,6 +128,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         speculative_config=speculative_config(args),
+        enforce_eager=getattr(args, "enforce_eager", False),  # decode workers' flag
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  cache_decoded_blocks=args.cache_decoded_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -137,6 +145,7 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_arguments(p)
+    add_enforce_eager_argument(p)
     p.add_argument("--transports", default="auto",
                    help="KV transports this worker accepts, comma-separated (grpc, shm, "
                         "cuda_ipc); auto: grpc,shm on CPU, grpc,cuda_ipc on CUDA (shm is a "

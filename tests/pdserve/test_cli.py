@@ -55,3 +55,21 @@ def test_cache_decoded_blocks_reaches_every_engine_that_decodes():
         is False
     args = parser.parse_args(["decode", "--cache-decoded-blocks"])
     assert engine_kwargs(args)["cache_config"].cache_decoded_blocks is True
+
+
+def test_enforce_eager_reaches_every_engine_that_decodes():
+    import pytest
+
+    from service_infra.worker_args import engine_kwargs
+
+    parser = build_parser()
+    for cmd in (["decode"], ["gateway", "--colocated"], ["up"], ["offline", "x"],
+                ["bench-engine"]):
+        assert parser.parse_args(cmd).enforce_eager is False
+        assert parser.parse_args([*cmd, "--enforce-eager"]).enforce_eager is True
+    assert engine_kwargs(parser.parse_args(["decode"]))["enforce_eager"] is False
+    assert engine_kwargs(parser.parse_args(["decode", "--enforce-eager"]))["enforce_eager"]
+    # a prefill worker runs no decode steps: it has no such flag and never captures graphs
+    assert engine_kwargs(parser.parse_args(["prefill"]))["enforce_eager"] is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["prefill", "--enforce-eager"])
