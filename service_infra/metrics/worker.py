@@ -94,6 +94,10 @@ class EngineCollector:
                 ("grammar_mask_seconds", "Seconds spent building structured-output token "
                  "masks (on the mask thread, overlapped with the forward).", mask.seconds)):
             yield self._family(CounterMetricFamily, name, doc, value)
+        graphs = self.engine.runner.graphs
+        yield self._family(CounterMetricFamily, "decode_graph_replays", "Decode steps "
+                           "replayed from a CUDA graph (0: eager, see --enforce-eager).",
+                           graphs.num_replays if graphs is not None else 0)
 
     def _speculative(self, spec):
         c = CounterMetricFamily

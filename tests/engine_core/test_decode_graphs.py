@@ -229,3 +229,20 @@ def test_padded_decode_steps_on_the_triton_kernels(tmp_path):
     assert result["ids_equal"]
     assert result["same_kv_written"]
     assert result["logits_diff"] < 1e-4 and result["kv_diff"] < 1e-4
+
+
+def test_the_replay_counter_is_exported(tiny):
+    """pdserve:decode_graph_replays reads the runner's counter (0 without graphs)."""
+    from service_infra.metrics.worker import EngineCollector
+
+    llm = _llm(tiny, quantize_decode=False)
+
+    def replays() -> float:
+        families = {f.name: f for f in EngineCollector("decode", "tiny", llm.engine).collect()}
+        return families["pdserve:decode_graph_replays"].samples[0].value
+
+    assert replays() == 0
+    graphs = DecodeGraphRunner(llm.engine.runner, (1,), 64, use_cuda_graphs=False)
+    llm.engine.runner.graphs = graphs
+    graphs.num_replays = 5  # what replays on a GPU would have counted
+    assert replays() == 5
