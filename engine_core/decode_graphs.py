@@ -206,21 +206,22 @@ class DecodeGraphRunner:
         device = self.runner.device
         t0 = time.monotonic()
         free_before = torch.cuda.mem_get_info(device)[0]
-        stream = torch.cuda.Stream(device)
-        pool = None
-        for bucket in reversed(self.sizes):
-            self._upload(bucket, None)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                self._forward(bucket, self.max_model_len)  # warm-up
-            torch.cuda.current_stream(device).wait_stream(stream)
+        with torch.cuda.device(device):  # graphs capture on the current device
+            stream = torch.cuda.Stream(device)
+            pool = None
+            for bucket in reversed(self.sizes):
+                self._upload(bucket, None)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    self._forward(bucket, self.max_model_len)  # warm-up
+                torch.cuda.current_stream(device).wait_stream(stream)
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[bucket] = self._forward(bucket, self.max_model_len)
+                pool = graph.pool()
+                self.graphs[bucket] = graph
             torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bucket] = self._forward(bucket, self.max_model_len)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize(device)
         self.capture_seconds = time.monotonic() - t0
         used = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
         logger.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)",
