@@ -142,14 +142,14 @@ class DecodeGraphRunner:
         n = len(arrays["input_ids"])
         if not 1 <= n <= bucket or bucket not in self.sizes:
             raise ValueError(f"{n} decodes do not fit bucket {bucket} (sizes {self.sizes})")
+        graph = self.graphs.get(bucket)
+        if self.use_cuda_graphs and graph is None:
+            raise RuntimeError(f"no CUDA graph captured for bucket {bucket}: call capture()")
         self._upload(bucket, arrays)
         self.num_padded_steps += 1
-        if not self.use_cuda_graphs:
+        if graph is None:  # eagerly, over the same buffers
             max_len = int(arrays["decode_context_lens"].max())
             return self._forward(bucket, max_len)[:n]
-        graph = self.graphs.get(bucket)
-        if graph is None:
-            raise RuntimeError(f"no CUDA graph captured for bucket {bucket}: call capture()")
         graph.replay()
         self.num_replays += 1
         return self.outputs[bucket][:n]

@@ -181,6 +181,10 @@ def test_padded_rows_write_no_kv(tiny):
         graphs.run(1, arrays)
     with pytest.raises(ValueError, match="do not fit bucket"):
         graphs.run(2, arrays)  # not a capture size
+    graphs.use_cuda_graphs = True  # as on a GPU before capture()
+    with pytest.raises(RuntimeError, match="call capture"):
+        graphs.run(4, arrays)
+    assert graphs.num_padded_steps == 1
 
 
 def test_cuda_graphs_refuse_a_cpu_engine_and_enforce_eager_reaches_the_engine(tiny):
