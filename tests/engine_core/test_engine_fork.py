@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.config import CacheConfig
+from engine_core.config import CacheConfig, SpeculativeConfig
 from engine_core.engine import LLMEngine
 from engine_core.sampling_params import SamplingParams
 from tests.tiny_model import write_tiny_llama
@@ -19,9 +19,10 @@ def tiny(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def make_engine(tiny, **cache) -> LLMEngine:
+def make_engine(tiny, spec: SpeculativeConfig | None = None, **cache) -> LLMEngine:
     return LLMEngine(str(tiny), dtype="float32", device="cpu", quantize_decode=False,
-                     cache_config=CacheConfig(num_blocks=NUM_BLOCKS, **cache))
+                     cache_config=CacheConfig(num_blocks=NUM_BLOCKS, **cache),
+                     speculative_config=spec)
 
 
 def run(engine: LLMEngine, ids: list[str]) -> dict[str, list[int]]:
@@ -66,6 +67,23 @@ def test_children_equal_requests_of_their_own_and_the_prompt_is_computed_once(ti
     # the prompt once, then one token per child (its own first token's logits)
     assert engine.stats.num_prompt_tokens == len(PROMPT) + 2
     assert engine.scheduler.num_forks == 2
+    assert_all_blocks_free(engine)
+
+
+def test_children_drafting_with_a_separate_draft_cache_equal_lone_requests(tiny):
+    """Forks under a draft model with its own cache (indexed by the same block ids, so it is
+    copied on write too; a child's draft catches up from position 0 anyway): greedy children
+    equal a lone greedy request and the drafts stay accepted."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    alone = make_engine(tiny, enable_prefix_caching=False)
+    rid = alone.add_request(PROMPT, params)
+    expected = run(alone, [rid])[rid]
+    engine = make_engine(tiny, SpeculativeConfig("draft", 3, draft_model=str(tiny)))
+    ids = samples(engine, 3, params)
+    got = run(engine, ids)
+    assert [got[i] for i in ids] == [expected] * 3
+    assert engine.spec.stats.num_steps > 0
+    assert min(engine.spec.stats.acceptance_rate()) > 0.9  # the model drafting for itself
     assert_all_blocks_free(engine)
 
 
