@@ -260,6 +260,9 @@ class Scheduler:
                                        if not req.needs_prompt_logprobs else ([], 0))
             n = min(req.num_tokens - num_hit, budget, req.max_chunk_tokens or budget)
             if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:
+                if req.num_computed_tokens and not self.running:
+                    self._unfork(req)  # nothing running will free a block for it
+                    continue
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
@@ -284,6 +287,15 @@ class Scheduler:
         out.num_decodes = len(decodes)
         out.blocks_to_copy, out.rewritten_req_ids = self.kv.take_copies()
         return out
+
+    def _unfork(self, req: Request) -> None:
+        """A waiting fork that cannot get the block it copies on write while nothing runs
+        (its siblings hold the whole pool: none of them can copy) gives its shared blocks
+        back and queues last as a plain request, so that a sibling can write in place."""
+        self.waiting.popleft()
+        self.kv.free(req.req_id)
+        req.num_computed_tokens = 0
+        self.waiting.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.req_id)

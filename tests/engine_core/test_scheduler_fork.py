@@ -127,3 +127,18 @@ def test_a_child_asking_for_prompt_logprobs_is_not_forked():
     run_to_completion(sched)
     assert sched.num_forks == 0
     assert_pool_full(sched)
+
+
+def test_forks_that_fill_the_pool_give_their_blocks_back_instead_of_waiting_forever():
+    """A 15-token prompt fills the 4-block pool; its parent ends at its first token and two
+    children hold every block, sharing the partial last one: neither can copy it. One gives
+    its blocks back, the other writes in place, then the first runs on its own."""
+    sched = make_scheduler(num_blocks=4, max_model_len=16)
+    add_samples(sched, 3, 15, max_tokens=1)
+    step(sched)
+    assert sched.kv.num_free_blocks == 0 and sched.num_forks == 2
+    out, _ = step(sched)
+    assert [r.req_id for r in out.reqs] == ["r2"] and out.blocks_to_copy == []
+    out, _ = step(sched)
+    assert [r.req_id for r in out.reqs] == ["r1"] and out.num_scheduled_tokens == [3]
+    assert_pool_full(sched)
