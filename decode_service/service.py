@@ -75,6 +75,19 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 request.request_id, request.lease_id, request.max_chunk_tokens)):
             yield msg
 
+    async def Fork(self, request: pb.ForkRequest, context):
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        if not request.parent_request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "parent_request_id must be set")
+        async for msg in self._stream(context, self.worker.fork(
+                request.request_id, request.parent_request_id,
+                list(request.prompt_token_ids), params)):
+            yield msg
+
     @staticmethod
     async def _stream(context, chunks):
         """The worker's chunks as DecodeResponse messages; the last carries the timings."""

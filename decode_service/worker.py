@@ -8,6 +8,9 @@ prompt KV arrives from a prefill worker under a lease.
     PrefillLocally (the gateway's choice, gateway/prefill_policy.py): the lease is withdrawn
               before any sender began, the engine computes the prompt in the reserved
               blocks (chunked beside the running decodes) and samples the first token
+    Fork:     another sample of a reserved or running request: the engine forks it from
+              the parent's prompt KV once that is here (engine_core/scheduler.py), so a
+              prompt with n samples is reserved, prefilled and handed off once
     Any end before the claim (abort, expiry, failed verification, peer death noticed as
     expiry) releases the lease, and its release aborts the reserved request: the blocks go
     back to the pool.
@@ -173,6 +176,14 @@ class DecodeWorker(ColocatedBackend):
             if is_first:  # the first token: the whole prompt is computed and cached
                 is_first = False
                 self._held(res.prompt_token_ids)
+            yield chunk
+
+    async def fork(self, req_id: str, parent_req_id: str, prompt_token_ids: list[int],
+                   params: SamplingParams) -> AsyncIterator[GenerateChunk]:
+        """Stream a sample of `parent_req_id` that shares its prompt KV; with no such parent
+        here (gone, or another prompt) it prefills here as a plain request."""
+        inp = GenerateInput(req_id, list(prompt_token_ids), params, fork_of=parent_req_id)
+        async for chunk in self.generate(inp):
             yield chunk
 
     def renew(self, req_id: str, lease_id: str, ttl_s: float) -> float:

@@ -164,11 +164,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         req_id: str | None = None,
         num_prior_output_tokens: int = 0,
+        fork_of: str | None = None,
     ) -> str:
         """Queue a request; `num_prior_output_tokens`: the prompt's last tokens were generated
-        by an earlier attempt of it (a continuation), which the penalties count as output."""
+        by an earlier attempt of it (a continuation), which the penalties count as output.
+        `fork_of`: another sample of the same prompt, whose prompt KV this one shares (the
+        scheduler's forks; computed once, the last partial block copied on write)."""
         req, text = self._new_request(prompt, params, req_id, num_prior_output_tokens)
-        self.scheduler.add_request(req)
+        self.scheduler.add_request(req, fork_of)
         self.text_states[req.req_id] = RequestTextState(req, self.tokenizer, text)
         return req.req_id
 
@@ -274,6 +277,7 @@ class LLMEngine:
         t_start = time.monotonic()
         out = self.scheduler.schedule()
         if out.is_empty:  # the runner hears of finished requests only with a step: tell it now
+            assert not out.blocks_to_copy, "copies queued for a step that runs nothing"
             for req_id in out.finished_req_ids + out.preempted_req_ids:
                 self.runner.batch.remove(req_id)
             return []
@@ -289,6 +293,10 @@ class LLMEngine:
             save_layer = check.exempt(save_layer)  # it stages KV off the device on purpose
         try:
             with check if check is not None else contextlib.nullcontext():
+                if out.blocks_to_copy:  # copy-on-write, before the forward writes anything
+                    self.runner.copy_blocks(out.blocks_to_copy)
+                    if self.spec is not None:
+                        self.spec.copy_blocks(out.blocks_to_copy)
                 rows = self.runner.sync(out, block_ids)
                 if self.spec is not None:
                     self.spec.propose(out, rows, self.runner)

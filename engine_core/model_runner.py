@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine_core.kv_cache.layout import KVLayout
+from engine_core.kv_cache.layout import KVLayout, copy_kv_blocks
 from engine_core.model.attention import AttentionMetadata
 from engine_core.model.decode_quant import DecodeQuantization
 from engine_core.model.decoder import DecoderForCausalLM
@@ -70,9 +70,10 @@ class InputBatch:
         if counts is not None:
             counts.append(new)
 
-    def sync_blocks(self, row: int, blocks: list[int]) -> None:
-        have = self.num_blocks[row]
-        if have != len(blocks):  # blocks are only ever appended while a row lives
+    def sync_blocks(self, row: int, blocks: list[int], is_rewritten: bool = False) -> None:
+        """is_rewritten: blocks were replaced in place (copy-on-write), not only appended."""
+        have = 0 if is_rewritten else self.num_blocks[row]
+        if have != len(blocks):
             self.block_table[row, have : len(blocks)] = blocks[have:]
             self.num_blocks[row] = len(blocks)
 
@@ -124,9 +125,13 @@ class ModelRunner:
             row = b.row(req)
             if b.num_tokens[row] < req.num_tokens:  # tokens sampled since the last step
                 b.append(row, req)
-            b.sync_blocks(row, blocks)
+            b.sync_blocks(row, blocks, req.req_id in out.rewritten_req_ids)
             rows[i] = row
         return rows
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV block src into dst, every layer, on the cache's device (copy-on-write)."""
+        copy_kv_blocks(self.kv_cache, pairs)
 
     def build_inputs(
         self, rows: np.ndarray, start: np.ndarray, num_new: np.ndarray, num_decodes: int

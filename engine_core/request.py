@@ -19,6 +19,7 @@ from engine_core.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved, prompt KV arriving from a prefill worker
+    WAITING_FOR_PARENT = "waiting_for_parent"  # a fork: waits for its parent's prompt KV
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

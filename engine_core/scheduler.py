@@ -5,6 +5,15 @@ num_computed_tokens`: one for a decode, a chunk for a prefill) under a token bud
 waiting requests while blocks and the budget last. When the pool runs dry, the most recently
 admitted running request is preempted: its blocks are freed and it is recomputed later, so no
 request is lost.
+
+Forks (the n samples of one prompt, `add_request(req, fork_of=parent id)`): a child waits
+until its parent's prompt KV is computed, then takes a reference on the parent's prompt blocks
+(kv_cache/manager.py: the last, partial one is copied on write) and joins the waiting queue
+with num_computed_tokens = prompt - 1. Its first step recomputes only the prompt's last token,
+which gives it its own logits for its first token: each child samples that token itself,
+through the one sampler path (its seed, penalties, grammar, logprobs), at the cost of one
+token of compute. A parent that ends before its prompt is computed lets its children go as
+plain requests (they prefill themselves).
 """
 
 from __future__ import annotations
@@ -27,6 +36,10 @@ class SchedulerOutput:
     num_decodes: int = 0
     finished_req_ids: list[str] = field(default_factory=list)  # since the previous step
     preempted_req_ids: list[str] = field(default_factory=list)
+    # copy-on-write: (src, dst) KV block copies to run before the forward, and the requests
+    # whose block tables changed in place (the runner rewrites theirs)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    rewritten_req_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_tokens(self) -> int:
@@ -50,14 +63,42 @@ class Scheduler:
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}  # WAITING_FOR_KV: blocks held, KV in flight
         self.requests: dict[str, Request] = {}
+        self.children: dict[str, list[Request]] = {}  # parent id -> forks waiting for its KV
+        self.num_forks = 0  # children that took their parent's prompt KV
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
 
     # -- requests in and out --------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, fork_of: str | None = None) -> None:
+        """Queue a request. fork_of: the id of a request with the same prompt (another
+        sample of it) whose prompt KV this one shares instead of computing it; ignored when
+        there is none, or when this one asks for prompt logprobs."""
         self._check_new(req)
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if parent is None or not _can_fork(parent, req):
+            self.waiting.append(req)
+        elif parent.status == RequestStatus.RUNNING and _is_prompt_computed(parent):
+            self._fork(parent, [req])
+        else:
+            req.status = RequestStatus.WAITING_FOR_PARENT
+            self.children.setdefault(parent.req_id, []).append(req)
+
+    def _fork(self, parent: Request, children: list[Request]) -> None:
+        """The children share the parent's computed prompt KV and wait (first in the queue)
+        to compute its last token themselves."""
+        for child in reversed(children):
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = child.num_prompt_tokens - 1
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+        self.num_forks += len(children)
+
+    def _fork_children(self, parent: Request) -> None:
+        """The parent's prompt KV is computed: its waiting children fork from it."""
+        children = self.children.pop(parent.req_id, None)
+        if children:
+            self._fork(parent, children)
 
     def _check_new(self, req: Request) -> None:
         total = req.num_prompt_tokens + req.sampling_params.max_tokens
@@ -100,6 +141,7 @@ class Scheduler:
         self.kv.cache_computed_blocks(req)  # its full prompt blocks now serve prefix hits
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self._fork_children(req)
         req.append_output_token(first_token)
         status = req.check_stop()
         if status is not None:
@@ -133,6 +175,9 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_KV:
                 del self.reserved[req_id]
+            elif req.status == RequestStatus.WAITING_FOR_PARENT:
+                siblings = self.children[_parent_of(self.children, req)]
+                siblings.remove(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -142,6 +187,9 @@ class Scheduler:
         self.kv.free(req.req_id)
         del self.requests[req.req_id]
         self._finished_since_step.append(req.req_id)
+        for child in self.children.pop(req.req_id, ()):  # ended before its prompt was computed
+            child.status = RequestStatus.WAITING
+            self.waiting.append(child)
 
     @property
     def num_running(self) -> int:
@@ -205,12 +253,16 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            hit_blocks, num_hit = (  # prompt logprobs: every position recomputed
-                self.kv.get_computed_blocks(req)
-                if req.num_computed_tokens == 0 and not req.needs_prompt_logprobs else ([], 0)
-            )
+            if req.num_computed_tokens:  # a fork: it holds its parent's prompt blocks
+                hit_blocks, num_hit = [], req.num_computed_tokens
+            else:  # prompt logprobs: every position recomputed
+                hit_blocks, num_hit = (self.kv.get_computed_blocks(req)
+                                       if not req.needs_prompt_logprobs else ([], 0))
             n = min(req.num_tokens - num_hit, budget, req.max_chunk_tokens or budget)
             if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:
+                if req.num_computed_tokens and not self.running:
+                    self._unfork(req)  # nothing running will free a block for it
+                    continue
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
@@ -233,7 +285,17 @@ class Scheduler:
             out.reqs.append(r)
             out.num_scheduled_tokens.append(n)
         out.num_decodes = len(decodes)
+        out.blocks_to_copy, out.rewritten_req_ids = self.kv.take_copies()
         return out
+
+    def _unfork(self, req: Request) -> None:
+        """A waiting fork that cannot get the block it copies on write while nothing runs
+        (its siblings hold the whole pool: none of them can copy) gives its shared blocks
+        back and queues last as a plain request, so that a sibling can write in place."""
+        self.waiting.popleft()
+        self.kv.free(req.req_id)
+        req.num_computed_tokens = 0
+        self.waiting.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.req_id)
@@ -267,9 +329,27 @@ class Scheduler:
             req.num_computed_tokens = min(req.num_computed_tokens + n - num_rejected,
                                           req.num_tokens)
             self.kv.cache_computed_blocks(req)
+            if req.req_id in self.children and _is_prompt_computed(req):
+                self._fork_children(req)  # before the parent may finish below
             if tokens:
                 advanced.append(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
         return advanced
+
+
+def _is_prompt_computed(req: Request) -> bool:
+    return req.num_computed_tokens >= req.num_prompt_tokens
+
+
+def _can_fork(parent: Request, child: Request) -> bool:
+    """A child shares its parent's prompt KV when the prompts are one (prior output alike)
+    and it needs no prompt logprobs of its own."""
+    return (parent.prompt_token_ids == child.prompt_token_ids
+            and parent.num_prior_output_tokens == child.num_prior_output_tokens
+            and child.sampling_params.prompt_logprobs is None)
+
+
+def _parent_of(children: dict[str, list[Request]], child: Request) -> str:
+    return next(p for p, cs in children.items() if child in cs)

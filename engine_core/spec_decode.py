@@ -33,6 +33,7 @@ from torch import Tensor
 
 from engine_core import device_check
 from engine_core.config import SpeculativeConfig
+from engine_core.kv_cache.layout import copy_kv_blocks
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplingBatch, exponential_race
 from engine_core.scheduler import SchedulerOutput
@@ -326,6 +327,12 @@ class SpecDecoder:
         self.stats = SpecStats()
         self._draft_probs: Tensor | None = None
         self._draft_rows: dict[str, int] = {}
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write in a separate draft's cache (indexed by the target's block ids)."""
+        draft_cache = getattr(self.proposer, "kv_cache", None)
+        if draft_cache is not None:
+            copy_kv_blocks(draft_cache, pairs)
 
     def propose(self, out: SchedulerOutput, rows: np.ndarray, runner) -> None:
         """Fill the step's draft slots; a request proposed fewer drafts gives back slots."""

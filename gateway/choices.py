@@ -3,9 +3,10 @@ per choice, pumped into one stream of (choice index, chunk).
 
 Choice index = prompt index * n + sample index. Sample i of a seeded request is seeded
 seed + i, and runs as backend request f"{req_id}-{index}" (the request's own id when there is
-one choice). The samples of a prompt share its KV through the prefix cache: sample 0 starts
-alone, the others once its first chunk arrived (its prompt is prefilled and its full blocks
-are cached), so their reservations take those blocks instead of prefilling them again.
+one choice). The samples of a prompt share its KV: every sample starts at once, sample 0
+(the parent) first, the others as forks of it (`GenerateInput.fork_of`): the backend
+prefills the prompt once and the children take its blocks (engine_core/scheduler.py; in
+disaggregated mode on the parent's decode worker, gateway/forks.py).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def fan_out(prompts: Sequence[GenerateInput], n: int, req_id: str) -> tuple[Gene
             params = inp.params
             if params.seed is not None and sample:
                 params = dataclasses.replace(params, seed=params.seed + sample)
+            parent = inputs[-sample].req_id if sample else None
             inputs.append(dataclasses.replace(
-                inp, req_id=f"{req_id}-{len(inputs)}" if many else req_id, params=params))
+                inp, req_id=f"{req_id}-{len(inputs)}" if many else req_id, params=params,
+                fork_of=parent))
     return tuple(inputs)
 
 
@@ -47,57 +50,29 @@ class ChoiceStreams:
     queue; `close` cancels them all (which aborts them in the backend)."""
 
     def __init__(self, backend: Backend, inputs: Sequence[GenerateInput], n: int) -> None:
+        """Starts every choice now, in index order: each parent's backend call begins before
+        its forks' (tasks run in creation order), so the backend knows it when they come."""
         self.queue: asyncio.Queue[tuple[int, GenerateChunk] | BaseException] = asyncio.Queue()
         self.num_choices = len(inputs)
         self.inputs = tuple(inputs)
-        self.tasks: list[asyncio.Task] = []
-        self.is_aborted = False  # samples not started yet end at once, finish_reason "abort"
-        for first in range(0, self.num_choices, n):
-            prefilled = asyncio.Event()
-            self._start(backend, inputs, first, prefilled)
-            if n > 1:
-                self.tasks.append(asyncio.create_task(
-                    self._start_rest(backend, inputs, range(first + 1, first + n), prefilled)))
-
-    def _start(self, backend: Backend, inputs: Sequence[GenerateInput], index: int,
-               prefilled: asyncio.Event | None = None) -> None:
-        self.tasks.append(asyncio.create_task(self._pump(backend, inputs[index], index,
-                                                         prefilled)))
-
-    async def _start_rest(self, backend: Backend, inputs: Sequence[GenerateInput],
-                          indices: range, prefilled: asyncio.Event) -> None:
-        await prefilled.wait()
-        for index in indices:
-            if self.is_aborted:
-                inp = inputs[index]
-                self.queue.put_nowait((index, GenerateChunk(
-                    [], "", None, "abort", len(inp.prompt_token_ids), 0)))
-            else:
-                self._start(backend, inputs, index)
+        self.tasks = [asyncio.create_task(self._pump(backend, inp, index))
+                      for index, inp in enumerate(inputs)]
 
     async def abort(self, backend: Backend) -> bool:
-        """Abort every choice: those running in the backend, and those not started yet.
-        True if any was running."""
-        self.is_aborted = True
+        """Abort every choice. True if any was running."""
         found = [await backend.abort(inp.req_id) for inp in self.inputs]
         return any(found)
 
-    async def _pump(self, backend: Backend, inp: GenerateInput, index: int,
-                    prefilled: asyncio.Event | None) -> None:
+    async def _pump(self, backend: Backend, inp: GenerateInput, index: int) -> None:
         try:
             async with contextlib.aclosing(backend.generate(inp)) as chunks:
                 async for chunk in chunks:
-                    if prefilled is not None:
-                        prefilled.set()
                     self.queue.put_nowait((index, chunk))
         except asyncio.CancelledError:
             self.queue.put_nowait(BackendUnavailable("the client disconnected"))
             raise
         except Exception as e:  # handed to the consumer
             self.queue.put_nowait(e)
-        finally:
-            if prefilled is not None:
-                prefilled.set()  # the others start (and fail alike) if sample 0 failed
 
     async def chunks(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
         """(choice index, chunk) in arrival order, until every choice's last chunk; a

@@ -22,6 +22,8 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
       P.Prefill(prompt, lease, blocks) -> KV pushed layer by layer, committed, verified;
                                           the first token
       D.Decode(first token)            -> stream of chunks to the client
+    Samples 1..n-1 of a prompt (fork_of) skip all of it: D.Fork on sample 0's decode worker
+    shares its prompt KV there (gateway/forks.py).
     Cancellation or a deadline at any point: the pending call is cancelled (gRPC propagates it
     to the worker, which aborts) and D.Abort ends the reservation or the decode.
 
@@ -51,6 +53,7 @@ import grpc
 from gateway.canary import Canary, CanaryCalls, CanaryConfig
 from gateway.decode_admission import DecodeAdmission
 from gateway.discovery import Discovery
+from gateway.forks import FORK_DECISION, ForkPlacements
 from gateway.prefill_handoff import PrefillHandoff
 from gateway.prefill_placement import PrefillPlacement
 from gateway.prefill_policy import PrefillPolicy
@@ -89,7 +92,7 @@ def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> Gener
     n, p = len(emitted), inp.params
     if n >= p.max_tokens:
         return None
-    return replace(inp, req_id=f"{inp.req_id}~{attempt}",
+    return replace(inp, req_id=f"{inp.req_id}~{attempt}", fork_of=None,
                    prompt_token_ids=[*inp.prompt_token_ids, *emitted],
                    num_prior_output_tokens=inp.num_prior_output_tokens + n,
                    params=replace(p, max_tokens=p.max_tokens - n,
@@ -97,7 +100,7 @@ def _continuation(inp: GenerateInput, emitted: list[int], attempt: int) -> Gener
 
 
 class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, CanaryCalls,
-                           WorkerPools):
+                           ForkPlacements, WorkerPools):
     def __init__(self, discovery: Discovery, tokenizer, transport: str = "auto",
                  lease_ttl_s: float = 30.0, model_name: str | None = None,
                  max_waiting: int = 1024, max_queue_wait_s: float = 300.0,
@@ -107,6 +110,7 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
                  canary: CanaryConfig | None = None) -> None:
         super().__init__(discovery, tls)
         self._init_placement(prefill_policy or PrefillPolicy())
+        self._init_forks()
         self.last_success = time.monotonic()  # of a request or canary: canaries wait for idle
         self.canary_monitor = Canary(self, canary or CanaryConfig())
         self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
@@ -166,6 +170,12 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
         streamed), so the client's stream goes on."""
         if inp.req_id in self._running:
             raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
+        with self._as_parent(inp):
+            async with contextlib.aclosing(self._attempts(inp)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _attempts(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
         emitted: list[int] = []  # tokens streamed to the client, all attempts
         for attempt in range(MAX_ATTEMPTS):
             winp = _continuation(inp, emitted, attempt)
@@ -194,14 +204,29 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
         """One attempt: reserve, prefill, decode; inp.req_id is this attempt's id on the
         workers, client_id the gateway's (what abort() is called with)."""
         sampling = sampling_to_proto(inp.params)
-        decode, reservation = await self._admit(inp, sampling)  # counted in flight
+        parent = await self._parent_placement(inp) if inp.fork_of is not None else None
+        if client_id in self._aborted:  # aborted while it waited for its parent
+            self._aborted.discard(client_id)
+            yield GenerateChunk([], "", None, "abort", len(inp.prompt_token_ids), 0)
+            return
+        if parent is not None:  # shares its parent's prompt KV on the parent's decode worker
+            decode, reservation = parent.decode, None
+            decode.in_flight += 1
+        else:
+            decode, reservation = await self._admit(inp, sampling)  # counted in flight
+            if inp.req_id == client_id:  # the first attempt: its forks may follow it there
+                self._placed(client_id, decode, inp.req_id)
         self._running[client_id] = (decode, inp.req_id)
         is_done = False
         num_local = 0  # prompt tokens of this local prefill until its first token
         try:
-            decision = self._place(inp, decode, reservation)
+            decision = (FORK_DECISION if reservation is None
+                        else self._place(inp, decode, reservation))
             t_prefill_call = time.monotonic()
-            if decision.where == "local":
+            if reservation is None:
+                pre = None
+                call = self._fork_call(inp, sampling, parent, self._remaining(inp))
+            elif decision.where == "local":
                 pre = None
                 num_local = len(inp.prompt_token_ids) - reservation.num_cached_tokens
                 decode.num_local_tokens_in_flight += num_local
@@ -269,6 +294,9 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
             self._freed = asyncio.Event()
 
     async def abort(self, req_id: str) -> bool:
+        if req_id in self._waiting_forks:  # ends as soon as its parent's placement is known
+            self._aborted.add(req_id)
+            return True
         running = self._running.get(req_id)
         if running is None:
             return False

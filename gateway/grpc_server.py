@@ -29,7 +29,8 @@ from grpc_reflection.v1alpha import reflection
 from gateway import validation
 from gateway.auth import APIKeys, key_from_metadata
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams, check_num_choices, fan_out
-from gateway.tools import ToolChoice, ToolStream, grpc_tool_chat, tool_calls_to_proto
+from gateway.tool_stream import ToolStream
+from gateway.tools import ToolChoice, grpc_tool_chat, tool_calls_to_proto
 from gateway.validation import ValidationError
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import (
@@ -161,20 +162,26 @@ class GenerationServicer:
 
 async def _with_tool_calls(responses: AsyncIterator[pb.GenerateResponse],
                            tool_choice: ToolChoice | None) -> AsyncIterator[pb.GenerateResponse]:
-    """A chat with tools: each sample's content held back where a call may start, and its
-    calls parsed into its last message (gateway/tools.py)."""
+    """A chat with tools: each sample's content held back where a call may start, its calls
+    streamed as tool_call_deltas while they are generated and put whole into its last
+    message (gateway/tool_stream.py)."""
     streams: dict[int, ToolStream] = {}
     async for msg in responses:
         if tool_choice is not None:
             stream = streams.setdefault(msg.index, ToolStream(tool_choice))
-            msg.text = stream.feed(msg.text)
+            msg.text, deltas = stream.feed(msg.text)
             if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                rest, calls = stream.finish()
+                rest, last = stream.finish()
                 msg.text += rest
-                if calls:
-                    msg.tool_calls.extend(tool_calls_to_proto(calls))
+                deltas += last
+                if stream.has_calls:
+                    msg.tool_calls.extend(tool_calls_to_proto(stream.sent_calls()))
                     if msg.finish_reason == pb.FINISH_REASON_STOP:
                         msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+            msg.tool_call_deltas.extend(
+                pb.ToolCallDelta(index=d["index"], id=d.get("id", ""),
+                                 name=d["function"].get("name", ""),
+                                 arguments=d["function"]["arguments"]) for d in deltas)
         yield msg
 
 

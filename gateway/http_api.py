@@ -26,7 +26,7 @@ from gateway import openai_protocol as oai
 from gateway import tokenize_api
 from gateway.auth import APIKeys, bearer_token
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
-from gateway.tools import ToolStream
+from gateway.tool_stream import ToolStream
 from gateway.validation import UnknownModelError, ValidationError
 from service_infra.backend import (
     Backend,
@@ -256,19 +256,20 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
             latest[index] = chunk
             is_first = index not in started
             text, finish_reason, calls = chunk.text_delta, chunk.finish_reason, None
-            if req.tool_choice is not None:  # content held back where a call may start
+            if req.tool_choice is not None:  # content, and calls as they are generated
                 stream = tool_streams.setdefault(index, ToolStream(req.tool_choice))
-                text = stream.feed(text)
+                text, calls = stream.feed(text)
                 if chunk.is_last:
-                    rest, calls = stream.finish()
-                    text += rest
-                    if calls and finish_reason == "stop":
+                    rest, last_calls = stream.finish()
+                    text, calls = text + rest, calls + last_calls
+                    if stream.has_calls and finish_reason == "stop":
                         finish_reason = "tool_calls"
             if chunk.text_delta or chunk.logprobs or chunk.is_last or is_first:
                 head, head_lp = _echo(backend, req, index, chunk.prompt_logprobs) \
                     if is_first else ("", None)
                 obj = oai.chunk_object(
-                    req, index, head + text, finish_reason,
+                    req, index, head + text if head + text or not calls else None,
+                    finish_reason,
                     oai.join_logprobs(head_lp, oai.logprobs_json(req, backend, chunk.logprobs)),
                     created, role=is_first, tool_calls=calls)
                 if is_first and req.num_prompt_logprobs is not None:

@@ -401,7 +401,8 @@ def chunk_object(req: OpenAIRequest, index: int, delta: str | None, finish_reaso
                  role: bool = False,
                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index`; `delta` None means an empty delta (the final
-    chunk of a chat). `tool_calls`: OpenAI's tool_calls deltas (chat only)."""
+    chunk of a chat). `tool_calls`: OpenAI's tool_calls deltas, each with its call's index
+    (chat only; gateway/tool_stream.py)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
                               "logprobs": logprobs}
     if req.is_chat:
@@ -409,7 +410,7 @@ def chunk_object(req: OpenAIRequest, index: int, delta: str | None, finish_reaso
         if delta is not None:
             d["content"] = delta
         if tool_calls:
-            d["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
+            d["tool_calls"] = tool_calls
         choice["delta"] = d
     else:
         choice["text"] = delta or ""

@@ -18,8 +18,10 @@ tool_choice:
     named      the output is constrained to the named tool's arguments schema
 
 A request with tool calls finishes with finish_reason "tool_calls". Streamed, content is sent
-as it comes (holding back what may start a `<tool_call>` tag); tool calls are sent whole, one
-`tool_calls` delta per call, when the choice finishes.
+as it comes (holding back what may start a `<tool_call>` tag) and each call as OpenAI
+`tool_calls` deltas while it is generated: its id, type and name first, then fragments of its
+arguments (gateway/tool_stream.py). A call's `arguments` is the model's own text of the
+arguments value, streamed or not.
 """
 
 from __future__ import annotations
@@ -27,18 +29,23 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from engine_core.structured_output import StructuredOutput
 from gateway.structured import compile_error
+from gateway.tool_stream import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    new_call_id,
+    raw_arguments,
+    scan_calls,
+)
 from gateway.validation import ValidationError, encode_chat
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend
 from service_infra.proto_convert import structured_to_proto
 
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE),
                     re.DOTALL)
 MAX_NUM_TOOLS = 128
@@ -257,7 +264,9 @@ def parse_output(tc: ToolChoice, text: str) -> tuple[str | None, list[dict[str, 
             calls = json.loads(text)
         except ValueError:
             return text, []
-        return None, [_call(c["name"], json.dumps(c["arguments"])) for c in calls]
+        spans = scan_calls(text, 1)
+        return None, [_call(c["name"], text[s.args_start:s.args_end])
+                      for c, s in zip(calls, spans, strict=True)]
     calls = []
     for block in _BLOCK.findall(text):
         try:
@@ -265,8 +274,8 @@ def parse_output(tc: ToolChoice, text: str) -> tuple[str | None, list[dict[str, 
         except ValueError:
             continue
         if isinstance(value, dict) and value.get("name") in tc.names:
-            args = value.get("arguments", value.get("parameters", {}))
-            calls.append(_call(value["name"], json.dumps(args)))
+            args = raw_arguments(block)
+            calls.append(_call(value["name"], "{}" if args is None else args))
     if not calls:
         return text, []
     head = text[: text.index(TOOL_CALL_OPEN)].strip()
@@ -274,45 +283,5 @@ def parse_output(tc: ToolChoice, text: str) -> tuple[str | None, list[dict[str, 
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": new_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
-
-
-class ToolStream:
-    """One streamed choice: content goes out as it comes, except what may be (the start of)
-    a tool call; `finish` parses the whole output."""
-
-    def __init__(self, tc: ToolChoice) -> None:
-        self.tc = tc
-        self.text = ""
-        self.num_sent = 0  # characters of `text` sent as content
-        self.in_calls = tc.mode != "auto"  # required / named: the whole output is calls
-
-    def feed(self, delta: str) -> str:
-        """The content to send now."""
-        self.text += delta
-        if self.in_calls:
-            return ""
-        start = self.text.find(TOOL_CALL_OPEN, self.num_sent)
-        if start >= 0:
-            self.in_calls = True
-            end = start
-        else:  # hold back a suffix that may begin the tag
-            end = len(self.text)
-            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text) - self.num_sent), 0,
-                           -1):
-                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
-                    end = len(self.text) - k
-                    break
-        out = self.text[self.num_sent:end]
-        self.num_sent = end
-        return out
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """(the content not sent yet, the tool calls)."""
-        content, calls = parse_output(self.tc, self.text)
-        if not calls:
-            rest = self.text[self.num_sent:]
-            self.num_sent = len(self.text)
-            return rest, []
-        return "", calls

@@ -75,6 +75,10 @@ class GenerateInput:
     # the prompt's last tokens that an earlier attempt generated (a continuation after a lost
     # worker): the penalties count them as output
     num_prior_output_tokens: int = 0
+    # another sample of the same prompt (OpenAI `n`), started first: this one shares its
+    # prompt KV instead of computing it (engine_core/scheduler.py's forks). A hint: when that
+    # request is gone or unknown to the backend, this one runs on its own
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True)

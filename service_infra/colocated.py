@@ -144,6 +144,7 @@ class ColocatedBackend:
             sched, kv = self.engine.scheduler, self.engine.kv
             # structured outputs' mask time (an engine without a model runner has none)
             mask = getattr(getattr(self.engine, "runner", None), "mask_timer", None)
+            stats = getattr(self.engine, "stats", None)
             integrity = "not checked (busy)"  # the check walks every block: only at idle
             if not self.engine.has_unfinished_requests():
                 try:
@@ -155,6 +156,10 @@ class ColocatedBackend:
                     "num_waiting": sched.num_waiting, "num_free_blocks": kv.num_free_blocks,
                     "num_blocks": kv.pool.num_blocks, "num_preemptions": sched.num_preemptions,
                     "kv_integrity": integrity,
+                    # prompt tokens computed, and samples forked from another's prompt KV
+                    # (an engine without stats has computed nothing)
+                    **({"num_prompt_tokens_computed": stats.num_prompt_tokens,
+                        "num_forks": sched.num_forks} if stats is not None else {}),
                     **({"grammar_mask": {"num_steps": mask.num_steps, "seconds": mask.seconds}}
                        if mask is not None else {}),
                     **({"speculative": self.engine.spec.stats.as_dict()}
@@ -286,7 +291,8 @@ class ColocatedBackend:
         try:
             if start is None:
                 self.engine.add_request(inp.prompt_token_ids, inp.params, req_id=inp.req_id,
-                                        num_prior_output_tokens=inp.num_prior_output_tokens)
+                                        num_prior_output_tokens=inp.num_prior_output_tokens,
+                                        fork_of=inp.fork_of)
                 outputs = []
             else:
                 outputs = start()

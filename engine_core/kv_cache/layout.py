@@ -90,3 +90,13 @@ class KVLayout:
         if torch.device(device).type == "cpu":
             return huge_pages.zeros(shape, self.torch_dtype)
         return torch.zeros(shape, dtype=self.torch_dtype, device=device)
+
+
+def copy_kv_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """kv_cache[:, dst] = kv_cache[:, src] for each (src, dst) pair: every source is read
+    before any destination is written (a block freed by one copy may be the next one's dst)."""
+    dev = kv_cache.device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=dev)  # [num_copies]
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dev)
+    # [num_layers, num_copies, 2, block_size, num_kv_heads, head_dim]
+    kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))

@@ -3,6 +3,17 @@
     request tokens:  |<-------- num_computed_tokens -------->|<- new ->|
     blocks:          [ b7 ][ b2 ][ b9 ][ b4 ]  ...             (block_size tokens each)
                       full blocks are published by content hash once computed
+
+Forks (the n samples of one prompt) share the prompt's blocks by reference:
+
+    parent:   [ b7 ][ b2 ][ b9:partial ]       b7, b2, b9 ref_cnt 3
+    child 1:  [ b7 ][ b2 ][ b9:partial ]
+    child 2:  [ b7 ][ b2 ][ b9:partial ]
+    child 1 writes its next token  -> [ b7 ][ b2 ][ b5 ]  copy b9 -> b5 first, b9 ref_cnt 2
+
+Invariant: a block that is shared (ref_cnt > 1) or published (hashed) is never written. A
+request about to write into one gets a fresh block instead, and the (src, dst) pair is queued
+in `pending_copies`; the engine copies those on its device before the step's forward.
 """
 
 from __future__ import annotations
@@ -28,6 +39,10 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks
         self.req_num_published: dict[str, int] = {}  # blocks already published in the cache
+        # copy-on-write: (src, dst) block copies the next forward must be preceded by, and
+        # the requests whose block lists changed in place (not only appended) since then
+        self.pending_copies: list[tuple[int, int]] = []
+        self.rewritten_req_ids: set[str] = set()
 
     @property
     def usage(self) -> float:
@@ -68,15 +83,29 @@ class KVCacheManager:
         self, req: Request, num_tokens: int, computed_blocks: list[int] | None = None
     ) -> list[int] | None:
         """Make the request hold enough blocks for its first `num_tokens` tokens, taking a
-        reference on `computed_blocks` (a prefix-cache hit) first. Returns the newly allocated
-        block ids, or None if the pool has no room (then nothing changed)."""
+        reference on `computed_blocks` (a prefix-cache hit) first, and own every block it will
+        write (from num_computed_tokens on): a shared or published one is copied on write.
+        Returns the newly allocated block ids, or None if the pool has no room (then nothing
+        changed)."""
         blocks = self.req_blocks.get(req.req_id, [])
         have = len(blocks) + len(computed_blocks or ())
-        need = cdiv(num_tokens, self.block_size) - have
+        need = max(cdiv(num_tokens, self.block_size) - have, 0)
+        # held blocks the request writes into (computed_blocks lie before num_computed_tokens)
+        first_written = req.num_computed_tokens // self.block_size
+        to_copy = [i for i in range(first_written, len(blocks)) if self._is_immutable(blocks[i])]
         # a hit on a cached-but-free block also takes it out of the free queue
         num_evictable_hits = sum(self.pool.ref_cnt[b] == 0 for b in computed_blocks or ())
-        if need > 0 and not self.pool.can_allocate(need + num_evictable_hits):
+        if (need or to_copy) and not self.pool.can_allocate(
+                need + len(to_copy) + num_evictable_hits):
             return None
+        if to_copy:
+            blocks = list(blocks)
+            for i in to_copy:
+                (dst,) = self.pool.allocate(1) or ()
+                self.pool.free([blocks[i]])
+                self.pending_copies.append((blocks[i], dst))
+                blocks[i] = dst
+            self.rewritten_req_ids.add(req.req_id)
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks = blocks + computed_blocks
@@ -85,6 +114,31 @@ class KVCacheManager:
         assert new is not None
         self.req_blocks[req.req_id] = blocks + new
         return new
+
+    def _is_immutable(self, block_id: int) -> bool:
+        """Shared with another request, or published in the prefix cache: never written."""
+        return self.pool.ref_cnt[block_id] > 1 or self.pool.block_hash[block_id] is not None
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child (same prompt) takes a reference on each of the parent's prompt blocks,
+        whose KV is computed; a write into the shared last one copies it first."""
+        num_blocks = cdiv(parent.num_prompt_tokens, self.block_size)
+        blocks = self.req_blocks[parent.req_id][:num_blocks]
+        assert len(blocks) == num_blocks and child.req_id not in self.req_blocks
+        self.pool.touch(blocks)
+        self.req_blocks[child.req_id] = list(blocks)
+        num_full = parent.num_prompt_tokens // self.block_size
+        if parent.req_id in self.req_hashes:
+            self.req_hashes[child.req_id] = self.req_hashes[parent.req_id][:num_full]
+        self.req_num_published[child.req_id] = min(
+            self.req_num_published.get(parent.req_id, 0), num_full)
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], set[str]]:
+        """The copies queued since the last call and the requests whose block lists were
+        rewritten in place; both cleared."""
+        copies, self.pending_copies = self.pending_copies, []
+        rewritten, self.rewritten_req_ids = self.rewritten_req_ids, set()
+        return copies, rewritten
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Publish the request's full blocks whose KV is now computed: the prompt's only,
@@ -107,6 +161,9 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         """Release every block the request holds (idempotent)."""
         blocks = self.req_blocks.pop(req_id, [])
+        if self.pending_copies and blocks:  # a copy into a block freed before its step ran
+            dropped = set(blocks)
+            self.pending_copies = [c for c in self.pending_copies if c[1] not in dropped]
         self.pool.free(reversed(blocks))
         self.req_hashes.pop(req_id, None)
         self.req_num_published.pop(req_id, None)

@@ -85,7 +85,9 @@ class EngineCollector:
                 ("engine_prompt_tokens", "Prompt tokens computed by this engine.",
                  stats.num_prompt_tokens),
                 ("engine_generation_tokens", "Tokens sampled by this engine.",
-                 stats.num_generation_tokens)):
+                 stats.num_generation_tokens),
+                ("engine_forks", "Requests that shared another sample's prompt KV (n > 1) "
+                 "instead of computing it.", self.engine.scheduler.num_forks)):
             yield self._family(CounterMetricFamily, name, doc, value)
         mask = self.engine.runner.mask_timer
         for name, doc, value in (

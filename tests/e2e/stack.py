@@ -184,6 +184,18 @@ def check_timing(t) -> None:
     assert parts["ttft_s"] <= parts["total_s"] < 120, parts
 
 
+def counter(url: str, name: str, **labels) -> float:
+    """Counter `pdserve:<name>_total` at a /metrics URL, summed over the samples whose labels
+    include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text)
+               if f.name == "pdserve:" + name for s in f.samples
+               if s.name.endswith("_total") and all(s.labels.get(k) == v
+                                                     for k, v in labels.items()))
+
+
 def cacheable_tokens(num_prompt_tokens: int) -> int:
     """Prompt tokens a worker's prefix cache can serve: whole blocks, the last token never."""
     return (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE

@@ -17,7 +17,7 @@ import pytest
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_output import StructuredOutput
 from protos.pdserve.v1 import generate_pb2 as pb
-from tests.e2e.stack import greedy, out_ids, out_text, run
+from tests.e2e.stack import check_timing, counter, greedy, out_ids, out_text, run
 from tests.helpers import torch_threads
 from tests.structured_schemas import ASK, MAX_TOKENS, SCHEMAS, TOOL_SCHEMAS, TOOLS, prompt_for
 
@@ -82,18 +82,33 @@ LONG = ("Once upon a time, in a small village at the edge of a dark forest, ther
         "clockmaker who had never once left the valley where he was born. Every morning he")
 
 
+def prompt_counters(stack) -> tuple[float, float, float]:
+    """(prefill decisions at the gateway, prompt tokens computed on both workers, forks)."""
+    gateway, prefill, decode = stack.metrics
+    return (counter(gateway, "prefill_decisions"),
+            counter(prefill, "engine_prompt_tokens") + counter(decode, "engine_prompt_tokens"),
+            counter(decode, "engine_forks"))
+
+
 def test_n_and_batched_prompts_through_both_pools(stack, client, ref):
-    """Greedy choices equal the offline engine; samples 1.. of a prompt start after sample 0's
-    prefill and find its full blocks in the decode worker's prefix cache."""
-    refs = [ref.generate(p, N) for p in (PROMPT, LONG)]
-    resp = client.completions.create(model=MODEL, prompt=[PROMPT, LONG], max_tokens=N,
+    """Greedy choices equal the offline engine; each prompt is placed, prefilled and handed
+    off once, and its other samples fork from it on the decode worker."""
+    prompts = [PROMPT + " a city that", LONG + " wound"]  # cached by no earlier test
+    refs = [ref.generate(p, N) for p in prompts]
+    before = prompt_counters(stack)
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=N,
                                      temperature=0, n=3)
     assert [c.index for c in resp.choices] == list(range(6))
     assert [c.text for c in resp.choices] == [refs[0].outputs[0].text] * 3 + \
         [refs[1].outputs[0].text] * 3
     assert resp.usage.completion_tokens == 6 * N
-    num_long = len(refs[1].prompt_token_ids)
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 2 * (num_long // 16) * 16
+    stack.wait_idle()
+    decisions, prompt_tokens, forks = (a - b for a, b in zip(prompt_counters(stack), before,
+                                                              strict=True))
+    # one placement (and prefill) per prompt; each child computes only its first token's
+    # logits (the prompt's last token) over the shared KV
+    assert (decisions, forks) == (2, 4)
+    assert prompt_tokens == sum(len(r.prompt_token_ids) for r in refs) + 4
     seeded = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=N,
         temperature=1.0, seed=11, n=2, stream=True)
@@ -117,8 +132,21 @@ def test_grpc_n_through_both_pools(stack, ref):
     assert samples == {i: list(expected) for i in range(3)}
     last = [m for m in msgs if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
     assert sorted(m.index for m in last) == [0, 1, 2]
-    full_blocks = len(out.prompt_token_ids) // 16 * 16
-    assert sum(m.usage.cached_prompt_tokens for m in last) >= 2 * full_blocks
+    num_prompt = len(out.prompt_token_ids)
+    assert sorted(m.usage.cached_prompt_tokens for m in last)[1:] == [num_prompt - 1] * 2
+    for m in last:
+        check_timing(m.timing)
+    assert {m.timing.prefill_where for m in last} - {"remote", "local"} == {"fork"}
+    # Abort(request_id) ends every sample, forks included, and frees every block
+    stream = stack.generation().Generate(pb.GenerateRequest(
+        request_id="n-abort", text=LONG, n=3, sampling=greedy(400, ignore_eos=True)),
+        timeout=120)
+    first = next(stream)
+    assert stack.generation().Abort(pb.AbortRequest(request_id="n-abort"), timeout=30).found
+    finished = [m for m in [first, *stream] if m.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert sorted(m.index for m in finished) == [0, 1, 2]
+    assert {m.finish_reason for m in finished} == {pb.FINISH_REASON_ABORT}
+    stack.wait_idle()
 
 
 def test_lm_eval_loglikelihood_prompt_logprobs_from_the_prefill_worker(stack, client, ref):
@@ -232,10 +260,13 @@ def test_tool_calls_through_both_pools(stack, client):
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0.0, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    calls, finish = [], None
+    deltas, finish = [], None
     for chunk in stream:
         for c in chunk.choices:
-            calls += c.delta.tool_calls or []
+            deltas += c.delta.tool_calls or []
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
-    jsonschema.validate(json.loads(calls[0].function.arguments), TOOL_SCHEMAS["get_weather"])
+    # deltas: the call's name first, then its arguments as they are generated
+    assert finish == "tool_calls" and {d.index for d in deltas} == {0} and len(deltas) > 2
+    assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS["get_weather"])

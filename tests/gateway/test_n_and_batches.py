@@ -1,7 +1,7 @@
 """`n` > 1 and batched prompts through a real colocated gateway: one choice per (prompt,
 sample) at index prompt * n + sample, greedy choices equal to the offline engine, seeded
 sample i equal to a lone request seeded seed + i, streams interleaved by index, the samples
-of a prompt reusing its cached KV blocks, the bound on n x prompts, and every block freed
+of a prompt forked from its one prefill, the bound on n x prompts, and every block freed
 (also when the client leaves mid-stream)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16  # the engine's default
-# > 2 full KV blocks, so that the samples after the first can hit the prefix cache
+# > 2 full KV blocks and a partial one, which the samples share until they write into it
 LONG = ("Once upon a time, in a small village at the edge of a dark forest, there lived an old "
         "clockmaker who had never once left the valley where he was born. Every morning he")
 PROMPTS = ["The capital of France is", LONG]
@@ -28,19 +28,24 @@ def client(gateway):
         yield c
 
 
-def test_n_greedy_completions_share_the_prompt_blocks(client, gateway, offline):
-    ref = offline.generate(LONG, N_TOKENS)
-    resp = client.completions.create(model=MODEL, prompt=LONG, max_tokens=N_TOKENS,
+def test_n_greedy_completions_fork_from_one_prefill(client, gateway, offline):
+    prompt = LONG + " wound"  # cached by no earlier test
+    ref = offline.generate(prompt, N_TOKENS)
+    before = gateway.status()
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS,
                                      temperature=0, n=3)
+    after = gateway.wait_idle()
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [c.text for c in resp.choices] == [ref.outputs[0].text] * 3
     num_prompt = len(ref.prompt_token_ids)
     assert resp.usage.prompt_tokens == num_prompt  # the prompt counts once
     assert resp.usage.completion_tokens == 3 * N_TOKENS
-    # samples 1 and 2 start after sample 0's prefill: its full blocks are cached for them
-    assert resp.usage.prompt_tokens_details.cached_tokens >= \
-        2 * (num_prompt // BLOCK_SIZE) * BLOCK_SIZE
-    gateway.wait_idle()
+    # the prompt is computed once; each child recomputes only its last token (its own first
+    # token's logits) over the shared blocks, and counts the rest as cached
+    assert after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"] == \
+        num_prompt + 2
+    assert after["num_forks"] - before["num_forks"] == 2
+    assert resp.usage.prompt_tokens_details.cached_tokens == 2 * (num_prompt - 1)
 
 
 def test_n_seeded_sample_i_is_seed_plus_i(client, gateway):

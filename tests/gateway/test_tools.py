@@ -59,19 +59,42 @@ def test_named_and_required_are_enforced(client, gateway):
     gateway.wait_idle()
 
 
+def _joined(deltas):
+    """Streamed tool_calls deltas joined by index, as the openai client's helpers do; the
+    first delta of a call carries its id, type and name, the others arguments only."""
+    calls: dict = {}
+    for d in deltas:
+        if d.index not in calls:
+            assert d.id and d.type == "function" and d.function.name, d
+            calls[d.index] = d.model_copy(deep=True)
+        else:
+            assert d.id is None and d.function.name is None, d
+            calls[d.index].function.arguments += d.function.arguments
+    return [calls[k] for k in sorted(calls)]
+
+
 def test_required_streamed_as_tool_calls_deltas(client, gateway):
-    stream = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0.0,
-        tool_choice="required", parallel_tool_calls=False, stream=True)
-    calls, finish, content = {}, None, ""
+    req = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0.0,
+               tool_choice="required", parallel_tool_calls=False)
+    stream = client.chat.completions.create(**req, stream=True)
+    deltas, finish, content = [], None, ""
     for chunk in stream:
         for c in chunk.choices:
             content += c.delta.content or ""
-            for d in c.delta.tool_calls or []:
-                calls[d.index] = d
+            deltas += c.delta.tool_calls or []
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and content == "" and list(calls) == [0]
-    _check_calls(list(calls.values()))
+    calls = _joined(deltas)
+    assert finish == "tool_calls" and content == "" and len(calls) == 1
+    assert len(deltas) > 2  # the arguments arrive as they are generated, not whole
+    _check_calls(calls)
+    whole = client.chat.completions.create(**req).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    # the openai client's own stream helper reassembles the deltas
+    with client.chat.completions.stream(**req) as s:
+        final = s.get_final_completion()
+    assert [c.function.arguments for c in final.choices[0].message.tool_calls] == \
+        [c.function.arguments for c in whole]
     gateway.wait_idle()
 
 
@@ -92,16 +115,21 @@ def test_auto_parses_calls_streamed_and_not(client, gateway):
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0.0, stream=True,
         extra_body={"structured_outputs": {"regex": AUTO_REGEX}})
-    content, calls, finish = "", [], None
+    content, deltas, finish = "", [], None
+    num_content_before_call = None
     for chunk in stream:
         for c in chunk.choices:
             content += c.delta.content or ""
-            calls += c.delta.tool_calls or []
+            if c.delta.tool_calls and num_content_before_call is None:
+                num_content_before_call = len(content)
+            deltas += c.delta.tool_calls or []
             finish = c.finish_reason or finish
     assert content.strip() == "Let me check." and "<tool" not in content
-    assert finish == "tool_calls"
-    assert [c.function.arguments for c in calls] == [
-        t.function.arguments for t in choice.message.tool_calls]
+    assert num_content_before_call == len(content)  # the content streamed first
+    assert finish == "tool_calls" and len(deltas) > 2
+    calls = _joined(deltas)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
     # no call written: plain content, finish "stop"; tool_choice none: no tools in the prompt
     plain = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8, temperature=0.0,
@@ -190,6 +218,12 @@ def test_grpc_tools_named_required_auto_and_bad(gateway):
             timeout=120))
         assert "".join(m.text for m in auto).strip() == "Let me check."
         assert [c.name for c in auto[-1].tool_calls] == ["get_weather"]
+        # streamed as tool_call_deltas while generated; joined, they are the last tool_calls
+        deltas = [d for m in auto for d in m.tool_call_deltas]
+        assert len(deltas) > 2 and sum(bool(m.tool_call_deltas) for m in auto) > 2
+        assert (deltas[0].index, deltas[0].id, deltas[0].name) == (
+            0, auto[-1].tool_calls[0].id, "get_weather")
+        assert "".join(d.arguments for d in deltas) == auto[-1].tool_calls[0].arguments
         # the call and its result go back into the conversation
         follow = chat()
         follow.messages.add(role="assistant", tool_calls=[last.tool_calls[0]])

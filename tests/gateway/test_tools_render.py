@@ -11,7 +11,8 @@ import pytest
 
 from engine_core.model_files import resolve_model
 from engine_core.tokenizer import Tokenizer, load_tokenizer
-from gateway.tools import ToolChoice, ToolStream, generic_messages, parse_output
+from gateway.tool_stream import ToolStream
+from gateway.tools import ToolChoice, generic_messages, parse_output
 
 TOOL = {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
                                          "parameters": {"type": "object", "properties": {
@@ -60,16 +61,22 @@ def test_template_with_a_tool_section_renders_them_itself(tokenizer):
     assert "<|im_start|>tool\n12:00" in text
 
 
-def test_stream_holds_back_a_possible_tag_and_parses_the_calls():
+def test_stream_holds_back_a_possible_tag_and_streams_the_calls():
     tc = ToolChoice("auto", ("get_time",))
     s = ToolStream(tc)
     sent = [s.feed(p) for p in ("Sure", ". <to", "ol_call>{\"name\": \"get_time\", ",
                                 "\"arguments\": {}}</tool_call>")]
-    assert sent == ["Sure", ". ", "", ""]
-    rest, calls = s.finish()
-    assert rest == "" and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
+    assert [content for content, _ in sent] == ["Sure", ". ", "", ""]
+    assert [deltas for _, deltas in sent][:2] == [[], []]
+    (first,), (args,) = sent[2][1], sent[3][1]
+    assert first["index"] == 0 and first["type"] == "function"
+    assert first["function"] == {"name": "get_time", "arguments": ""}
+    assert args == {"index": 0, "function": {"arguments": "{}"}}
+    assert s.finish() == ("", [])
+    assert s.sent_calls() == [{"id": first["id"], "type": "function",
+                               "function": {"name": "get_time", "arguments": "{}"}}]
     s = ToolStream(tc)  # a "<" that starts no tag is sent once it is clear
-    assert s.feed("a <") == "a " and s.feed("b") == "<b"
+    assert s.feed("a <") == ("a ", []) and s.feed("b") == ("<b", [])
     assert s.finish() == ("", [])
     # an unknown function name or broken JSON is not a call: the text stays content
     assert parse_output(tc, '<tool_call>{"name": "nope"}</tool_call>')[1] == []

@@ -27,7 +27,7 @@ class FakeEngine:
         self.fail = False
         self.spec = None  # no speculative decoding
 
-    def add_request(self, prompt, params, req_id, num_prior_output_tokens=0):
+    def add_request(self, prompt, params, req_id, num_prior_output_tokens=0, fork_of=None):
         self.num_prior_output_tokens = num_prior_output_tokens
         self.scheduler.requests[req_id] = [params, prompt, [], time.monotonic()]
         self.scheduler.num_running = len(self.scheduler.requests)

@@ -125,6 +125,18 @@ class LocalPrefillRequest(_message.Message):
     max_chunk_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., max_chunk_tokens: _Optional[int] = ...) -> None: ...
 
+class ForkRequest(_message.Message):
+    __slots__ = ("request_id", "parent_request_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    parent_request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generate_pb2.SamplingParameters
+    def __init__(self, request_id: _Optional[str] = ..., parent_request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParameters, _Mapping]] = ...) -> None: ...
+
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "num_cached_tokens", "first_decode_step_s", "queue_s", "prefill_s")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

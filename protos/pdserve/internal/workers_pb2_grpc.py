@@ -172,6 +172,11 @@ class DecodeStub:
                 request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.LocalPrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_stream(
+                '/pdserve.internal.Decode/Fork',
+                request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.ForkRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.internal.Decode/Abort',
                 request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.AbortRequestRequest.SerializeToString,
@@ -223,6 +228,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """Another sample of a request on this worker (OpenAI n): it shares the parent's prompt KV
+        (one reference per block, the last partial block copied on write) once the parent's
+        prompt is here, computes only the prompt's last token to sample its own first token,
+        and streams every token as Decode does. A parent that is gone (or ends before its KV is
+        here) leaves the sample to prefill here on its own. Cancelling the call aborts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """End a request wherever it is (reserved, receiving or decoding); frees its blocks.
         """
@@ -257,6 +273,11 @@ def add_DecodeServicer_to_server(servicer, server):
             'PrefillLocally': grpc.unary_stream_rpc_method_handler(
                     servicer.PrefillLocally,
                     request_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.LocalPrefillRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Fork': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.ForkRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -377,6 +398,33 @@ class Decode:
             target,
             '/pdserve.internal.Decode/PrefillLocally',
             protos_dot_pdserve_dot_internal_dot_workers__pb2.LocalPrefillRequest.SerializeToString,
+            protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.Decode/Fork',
+            protos_dot_pdserve_dot_internal_dot_workers__pb2.ForkRequest.SerializeToString,
             protos_dot_pdserve_dot_internal_dot_workers__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
