@@ -164,11 +164,13 @@ def paged_decode_attention_triton(
     *,
     block_n: int = 64,
     num_splits: int | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile.
     A window starts the walk at the context's last `window` positions. `num_splits`: chunks
-    each context is split into, one program each (None: `num_context_splits` of the shapes
-    and device; 1: no split, no scratch, no combine)."""
+    each context is split into, one program each (None: `num_context_splits` of the shapes,
+    device and `max_context_len`, a host-side bound on context_lens, or None; 1: no split, no
+    scratch, no combine)."""
     check_decode_args(query, kv_layer, block_tables, context_lens, scale)
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
@@ -177,7 +179,8 @@ def paged_decode_attention_triton(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = num_context_splits(num_seqs, num_kv_heads, query.device, window)
+        num_splits = num_context_splits(num_seqs, num_kv_heads, query.device, window,
+                                        max_context_len)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     # scratch sized by shapes only (CUDA graphs); unused, and 1-element, without a split

@@ -40,17 +40,24 @@ def _sm_count(device_index: int) -> int:
 
 
 def num_context_splits(
-    num_seqs: int, num_kv_heads: int, device: torch.device, window: int | None = None
+    num_seqs: int,
+    num_kv_heads: int,
+    device: torch.device,
+    window: int | None = None,
+    max_context_len: int | None = None,
 ) -> int:
     """Splits per sequence that give the grid ≥ PROGRAMS_PER_SM programs per SM; 1 when the
-    unsplit grid already does, on CPU (the interpreter has no SMs), or when a window is too
-    short to split. Depends on shapes only, so it is fixed within a CUDA graph."""
+    unsplit grid already does, on CPU (the interpreter has no SMs), or when the window or
+    max_context_len (a host-side bound on the lengths, e.g. the step's `decode_max_len`;
+    None: unknown) is too short to split. Depends on shapes and these bounds only, never on
+    the lengths on the device, so it is fixed within a CUDA graph."""
     if device.type != "cuda" or num_seqs == 0:
         return 1
     target = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
     splits = min(MAX_SPLITS, triton.cdiv(target, num_seqs * num_kv_heads))
-    if window is not None:
-        splits = min(splits, triton.cdiv(window, MIN_SPLIT_LEN))
+    for bound in (window, max_context_len):
+        if bound is not None:
+            splits = min(splits, triton.cdiv(bound, MIN_SPLIT_LEN))
     return max(1, splits)
 
 

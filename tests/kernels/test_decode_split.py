@@ -77,4 +77,6 @@ def test_num_context_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decode_split.num_context_splits(512, 8, cuda) == 1  # already 4096 programs
     assert decode_split.num_context_splits(32, 3, cuda, window=100) == 1  # too short to split
     assert decode_split.num_context_splits(32, 3, cuda, window=300) == 3
+    assert decode_split.num_context_splits(32, 3, cuda, max_context_len=20) == 1
+    assert decode_split.num_context_splits(32, 3, cuda, max_context_len=2048) == 6
     assert decode_split.num_context_splits(32, 3, torch.device("cpu")) == 1
