@@ -3,7 +3,9 @@
 1. the card's own device-to-device copy bandwidth, the yardstick for what follows;
 2. the Triton paged decode attention, 32 sequences x 2048 tokens of context, bf16, on
    SmolLM2-135M's heads (9 query, 3 KV, head_dim 64) and on Llama-3-8B's (32, 8, 128): the
-   KV bytes it reads per second, against the copy bandwidth;
+   KV bytes it reads per second, against the copy bandwidth; a row without splitting the
+   context (1 split), one with the split count the kernel picks for the card (auto) and one
+   with twice that (kernels/decode_split.py);
 3. the engine on CUDA, bf16, on a model of SmolLM2-135M's shapes with random weights (the
    weights' values don't change the speed): output tokens/s at each concurrency, 128-token
    prompts, 128 output tokens, against transformers `generate` of the same model one request
@@ -11,6 +13,7 @@
 
     python benchmarks/bench_gpu.py                  # needs CUDA
     python benchmarks/bench_gpu.py --concurrency 1 32 --out bench_results/gpu
+    python benchmarks/bench_gpu.py --attention-only   # 1 and 2 only, in seconds
 
 The KV handoff over cuda_ipc is measured by benchmarks/bench_kv_transfer.py --device cuda.
 """
@@ -49,15 +52,20 @@ def decode_attention(num_seqs: int, context: int) -> list[dict]:
     from triton.testing import do_bench
 
     from kernels.decode_attention import paged_decode_attention_triton
+    from kernels.decode_split import num_context_splits
 
     rows = []
     for name, (hq, hkv, d) in HEADS.items():
         inputs = make_decode_inputs([context] * num_seqs, hq, hkv, d, 16, torch.bfloat16)
         args = inputs.to("cuda").args()
-        ms = do_bench(lambda args=args: paged_decode_attention_triton(*args), warmup=25, rep=200)
-        kv_bytes = num_seqs * context * hkv * d * 2 * 2  # K and V, bf16
-        rows.append({"heads": name, "num_seqs": num_seqs, "context": context, "ms": ms,
-                     "kv_bytes": kv_bytes, "gbytes_per_s": kv_bytes / (ms / 1e3) / 1e9})
+        auto = num_context_splits(num_seqs, hkv, torch.device("cuda"))
+        for label, splits in (("1", 1), (f"auto={auto}", auto), (f"2xauto={2 * auto}", 2 * auto)):
+            ms = do_bench(lambda args=args, splits=splits: paged_decode_attention_triton(
+                *args, num_splits=splits), warmup=25, rep=200)
+            kv_bytes = num_seqs * context * hkv * d * 2 * 2  # K and V, bf16
+            rows.append({"heads": name, "num_seqs": num_seqs, "context": context,
+                         "splits": label, "ms": ms, "kv_bytes": kv_bytes,
+                         "gbytes_per_s": kv_bytes / (ms / 1e3) / 1e9})
     return rows
 
 
@@ -116,6 +124,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--out", type=Path, default=ROOT / "bench_results" / "gpu")
+    p.add_argument("--attention-only", action="store_true",
+                   help="copy bandwidth and decode attention only, no engine runs")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
@@ -124,13 +134,17 @@ def main() -> int:
     print(f"{card}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", flush=True)
     attn = decode_attention(32, 2048)
     for r in attn:
-        print(f"decode attention {r['heads']:13} {r['num_seqs']}x{r['context']}: "
+        print(f"decode attention {r['heads']:13} {r['num_seqs']}x{r['context']} "
+              f"splits {r['splits']:10}: "
               f"{r['ms'] * 1e3:8.1f} us/layer, {r['gbytes_per_s']:7.0f} GB/s KV read = "
               f"{100 * r['gbytes_per_s'] * 1e9 / copy:5.1f} % of the copy bandwidth", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = write_tiny_llama(Path(tmp), **SMOLLM2_SHAPE)
-        eng = engine(folder, args.concurrency, args.prompt_len, args.output_len)
-        hf = hf_generate(folder, args.prompt_len, args.output_len)
+    eng: dict = {}
+    hf: dict = {}
+    if not args.attention_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = write_tiny_llama(Path(tmp), **SMOLLM2_SHAPE)
+            eng = engine(folder, args.concurrency, args.prompt_len, args.output_len)
+            hf = hf_generate(folder, args.prompt_len, args.output_len)
     for c, r in eng.items():
         print(f"engine {c:12}: {r['output_tokens_per_s']:9.0f} output tokens/s "
               f"({r['output_tokens_per_s'] / hf['output_tokens_per_s']:6.1f}x transformers "

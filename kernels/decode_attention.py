@@ -1,8 +1,10 @@
 """Triton paged decode attention: one query token per sequence over its cached K/V.
 
-Grid: (num_seqs, num_kv_heads). A program owns one KV head of one sequence and all GROUP_SIZE
-query heads that share it (GQA), so every K/V tile is loaded once per group. It walks the
-context in tiles of BLOCK_N positions; each position finds its cache row through the block
+Grid: (num_seqs, num_kv_heads, num_splits). A program owns one KV head of one sequence and all
+GROUP_SIZE query heads that share it (GQA), so every K/V tile is loaded once per group, over
+one split of the context (kernels/decode_split.py: with NUM_SPLITS > 1 each program writes a
+partial output and its log-sum-exp, and a second kernel combines them). It walks its split in
+tiles of BLOCK_N positions; each position finds its cache row through the block
 table (positions may span several cache blocks per tile, so any BLOCK_SIZE works):
 
     position p -> block_tables[seq, p // BLOCK_SIZE], slot p % BLOCK_SIZE
@@ -18,12 +20,15 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_decode_args
+from kernels.decode_split import _combine_splits_kernel, combine_splits, num_context_splits
 from kernels.triton_utils import NO_WINDOW, block_dim, compute_dtype, is_interpreted, launchable
 
 
 @triton.jit
 def _paged_decode_kernel(
     out_ptr,
+    partial_ptr,
+    lse_ptr,
     query_ptr,
     kv_ptr,
     block_tables_ptr,
@@ -43,6 +48,14 @@ def _paged_decode_kernel(
     stride_kv_dim,
     stride_table_seq,
     stride_table_block,
+    stride_partial_seq,
+    stride_partial_head,
+    stride_partial_split,
+    stride_partial_dim,
+    stride_lse_seq,
+    stride_lse_head,
+    stride_lse_split,
+    NUM_SPLITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -54,6 +67,7 @@ def _paged_decode_kernel(
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -78,7 +92,11 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq * stride_table_seq
     lo = tl.maximum(context_len - window, 0)  # the first position in the window
-    for start in range(lo, context_len, BLOCK_N):
+    # this split's positions [split_lo, split_hi), whole tiles of the walk; may be empty
+    split_len = tl.cdiv(tl.cdiv(context_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_lo = lo + split * split_len
+    split_hi = tl.minimum(split_lo + split_len, context_len)
+    for start in range(split_lo, split_hi, BLOCK_N):
         positions = start + offs_n  # [BLOCK_N]
         mask_n = positions < context_len
         blocks = tl.load(
@@ -104,15 +122,36 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]  # [BLOCK_G, BLOCK_D]
-    tl.store(
-        out_ptr
-        + seq * stride_out_seq
-        + q_heads[:, None] * stride_out_head
-        + offs_d[None, :] * stride_out_dim,
-        out.to(out_ptr.dtype.element_ty),
-        mask=q_mask,
-    )
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]  # [BLOCK_G, BLOCK_D]
+        tl.store(
+            out_ptr
+            + seq * stride_out_seq
+            + q_heads[:, None] * stride_out_head
+            + offs_d[None, :] * stride_out_dim,
+            out.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+    else:
+        # an empty split leaves l_i = 0: its partial is 0 and its lse -inf (weight 0)
+        is_empty = l_i == 0.0  # [BLOCK_G]
+        partial = acc / tl.where(is_empty, 1.0, l_i)[:, None]  # [BLOCK_G, BLOCK_D]
+        # log of 1, not of 0, where empty: the where picks -inf there anyway
+        lse = tl.where(is_empty, float("-inf"), m_i + tl.log(tl.where(is_empty, 1.0, l_i)))
+        tl.store(
+            partial_ptr
+            + seq * stride_partial_seq
+            + q_heads[:, None] * stride_partial_head
+            + split * stride_partial_split
+            + offs_d[None, :] * stride_partial_dim,
+            partial,
+            mask=q_mask,
+        )
+        tl.store(
+            lse_ptr + seq * stride_lse_seq + q_heads * stride_lse_head + split * stride_lse_split,
+            lse,
+            mask=mask_g,
+        )
 
 
 def paged_decode_attention_triton(
@@ -124,9 +163,14 @@ def paged_decode_attention_triton(
     window: int | None = None,
     *,
     block_n: int = 64,
+    num_splits: int | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile.
-    A window starts the walk at the context's last `window` positions."""
+    A window starts the walk at the context's last `window` positions. `num_splits`: chunks
+    each context is split into, one program each (None: `num_context_splits` of the shapes,
+    device and `max_context_len`, a host-side bound on context_lens, or None; 1: no split, no
+    scratch, no combine)."""
     check_decode_args(query, kv_layer, block_tables, context_lens, scale)
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
@@ -134,10 +178,21 @@ def paged_decode_attention_triton(
     out = torch.empty_like(query)  # [num_seqs, num_q_heads, head_dim]
     if num_seqs == 0:
         return out
+    if num_splits is None:
+        num_splits = num_context_splits(num_seqs, num_kv_heads, query.device, window,
+                                        max_context_len)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    # scratch sized by shapes only (CUDA graphs); unused, and 1-element, without a split
+    scratch = (num_seqs, num_q_heads, num_splits) if num_splits > 1 else (1, 1, 1)
+    partial = query.new_empty((*scratch, head_dim), dtype=torch.float32)  # [S, Hq, splits, D]
+    lse = query.new_empty(scratch, dtype=torch.float32)  # [S, Hq, splits]
     kernel = launchable(_paged_decode_kernel, query.device)
     tile_dtype, precision = compute_dtype(query.dtype, is_interpreted(kernel))
-    kernel[(num_seqs, num_kv_heads)](
+    kernel[(num_seqs, num_kv_heads, num_splits)](
         out,
+        partial,
+        lse,
         query,
         kv_layer,
         block_tables,
@@ -148,6 +203,9 @@ def paged_decode_attention_triton(
         *out.stride(),
         *kv_layer.stride(),
         *block_tables.stride(),
+        *partial.stride(),
+        *lse.stride(),
+        NUM_SPLITS=num_splits,
         GROUP_SIZE=group_size,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_layer.shape[2],
@@ -157,4 +215,6 @@ def paged_decode_attention_triton(
         COMPUTE_DTYPE=tile_dtype,
         DOT_PRECISION=precision,
     )
+    if num_splits > 1:
+        combine_splits(out, partial, lse, launchable(_combine_splits_kernel, query.device))
     return out

@@ -54,6 +54,8 @@ def paged_decode_attention(
     scale: float,
     step_cache: dict | None = None,
     window: int | None = None,
+    *,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached K/V (its own K/V included).
 
@@ -63,12 +65,15 @@ def paged_decode_attention(
     head h // (num_q_heads // num_kv_heads). Softmax in fp32. Returns
     [num_seqs, num_q_heads, head_dim] in query's dtype. step_cache: as in `store_kv`.
     window: a sliding window, the last `window` tokens of each context (None: all of them).
+    max_context_len: a host-side bound on context_lens (None: unknown), with which the Triton
+    kernel splits short contexts less (kernels/decode_split.py); a bound, so a CUDA graph may
+    be captured with a larger one than its replays see.
     """
     if select_backend(query.device) == "triton":
         from kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(query, kv_layer, block_tables, context_lens, scale,
-                                             window)
+                                             window, max_context_len=max_context_len)
     return cpu_attention.paged_decode_attention_torch(
         query, kv_layer, block_tables, context_lens, scale, step_cache, window
     )

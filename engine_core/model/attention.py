@@ -25,7 +25,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets after decodes
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
-    decode_max_len: int = 0  # decode_context_lens.max(), for kernels that size scratch by it
+    # decode_context_lens.max() or a bound on it (a CUDA graph's: max_model_len), for kernels
+    # that size scratch or split contexts by it; 0: unknown
+    decode_max_len: int = 0
     # the prefill rows one by one, for kernels that attend row by row (the native CPU kernel):
     # each row's index into prefill_block_tables and its KV length (position + 1). The model
     # runner passes them, computed on the host with prefill_max_len (so no step reads a device
@@ -86,7 +88,7 @@ def paged_attention(
     if meta.num_prefills == 0:
         return kernels.paged_decode_attention(
             q, kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
-            meta.kernel_cache, window,
+            meta.kernel_cache, window, max_context_len=meta.decode_max_len or None,
         )
     prefill_out = kernels.paged_prefill_attention(
         q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
@@ -96,6 +98,6 @@ def paged_attention(
         return prefill_out
     decode_out = kernels.paged_decode_attention(
         q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
-        meta.kernel_cache, window,
+        meta.kernel_cache, window, max_context_len=meta.decode_max_len or None,
     )
     return torch.cat([decode_out, prefill_out], dim=0)
