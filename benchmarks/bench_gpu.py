@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -48,17 +49,31 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms / 1e3)
 
 
+def auto_splits(num_seqs: int, num_kv_heads: int) -> int:
+    """What PDSERVE_DECODE_SPLITS=auto would choose (the default is 1, unsplit)."""
+    from kernels.decode_split import ENV, num_context_splits
+
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "auto"
+    try:
+        return num_context_splits(num_seqs, num_kv_heads, torch.device("cuda"))
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
+
+
 def decode_attention(num_seqs: int, context: int) -> list[dict]:
     from triton.testing import do_bench
 
     from kernels.decode_attention import paged_decode_attention_triton
-    from kernels.decode_split import num_context_splits
 
     rows = []
     for name, (hq, hkv, d) in HEADS.items():
         inputs = make_decode_inputs([context] * num_seqs, hq, hkv, d, 16, torch.bfloat16)
         args = inputs.to("cuda").args()
-        auto = num_context_splits(num_seqs, hkv, torch.device("cuda"))
+        auto = auto_splits(num_seqs, hkv)
         for label, splits in (("1", 1), (f"auto={auto}", auto), (f"2xauto={2 * auto}", 2 * auto)):
             ms = do_bench(lambda args=args, splits=splits: paged_decode_attention_triton(
                 *args, num_splits=splits), warmup=25, rep=200)

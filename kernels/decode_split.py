@@ -22,10 +22,16 @@ replays for any lengths, and the scratch is sized [num_seqs, num_q_heads, NUM_SP
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+# PDSERVE_DECODE_SPLITS: "auto" splits as below; a number fixes the count. The default, 1, is
+# the unsplit kernel: the split one has passed its tests under the interpreter only, and
+# becomes the default once a card has compiled and timed it (README, GPU status).
+ENV = "PDSERVE_DECODE_SPLITS"
 
 # programs to aim for per SM: several waves hide the tail of uneven splits
 PROGRAMS_PER_SM = 4
@@ -50,7 +56,15 @@ def num_context_splits(
     unsplit grid already does, on CPU (the interpreter has no SMs), or when the window or
     max_context_len (a host-side bound on the lengths, e.g. the step's `decode_max_len`;
     None: unknown) is too short to split. Depends on shapes and these bounds only, never on
-    the lengths on the device, so it is fixed within a CUDA graph."""
+    the lengths on the device, so it is fixed within a CUDA graph. Only with
+    PDSERVE_DECODE_SPLITS=auto; a number there is used as it is (1 by default)."""
+    setting = os.environ.get(ENV, "1")
+    if setting != "auto":
+        try:
+            return max(1, int(setting))
+        except ValueError:
+            raise ValueError(f"{ENV} must be 'auto' or a whole number >= 1, got "
+                             f"{setting!r}") from None
     if device.type != "cuda" or num_seqs == 0:
         return 1
     target = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)

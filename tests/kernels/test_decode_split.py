@@ -70,6 +70,8 @@ def test_split_rejects_zero_splits(triton_device: torch.device) -> None:
 def test_num_context_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Enough programs for PROGRAMS_PER_SM per SM on a 132-SM card, from shapes alone."""
     monkeypatch.setattr(decode_split, "_sm_count", lambda index: 132)
+    assert decode_split.num_context_splits(32, 3, torch.device("cuda")) == 1  # the default
+    monkeypatch.setenv(decode_split.ENV, "auto")
     cuda = torch.device("cuda", 0)
     assert decode_split.num_context_splits(32, 3, cuda) == 6  # 96 programs -> 576
     assert decode_split.num_context_splits(32, 8, cuda) == 3  # 256 programs -> 768
