@@ -7,6 +7,7 @@ operations, not a Python loop that assembles tensors sequence by sequence.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -23,6 +24,7 @@ from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
 from engine_core.structured_output import MaskTimer
+from engine_core.thread_governor import ThreadGovernor
 
 PROMPT_LOGPROBS_ROWS = 64  # prompt positions per logits slice (64 x 49152 float32: 12 MiB)
 
@@ -105,6 +107,10 @@ class ModelRunner:
         # forward runs (llguidance drops the GIL), and timed
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.mask_timer = MaskTimer()
+        # decode-only CPU steps run on 1 or all of torch's threads, whichever measures faster
+        # now (a core taken by another process stalls every OpenMP barrier); steps with
+        # prefill rows keep all of them (torch's matmuls, whose bits may depend on the count)
+        self.threads = ThreadGovernor(torch.get_num_threads() if device.type == "cpu" else 1)
 
     def sync(self, out: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
         """Bring the rows of the step's requests up to date (tokens sampled since the last
@@ -229,7 +235,6 @@ class ModelRunner:
         """Host indices as an index tensor on the engine's device (on the CPU, no copy)."""
         return torch.as_tensor(idx, dtype=torch.int64, device=self.device)
 
-    @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, rows: np.ndarray, verifier=None, on_layer_done=None
     ) -> tuple[list[list[int]], tuple[list[int], SamplerOutput] | None]:
@@ -237,6 +242,23 @@ class ModelRunner:
         ([] for a prefill chunk that is not done; the accepted drafts and one more token for a
         speculative decode, checked by `verifier`) and the plain sampler's output with the
         indices of the requests it sampled (their logprobs)."""
+        governor = self.threads
+        decode_only = out.num_decodes == len(out.reqs)
+        # steps of 2^(b-1) .. 2^b - 1 tokens share their timings
+        key = out.total_num_tokens.bit_length() if decode_only else None
+        threads = governor.choose(key) if key is not None else governor.max_threads
+        if governor.is_active and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        result = self._execute(out, rows, verifier, on_layer_done)
+        if governor.is_active and key is not None:
+            governor.record(key, threads, time.perf_counter() - start)
+        return result
+
+    @torch.inference_mode()
+    def _execute(
+        self, out: SchedulerOutput, rows: np.ndarray, verifier, on_layer_done
+    ) -> tuple[list[list[int]], tuple[list[int], SamplerOutput] | None]:
         b = self.batch
         nd = out.num_decodes
         drafted = [i for i in range(nd) if out.reqs[i].spec_token_ids]
