@@ -13,8 +13,8 @@ A token takes the same path whatever else shares its step, so batched output equ
 one-at-a-time output. Weights come from the GGUF's own blocks where the file has them: 4-bit
 (Q4_0, Q4_1, Q4_K) or the q8 family (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: int8 integers with the
 file's scales, see gguf_q8.py); any other matrix (safetensors models) is requantized to int8
-per 32. The lm_head (a tied Q8_0 embedding in both pulled models) is requantized to 4 bits per
-32 with the native kernels (lm_head_screen): it only picks candidates, see below. The matmul
+per 32. With int8 activations (the default) the lm_head (a tied Q8_0 embedding in both pulled
+models) is requantized to 4 bits per 32 (lm_head_screen): it only picks candidates, see below. The matmul
 modules live in decode_matmuls.py.
 
 Two implementations:
@@ -225,7 +225,7 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
 def quantize_for_decode(
     model: DecoderForCausalLM, q4: dict[str, Q4Weight] | None = None,
     activations: str = "float32", dense: set[str] | frozenset[str] = frozenset(),
-    q8: dict[str, Q8Weight] | None = None, lm_head_screen: str = "int4",
+    q8: dict[str, Q8Weight] | None = None, lm_head_screen: str = "auto",
 ) -> DecodeQuantization:
     """Give every projection and the lm_head a quantized twin for decode rows, in place.
 
@@ -245,7 +245,10 @@ def quantize_for_decode(
     already, is requantized to 4 bits per 32 (requantize_int4) rather than kept as its file's
     8-bit (or requantized int8) blocks: its quantized logits only pick the REFINE_TOP_K
     candidates that are recomputed exactly, and a 262k vocabulary's head is most of a decode
-    step's bytes. "int8": as every other matrix.
+    step's bytes. The rest of the vocabulary keeps the screen's logits, which enter every
+    reported log-probability's normalizer: on the default model they moved by ~0.007 where
+    float32 activations promise 1e-3. "int8": as every other matrix. "auto": int4 with int8
+    activations (already lossy by ~0.3 in log-probability), int8 with float32 ones.
     """
     q4 = q4 or {}
     q8 = q8 or {}
@@ -290,7 +293,10 @@ def quantize_for_decode(
     if any(p in dense for p in lm_head_parts):
         lm_head_parts = []  # requantized: its top candidates are made exact anyway
     head = model.lm_head
-    if (lib is not None and lm_head_screen == "int4" and head.weight.shape[1] % GROUP_SIZE == 0
+    if lm_head_screen not in ("auto", "int4", "int8"):
+        raise ValueError(f"lm_head_screen must be auto, int4 or int8, got {lm_head_screen!r}")
+    screen4 = lm_head_screen == "int4" or (lm_head_screen == "auto" and int8)
+    if (lib is not None and screen4 and head.weight.shape[1] % GROUP_SIZE == 0
             and not all(p in q4 for p in lm_head_parts or ["-"])):
         # the head only screens candidates (DecodeQuantLMHead): half the bytes of int8
         head_quant: nn.Module = NativeQ4Matmul(requantize_int4(head.weight), lib, int8)

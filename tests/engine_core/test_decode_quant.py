@@ -156,6 +156,15 @@ def test_requantize_int4_is_min_max_per_32():
         assert torch.equal(getattr(requantize_int4(w, chunk_rows=7), f), getattr(q4, f))
 
 
+def test_lm_head_screens_in_4_bits_with_int8_activations_only(llm_quant, llm_quant_int8):
+    """lm_head_screen="auto": float32 activations keep their 1e-3 log-probabilities (the
+    screen's logits enter every normalizer), int8 ones read half the head's bytes."""
+    from engine_core.model.decode_quant import NativeQ4Matmul, NativeQ8Matmul
+
+    assert isinstance(llm_quant.engine.model.lm_head.quant, NativeQ8Matmul)
+    assert isinstance(llm_quant_int8.engine.model.lm_head.quant, NativeQ4Matmul)
+
+
 @pytest.mark.parametrize("engine",
                          ["llm_quant", "llm_quant_bf16", "llm_quant_int8", "llm_quant_torch"])
 def test_quantized_decode_is_batch_invariant(engine, request):

@@ -59,11 +59,7 @@ def test_cpu_defaults_decode_its_quant_types(gemma_path, gemma_hf, prompts, capl
     """Quantized decode: every tensor type of the file in C (Q4_K as 4-bit, Q5_0, Q8_0 and
     Q6_K in the q8 family, no torch-path log line); attention in C (head_dim 256, one KV
     head)."""
-    from engine_core.model.decode_quant import (
-        DecodeQuantization,
-        NativeQ4Matmul,
-        NativeQ8Matmul,
-    )
+    from engine_core.model.decode_quant import DecodeQuantization, NativeQ8Matmul
 
     with caplog.at_level(logging.INFO):
         eng = tm.engine(gemma_path, block_size=16, quantize_decode=True,
@@ -72,8 +68,8 @@ def test_cpu_defaults_decode_its_quant_types(gemma_path, gemma_hf, prompts, capl
     assert not any("have no C decode kernel" in m for m in messages)
     down = eng.model.layers[0].mlp.down_proj.quant  # Q6_K in this file
     assert isinstance(down, NativeQ8Matmul) and down.kind == 6
-    # the tied Q8_0 embedding screens the lm_head's candidates in 4 bits (lm_head_screen)
-    assert isinstance(eng.model.lm_head.quant, NativeQ4Matmul)
+    # float32 activations keep the tied Q8_0 embedding's 8 bits in the lm_head (lm_head_screen)
+    assert isinstance(eng.model.lm_head.quant, NativeQ8Matmul)
     assert eng.runner.quantization.decode_layers is not None  # all 18 layers in one C call
     assert all(layer.self_attn.native is not None for layer in eng.model.layers)
     got = tm.greedy(eng, prompts[:2], 8)
