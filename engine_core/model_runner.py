@@ -247,10 +247,15 @@ class ModelRunner:
         # steps of 2^(b-1) .. 2^b - 1 tokens share their timings
         key = out.total_num_tokens.bit_length() if decode_only else None
         threads = governor.choose(key) if key is not None else governor.max_threads
-        if governor.is_active and threads != torch.get_num_threads():
+        before = torch.get_num_threads()
+        if governor.is_active and threads != before:
             torch.set_num_threads(threads)
         start = time.perf_counter()
-        result = self._execute(out, rows, verifier, on_layer_done)
+        try:
+            result = self._execute(out, rows, verifier, on_layer_done)
+        finally:  # the process's count is its own (transformers beside us in bench-engine)
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
         if governor.is_active and key is not None:
             governor.record(key, threads, time.perf_counter() - start)
         return result
