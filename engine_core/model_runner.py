@@ -7,6 +7,7 @@ operations, not a Python loop that assembles tensors sequence by sequence.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
 from engine_core.structured_output import MaskTimer
+from engine_core.thread_governor import ThreadGovernor
 
 if TYPE_CHECKING:
     from engine_core.decode_graphs import DecodeGraphRunner
@@ -113,6 +115,13 @@ class ModelRunner:
         # eligible decode steps run over static, padded buffers (decode_graphs.py: CUDA
         # graphs); None: every step runs eagerly
         self.graphs: DecodeGraphRunner | None = None
+        # decode-only CPU steps run on 1 or all of torch's threads, whichever measures faster
+        # now (a core taken by another process stalls every OpenMP barrier); steps with
+        # prefill rows keep all of them (torch's matmuls, whose bits may depend on the count)
+        # (only over the C decode kernels, whose results do not depend on the count)
+        self.threads = ThreadGovernor(torch.get_num_threads()
+                                      if device.type == "cpu" and quantization is not None
+                                      else 1)
 
     def sync(self, out: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
         """Bring the rows of the step's requests up to date (tokens sampled since the last
@@ -252,7 +261,6 @@ class ModelRunner:
         """Host indices as an index tensor on the engine's device (on the CPU, no copy)."""
         return torch.as_tensor(idx, dtype=torch.int64, device=self.device)
 
-    @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, rows: np.ndarray, verifier=None, on_layer_done=None
     ) -> tuple[list[list[int]], tuple[list[int], SamplerOutput] | None]:
@@ -260,6 +268,28 @@ class ModelRunner:
         ([] for a prefill chunk that is not done; the accepted drafts and one more token for a
         speculative decode, checked by `verifier`) and the plain sampler's output with the
         indices of the requests it sampled (their logprobs)."""
+        governor = self.threads
+        decode_only = out.num_decodes == len(out.reqs)
+        # steps of 2^(b-1) .. 2^b - 1 tokens share their timings
+        key = out.total_num_tokens.bit_length() if decode_only else None
+        threads = governor.choose(key) if key is not None else governor.max_threads
+        before = torch.get_num_threads()
+        if governor.is_active and threads != before:
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        try:
+            result = self._execute(out, rows, verifier, on_layer_done)
+        finally:  # the process's count is its own (transformers beside us in bench-engine)
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+        if governor.is_active and key is not None:
+            governor.record(key, threads, time.perf_counter() - start)
+        return result
+
+    @torch.inference_mode()
+    def _execute(
+        self, out: SchedulerOutput, rows: np.ndarray, verifier, on_layer_done
+    ) -> tuple[list[list[int]], tuple[list[int], SamplerOutput] | None]:
         b = self.batch
         nd = out.num_decodes
         drafted = [i for i in range(nd) if out.reqs[i].spec_token_ids]

@@ -11,7 +11,8 @@ produce exactly `output_len` tokens (EOS is ignored), prefix caching off.
 Round 0 runs every concurrency and one short transformers request untimed (first-use costs
 of every shape), then each of `--repeats` rounds times every concurrency on fresh prompts and
 then transformers. Reported: the median run of each, and the median of the rounds' ratios
-(each engine run against the transformers run of its own round). On this shared 2-core
+(each engine run against the transformers run of its own round), by the wall clock and per
+second of each side's process CPU time. On this shared 2-core
 machine single runs of the same build differ by up to ~10 % from one minute to the next.
 
 `--sampling` runs every concurrency once per sampling setting in each round ("greedy", or
@@ -65,12 +66,15 @@ class HFGenerate:
                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     def bench(self, prompts, output_len) -> dict:
+        cpu_start = time.process_time()
         start = time.perf_counter()
         for ids in prompts:
             self.generate(ids, output_len)
         elapsed = time.perf_counter() - start
-        return {"requests": len(prompts), "seconds": elapsed,
-                "output_tokens_per_s": len(prompts) * output_len / elapsed}
+        cpu = time.process_time() - cpu_start
+        n = len(prompts) * output_len
+        return {"requests": len(prompts), "seconds": elapsed, "output_tokens_per_s": n / elapsed,
+                "cpu_seconds": cpu, "output_tokens_per_cpu_s": n / cpu}
 
 
 GREEDY = "greedy"
@@ -229,6 +233,12 @@ def run(args: argparse.Namespace) -> int:
                             for e, h in zip(timed[spec, c], hf_runs, strict=True))
             r["ratios_vs_transformers"] = ratios
             r["ratio_vs_transformers"] = ratios[len(ratios) // 2]
+            # per second of CPU time: on a shared machine, what each would make on the cores
+            # it got (with one thread each, OMP_NUM_THREADS=1, the fairest comparison there)
+            cpu_ratios = sorted(e["output_tokens_per_cpu_s"] / h["output_tokens_per_cpu_s"]
+                                for e, h in zip(timed[spec, c], hf_runs, strict=True))
+            r["cpu_ratios_vs_transformers"] = cpu_ratios
+            r["cpu_ratio_vs_transformers"] = cpu_ratios[len(cpu_ratios) // 2]
         if GREEDY in samplings and spec != GREEDY:  # against greedy, round by round
             ratios = sorted(e["output_tokens_per_s"] / g["output_tokens_per_s"]
                             for e, g in zip(timed[spec, c], timed[GREEDY, c], strict=True))
@@ -253,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
             runs += "   (x " + " / ".join(f"{x:.1f}" for x in r["ratios_vs_transformers"]) + ")"
         print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<34}{r['sampling']:<48}"
               f"{r['output_tokens_per_s']:>10.1f}{ratio}{vs_greedy}   {runs}")
+        if "cpu_ratio_vs_transformers" in r:
+            cpu = " / ".join(f"{x:.1f}" for x in r["cpu_ratios_vs_transformers"])
+            print(f"{'':<34}{'  per CPU second, x transformers':<48}{'':>10}"
+                  f"{r['cpu_ratio_vs_transformers']:>16.1f}{'':>10}   {cpu}")
         if "cpu_ratio_vs_greedy" in r:
             cpu = " / ".join(f"{x:.2f}" for x in r["cpu_ratios_vs_greedy"])
             print(f"{'':<34}{'  per CPU second, x greedy':<48}{'':>10}{'':>16}"

@@ -15,6 +15,7 @@ from engine_core.model.decode_quant import (
     DecodeQuantLMHead,
     Int4Matmul,
     Int8Matmul,
+    requantize_int4,
 )
 from engine_core.model.forward_context import ForwardContext, use
 from engine_core.sampling_params import SamplingParams
@@ -135,6 +136,33 @@ def test_lm_head_refines_its_best_candidates_in_float32():
         assert int(out[r].argmax()) == int(ref[r].argmax())
         exact = (out[r] - ref[r]).abs() < 1e-4
         assert REFINE_TOP_K <= int(exact.sum()) < 100  # the others stay approximate
+
+
+def test_requantize_int4_is_min_max_per_32():
+    """The lm_head's 4-bit screen: each weight within half a step of its group's grid, the
+    group's extremes kept, a constant group exact; chunking changes nothing."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 64).to(torch.bfloat16)
+    w[3, :32] = 0.25  # a constant group
+    q4 = requantize_int4(w, chunk_rows=16)
+    assert q4.q.dtype == torch.uint8 and int(q4.q.max()) <= 15
+    groups = w.float().view(40, 2, 32)
+    assert torch.equal(q4.m, groups.amin(dim=2))
+    assert torch.equal(q4.d, (groups.amax(dim=2) - groups.amin(dim=2)) / 15)
+    err = (q4.dequantize() - w.float()).view(40, 2, 32).abs().amax(dim=2)
+    assert bool((err <= q4.d / 2 * (1 + 1e-5) + 1e-7).all())
+    assert torch.equal(q4.dequantize()[3, :32], w.float()[3, :32])
+    for f in ("q", "d", "m"):
+        assert torch.equal(getattr(requantize_int4(w, chunk_rows=7), f), getattr(q4, f))
+
+
+def test_lm_head_screens_in_4_bits_with_int8_activations_only(llm_quant, llm_quant_int8):
+    """lm_head_screen="auto": float32 activations keep their 1e-3 log-probabilities (the
+    screen's logits enter every normalizer), int8 ones read half the head's bytes."""
+    from engine_core.model.decode_quant import NativeQ4Matmul, NativeQ8Matmul
+
+    assert isinstance(llm_quant.engine.model.lm_head.quant, NativeQ8Matmul)
+    assert isinstance(llm_quant_int8.engine.model.lm_head.quant, NativeQ4Matmul)
 
 
 @pytest.mark.parametrize("engine",

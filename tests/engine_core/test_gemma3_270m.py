@@ -68,6 +68,8 @@ def test_cpu_defaults_decode_its_quant_types(gemma_path, gemma_hf, prompts, capl
     assert not any("have no C decode kernel" in m for m in messages)
     down = eng.model.layers[0].mlp.down_proj.quant  # Q6_K in this file
     assert isinstance(down, NativeQ8Matmul) and down.kind == 6
+    # float32 activations keep the tied Q8_0 embedding's 8 bits in the lm_head (lm_head_screen)
+    assert isinstance(eng.model.lm_head.quant, NativeQ8Matmul)
     assert eng.runner.quantization.decode_layers is not None  # all 18 layers in one C call
     assert all(layer.self_attn.native is not None for layer in eng.model.layers)
     got = tm.greedy(eng, prompts[:2], 8)

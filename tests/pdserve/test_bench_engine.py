@@ -30,7 +30,10 @@ def test_bench_engine_reports_the_median_of_its_repeats(tmp_path, model_path):
         ratios = [e / h for e, h in zip(runs, hf_runs, strict=True)]
         assert r["ratios_vs_transformers"] == sorted(ratios)
         assert r["ratio_vs_transformers"] == sorted(ratios)[1]
+        assert len(r["cpu_ratios_vs_transformers"]) == 3
+        assert r["cpu_ratio_vs_transformers"] == r["cpu_ratios_vs_transformers"][1] > 0
     assert len(results["transformers"]["runs_tokens_per_s"]) == 3
+    assert results["transformers"]["output_tokens_per_cpu_s"] > 0
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 

@@ -1,0 +1,159 @@
+"""The quantized matmuls behind decode rows (decode_quant.py applies them to a model): torch's
+int4/int8 weight-only ops, and the C kernels' 4-bit and q8-family forms (kernels/csrc/), with
+the requantizations that give a float weight one of those forms."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
+from engine_core.weights.gguf_q8 import Q8Weight
+from kernels import native
+
+ACT_DTYPE = torch.bfloat16
+
+
+class Int4Matmul(nn.Module):
+    """x @ W.T with W as packed 4-bit integers, per-group scale and zero."""
+
+    def __init__(self, w: Q4Weight) -> None:
+        super().__init__()
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+        )
+        scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1)  # [K / 32, N, 2]
+        self.register_buffer("scales_zeros", scales_zeros.to(ACT_DTYPE).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] bf16
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(ACT_DTYPE), self.packed, GROUP_SIZE, self.scales_zeros
+        )
+
+
+class Int8Matmul(nn.Module):
+    """x @ W.T with W as int8 and one scale per output row."""
+
+    def __init__(self, weight: torch.Tensor) -> None:  # [N, K] float
+        super().__init__()
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [N]
+        self.register_buffer("w", torch.round(w / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale.to(ACT_DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] bf16
+        return torch.ops.aten._weight_int8pack_mm(x.to(ACT_DTYPE), self.w, self.scale)
+
+
+class NativeQ4Matmul(nn.Module):
+    """x @ W.T with the GGUF's 4-bit blocks (kernels/csrc/matmul*.c): float32 activations,
+    or with int8 ones quantized per group of 32 (pd_i8_matmul, the VNNI build's tiles).
+
+    The packed weights are plain attributes, not buffers: `.to()` leaves them where the kernel
+    reads them (its pointers are taken once, here), and the dense twin keeps the state dict.
+    """
+
+    def __init__(self, w: Q4Weight, lib, int8: bool = False) -> None:
+        super().__init__()
+        self.n, self.k = w.q.shape
+        self.int8 = int8
+        # w = q * d + c: c the constant part of each group, multiplied into the group sums of x
+        c = w.m - w.offset[:, None] * w.d
+        if int8:
+            self.qs, self.d, self.c = native.pack_q4_int8(w.q, w.d, c)
+            self._fn = lambda x, m, k, *rest: lib.pd_i8_matmul(x, m, k, 4, *rest)
+        else:
+            self.qs = w.packed_nibbles()  # [N, K / 32, 16]
+            self.d, self.c = w.d.float().contiguous(), c.float().contiguous()  # [N, K / 32]
+            self._fn = lib.pd_q4_matmul
+        self._weights = (self.qs.data_ptr(), self.d.data_ptr(), self.c.data_ptr())
+
+    def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
+        return native.Matrix(4, self.int8, self.n, self.k, *self._weights,
+                             None if bias is None else bias.data_ptr())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        out = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        native.check(self._fn(x.data_ptr(), x.shape[0], self.k, *self._weights, self.n,
+                              out.data_ptr(), torch.get_num_threads()))
+        return out
+
+
+class NativeQ8Matmul(nn.Module):
+    """x @ W.T with W in the C kernels' q8 family (kernels/csrc/cpu_kernels.h): int8 q and a
+    scale (and a constant) per group of 32 or 16 along K; float32 activations, or int8 ones as
+    in NativeQ4Matmul.
+
+    `weight` is either a GGUF tensor's own integers and scales (a Q8Weight: Q8_0, Q5_0, Q5_1,
+    Q5_K, Q6_K, or a fused projection of those and 4-bit parts), exactly the file's values, or
+    a float tensor, requantized to int8 with one scale per 32. A Q8_0 tensor (as the default
+    model's embedding) is requantized exactly: its dense weight is d * q with |q| reaching 127
+    in every block, so amax / 127 gives d back and q follows; `d`, given, makes that exact for
+    any tensor whose dense weight is d times an integer in -127..127 per group of 32.
+    Plain attributes, as in NativeQ4Matmul.
+    """
+
+    def __init__(self, weight: torch.Tensor | Q8Weight, lib, int8: bool = False,
+                 d: torch.Tensor | None = None) -> None:  # d: [N, K / 32] float32
+        super().__init__()
+        if not isinstance(weight, Q8Weight):
+            weight = requantize_int8(weight, d)
+        self.n, self.k = weight.q.shape
+        self.int8, self.kind = int8, weight.kind
+        if int8:
+            self.qs, self.d, self.c = native.pack_q8_int8(weight.q, weight.d, weight.c)
+            self._fn = lambda x, m, k, *rest: lib.pd_i8_matmul(x, m, k, self.kind, *rest)
+        else:
+            self.qs, self.d = weight.q.contiguous(), weight.d.float().contiguous()
+            self.c = None if weight.c is None else weight.c.float().contiguous()
+            self._fn = lambda x, m, k, *rest: lib.pd_q8_matmul(x, m, k, self.kind, *rest)
+        self._weights = (self.qs.data_ptr(), self.d.data_ptr(),
+                         None if self.c is None else self.c.data_ptr())
+
+    def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
+        return native.Matrix(self.kind, self.int8, self.n, self.k, *self._weights,
+                             None if bias is None else bias.data_ptr())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        out = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        native.check(self._fn(x.data_ptr(), x.shape[0], self.k, *self._weights, self.n,
+                              out.data_ptr(), torch.get_num_threads()))
+        return out
+
+
+def requantize_int8(weight: torch.Tensor, d: torch.Tensor | None = None) -> Q8Weight:
+    """A float [N, K] weight as int8 with one scale per 32 along K: d [N, K / 32] if given (a
+    file's own), else amax / 127 of each group."""
+    n, k = weight.shape
+    w = weight.float().view(n, -1, GROUP_SIZE)  # [N, K / 32, 32]
+    if d is None:
+        d = w.abs().amax(dim=2) / 127  # [N, K / 32]
+    d = d.float()
+    # a file's d may be negative; a zero d has zero weights
+    safe_d = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(w / safe_d[..., None]).to(torch.int8).view(n, k)
+    return Q8Weight(q, d, None)
+
+
+def requantize_int4(weight: torch.Tensor, chunk_rows: int = 16384) -> Q4Weight:
+    """A float [N, K] weight as 4-bit integers with a scale and a minimum per 32 along K (min-max,
+    as Q4_1): w ~ q * d + m, q = round((w - m) / d) in 0..15, d = (max - min) / 15 and m = min
+    of each group, so each weight is within d / 2 of its value. Lossy: decode_quant.py uses it
+    only to screen the lm_head's candidates. Converted chunk_rows rows at a time (a 262k
+    vocabulary's float32 copy would be 670 MB)."""
+    n, k = weight.shape
+    qs, ds, ms = [], [], []
+    for start in range(0, n, chunk_rows):
+        w = weight[start:start + chunk_rows].float().view(-1, k // GROUP_SIZE, GROUP_SIZE)
+        lo, hi = w.amin(dim=2), w.amax(dim=2)  # [rows, K / 32]
+        d = (hi - lo) / 15
+        safe_d = torch.where(d == 0, torch.ones_like(d), d)  # a constant group: q = 0, w = m
+        q = torch.round((w - lo[..., None]) / safe_d[..., None]).clamp_(0, 15)
+        qs.append(q.to(torch.uint8).view(-1, k))
+        ds.append(d)
+        ms.append(lo)
+    return Q4Weight(torch.cat(qs), torch.cat(ds), torch.cat(ms), torch.zeros(n))
