@@ -278,14 +278,16 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 
 # -- responses ---------------------------------------------------------------------------------
 def usage(req: OpenAIRequest, latest: dict[int, GenerateChunk]) -> dict[str, Any]:
-    """Totals over the choices' latest chunks (by choice index): each prompt's tokens once
-    (from its first sample), every choice's output, and every choice's prefix-cache hits."""
-    num_prompt = sum(c.num_prompt_tokens for i, c in latest.items() if i % req.n == 0)
+    """Totals over the choices' latest chunks (by choice index): each prompt's tokens and
+    its prefix-cache hits once (from its first sample, so cached <= prompt tokens, as OpenAI
+    reports them; the other samples' shared KV shows in the workers' engine_forks), and
+    every choice's output."""
+    firsts = [c for i, c in latest.items() if i % req.n == 0]
+    num_prompt = sum(c.num_prompt_tokens for c in firsts)
     num_output = sum(c.num_output_tokens for c in latest.values())
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
             "total_tokens": num_prompt + num_output,
-            "prompt_tokens_details": {
-                "cached_tokens": sum(c.num_cached_tokens for c in latest.values())}}
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
 
 def timing(t: Timing | None) -> dict[str, float] | None:
