@@ -45,31 +45,12 @@ class Int8Matmul(nn.Module):
         return torch.ops.aten._weight_int8pack_mm(x.to(ACT_DTYPE), self.w, self.scale)
 
 
-class NativeQ4Matmul(nn.Module):
-    """x @ W.T with the GGUF's 4-bit blocks (kernels/csrc/matmul*.c): float32 activations,
-    or with int8 ones quantized per group of 32 (pd_i8_matmul, the VNNI build's tiles).
-
-    The packed weights are plain attributes, not buffers: `.to()` leaves them where the kernel
-    reads them (its pointers are taken once, here), and the dense twin keeps the state dict.
-    """
-
-    def __init__(self, w: Q4Weight, lib, int8: bool = False) -> None:
-        super().__init__()
-        self.n, self.k = w.q.shape
-        self.int8 = int8
-        # w = q * d + c: c the constant part of each group, multiplied into the group sums of x
-        c = w.m - w.offset[:, None] * w.d
-        if int8:
-            self.qs, self.d, self.c = native.pack_q4_int8(w.q, w.d, c)
-            self._fn = lambda x, m, k, *rest: lib.pd_i8_matmul(x, m, k, 4, *rest)
-        else:
-            self.qs = w.packed_nibbles()  # [N, K / 32, 16]
-            self.d, self.c = w.d.float().contiguous(), c.float().contiguous()  # [N, K / 32]
-            self._fn = lib.pd_q4_matmul
-        self._weights = (self.qs.data_ptr(), self.d.data_ptr(), self.c.data_ptr())
+class _NativeMatmul(nn.Module):
+    """What the C kernels' matmuls share: the call, and the Matrix that pd_decode_layers
+    takes. A subclass sets n, k, int8, kind, _fn and _weights (qs, d, c pointers)."""
 
     def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
-        return native.Matrix(4, self.int8, self.n, self.k, *self._weights,
+        return native.Matrix(self.kind, self.int8, self.n, self.k, *self._weights,
                              None if bias is None else bias.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
@@ -81,7 +62,31 @@ class NativeQ4Matmul(nn.Module):
         return out
 
 
-class NativeQ8Matmul(nn.Module):
+class NativeQ4Matmul(_NativeMatmul):
+    """x @ W.T with the GGUF's 4-bit blocks (kernels/csrc/matmul*.c): float32 activations,
+    or with int8 ones quantized per group of 32 (pd_i8_matmul, the VNNI build's tiles).
+
+    The packed weights are plain attributes, not buffers: `.to()` leaves them where the kernel
+    reads them (its pointers are taken once, here), and the dense twin keeps the state dict.
+    """
+
+    def __init__(self, w: Q4Weight, lib, int8: bool = False) -> None:
+        super().__init__()
+        self.n, self.k = w.q.shape
+        self.int8, self.kind = int8, 4
+        # w = q * d + c: c the constant part of each group, multiplied into the group sums of x
+        c = w.m - w.offset[:, None] * w.d
+        if int8:
+            self.qs, self.d, self.c = native.pack_q4_int8(w.q, w.d, c)
+            self._fn = lambda x, m, k, *rest: lib.pd_i8_matmul(x, m, k, 4, *rest)
+        else:
+            self.qs = w.packed_nibbles()  # [N, K / 32, 16]
+            self.d, self.c = w.d.float().contiguous(), c.float().contiguous()  # [N, K / 32]
+            self._fn = lib.pd_q4_matmul
+        self._weights = (self.qs.data_ptr(), self.d.data_ptr(), self.c.data_ptr())
+
+
+class NativeQ8Matmul(_NativeMatmul):
     """x @ W.T with W in the C kernels' q8 family (kernels/csrc/cpu_kernels.h): int8 q and a
     scale (and a constant) per group of 32 or 16 along K; float32 activations, or int8 ones as
     in NativeQ4Matmul.
@@ -112,17 +117,6 @@ class NativeQ8Matmul(nn.Module):
         self._weights = (self.qs.data_ptr(), self.d.data_ptr(),
                          None if self.c is None else self.c.data_ptr())
 
-    def matrix(self, bias: torch.Tensor | None) -> native.Matrix:
-        return native.Matrix(self.kind, self.int8, self.n, self.k, *self._weights,
-                             None if bias is None else bias.data_ptr())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N] float32
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
-        out = torch.empty((x.shape[0], self.n), dtype=torch.float32)
-        native.check(self._fn(x.data_ptr(), x.shape[0], self.k, *self._weights, self.n,
-                              out.data_ptr(), torch.get_num_threads()))
-        return out
 
 
 def requantize_int8(weight: torch.Tensor, d: torch.Tensor | None = None) -> Q8Weight:
