@@ -40,7 +40,7 @@ READY_TIMEOUT_S = 5.0  # Decode's wait for the committed KV (normally already co
 class CanaryConfig:
     """The gateway's --canary-idle-s (0: off), --canary-timeout-s and --canary-failures."""
 
-    idle_s: float = 0.0
+    idle_s: float = 10.0
     timeout_s: float = 3.0
     failures: int = 3
 

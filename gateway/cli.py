@@ -48,10 +48,10 @@ def add_prefill_policy_arguments(p) -> None:
 
 def add_canary_arguments(p) -> None:
     """The disaggregated gateway's canary (also `pdserve up`'s, passed on; gateway/canary.py)."""
-    p.add_argument("--canary-idle-s", type=float, default=0.0,
+    p.add_argument("--canary-idle-s", type=float, default=10.0,
                    help="after this many seconds without a successful request, send a "
                         "one-token request through every prefill->decode pair (Reserve, "
-                        "Prefill, KV transfer, Decode); 0: off (the helm chart sets 10)")
+                        "Prefill, KV transfer, Decode); 0: off")
     p.add_argument("--canary-timeout-s", type=float, default=3.0,
                    help="a canary slower than this fails; when every pair's times out, "
                         "readiness turns NOT_SERVING at once")

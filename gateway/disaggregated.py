@@ -112,7 +112,8 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
         self._init_placement(prefill_policy or PrefillPolicy())
         self._init_forks()
         self.last_success = time.monotonic()  # of a request or canary: canaries wait for idle
-        self.canary_monitor = Canary(self, canary or CanaryConfig())
+        # built without a config (tests over fake workers, embedding): no canary traffic
+        self.canary_monitor = Canary(self, canary or CanaryConfig(idle_s=0.0))
         self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
         # admission: requests no decode worker has room for wait here (at most max_waiting at
         # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED

@@ -59,7 +59,7 @@ class Cluster:
             "gateway", "--prefill", self.address("prefill-0"), self.address("prefill-1"),
             "--decode", self.address("decode-0"), self.address("decode-1"), "--port", "0",
             "--http-port", "0", "--transport", "shm", "--lease-ttl", str(LEASE_TTL_S),
-            name="gateway")
+            "--canary-idle-s", "0", name="gateway")  # no synthetic traffic: see stack.py
 
     def wait_gateway(self) -> None:
         for name in self.ports:

@@ -131,9 +131,16 @@ def spawn_stack(*up_args: str, env: dict[str, str] | None = None
                 ) -> tuple[subprocess.Popen, Path]:
     """`pdserve up` on its defaults, on free ports (returns at once; see wait_stack); its
     engines check that every step computes on their device (engine_core/device_check.py).
-    `env` adds to the environment."""
+    `env` adds to the environment.
+
+    The canary (on by default: 10 s idle) is off unless up_args set --canary-idle-s: its
+    synthetic requests, sent whenever a test pauses for 10 s, would move the counters and
+    pools that tests compare before and after their own requests. test_e2e_canary.py runs it;
+    tests/pdserve/test_cli.py checks that `pdserve up` and the gateway default to it."""
+    canary = [] if "--canary-idle-s" in up_args else ["--canary-idle-s", "0"]
     return spawn_pdserve("up", "--port", "0", "--http-port", "0", "--kv-cache-memory-gb", "0.25",
-                         *up_args, name="up", env={"PDSERVE_CHECK_DEVICE": "1", **(env or {})})
+                         *canary, *up_args, name="up",
+                         env={"PDSERVE_CHECK_DEVICE": "1", **(env or {})})
 
 
 def wait_stack(proc: subprocess.Popen, log: Path) -> Stack:

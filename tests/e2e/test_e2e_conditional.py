@@ -51,7 +51,8 @@ class Gateway:
     def __init__(self, stack: Stack, *flags: str) -> None:
         self.proc, self.log = spawn_pdserve(
             "gateway", "--prefill", *stack.prefill, "--decode", *stack.decode, "--port", "0",
-            "--http-port", "0", "--transport", "shm", *flags, name="gateway-policy")
+            "--http-port", "0", "--transport", "shm", "--canary-idle-s", "0", *flags,
+            name="gateway-policy")  # no synthetic traffic: see stack.py
         m = wait_for_output(self.proc, self.log, GATEWAY_READY, STARTUP_TIMEOUT_S, "gateway")
         self.grpc_addr, self.http_url = m.group(1), m.group(2)
         self.channel = grpc.insecure_channel(self.grpc_addr)

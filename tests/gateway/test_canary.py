@@ -45,13 +45,13 @@ def test_one_good_pair_keeps_readiness_and_the_bad_pair_stays_marked():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"idle_s": -1}, "canary_idle_s must be >= 0, canary_timeout_s > 0 and canary_failures "
                      ">= 1, got -1, 3.0 and 3"),
-    ({"timeout_s": 0}, "got 0.0, 0 and 3"),
-    ({"failures": 0}, "got 0.0, 3.0 and 0"),
+    ({"timeout_s": 0}, "got 10.0, 0 and 3"),
+    ({"failures": 0}, "got 10.0, 3.0 and 0"),
 ])
 def test_bad_canary_flags_are_refused_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CanaryConfig(**kwargs)
-    assert not CanaryConfig().is_on and CanaryConfig(idle_s=10).is_on
+    assert CanaryConfig().is_on and not CanaryConfig(idle_s=0).is_on
 
 
 def test_routing_gives_a_decode_worker_another_prefill_worker_than_a_bad_pair():

@@ -73,3 +73,17 @@ def test_enforce_eager_reaches_every_engine_that_decodes():
     assert engine_kwargs(parser.parse_args(["prefill"]))["enforce_eager"] is False
     with pytest.raises(SystemExit):
         parser.parse_args(["prefill", "--enforce-eager"])
+
+
+def test_the_canary_is_on_by_default_for_every_disaggregated_gateway():
+    """The canary's idle time defaults to 10 s on `pdserve up` (passed on to its gateway) and on
+    a disaggregated gateway; 0 turns it off. The e2e stacks turn it off (tests/e2e/stack.py)."""
+    from gateway.canary import CanaryConfig
+
+    parser = build_parser()
+    for cmd in (["up"], ["gateway", "--prefill", "p:1", "--decode", "d:1"]):
+        args = parser.parse_args(cmd)
+        config = CanaryConfig(args.canary_idle_s, args.canary_timeout_s, args.canary_failures)
+        assert (config.idle_s, config.is_on) == (10.0, True)
+        assert not CanaryConfig(parser.parse_args([*cmd, "--canary-idle-s", "0"]).canary_idle_s,
+                                ).is_on
