@@ -1,15 +1,23 @@
 """The decode worker's end of the KV handoff: handshake checks, writes on receipt, verification.
 
 Transport-agnostic and free of gRPC: servicer.py turns protobuf into these calls and errors
-into status codes. Every method is thread-safe. commit() re-reads all destination blocks, so
-the servicer runs it in a worker thread, off the event loop.
+into status codes. Every method is thread-safe. commit() may wait for checksums, so the
+servicer runs it in a worker thread, off the event loop.
 
     handshake    layouts equal? transport possible and enabled? -> kind + data-plane endpoint
     begin        a lease's sender arrives (LeaseTable.begin checks the blocks)
     write_chunk  grpc: bytes land in the lease's blocks on receipt, under the lease table lock
-    layer_done   a layer is complete; its CRC-32 is recorded
-    commit       RECEIVING -> VERIFYING -> COMPLETE | FAILED: destination bytes vs checksums
+    layer_done   a layer is complete: its checksum is recorded, and the checksum of its
+                 destination blocks is queued on the verifier thread at once
+    commit       RECEIVING -> VERIFYING -> COMPLETE | FAILED: destination vs sender checksums
     abort        either side; idempotent
+
+Each layer is verified as it arrives: while a prefill computes its later layers, the decode
+worker checks the earlier ones, and commit only collects the verdicts (waiting for checks
+still queued). The handoff so adds the last layer's check to the time to first token, not
+every layer's. A layer's bytes are final once its sender reports it done (a one-sided sender
+writes them before LayerDone; grpc chunks arrive before their layer_done on the same stream),
+so the bytes checked are the bytes the decode steps read.
 
 A reaper thread expires leases past their deadline every `reap_interval_s` seconds (verbs
 also expire a lease they find overdue, so the reaper only bounds how late a release comes).
@@ -22,6 +30,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +59,7 @@ class HandshakeResult:
 @dataclass(frozen=True)
 class CommitResult:
     num_bytes_verified: int
-    verify_seconds: float
+    verify_seconds: float  # commit's own time: collecting the verdicts, checking what was left
 
 
 class KVReceiver:
@@ -88,6 +97,10 @@ class KVReceiver:
         self._rows = kv_cache.view(torch.uint8).view(layout.num_layers, self.num_blocks, -1)
         self._rows_np = block_rows(kv_cache)
         self.num_chunks = self.max_chunk_nbytes = 0  # observed PushBlocks chunks
+        # lease id -> layer -> the checksum of its destination blocks, queued at layer_done
+        self._checks: dict[str, dict[int, Future]] = {}
+        self._checks_lock = threading.Lock()
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
         self._closed = threading.Event()
         self._reap_interval_s = reap_interval_s
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="kv-lease-reaper")
@@ -158,7 +171,16 @@ class KVReceiver:
         """A layer is complete in the destination blocks; returns seconds left on the lease."""
         self._check_layer(layer)
         lease = self.leases.record_layer(lease_id, layer, crc32)
+        check = self._verifier.submit(checksum_blocks_as, checksum_kind(lease.transport),
+                                      self.kv_cache[layer], lease.block_ids)
+        with self._checks_lock:
+            self._checks.setdefault(lease_id, {})[layer] = check
         return lease.deadline - self.leases.now()
+
+    def num_layers_checked(self, lease_id: str) -> int:
+        """Layers of a lease whose arrival check has finished (commit not yet called)."""
+        with self._checks_lock:
+            return sum(c.done() for c in self._checks.get(lease_id, {}).values())
 
     def stream_ended(self, lease_id: str) -> bool:
         """A PushBlocks stream ended (half-closed). gRPC reports a dead peer the same way, so
@@ -175,6 +197,7 @@ class KVReceiver:
         becomes COMPLETE, or FAILED (released) and VerificationError is raised."""
         lease = self.leases.start_verify(lease_id)
         start = time.perf_counter()
+        checks = self._drop_checks(lease_id)
         num_layers, nbytes = self.layout.num_layers, len(lease.block_ids) * self.layout.block_nbytes
         announced = dict(lease.layer_crc32)
         problems = []
@@ -188,10 +211,14 @@ class KVReceiver:
                             f"expected {num_layers * nbytes}")
         kind = checksum_kind(lease.transport)  # the sender chose the same from the transport
         for layer in range(num_layers) if not problems else ():
-            actual = checksum_blocks_as(kind, self.kv_cache[layer], lease.block_ids)
+            check = checks.pop(layer, None)
+            actual = (check.result() if check is not None
+                      else checksum_blocks_as(kind, self.kv_cache[layer], lease.block_ids))
             if actual != layer_crc32[layer] or announced[layer] != layer_crc32[layer]:
                 problems.append(f"layer {layer}: destination {kind} {actual:#010x}, layer-done "
                                 f"{announced[layer]:#010x}, commit {layer_crc32[layer]:#010x}")
+        for check in checks.values():  # the layers not looked at (problems found first)
+            check.cancel()
         verify_s = time.perf_counter() - start
         reason = "; ".join(problems[:4]) + (f"; ... {len(problems) - 4} more"
                                             if len(problems) > 4 else "")
@@ -203,13 +230,31 @@ class KVReceiver:
     def abort(self, lease_id: str, reason: str, writer_stopped: bool) -> tuple[bool, str]:
         """(whether this call ended the lease, its state name now or "UNKNOWN")."""
         was_live = self.leases.abort(lease_id, reason, writer_stopped=writer_stopped)
+        for check in self._drop_checks(lease_id).values():
+            check.cancel()
         lease = self.leases.get(lease_id)
         return was_live, lease.state.name if lease else "UNKNOWN"
 
     def close(self) -> None:
-        """Stop the reaper (leases stay in the table)."""
+        """Stop the reaper and the verifier (leases stay in the table)."""
         self._closed.set()
         self._reaper.join()
+        self._verifier.shutdown(wait=True, cancel_futures=True)
+
+    def _drop_checks(self, lease_id: str) -> dict[int, Future]:
+        with self._checks_lock:
+            return self._checks.pop(lease_id, {})
+
+    def _drop_ended_checks(self) -> None:
+        """Forget the queued checks of leases that ended without a commit (expired, or
+        aborted where abort() was not called: a lost stream, the reaper)."""
+        with self._checks_lock:
+            ids = list(self._checks)
+        for lease_id in ids:
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.state.is_terminal:
+                for check in self._drop_checks(lease_id).values():
+                    check.cancel()
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:
@@ -219,5 +264,6 @@ class KVReceiver:
         while not self._closed.wait(self._reap_interval_s):
             try:
                 self.leases.expire_due()
+                self._drop_ended_checks()
             except Exception:
                 log.exception("lease reaper failed")

@@ -107,9 +107,17 @@ def test_a_stalled_sender_lets_the_lease_expire(make_rig, kind):
 def test_a_corrupted_destination_block_fails_verification(make_rig, kind):
     rig = make_rig(kind, LAYOUTS[1])
     layout = rig.layout
+    layer = 2
+    reported = rig.receiver.layer_done
+
+    def corrupted_on_arrival(lease_id, done_layer, crc32):  # bytes that arrived wrong
+        if done_layer == layer:
+            block = rig.table.get(lease_id).block_ids[1]
+            rig.kv[layer, block].view(-1).view(torch_uint8())[17] ^= 0x10
+        return reported(lease_id, done_layer, crc32)
+
+    rig.receiver.layer_done = corrupted_on_arrival  # the servicer calls the instance's
     conn, session, lease, src_kv = start(rig, kind, num_layers_sent=layout.num_layers)
-    layer, block = 2, lease.block_ids[1]
-    rig.kv[layer, block].view(-1).view(torch_uint8())[17] ^= 0x10  # after receipt, pre-commit
     with conn, pytest.raises(TransferError, match=f"DATA_LOSS.*layer {layer}: destination") \
             as err:
         session.commit(timeout=5)
@@ -118,6 +126,32 @@ def test_a_corrupted_destination_block_fails_verification(make_rig, kind):
     assert released.state is LeaseState.FAILED and "verification failed" in reason
     with pytest.raises(LeaseEndedError, match="FAILED"):
         rig.table.claim(lease.lease_id)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_layer_is_checked_on_arrival_and_commit_only_collects(make_rig, kind, monkeypatch):
+    """The receiver checks a layer when it is reported done, off the caller's thread; once the
+    checks are in, commit computes no checksum of its own. An abort drops a lease's checks."""
+    import kv_transfer.receiver as receiver_module
+
+    rig = make_rig(kind, LAYOUTS[1])
+    n = rig.layout.num_layers
+    conn, session, lease, src_kv = start(rig, kind, num_layers_sent=n)
+    assert wait_until(lambda: rig.receiver.num_layers_checked(lease.lease_id) == n)
+
+    def no_checksum_at_commit(*args):
+        raise AssertionError("commit recomputed a checksum the arrival check had taken")
+
+    monkeypatch.setattr(receiver_module, "checksum_blocks_as", no_checksum_at_commit)
+    with conn:
+        stats = session.commit(timeout=5)
+    assert stats.num_layers == n and rig.table.claim(lease.lease_id) == list(lease.block_ids)
+    monkeypatch.undo()
+    conn, session, aborted, _ = start(rig, kind, num_blocks=2, num_layers_sent=2)
+    assert wait_until(lambda: rig.receiver.num_layers_checked(aborted.lease_id) == 2)
+    with conn:
+        assert session.abort("client cancelled") is True
+    assert rig.receiver.num_layers_checked(aborted.lease_id) == 0  # dropped with the lease
 
 
 def torch_uint8():
