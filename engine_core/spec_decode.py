@@ -35,7 +35,8 @@ from engine_core import device_check
 from engine_core.config import SpeculativeConfig
 from engine_core.kv_cache.layout import copy_kv_blocks
 from engine_core.request import Request
-from engine_core.sampler import Sampler, SamplingBatch, exponential_race
+from engine_core.sampler import Sampler, exponential_race
+from engine_core.sampling_batch import SamplingBatch
 from engine_core.scheduler import SchedulerOutput
 from engine_core.structured_output import fill_draft_masks, unpack_masks
 

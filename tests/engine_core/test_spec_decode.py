@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from engine_core.config import SpeculativeConfig
-from engine_core.sampler import SamplingBatch
+from engine_core.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
 from engine_core.spec_decode import ngram_lookup, rejection_sample
 
