@@ -21,7 +21,8 @@ from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.forward_context import ForwardContext, use
 from engine_core.penalties import TokenCounts
 from engine_core.request import Request
-from engine_core.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine_core.sampler import Sampler, SamplerOutput
+from engine_core.sampling_batch import SamplingBatch
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
 from engine_core.structured_output import MaskTimer

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway import openai_protocol as oai
+from gateway import openai_responses as responses
 from gateway import tokenize_api
 from gateway.auth import APIKeys, bearer_token
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
@@ -219,14 +220,15 @@ async def _collect(backend: Backend, req: oai.OpenAIRequest, gen: _Generation) -
         gen.close()
     assert len(lasts) == num and all(c.is_last for c in lasts.values())
     heads = [_echo(backend, req, i, prompt_lps.get(i)) for i in range(num)]
-    obj = oai.response_object(
+    obj = responses.response_object(
         req, [head + "".join(t) for (head, _), t in zip(heads, texts, strict=True)],
         [lasts[i] for i in range(num)],
-        [oai.join_logprobs(head_lp, oai.logprobs_json(req, backend, e))
+        [responses.join_logprobs(head_lp, responses.logprobs_json(req, backend, e))
          for (_, head_lp), e in zip(heads, entries, strict=True)])
     if req.num_prompt_logprobs is not None:
         for i, choice in enumerate(obj["choices"]):
-            choice["prompt_logprobs"] = oai.prompt_logprobs_json(req, backend, prompt_lps.get(i))
+            choice["prompt_logprobs"] = responses.prompt_logprobs_json(req, backend,
+                                                                       prompt_lps.get(i))
     return JSONResponse(obj)
 
 
@@ -238,7 +240,7 @@ def _echo(backend: Backend, req: oai.OpenAIRequest, index: int,
     inp = req.inputs[index]
     text = inp.prompt_text if inp.prompt_text is not None else backend.tokenizer.decode(
         inp.prompt_token_ids, skip_special_tokens=False)
-    return text, oai.echo_logprobs(req, backend, inp.prompt_token_ids, prompt_lps)
+    return text, responses.echo_logprobs(req, backend, inp.prompt_token_ids, prompt_lps)
 
 
 async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
@@ -267,25 +269,27 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
             if chunk.text_delta or chunk.logprobs or chunk.is_last or is_first:
                 head, head_lp = _echo(backend, req, index, chunk.prompt_logprobs) \
                     if is_first else ("", None)
-                obj = oai.chunk_object(
+                obj = responses.chunk_object(
                     req, index, head + text if head + text or not calls else None,
                     finish_reason,
-                    oai.join_logprobs(head_lp, oai.logprobs_json(req, backend, chunk.logprobs)),
+                    responses.join_logprobs(head_lp, responses.logprobs_json(req, backend,
+                                                                             chunk.logprobs)),
                     created, role=is_first, tool_calls=calls)
                 if is_first and req.num_prompt_logprobs is not None:
-                    obj["choices"][0]["prompt_logprobs"] = oai.prompt_logprobs_json(
+                    obj["choices"][0]["prompt_logprobs"] = responses.prompt_logprobs_json(
                         req, backend, chunk.prompt_logprobs)
                 if chunk.is_last:
-                    obj["timing"] = oai.timing(chunk.timing)
+                    obj["timing"] = responses.timing(chunk.timing)
                 if req.continuous_usage:
-                    obj["usage"] = oai.usage(req, latest)
+                    obj["usage"] = responses.usage(req, latest)
                 started.add(index)
                 yield _event(obj)
             item = await anext(chunks, None)
         if req.include_usage:  # OpenAI: one more, choices empty
             yield _event({"id": req.req_id, "object": "chat.completion.chunk" if req.is_chat
                           else "text_completion", "created": created, "model": req.model,
-                          "choices": [], "usage": oai.usage(req, latest), "timing": None})
+                          "choices": [], "usage": responses.usage(req, latest),
+                          "timing": None})
         yield "data: [DONE]\n\n"
     except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
         body = json.loads(_backend_error(e).body)

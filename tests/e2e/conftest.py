@@ -1,13 +1,24 @@
 """The end-to-end stacks: see stack.py. Each module starts one `pdserve up` stack through
-stack_factory and shares it; the offline reference engine loads while the stack loads."""
+stack_factory and shares it, or shares one with another module (spec_stack, shm_stack); the
+offline reference engine loads while the stack loads."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.e2e.cluster import Cluster
-from tests.e2e.stack import References, Stack, spawn_stack, stop_stack, wait_stack
-from tests.helpers import kill_tree, log_tail
+from tests.e2e.stack import (
+    LEASE_TTL_S,
+    MAX_QUEUE_WAIT_S,
+    MAX_WAITING,
+    OTHER_DTYPE,
+    References,
+    Stack,
+    spawn_stack,
+    stop_stack,
+    wait_stack,
+)
+from tests.helpers import kill_tree, log_tail, spawn_pdserve, stop_process
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +51,35 @@ def spec_stack(stack_factory) -> Stack:
     speculative decoding and the metrics modules."""
     start, stop = stack_factory
     s = start("--transport", "shm", "--speculative", "ngram", "--num-speculative-tokens", "4")
+    yield s
+    stop(s)
+
+
+@pytest.fixture(scope="session")
+def other_decode():
+    """A lone decode worker whose KV cache has OTHER_DTYPE, a layout that differs from the
+    shm stack's: (process, log). It loads alongside that stack; the test waits for its READY
+    line."""
+    proc, log = spawn_pdserve("decode", "--dtype", OTHER_DTYPE, "--port", "0",
+                              "--kv-cache-memory-gb", "0.05", name="decode-other-dtype")
+    try:
+        yield proc, log
+        assert stop_process(proc, 30) == 0, log_tail(log)
+        assert "Traceback" not in log.read_text(), log_tail(log)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    log.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def shm_stack(stack_factory, other_decode):  # the other worker loads alongside the stack
+    """A `pdserve up --transport shm` stack (1 prefill + 1 decode) with a short lease ttl and
+    bounded admission (stack.py), shared by test_e2e_shm.py and test_e2e_shm_reservations.py."""
+    start, stop = stack_factory
+    s = start("--transport", "shm", "--lease-ttl", str(LEASE_TTL_S), "--max-waiting",
+              str(MAX_WAITING), "--max-queue-wait", str(MAX_QUEUE_WAIT_S))
+    assert (len(s.prefill), len(s.decode)) == (1, 1)
     yield s
     stop(s)
 

@@ -10,7 +10,8 @@ module shares.
     assert stop_stack(stack) == 0        # SIGTERM: the gateway drains, then the workers stop
 
 Model loading takes ~15-25 s per process here, so each module starts one stack and shares it
-(module scope, through the stack_factory fixture of conftest.py).
+(module scope, through the stack_factory fixture of conftest.py); two stacks serve two modules
+each (session scope: conftest.py spec_stack and shm_stack).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pathlib import Path
 
 import grpc
 import httpx2 as httpx
+import torch
 
+from engine_core.config import dtype_name, resolve_dtype
 from protos.pdserve.internal import workers_pb2 as wpb
 from protos.pdserve.internal import workers_pb2_grpc as wpb_grpc
 from protos.pdserve.v1 import generate_pb2 as pb
@@ -45,6 +48,17 @@ BLOCK_SIZE = 16  # the default KV block size (tokens)
 UP_READY = re.compile(r"pdserve up: ready\. gRPC (\S+)\s+HTTP (\S+).*\n"
                       r"\s*prefill workers: (.+)\n\s*decode workers: (.+)\n"
                       r"\s*metrics: (.+)\n")
+
+# The shm stack that test_e2e_shm.py and test_e2e_shm_reservations.py share (conftest.py
+# shm_stack). The gateway's lease ttl: short, so that prompts queued for prefill outlive it
+# (renewed).
+LEASE_TTL_S = 3.0
+# the gateway's admission bounds while the decode pool is full
+MAX_WAITING = 4
+MAX_QUEUE_WAIT_S = 10.0
+# the stack's KV dtype (what dtype "auto" resolves to here) and another one (other_decode)
+STACK_DTYPE = dtype_name(resolve_dtype(None, torch.device("cpu")))
+OTHER_DTYPE = "float32" if STACK_DTYPE == "bfloat16" else "bfloat16"
 
 
 def _stub(address: str, cls):

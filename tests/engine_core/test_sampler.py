@@ -9,13 +9,12 @@ import torch
 
 from engine_core.sampler import (
     Sampler,
-    SamplingBatch,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
     make_generator,
-    min_tokens_blocked_ids,
 )
+from engine_core.sampling_batch import SamplingBatch, min_tokens_blocked_ids
 from engine_core.sampling_params import SamplingParams
 
 EOS = 0

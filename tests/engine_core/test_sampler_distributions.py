@@ -14,7 +14,8 @@ import pytest
 import torch
 from scipy import stats
 
-from engine_core.sampler import Sampler, SamplingBatch, draw_uniform, inverse_cdf
+from engine_core.sampler import Sampler, draw_uniform, inverse_cdf
+from engine_core.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
 from tests.native_kernels import why_no_native_kernels
 

@@ -10,9 +10,10 @@ import torch
 from scipy import stats
 
 from engine_core.config import SpeculativeConfig
-from engine_core.sampler import SamplingBatch
+from engine_core.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
-from engine_core.spec_decode import ngram_lookup, rejection_sample
+from engine_core.spec_decode import rejection_sample
+from engine_core.spec_proposers import ngram_lookup
 
 # -- n-gram prompt lookup ---------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core.sampler import Sampler, SamplingBatch
+from engine_core.sampler import Sampler
+from engine_core.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_output import StructuredOutput, fill_token_masks
 from tests.structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for

@@ -120,13 +120,13 @@ def test_public_api_triton_window(triton_backend: torch.device) -> None:
 def test_c_attention_window(window: int, isa: str) -> None:
     """The C kernel (pd_row_attention) with a window, decode rows and prefill rows (one
     row per token through table_of_row, a cached prefix longer than the window), against
-    the reference; rope and K/V store as without one (tests/kernels/test_native.py)."""
+    the reference; rope and K/V store as without one (tests/kernels/test_native_attention.py)."""
     from engine_core.model.attention import AttentionMetadata
     from engine_core.model.rope import apply_rope, cos_sin_cache
     from kernels.reference import store_kv_ref
     from tests.native_kernels import require_native_kernels
 
-    lib = require_native_kernels(isa)  # every build this CPU runs, as test_native.py
+    lib = require_native_kernels(isa)  # every build this CPU runs, as test_native_attention.py
     query_lens, prefix_lens = PREFILL_CASE
     inputs = make_prefill_inputs(query_lens, prefix_lens, 6, 2, 32, 16, torch.float32,
                                  seed=window)
