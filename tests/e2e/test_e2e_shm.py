@@ -22,6 +22,7 @@ from tests.e2e.stack import (
     check_greedy_text,
     check_repeat_hits_decode_cache,
     check_timing,
+    counter,
     greedy,
     out_ids,
     out_text,
@@ -165,7 +166,10 @@ def test_abort_during_handoff_spares_the_next_request(stack, stub, ref):
 def test_deadline_during_reserve_frees_the_decode_pool(stack, stub):
     """While the decode worker steps a running sequence, a Reserve waits for the step in
     progress (~0.1 s here); deadlines that pass then must not leave a reservation behind,
-    neither in the decode worker's engine nor under a lease the gateway never heard of."""
+    neither in the decode worker's engine nor under a lease the gateway never heard of (which
+    the lease ttl would free: no lease may end EXPIRED)."""
+    decode_metrics = stack.metrics[2]
+    expired = counter(decode_metrics, "kv_leases_ended", state="EXPIRED")
     busy = stub.Generate(pb.GenerateRequest(text="Count to a thousand:", sampling=ENDLESS),
                          timeout=120)
     next(busy)
@@ -174,7 +178,8 @@ def test_deadline_during_reserve_frees_the_decode_pool(stack, stub):
             run(stub, pb.GenerateRequest(text=LONG, sampling=greedy(4)), timeout=timeout_s)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
     busy.cancel()
-    stack.wait_idle()  # within IDLE_TIMEOUT_S: less than the gateway's 30 s lease TTL
+    stack.wait_idle()
+    assert counter(decode_metrics, "kv_leases_ended", state="EXPIRED") == expired
 
 
 @pytest.mark.parametrize(("prompt", "timeout_s", "mid_stream"), [
