@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# What the GPU path has to show, in one command, on a machine with a CUDA device:
+#
+#     bash benchmarks/gpu_check.sh [OUT_DIR]      # default: bench_results/gpu_check
+#
+# Runs, in this order (tests first: a broken card path makes the figures meaningless):
+#   gpu-tests         python -m pytest -m gpu: the engine, pdserve up, CUDA IPC, graphs, NVML
+#   kernels           the Triton kernels compiled for the card against their references
+#   bench-gpu         copy bandwidth, decode attention, engine tokens/s (graphs and eager)
+#   attention-splits  decode attention per split setting (1, auto, 2x auto): the split kernel
+#   kv-transfer       a 2,048-token prompt's KV over cuda_ipc and grpc, back to back and
+#                     layer by layer
+# Each step's full output goes to OUT_DIR/<step>.log and its tail to the terminal; a failing
+# step is reported and the others still run. The exit status is 1 if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-bench_results/gpu_check}
+mkdir -p "$out"
+failed=()
+
+step() {
+  local name=$1
+  shift
+  echo "== $name: $*"
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  grep -v "it/s\]" "$out/$name.log" | tail -n 15
+  if [ "$rc" -ne 0 ]; then
+    echo "!! $name failed (exit $rc): $out/$name.log"
+    failed+=("$name")
+  fi
+}
+
+step gpu-tests python -m pytest -m gpu -q -rs -p no:cacheprovider
+step kernels python -m pytest tests/kernels -q -rs -p no:cacheprovider
+step bench-gpu python benchmarks/bench_gpu.py --out "$out/bench_gpu"
+step attention-splits python benchmarks/bench_gpu.py --attention-only --out "$out/attention"
+step kv-transfer python benchmarks/bench_kv_transfer.py --device cuda --kinds cuda_ipc grpc \
+  --dtypes bfloat16 --prompt-tokens 2048 --runs 5 --compute-ms 2
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]}"
+  exit 1
+fi
+echo "all steps passed; logs in $out"
