@@ -158,13 +158,13 @@ static inline __attribute__((always_inline)) __m512 load16(const void *kv, int64
 static inline __attribute__((always_inline)) void group_dots(
         const float *q, const void *kv, int64_t k, const int D, const int G, __m256 *dots,
         const int bf16) {
-    __m512 kd[8]; /* D <= 128 */
-#pragma GCC unroll 8
+    __m512 kd[16]; /* D <= 256 */
+#pragma GCC unroll 16
     for (int c = 0; c < D / 16; c++) kd[c] = load16(kv, k + 16 * c, bf16);
 #pragma GCC unroll 8
     for (int h = 0; h < G; h++) {
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kd[0]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int c = 1; c < D / 16; c++)
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kd[c], acc);
         dots[h] = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
@@ -236,29 +236,38 @@ static inline __attribute__((always_inline)) void group_attention(
     float inv[8];
 #pragma GCC unroll 8
     for (int h = 0; h < G; h++) inv[h] = 1.0f / softmax_numerators(scores + h * score_stride, len);
-    __m512 acc[8][8]; /* [head][16 floats of D] */
+    /* the output in slices of CH <= 8 vectors of D, at most 32 accumulators (G x CH) at
+     * once: a slice's pass over the keys reads its part of each value row, so every value is
+     * still loaded once, and every output element sums p * v in key order whatever the
+     * slicing (D 256: two or more passes) */
+    const int CH = D / 16 < 32 / G ? (D / 16 < 8 ? D / 16 : 8) : (32 / G < 8 ? 32 / G : 8);
+    for (int c0 = 0; c0 < D / 16; c0 += CH) {
+        __m512 acc[8][8]; /* [head][16 floats of the slice] */
 #pragma GCC unroll 8
-    for (int h = 0; h < G; h++)
+        for (int h = 0; h < G; h++)
 #pragma GCC unroll 8
-        for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_setzero_ps();
-    for (j = 0; j < len; j++) {
-        if (j + PREFETCH_VALUES < len) prefetch_row(kv, keys[j + PREFETCH_VALUES] + value, D, bf16);
-        __m512 vd[8];
+            for (int c = 0; c < CH; c++) acc[h][c] = _mm512_setzero_ps();
+        for (j = 0; j < len; j++) {
+            if (c0 == 0 && j + PREFETCH_VALUES < len)
+                prefetch_row(kv, keys[j + PREFETCH_VALUES] + value, D, bf16);
+            __m512 vd[8];
 #pragma GCC unroll 8
-        for (int c = 0; c < D / 16; c++) vd[c] = load16(kv, keys[j] + value + 16 * c, bf16);
+            for (int c = 0; c < CH; c++)
+                vd[c] = load16(kv, keys[j] + value + 16 * (c0 + c), bf16);
 #pragma GCC unroll 8
-        for (int h = 0; h < G; h++) {
-            const __m512 p = _mm512_set1_ps(scores[h * score_stride + j]);
+            for (int h = 0; h < G; h++) {
+                const __m512 p = _mm512_set1_ps(scores[h * score_stride + j]);
 #pragma GCC unroll 8
-            for (int c = 0; c < D / 16; c++) acc[h][c] = _mm512_fmadd_ps(p, vd[c], acc[h][c]);
+                for (int c = 0; c < CH; c++) acc[h][c] = _mm512_fmadd_ps(p, vd[c], acc[h][c]);
+            }
         }
+#pragma GCC unroll 8
+        for (int h = 0; h < G; h++)
+#pragma GCC unroll 8
+            for (int c = 0; c < CH; c++)
+                _mm512_storeu_ps(out + h * D + 16 * (c0 + c),
+                                 _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
     }
-#pragma GCC unroll 8
-    for (int h = 0; h < G; h++)
-#pragma GCC unroll 8
-        for (int c = 0; c < D / 16; c++)
-            _mm512_storeu_ps(out + h * D + 16 * c,
-                             _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
 }
 
 /* The (D, G) pairs with a compiled group kernel; others take the per-head path. */
@@ -278,7 +287,8 @@ static int group_kernel(const float *q, const void *kv, const int64_t *keys, int
                         int64_t stride, float *out, int D, int G, int bf16) {
     GROUP_ATTENTION(64, 1) GROUP_ATTENTION(64, 2) GROUP_ATTENTION(64, 3)
     GROUP_ATTENTION(64, 4) GROUP_ATTENTION(128, 1) GROUP_ATTENTION(128, 2)
-    GROUP_ATTENTION(128, 4)
+    GROUP_ATTENTION(128, 4) GROUP_ATTENTION(256, 1) GROUP_ATTENTION(256, 2)
+    GROUP_ATTENTION(256, 4)
     return 0;
 }
 #undef GROUP_ATTENTION

@@ -60,15 +60,19 @@ def reference_decode(qkv, cos_sin, kv_layer, slots, tables, lens, num_heads, sca
     return paged_decode_attention_ref(q, kv_layer, tables, lens, scale).reshape(rows, -1)
 
 
-def test_decode_attention_over_a_bf16_cache(lib):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 256)])
+def test_decode_attention_over_a_bf16_cache(lib, heads, kv_heads, head_dim):
     """The default CPU dtype where bf16 is native: the cache is bf16, the kernel computes in
-    float32 and stores the new K/V rounded to nearest even, as torch's conversion does."""
-    qkv, cos_sin, kv32, slots, tables, ctx = decode_rows([1, 9, 40, 130], 9, 3, 64, 41)
+    float32 and stores the new K/V rounded to nearest even, as torch's conversion does.
+    (4, 1, 256): Gemma 3 270M's shape, whose 4 heads share each key and value load."""
+    qkv, cos_sin, kv32, slots, tables, ctx = decode_rows([1, 9, 40, 130], heads, kv_heads,
+                                                         head_dim, 41)
     kv = kv32.to(torch.bfloat16)
     expected_cache = kv.float()
-    expected = reference_decode(qkv.clone(), cos_sin, expected_cache, slots, tables, ctx, 9,
-                                0.125, torch.bfloat16)
-    out = native.row_attention(lib, qkv, cos_sin, kv, slots, tables, ctx, 9, 0.125, 130)
+    scale = head_dim**-0.5
+    expected = reference_decode(qkv.clone(), cos_sin, expected_cache, slots, tables, ctx, heads,
+                                scale, torch.bfloat16)
+    out = native.row_attention(lib, qkv, cos_sin, kv, slots, tables, ctx, heads, scale, 130)
     assert torch.equal(kv, expected_cache.to(torch.bfloat16))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
@@ -76,7 +80,7 @@ def test_decode_attention_over_a_bf16_cache(lib):
 @pytest.mark.parametrize(
     "lens,heads,kv_heads,head_dim",
     [([1, 7, 16, 33, 100], 9, 3, 64), ([250, 5], 8, 8, 64), ([17, 64, 129], 4, 1, 128),
-     ([3], 2, 2, 32), ([9, 70], 4, 1, 256)],
+     ([3], 2, 2, 32), ([9, 70], 4, 1, 256), ([5, 40], 4, 2, 256), ([33], 2, 2, 256)],
 )
 def test_decode_attention_matches_reference(lib, lens, heads, kv_heads, head_dim):
     qkv, cos_sin, kv_layer, slots, tables, ctx = decode_rows(lens, heads, kv_heads, head_dim, 11)
