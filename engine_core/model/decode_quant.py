@@ -121,7 +121,9 @@ class DecodeQuantLMHead(DecodeQuantLinear):
         else:
             top = out[:nd].topk(k, dim=1).indices  # [nd, k]
         w = self.dense.weight[top].float()  # [nd, k, K]
-        exact = torch.bmm(w, x[:nd].float().unsqueeze(2)).squeeze(2)  # [nd, k]
+        # products and a sum per candidate: torch's bmm of these [k, K] x [K, 1] shapes took
+        # 1.4 ms for 32 rows of Gemma 3 270M (one thread), this 0.2
+        exact = (w * x[:nd].float().unsqueeze(1)).sum(dim=2)  # [nd, k]
         if self.dense.bias is not None:
             exact = exact + self.dense.bias.float()[top]
         out[:nd].scatter_(1, top, exact)
