@@ -70,6 +70,18 @@ class PrefillInputs:
             self.scale,
         )
 
+    def metadata(self):
+        """The engine's AttentionMetadata of a step of these prefill chunks alone (no decode
+        rows): what the C row kernel reads, one row per token."""
+        from engine_core.model.attention import AttentionMetadata
+
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=0,
+            decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32),
+            prefill_block_tables=self.block_tables, prefill_query_start_loc=self.query_start_loc,
+            prefill_seq_lens=self.seq_lens)
+
     def to(self, device: torch.device | str) -> PrefillInputs:
         return PrefillInputs(
             self.query.to(device),

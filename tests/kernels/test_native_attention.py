@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.model.attention import AttentionMetadata
 from engine_core.model.rope import apply_rope, cos_sin_cache
 from kernels import native
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
@@ -119,12 +118,7 @@ def test_decode_attention_of_prefill_rows_matches_prefill_reference(lib, cache_d
     query_lens, prefix_lens = [5, 40, 17, 1], [0, 23, 16, 70]
     inputs = make_prefill_inputs(query_lens, prefix_lens, 9, 3, 64, 16, torch.float32, seed=5)
     kv_layer = inputs.kv_layer.contiguous().to(cache_dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=0,
-        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
-        decode_context_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_block_tables=inputs.block_tables, prefill_query_start_loc=inputs.query_start_loc,
-        prefill_seq_lens=inputs.seq_lens)
+    meta = inputs.metadata()
     positions = meta.prefill_row_lens.long() - 1
     expected_positions = torch.cat([torch.arange(p, p + q)
                                     for q, p in zip(query_lens, prefix_lens, strict=True)])

@@ -121,7 +121,6 @@ def test_c_attention_window(window: int, isa: str) -> None:
     """The C kernel (pd_row_attention) with a window, decode rows and prefill rows (one
     row per token through table_of_row, a cached prefix longer than the window), against
     the reference; rope and K/V store as without one (tests/kernels/test_native_attention.py)."""
-    from engine_core.model.attention import AttentionMetadata
     from engine_core.model.rope import apply_rope, cos_sin_cache
     from kernels.reference import store_kv_ref
     from tests.native_kernels import require_native_kernels
@@ -131,12 +130,7 @@ def test_c_attention_window(window: int, isa: str) -> None:
     inputs = make_prefill_inputs(query_lens, prefix_lens, 6, 2, 32, 16, torch.float32,
                                  seed=window)
     kv_layer = inputs.kv_layer.contiguous()
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=0,
-        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
-        decode_context_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_block_tables=inputs.block_tables, prefill_query_start_loc=inputs.query_start_loc,
-        prefill_seq_lens=inputs.seq_lens)
+    meta = inputs.metadata()
     positions = meta.prefill_row_lens.long() - 1
     tables = inputs.block_tables[meta.prefill_row_tables.long()]
     slots = tables.long().gather(1, (positions // 16)[:, None])[:, 0] * 16 + positions % 16
