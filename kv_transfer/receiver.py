@@ -230,8 +230,7 @@ class KVReceiver:
     def abort(self, lease_id: str, reason: str, writer_stopped: bool) -> tuple[bool, str]:
         """(whether this call ended the lease, its state name now or "UNKNOWN")."""
         was_live = self.leases.abort(lease_id, reason, writer_stopped=writer_stopped)
-        for check in self._drop_checks(lease_id).values():
-            check.cancel()
+        self._forget_checks(lease_id)
         lease = self.leases.get(lease_id)
         return was_live, lease.state.name if lease else "UNKNOWN"
 
@@ -245,6 +244,10 @@ class KVReceiver:
         with self._checks_lock:
             return self._checks.pop(lease_id, {})
 
+    def _forget_checks(self, lease_id: str) -> None:
+        for check in self._drop_checks(lease_id).values():
+            check.cancel()
+
     def _drop_ended_checks(self) -> None:
         """Forget the queued checks of leases that ended without a commit (expired, or
         aborted where abort() was not called: a lost stream, the reaper)."""
@@ -253,8 +256,7 @@ class KVReceiver:
         for lease_id in ids:
             lease = self.leases.get(lease_id)
             if lease is None or lease.state.is_terminal:
-                for check in self._drop_checks(lease_id).values():
-                    check.cancel()
+                self._forget_checks(lease_id)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:

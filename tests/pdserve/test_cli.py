@@ -85,5 +85,5 @@ def test_the_canary_is_on_by_default_for_every_disaggregated_gateway():
         args = parser.parse_args(cmd)
         config = CanaryConfig(args.canary_idle_s, args.canary_timeout_s, args.canary_failures)
         assert (config.idle_s, config.is_on) == (10.0, True)
-        assert not CanaryConfig(parser.parse_args([*cmd, "--canary-idle-s", "0"]).canary_idle_s,
-                                ).is_on
+        off = parser.parse_args([*cmd, "--canary-idle-s", "0"])
+        assert not CanaryConfig(off.canary_idle_s).is_on
