@@ -198,9 +198,11 @@ class CacheConfig:
     # Also publish full blocks that hold generated tokens. Their KV came from decode steps,
     # whose matmuls differ from a prefill's (4/8-bit weights, int8 activations by default):
     # a later prompt that hits them continues differently from the same prompt computed
-    # afresh. Off, the prefix cache holds prefill-computed KV only, so greedy output depends
-    # only on the tokens (offline, colocated and disaggregated alike); a follow-up turn then
-    # prefills the previous reply again.
+    # afresh. Off (the offline LLM's default), the prefix cache holds prefill-computed KV
+    # only, so greedy output depends only on the tokens and a follow-up turn prefills the
+    # previous reply again. The serving commands turn it on (--cache-decoded-blocks,
+    # service_infra/worker_args.py): a chat's next turn then finds its reply where it was
+    # decoded.
     cache_decoded_blocks: bool = False
 
     def __post_init__(self) -> None:

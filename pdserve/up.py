@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
             stack.add_worker(f"decode-{i}", [
                 "decode", "--transports", transports, "--max-num-seqs", str(args.max_num_seqs),
                 *kv, *speculative_argv(args), *common,
-                *(["--cache-decoded-blocks"] if args.cache_decoded_blocks else []),
+                "--cache-decoded-blocks" if args.cache_decoded_blocks
+                else "--no-cache-decoded-blocks",
                 *(["--enforce-eager"] if args.enforce_eager else [])], dec_cores)
         deadline = time.monotonic() + READY_TIMEOUT_S
         for w in stack.workers:  # a worker that cannot start once will not start again

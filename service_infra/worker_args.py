@@ -16,12 +16,19 @@ def add_decode_activations_argument(p) -> None:
 
 
 def add_cache_decoded_blocks_argument(p) -> None:
-    """--cache-decoded-blocks (engine_core/config.py CacheConfig.cache_decoded_blocks)."""
-    p.add_argument("--cache-decoded-blocks", action="store_true",
-                   help="also serve prefix-cache hits from blocks holding generated tokens "
-                        "(their KV came from decode steps, computed differently from a "
-                        "prefill, so a hit can change later output); off, greedy output "
-                        "depends on the tokens only")
+    """--cache-decoded-blocks / --no-cache-decoded-blocks (engine_core/config.py
+    CacheConfig.cache_decoded_blocks). On by default for the engines that serve: a chat's next
+    turn then finds the previous reply's KV where it was decoded (decode-side prefix routing
+    sends it back there), as vLLM's and SGLang's prefix caches do. The offline LLM keeps
+    prefill-computed blocks only."""
+    p.add_argument("--cache-decoded-blocks", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="also serve prefix-cache hits from blocks holding generated tokens, so "
+                        "a follow-up turn skips prefilling the previous reply (their KV came "
+                        "from decode steps, computed with the 4/8-bit matmuls, so such a hit "
+                        "continues slightly differently from a cold prefill of the same "
+                        "tokens); --no-cache-decoded-blocks: greedy output depends on the "
+                        "tokens only")
 
 
 def add_enforce_eager_argument(p) -> None:

@@ -91,6 +91,20 @@ def ref(offline_default) -> References:
 
 
 @pytest.fixture(scope="session")
+def ref_chats(model_path) -> References:
+    """The reference of chats served over several turns. Decode workers keep the KV of the
+    replies they decode (--cache-decoded-blocks, on by default), so a follow-up continues from
+    the decode-computed KV of the previous reply, not from a cold prefill of it: its reference
+    is an offline engine that keeps its replies too and has run the chat's earlier turns
+    (batch-invariant decode: the same KV, bit for bit). Call it turn by turn, in order."""
+    from engine_core.llm import LLM
+    from tests.conftest import Offline
+
+    return References(Offline(LLM(str(model_path), kv_cache_memory_gb=0.25,
+                                  cache_decoded_blocks=True)))
+
+
+@pytest.fixture(scope="session")
 def ref_fp32(offline) -> References:
     """The reference of the float32 cluster (tests/e2e/cluster.py): the exact path."""
     return References(offline)

@@ -1,7 +1,8 @@
 """Conditional prefill end to end: one `pdserve up --prefill-policy auto` stack (1 prefill + 1
 decode worker over shm, the defaults a user gets) and extra gateways over the same workers for
 the other policies. A short follow-up whose history the decode worker caches is prefilled by
-the decode worker itself, with no KV moved and greedy output equal to the offline engine; the
+the decode worker itself, with no KV moved and greedy output equal to the offline engine that
+kept its replies too (conftest.py ref_chats); the
 decision shows in the timing, /internal/status and pdserve:prefill_decisions_total; the
 overrides force either side; a local prefill cut short (client gone, Abort) frees every
 block."""
@@ -85,27 +86,29 @@ def transfers(stack: Stack) -> float:
     return metric(stack.metrics[1], "pdserve:kv_transfer_time_seconds_count")
 
 
-def test_short_follow_up_whose_history_the_decode_worker_caches_is_prefilled_there(stack, ref):
+def test_short_follow_up_whose_history_the_decode_worker_caches_is_prefilled_there(stack,
+                                                                                   ref_chats):
     # turn 1: nothing measured yet, so the prefill pool takes it (and measures its speed)
     first = run(stack.generation(), chat(CONV))
-    expected = ref.chat(CONV, N)
+    expected = ref_chats.chat(CONV, N)
     assert out_ids(first) == expected.outputs[0].token_ids
     t1 = first[-1].timing
     assert (t1.prefill_where, t1.prefill_reason) == ("remote", "unmeasured")
     check_timing(t1)
     time.sleep(REFRESH_WAIT_S)  # the gateway reads the measured speeds from Status
-    # turn 2: the history (turn 1's prompt blocks) is cached on the decode worker
+    # turn 2: the history (turn 1's prompt and reply) is cached on the decode worker
     conv = [*CONV, {"role": "assistant", "content": out_text(first)},
             {"role": "user", "content": "And of Germany?"}]
     num_transfers = transfers(stack)
     second = run(stack.generation(), chat(conv))
-    expected = ref.chat(conv, N)
+    expected = ref_chats.chat(conv, N)
     assert out_ids(second) == expected.outputs[0].token_ids
     assert out_text(second) == expected.outputs[0].text
     t2 = second[-1].timing
     assert (t2.prefill_where, t2.prefill_reason) == ("local", "cheaper_local")
     check_timing(t2)
-    assert second[-1].usage.cached_prompt_tokens >= 16  # the decode worker's prefix hit
+    cached = second[-1].usage.cached_prompt_tokens  # the decode worker's prefix hit
+    assert cached >= 16 and cached == expected.num_cached_tokens
     assert transfers(stack) == num_transfers  # no KV moved for it
     # the decision is counted and shown
     gw = stack.gateway_status()["prefill_placement"]

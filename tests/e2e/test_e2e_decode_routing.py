@@ -1,8 +1,9 @@
 """Decode-side prefix routing end to end: one `pdserve up --decode 2 --prefill-policy auto`
 stack (1 prefill + 2 decode workers over shm, no Redis: decode workers publish the prefix
 blocks they hold in Status). Two chats start at once and land on different decode workers;
-each later turn returns to the worker that holds its history, hits its cache, is prefilled
-there, and gives the offline engine's greedy output."""
+each later turn returns to the worker that holds its history (its prompts' blocks and, by
+default, its replies' decode-computed ones), hits its cache, is prefilled there, and gives the
+greedy output of an offline engine that kept its replies too (conftest.py ref_chats)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def chat(conv: list[dict[str, str]]) -> pb.GenerateRequest:
                               sampling=greedy(N))
 
 
-def test_each_chat_returns_to_the_decode_worker_that_holds_its_history(stack, ref):
+def test_each_chat_returns_to_the_decode_worker_that_holds_its_history(stack, ref_chats):
+    ref = ref_chats
     assert len(stack.decode) == 2
     convs = {k: [{"role": "user", "content": text}] for k, text in OPENERS.items()}
     # turn 1 of both at once: the gateway spreads them over the two decode workers
@@ -76,10 +78,12 @@ def test_each_chat_returns_to_the_decode_worker_that_holds_its_history(stack, re
             expected = ref.chat(convs[k], N)
             assert out_ids(msgs) == expected.outputs[0].token_ids
             assert out_text(msgs) == expected.outputs[0].text
-            # its history was found where it was left: at least turn 1's whole blocks hit
+            # its history was found where it was left: at least turn 1's whole blocks hit, and
+            # as much as the offline engine that kept its replies found (the replies' too)
             cached = msgs[-1].usage.cached_prompt_tokens
-            if history is not None:
-                assert cached >= cacheable_tokens(len(history)), (k, turn, cached)
+            assert cached == expected.num_cached_tokens, (k, turn, cached)
+            if history is not None:  # turn 1's prompt blocks and its reply's first block
+                assert cached > cacheable_tokens(len(history)), (k, turn, cached)
             else:
                 assert cached > 4 * BLOCK_SIZE, (k, turn, cached)
             t = msgs[-1].timing

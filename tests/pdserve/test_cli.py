@@ -44,17 +44,22 @@ def test_decode_activations_reach_every_engine_that_decodes():
         parser.parse_args(["decode", "--decode-activations", "int4"])
 
 
-def test_cache_decoded_blocks_reaches_every_engine_that_decodes():
+def test_cache_decoded_blocks_is_on_for_every_serving_engine_and_can_be_turned_off():
+    """On for the served engines (`pdserve up` hands it to its decode workers: the routing
+    test in tests/e2e sees a follow-up hit its reply's blocks), off for the offline LLM."""
+    from engine_core.config import CacheConfig
     from service_infra.worker_args import engine_kwargs
 
     parser = build_parser()
     for cmd in (["decode"], ["gateway", "--colocated"], ["up"]):
-        assert parser.parse_args(cmd).cache_decoded_blocks is False
-        assert parser.parse_args([*cmd, "--cache-decoded-blocks"]).cache_decoded_blocks is True
+        assert parser.parse_args(cmd).cache_decoded_blocks is True
+        assert parser.parse_args([*cmd, "--no-cache-decoded-blocks"]).cache_decoded_blocks \
+            is False
     assert engine_kwargs(parser.parse_args(["decode"]))["cache_config"].cache_decoded_blocks \
-        is False
-    args = parser.parse_args(["decode", "--cache-decoded-blocks"])
-    assert engine_kwargs(args)["cache_config"].cache_decoded_blocks is True
+        is True
+    args = parser.parse_args(["decode", "--no-cache-decoded-blocks"])
+    assert engine_kwargs(args)["cache_config"].cache_decoded_blocks is False
+    assert CacheConfig().cache_decoded_blocks is False
 
 
 def test_enforce_eager_reaches_every_engine_that_decodes():
