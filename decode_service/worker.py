@@ -77,6 +77,18 @@ class DecodeWorker(ColocatedBackend):
         if self.on_prefix is not None:
             self.on_prefix(hashes)
 
+    async def _recording_reply(self, chunks: AsyncIterator[GenerateChunk],
+                               prompt_token_ids: list[int]) -> AsyncIterator[GenerateChunk]:
+        """Pass the chunks on; at the last, where the engine keeps decoded blocks
+        (--cache-decoded-blocks), record the reply's full blocks too: a chat's next turn is
+        then routed by its whole history. Every token but the last has its KV computed."""
+        output: list[int] = []
+        async for chunk in chunks:
+            output += chunk.token_ids
+            if chunk.is_last and self.engine.kv.cache_decoded_blocks and len(output) > 1:
+                self._held(prompt_token_ids + output[:-1])
+            yield chunk
+
     # -- called by the lease table, from any thread -------------------------------------------
     def on_lease_released(self, lease: Lease, reason: str) -> None:
         logger.info("lease %s of %s released (%s): %s", lease.lease_id, lease.req_id,
@@ -143,7 +155,8 @@ class DecodeWorker(ColocatedBackend):
 
         inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
         self._held(res.prompt_token_ids)  # verified KV, cached at admission
-        async for chunk in self.generate(inp, start=admit):
+        async for chunk in self._recording_reply(self.generate(inp, start=admit),
+                                                 res.prompt_token_ids):
             yield chunk
 
     async def prefill_locally(self, req_id: str, lease_id: str,
@@ -172,7 +185,8 @@ class DecodeWorker(ColocatedBackend):
 
         inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
         is_first = True
-        async for chunk in self.generate(inp, start=start):
+        async for chunk in self._recording_reply(self.generate(inp, start=start),
+                                                 res.prompt_token_ids):
             if is_first:  # the first token: the whole prompt is computed and cached
                 is_first = False
                 self._held(res.prompt_token_ids)

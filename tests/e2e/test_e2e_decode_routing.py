@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from engine_core.kv_cache.block_hash import hash_full_blocks
+from gateway.routing import leading_overlap
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.e2e.stack import (
     BLOCK_SIZE,
@@ -74,8 +76,14 @@ def test_each_chat_returns_to_the_decode_worker_that_holds_its_history(stack, re
             time.sleep(REFRESH_WAIT_S)  # the gateway learns what each worker holds
             history = ref.chat(convs[k][:-1], N).prompt_token_ids if turn == 0 else None
             convs[k] += [{"role": "user", "content": follow_up}]
+            # what the holder publishes for routing covers the reply too, as its cache does
+            ids = ref.tokenizer.apply_chat_template(convs[k])
+            published = frozenset(stack.status_all()[holders[k]].prefix_block_hashes)
+            published_tokens = leading_overlap(hash_full_blocks(ids, BLOCK_SIZE), published)
             msgs = run(stack.generation(), chat(convs[k]))
             expected = ref.chat(convs[k], N)
+            assert expected.prompt_token_ids == ids
+            assert published_tokens * BLOCK_SIZE == expected.num_cached_tokens, (k, turn)
             assert out_ids(msgs) == expected.outputs[0].token_ids
             assert out_text(msgs) == expected.outputs[0].text
             # its history was found where it was left: at least turn 1's whole blocks hit, and
