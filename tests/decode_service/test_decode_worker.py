@@ -11,6 +11,7 @@ import torch
 
 from decode_service.server import accepted_transports
 from decode_service.worker import DecodeWorker, LeaseNotReady
+from engine_core.kv_cache.block_hash import hash_full_blocks
 from engine_core.outputs import CompletionOutput, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from kv_transfer import LeaseTable
@@ -81,6 +82,25 @@ def test_verified_kv_is_claimed_and_streams_from_the_first_token():
     assert [t for c in chunks for t in c.token_ids] == [7, 2, 3]
     assert chunks[-1].finish_reason == "length" and chunks[-1].num_output_tokens == 3
     assert reservations == {} and leases == []  # claimed: the engine owns the blocks now
+
+
+@pytest.mark.parametrize("keeps_replies", [True, False])
+def test_a_finished_reply_is_recorded_for_routing_where_the_engine_keeps_it(keeps_replies):
+    prompt = list(range(100, 114))  # 14 tokens: no full block of its own
+
+    async def body(worker, table, engine):
+        engine.kv.cache_decoded_blocks = keeps_replies
+        res = await worker.reserve("r", prompt, SamplingParams(max_tokens=4), ttl_s=5.0)
+        deliver(table, res.lease_id, res.block_ids)
+        chunks = [c async for c in worker.decode("r", 7, None, ready_timeout_s=1.0)]
+        return [t for c in chunks for t in c.token_ids], worker.prefix.hashes()
+
+    output, recorded = run(body)
+    assert len(output) == 4
+    # every token but the last has its KV computed: 14 + 3 tokens hold one full block
+    expected = hash_full_blocks(prompt + output[:-1], BLOCK_SIZE) if keeps_replies else []
+    assert len(expected) == (1 if keeps_replies else 0)
+    assert sorted(recorded) == sorted(expected)
 
 
 def test_a_lease_aborted_before_the_claim_aborts_the_reserved_request():

@@ -18,7 +18,8 @@ class FakeEngine:
         self.max_model_len = 64
         self.model_config = SimpleNamespace(vocab_size=100)
         self.kv = SimpleNamespace(pool=SimpleNamespace(num_blocks=8), block_size=16,
-                                  num_free_blocks=8, check_integrity=lambda: None)
+                                  num_free_blocks=8, check_integrity=lambda: None,
+                                  cache_decoded_blocks=True)  # the serving engines' default
         self.scheduler = SimpleNamespace(requests={}, num_running=0, num_waiting=0,
                                          num_preemptions=0)
         self.step_s = step_s
