@@ -82,11 +82,13 @@ class DecodeWorker(ColocatedBackend):
         """Pass the chunks on; at the last, where the engine keeps decoded blocks
         (--cache-decoded-blocks), record the reply's full blocks too: a chat's next turn is
         then routed by its whole history. Every token but the last has its KV computed."""
+        keeps_replies = self.engine.kv.cache_decoded_blocks
         output: list[int] = []
         async for chunk in chunks:
-            output += chunk.token_ids
-            if chunk.is_last and self.engine.kv.cache_decoded_blocks and len(output) > 1:
-                self._held(prompt_token_ids + output[:-1])
+            if keeps_replies:
+                output += chunk.token_ids
+                if chunk.is_last and len(output) > 1:
+                    self._held(prompt_token_ids + output[:-1])
             yield chunk
 
     # -- called by the lease table, from any thread -------------------------------------------
