@@ -6,6 +6,7 @@ straight into the receiver's pool, mapped into this process, then reports it wit
         dst[layer][dst_block_ids] = snapshot        # scatter_blocks: host or device
         synchronize (CUDA)                          # bytes in place before the receiver looks
         LayerDone(layer, checksum), not waited for  # up to MAX_LAYER_DONE_IN_FLIGHT pending
+    Commit(every layer's checksum)                  # reports the last layer itself
 
 The checksum is CRC-32 over shm and a device-side sum over cuda_ipc (checksum.py).
 
@@ -14,6 +15,9 @@ layer). That is safe because the receiver frees an aborted one-sided lease only 
 Abort(writer_stopped=True), which this thread sends after it has stopped writing, or at the
 deadline, which it stops writing WRITE_MARGIN_S before (as seen from the last reply: the
 request's send time + the remaining time the receiver reported, a lower bound).
+
+The layer that completes the set gets no LayerDone of its own: Commit carries its checksum, so
+what the handoff adds after the prefill's last layer is one round trip, not two.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class OneSidedSendSession(SendSession):
                     torch.cuda.synchronize(self._dst.device)
                 crc32 = checksum_tensor_as(self._checksum_kind, item.blocks)
                 self._shipped(item.layer, crc32, item.blocks.nbytes)  # bytes in place
+                if len(self._crc32) == self._layout.num_layers:
+                    continue  # the last layer: Commit reports it, one round trip sooner
                 request = pb.LayerDoneRequest(lease_id=self.lease_id, layer=item.layer,
                                               crc32=crc32)
                 in_flight.append((time.monotonic(), self._stub.LayerDone.future(

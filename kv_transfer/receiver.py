@@ -14,7 +14,8 @@ servicer runs it in a worker thread, off the event loop.
 
 Each layer is verified as it arrives: while a prefill computes its later layers, the decode
 worker checks the earlier ones, and commit only collects the verdicts (waiting for checks
-still queued). The handoff so adds the last layer's check to the time to first token, not
+still queued) and checks what was never reported done (a one-sided sender's last layer comes
+with the commit). The handoff so adds the last layer's check to the time to first token, not
 every layer's. A layer's bytes are final once its sender reports it done (a one-sided sender
 writes them before LayerDone; grpc chunks arrive before their layer_done on the same stream),
 so the bytes checked are the bytes the decode steps read.
@@ -167,12 +168,16 @@ class KVReceiver:
         self.num_chunks += 1
         self.max_chunk_nbytes = max(self.max_chunk_nbytes, size)
 
+    def _checksum(self, kind: str, layer: int, block_ids: Sequence[int]) -> int:
+        """`kind`'s checksum of the destination blocks of `layer`."""
+        return checksum_blocks_as(kind, self.kv_cache[layer], block_ids)
+
     def layer_done(self, lease_id: str, layer: int, crc32: int) -> float:
         """A layer is complete in the destination blocks; returns seconds left on the lease."""
         self._check_layer(layer)
         lease = self.leases.record_layer(lease_id, layer, crc32)
-        check = self._verifier.submit(checksum_blocks_as, checksum_kind(lease.transport),
-                                      self.kv_cache[layer], lease.block_ids)
+        check = self._verifier.submit(self._checksum, checksum_kind(lease.transport), layer,
+                                      lease.block_ids)
         with self._checks_lock:
             self._checks.setdefault(lease_id, {})[layer] = check
         return lease.deadline - self.leases.now()
@@ -194,7 +199,8 @@ class KVReceiver:
 
     def commit(self, lease_id: str, layer_crc32: Sequence[int]) -> CommitResult:
         """Verify every layer's destination blocks against the sender's checksums: the lease
-        becomes COMPLETE, or FAILED (released) and VerificationError is raised."""
+        becomes COMPLETE, or FAILED (released) and VerificationError is raised. A layer never
+        reported done (a one-sided sender reports its last layer here) is checked now."""
         lease = self.leases.start_verify(lease_id)
         start = time.perf_counter()
         checks = self._drop_checks(lease_id)
@@ -203,20 +209,21 @@ class KVReceiver:
         problems = []
         if len(layer_crc32) != num_layers:
             problems.append(f"commit carries {len(layer_crc32)} checksums for {num_layers} layers")
-        missing = sorted(set(range(num_layers)) - set(announced))
-        if missing:
-            problems.append(f"layers never reported done: {missing}")
         if not lease.is_one_sided and lease.num_bytes_received != num_layers * nbytes:
             problems.append(f"received {lease.num_bytes_received} bytes, "
                             f"expected {num_layers * nbytes}")
         kind = checksum_kind(lease.transport)  # the sender chose the same from the transport
+        # the layers never reported done first, while the verifier finishes the others
+        unreported = {layer: self._checksum(kind, layer, lease.block_ids)
+                      for layer in range(num_layers)
+                      if not problems and layer not in checks}
         for layer in range(num_layers) if not problems else ():
             check = checks.pop(layer, None)
-            actual = (check.result() if check is not None
-                      else checksum_blocks_as(kind, self.kv_cache[layer], lease.block_ids))
-            if actual != layer_crc32[layer] or announced[layer] != layer_crc32[layer]:
+            actual = check.result() if check is not None else unreported[layer]
+            reported = announced.get(layer, layer_crc32[layer])  # commit reports the rest
+            if actual != layer_crc32[layer] or reported != layer_crc32[layer]:
                 problems.append(f"layer {layer}: destination {kind} {actual:#010x}, layer-done "
-                                f"{announced[layer]:#010x}, commit {layer_crc32[layer]:#010x}")
+                                f"{reported:#010x}, commit {layer_crc32[layer]:#010x}")
         for check in checks.values():  # the layers not looked at (problems found first)
             check.cancel()
         verify_s = time.perf_counter() - start

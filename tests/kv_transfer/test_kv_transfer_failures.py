@@ -23,6 +23,7 @@ from kv_transfer import (
     TransportRefusedError,
     connect,
 )
+from kv_transfer.checksum import checksum_blocks_as
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
 
@@ -39,8 +40,14 @@ def start(rig, kind, num_blocks=4, ttl_s=10.0, num_layers_sent=1):
     for layer in range(num_layers_sent):
         assert session.send_layer(layer, src_kv)
     assert wait_until(lambda: rig.table.get(lease.lease_id).num_layers_received
-                      == num_layers_sent)
+                      == num_reported(kind, rig.layout, num_layers_sent))
     return conn, session, lease, src_kv
+
+
+def num_reported(kind, layout, num_layers_sent):
+    """Layers the receiver hears of before commit: a one-sided sender reports the layer that
+    completes the set with its Commit, not with a LayerDone."""
+    return num_layers_sent - (kind != "grpc" and num_layers_sent == layout.num_layers)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -131,21 +138,26 @@ def test_a_corrupted_destination_block_fails_verification(make_rig, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_layer_is_checked_on_arrival_and_commit_only_collects(make_rig, kind, monkeypatch):
     """The receiver checks a layer when it is reported done, off the caller's thread; once the
-    checks are in, commit computes no checksum of its own. An abort drops a lease's checks."""
+    checks are in, commit computes a checksum only of a layer reported by the commit itself (a
+    one-sided sender's last). An abort drops a lease's checks."""
     import kv_transfer.receiver as receiver_module
 
     rig = make_rig(kind, LAYOUTS[1])
     n = rig.layout.num_layers
     conn, session, lease, src_kv = start(rig, kind, num_layers_sent=n)
-    assert wait_until(lambda: rig.receiver.num_layers_checked(lease.lease_id) == n)
+    reported = num_reported(kind, rig.layout, n)
+    assert wait_until(lambda: rig.receiver.num_layers_checked(lease.lease_id) == reported)
+    at_commit = []
 
-    def no_checksum_at_commit(*args):
-        raise AssertionError("commit recomputed a checksum the arrival check had taken")
+    def checksum_at_commit(kind_, kv_layer, block_ids):
+        at_commit.append(next(i for i in range(n) if rig.kv[i].data_ptr() == kv_layer.data_ptr()))
+        return checksum_blocks_as(kind_, kv_layer, block_ids)
 
-    monkeypatch.setattr(receiver_module, "checksum_blocks_as", no_checksum_at_commit)
+    monkeypatch.setattr(receiver_module, "checksum_blocks_as", checksum_at_commit)
     with conn:
         stats = session.commit(timeout=5)
     assert stats.num_layers == n and rig.table.claim(lease.lease_id) == list(lease.block_ids)
+    assert at_commit == list(range(reported, n))  # [] for grpc, [n - 1] for shm
     monkeypatch.undo()
     conn, session, aborted, _ = start(rig, kind, num_blocks=2, num_layers_sent=2)
     assert wait_until(lambda: rig.receiver.num_layers_checked(aborted.lease_id) == 2)

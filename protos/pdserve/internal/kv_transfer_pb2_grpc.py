@@ -101,7 +101,8 @@ class KVTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """All layers sent: verify the checksums. DATA_LOSS when verification fails (the lease is
+        """All layers sent: verify the checksums. A layer never reported by LayerDone is reported
+        here (a one-sided sender's last layer). DATA_LOSS when verification fails (the lease is
         then FAILED and its blocks released).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
