@@ -4,7 +4,7 @@ straight into the receiver's pool, mapped into this process, then reports it wit
     for each queued layer snapshot:
         stop if the lease deadline is within WRITE_MARGIN_S (the receiver may free the blocks)
         dst[layer][dst_block_ids] = snapshot        # scatter_blocks: host or device
-        synchronize (CUDA)                          # bytes in place before the receiver looks
+        synchronize the session's stream (CUDA)     # bytes in place before the receiver looks
         LayerDone(layer, checksum), not waited for  # up to MAX_LAYER_DONE_IN_FLIGHT pending
     Commit(every layer's checksum)                  # reports the last layer itself
 
@@ -18,6 +18,10 @@ request's send time + the remaining time the receiver reported, a lower bound).
 
 The layer that completes the set gets no LayerDone of its own: Commit carries its checksum, so
 what the handoff adds after the prefill's last layer is one round trip, not two.
+
+On CUDA the copies and checksums run on the session's own stream, and "in place" means that
+stream has drained: the model keeps computing on its stream meanwhile (a device-wide
+synchronize would wait for its later layers too).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from kv_transfer.blocks import scatter_blocks
 from kv_transfer.checksum import checksum_kind, checksum_tensor_as
 from kv_transfer.errors import TransferError
-from kv_transfer.session import WRITE_MARGIN_S, SendSession
+from kv_transfer.session import WRITE_MARGIN_S, SendSession, _Layer
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
 MAX_LAYER_DONE_IN_FLIGHT = 8
@@ -46,6 +50,8 @@ class OneSidedSendSession(SendSession):
         self.kind = kind
         self._checksum_kind = checksum_kind(kind)
         self._dst = dst  # [num_layers, num_blocks, 2, block_size, heads, dim], the pool
+        # cuda_ipc: copies and checksums on a stream of their own (see the module docstring)
+        self._stream = torch.cuda.Stream(dst.device) if dst.is_cuda else None
 
     def _pump(self) -> None:
         in_flight: deque[tuple[float, grpc.Future]] = deque()  # (send time, LayerDone call)
@@ -54,10 +60,7 @@ class OneSidedSendSession(SendSession):
                 self._harvest(in_flight, wait=len(in_flight) >= MAX_LAYER_DONE_IN_FLIGHT)
                 if time.monotonic() > self._lease_deadline - WRITE_MARGIN_S:
                     raise TransferError("lease deadline too close to write safely", "CANCELLED")
-                scatter_blocks(self._dst, item.layer, self._dst_ids, item.blocks)
-                if self._dst.is_cuda:  # the bytes must be in place before the receiver looks
-                    torch.cuda.synchronize(self._dst.device)
-                crc32 = checksum_tensor_as(self._checksum_kind, item.blocks)
+                crc32 = self._write(item)
                 self._shipped(item.layer, crc32, item.blocks.nbytes)  # bytes in place
                 if len(self._crc32) == self._layout.num_layers:
                     continue  # the last layer: Commit reports it, one round trip sooner
@@ -70,6 +73,16 @@ class OneSidedSendSession(SendSession):
         finally:
             for _, call in in_flight:
                 call.cancel()
+
+    def _write(self, item: _Layer) -> int:
+        """Copy one layer's snapshot into the receiver's blocks; its checksum, returned once
+        the bytes are in place (the receiver may look as soon as it hears of the layer)."""
+        with torch.cuda.stream(self._stream):  # None (shm): no stream, host memcpy
+            scatter_blocks(self._dst, item.layer, self._dst_ids, item.blocks)
+            crc32 = checksum_tensor_as(self._checksum_kind, item.blocks)
+            if self._stream is not None:  # (sum32's read-back has waited for the copy too)
+                self._stream.synchronize()
+        return crc32
 
     def _harvest(self, in_flight: deque, wait: bool) -> None:
         """Collect finished LayerDone replies (the oldest first; raises if one failed) and

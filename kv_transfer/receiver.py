@@ -97,6 +97,16 @@ class KVReceiver:
         # [num_layers, num_blocks, block bytes]: one row per (layer, block), K and V together
         self._rows = kv_cache.view(torch.uint8).view(layout.num_layers, self.num_blocks, -1)
         self._rows_np = block_rows(kv_cache)
+        # A CUDA pool: arrival checks and grpc chunk copies run on a stream of their own,
+        # beside the decode steps rather than queued behind them, and each chunk is staged in
+        # pinned host memory (one buffer: write_chunk runs on the event loop, one at a time).
+        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._staging_lock = threading.Lock()
+        self._staging = self._staging_ids = None
+        if kv_cache.is_cuda and "grpc" in allowed:
+            self._staging = torch.empty(max_chunk_bytes, dtype=torch.uint8, pin_memory=True)
+            max_ids = max_chunk_bytes // layout.block_nbytes + 1
+            self._staging_ids = torch.empty(max_ids, dtype=torch.long, pin_memory=True)
         self.num_chunks = self.max_chunk_nbytes = 0  # observed PushBlocks chunks
         # lease id -> layer -> the checksum of its destination blocks, queued at layer_done
         self._checks: dict[str, dict[int, Future]] = {}
@@ -158,19 +168,33 @@ class KVReceiver:
                     self._rows_np[layer, ids] = src.reshape(len(ids), block_nbytes)
                 else:
                     self._rows_np[layer, ids[0], byte_offset:byte_offset + size] = src
-            else:  # a CUDA pool fed over grpc: one host-to-device copy per chunk
-                t = torch.from_numpy(src.copy()).to(self.kv_cache.device)
-                if is_whole:
-                    index = torch.as_tensor(ids, device=t.device)
-                    self._rows[layer].index_copy_(0, index, t.view(len(ids), block_nbytes))
-                else:
-                    self._rows[layer, ids[0], byte_offset:byte_offset + size].copy_(t)
+            else:
+                self._write_device(layer, ids, byte_offset, src, is_whole)
         self.num_chunks += 1
         self.max_chunk_nbytes = max(self.max_chunk_nbytes, size)
 
+    def _write_device(self, layer: int, ids: list[int], byte_offset: int, src: np.ndarray,
+                      is_whole: bool) -> None:
+        """A chunk into a CUDA pool: through the pinned buffer, one non-blocking copy, then the
+        stream drained, so the bytes are in place before the lease can end (its blocks may go
+        to a decode step on another stream next)."""
+        with self._staging_lock, torch.cuda.stream(self._stream):
+            data = self._staging[:src.size]
+            data.numpy()[:] = src
+            t = data.to(self.kv_cache.device, non_blocking=True)
+            if is_whole:
+                staged_ids = self._staging_ids[:len(ids)]
+                staged_ids.numpy()[:] = ids
+                index = staged_ids.to(self.kv_cache.device, non_blocking=True)
+                self._rows[layer].index_copy_(0, index, t.view(len(ids), -1))
+            else:
+                self._rows[layer, ids[0], byte_offset:byte_offset + src.size].copy_(t)
+            self._stream.synchronize()
+
     def _checksum(self, kind: str, layer: int, block_ids: Sequence[int]) -> int:
-        """`kind`'s checksum of the destination blocks of `layer`."""
-        return checksum_blocks_as(kind, self.kv_cache[layer], block_ids)
+        """`kind`'s checksum of the destination blocks of `layer` (on the receiver's stream)."""
+        with torch.cuda.stream(self._stream):
+            return checksum_blocks_as(kind, self.kv_cache[layer], block_ids)
 
     def layer_done(self, lease_id: str, layer: int, crc32: int) -> float:
         """A layer is complete in the destination blocks; returns seconds left on the lease."""
