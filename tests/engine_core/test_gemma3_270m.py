@@ -32,23 +32,28 @@ def gemma_hf(gemma_path):
 
 
 @pytest.fixture(scope="module")
+def gemma_f32(gemma_path):
+    """The engine on the file, float32 (opening a GGUF of a 262k-token vocabulary with gguf's
+    reader takes ~10 s here, so the module opens it once per engine)."""
+    return tm.engine(gemma_path, block_size=16)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(0)
     # token ids: BOS, then ids from the ordinary range of the 262k vocabulary
     return [[2] + torch.randint(100, 20000, (n - 1,), generator=g).tolist() for n in LENGTHS]
 
 
-def test_config_as_the_file_says(gemma_path):
-    from engine_core.weights.gguf_loader import GGUFFile
-
-    cfg = GGUFFile(gemma_path).model_config()
+def test_config_as_the_file_says(gemma_f32):
+    cfg = gemma_f32.model_config  # GGUFFile.model_config() of the file
     assert (cfg.architecture, cfg.head_dim, cfg.num_kv_heads, cfg.sliding_window) == (
         "gemma3", 256, 1, 512)
     assert [cfg.layer_window(i) for i in range(6)] == [512] * 5 + [None]
 
 
-def test_greedy_and_logits_match_transformers(gemma_path, gemma_hf, prompts):
-    eng = tm.engine(gemma_path, block_size=16)
+def test_greedy_and_logits_match_transformers(gemma_f32, gemma_hf, prompts):
+    eng = gemma_f32
     long = prompts[-1]
     assert tm.relative_error(tm.prompt_logits(eng, long), tm.hf_logits(gemma_hf, long)) < 1e-3
     for p, got in zip(prompts, tm.greedy(eng, prompts, 24), strict=True):
