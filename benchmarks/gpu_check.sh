@@ -6,8 +6,12 @@
 # Runs, in this order (tests first: a broken card path makes the figures meaningless):
 #   gpu-tests         python -m pytest -m gpu: the engine, pdserve up, CUDA IPC, graphs, NVML
 #   kernels           the Triton kernels compiled for the card against their references
-#   bench-gpu         copy bandwidth, decode attention, engine tokens/s (graphs and eager)
-#   attention-splits  decode attention per split setting (1, auto, 2x auto): the split kernel
+#   attention-splits  copy bandwidth, then decode attention per split setting (1, auto,
+#                     2x auto): the split kernel
+#   bench-engine      pdserve bench-engine --device cuda, greedy and sampled, against
+#                     transformers on the card, on a model of SmolLM2-135M's shapes with random
+#                     weights (no model file reaches the GPU machine; the values don't change
+#                     the speed)
 #   kv-transfer       a 2,048-token prompt's KV over cuda_ipc and grpc, back to back and
 #                     layer by layer
 # Each step's full output goes to OUT_DIR/<step>.log and its tail to the terminal; a failing
@@ -33,8 +37,13 @@ step() {
 
 step gpu-tests python -m pytest -m gpu -q -rs -p no:cacheprovider
 step kernels python -m pytest tests/kernels -q -rs -p no:cacheprovider
-step bench-gpu python benchmarks/bench_gpu.py --out "$out/bench_gpu"
 step attention-splits python benchmarks/bench_gpu.py --attention-only --out "$out/attention"
+step random-smollm2 python -c "import sys; from pathlib import Path; \
+from tests.tiny_model import SMOLLM2_SHAPE, write_tiny_llama; \
+write_tiny_llama(Path(sys.argv[1]), **SMOLLM2_SHAPE)" "$out/smollm2-random"
+step bench-engine python -m pdserve bench-engine --device cuda --model "$out/smollm2-random" \
+  --concurrency 1 8 32 64 --sampling greedy temperature=1.0,top_p=0.95,top_k=50 \
+  --out "$out/bench_engine"
 step kv-transfer python benchmarks/bench_kv_transfer.py --device cuda --kinds cuda_ipc grpc \
   --dtypes bfloat16 --prompt-tokens 2048 --runs 5 --compute-ms 2
 

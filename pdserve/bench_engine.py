@@ -50,17 +50,22 @@ def make_prompts(tokenizer, n: int, prompt_len: int, first: int = 0) -> list[lis
 
 
 class HFGenerate:
-    """transformers' own GGUF loading of the same file, `generate` one request at a time."""
+    """transformers' own loading of the same model (a GGUF file or a safetensors folder), on
+    the engine's device, `generate` one request at a time."""
 
-    def __init__(self, model_path, dtype) -> None:
+    def __init__(self, source, dtype, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
 
+        self.device = device
+        if source.kind == "gguf":
+            folder, kw = source.path.parent, {"gguf_file": source.path.name}
+        else:
+            folder, kw = source.path, {}
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_path.parent), gguf_file=model_path.name, dtype=dtype
-        ).eval()
+            str(folder), dtype=dtype, **kw).to(device).eval()
 
     def generate(self, ids: list[int], n: int) -> None:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.device)
         with torch.inference_mode():
             self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -70,6 +75,8 @@ class HFGenerate:
         start = time.perf_counter()
         for ids in prompts:
             self.generate(ids, output_len)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
         n = len(prompts) * output_len
@@ -182,9 +189,15 @@ def run(args: argparse.Namespace) -> int:
         samplings = {spec: parse_sampling(spec) for spec in args.sampling}
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    llm = LLM(args.model, dtype=args.dtype, decode_activations=args.decode_activations,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager,
-              max_num_seqs=max(args.concurrency), kv_cache_memory_gb=1.0)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA device here")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
+    llm = LLM(args.model, dtype=args.dtype, device=str(device),
+              decode_activations=args.decode_activations, enable_prefix_caching=False,
+              enforce_eager=args.enforce_eager, max_num_seqs=max(args.concurrency),
+              kv_cache_memory_gb=1.0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype_name(llm.engine.dtype)  # what "auto" resolved to on this machine
@@ -194,12 +207,15 @@ def run(args: argparse.Namespace) -> int:
                "decode_mode": llm.engine.decode_mode,
                "prompt_len": args.prompt_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "machine": platform.processor(),
+               "device": str(llm.engine.device),
+               "gpu": (torch.cuda.get_device_name(llm.engine.device)
+                       if llm.engine.device.type == "cuda" else None),
                "engine": [], "transformers": None}
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     hf_dtype = getattr(torch, args.hf_dtype) if args.hf_dtype else llm.engine.dtype
     results["transformers_dtype"] = dtype_name(hf_dtype)
-    hf = None if args.skip_hf else HFGenerate(llm.engine.source.path, hf_dtype)
+    hf = None if args.skip_hf else HFGenerate(llm.engine.source, hf_dtype, llm.engine.device)
     hf_prompts = make_prompts(llm.tokenizer, args.hf_requests, args.prompt_len)
     # round 0 is untimed (first-use costs of every shape: oneDNN primitives, kernel scratch);
     # each later round times every sampling setting and concurrency and then transformers, so
@@ -263,11 +279,12 @@ def run(args: argparse.Namespace) -> int:
             runs += "   (x " + " / ".join(f"{x:.1f}" for x in r["ratios_vs_transformers"]) + ")"
         print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<34}{r['sampling']:<48}"
               f"{r['output_tokens_per_s']:>10.1f}{ratio}{vs_greedy}   {runs}")
-        if "cpu_ratio_vs_transformers" in r:
+        on_cpu = llm.engine.device.type == "cpu"  # a GPU's work is not its process's CPU time
+        if "cpu_ratio_vs_transformers" in r and on_cpu:
             cpu = " / ".join(f"{x:.1f}" for x in r["cpu_ratios_vs_transformers"])
             print(f"{'':<34}{'  per CPU second, x transformers':<48}{'':>10}"
                   f"{r['cpu_ratio_vs_transformers']:>16.1f}{'':>10}   {cpu}")
-        if "cpu_ratio_vs_greedy" in r:
+        if "cpu_ratio_vs_greedy" in r and on_cpu:
             cpu = " / ".join(f"{x:.2f}" for x in r["cpu_ratios_vs_greedy"])
             print(f"{'':<34}{'  per CPU second, x greedy':<48}{'':>10}{'':>16}"
                   f"{r['cpu_ratio_vs_greedy']:>10.2f}   {cpu}")

@@ -145,9 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench-engine",
                        help="offline throughput: engine vs transformers generate, same run")
-    b.add_argument("--model", default=None)
+    b.add_argument("--model", default=None,
+                   help="a pullable name, a GGUF file or a safetensors folder (default: the "
+                        "default model)")
+    b.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N, for the engine and transformers alike "
+                        "(default: cuda where torch sees one, else cpu)")
     b.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: bfloat16 where the CPU has native bf16, else float32")
+                   help="default: bfloat16 on CUDA and where the CPU has native bf16, "
+                        "else float32")
     add_decode_activations_argument(b)
     add_enforce_eager_argument(b)
     b.add_argument("--prompt-len", type=int, default=128)

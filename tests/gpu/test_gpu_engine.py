@@ -125,3 +125,23 @@ def test_sampled_requests_on_cuda_are_reproducible_and_follow_their_filters(tiny
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     assert (llm.generate(prompts[:1], one)[0].outputs[0].token_ids
             == llm.generate(prompts[:1], greedy)[0].outputs[0].token_ids)  # top_k=1 is argmax
+
+
+def test_bench_engine_on_the_card(tiny, tmp_path):
+    """`pdserve bench-engine --device cuda`: the engine and transformers both on the card."""
+    import json
+
+    from pdserve.bench_engine import run
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args([
+        "bench-engine", "--model", str(tiny), "--device", "cuda", "--concurrency", "1", "8",
+        "--prompt-len", "32", "--output-len", "16", "--repeats", "1", "--hf-requests", "1",
+        "--out", str(tmp_path),
+    ])
+    assert run(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["device"].startswith("cuda") and results["gpu"]
+    assert results["dtype"] == "bfloat16" and results["transformers_dtype"] == "bfloat16"
+    assert [r["concurrency"] for r in results["engine"]] == [1, 8]
+    assert all(r["output_tokens_per_s"] > 0 for r in results["engine"])

@@ -5,6 +5,7 @@ kept, each ratio taken within its round."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -76,3 +77,37 @@ def test_sampling_specs_parse_and_bad_ones_name_the_field():
         parse_sampling("temp=1")
     with pytest.raises(ValueError, match="top_k must be an integer, got '5.5'"):
         parse_sampling("top_k=5.5")
+
+
+def test_bench_engine_on_a_safetensors_folder_names_its_device(tmp_path):
+    """A model folder (not a GGUF) works on both sides; the results name the device both ran
+    on, which --device chooses for the engine and transformers alike."""
+    from tests.tiny_model import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "tiny")
+    args = build_parser().parse_args([
+        "bench-engine", "--model", str(folder), "--device", "cpu", "--dtype", "float32",
+        "--concurrency", "2", "--prompt-len", "16", "--output-len", "4", "--repeats", "1",
+        "--hf-requests", "1", "--out", str(tmp_path / "out"),
+    ])
+    assert run(args) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert (results["device"], results["gpu"]) == ("cpu", None)
+    assert results["transformers"]["output_tokens_per_s"] > 0
+    [engine] = results["engine"]
+    assert engine["concurrency"] == 2 and engine["ratio_vs_transformers"] > 0
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--device cuda: torch sees no CUDA device here"),
+    ("mps", "--device must be cpu or cuda (cuda:N), got 'mps'"),
+])
+def test_bench_engine_refuses_a_device_it_cannot_use(tmp_path, device, message):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = build_parser().parse_args(["bench-engine", "--device", device,
+                                      "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        run(args)
