@@ -2,6 +2,8 @@
 
 `write_tiny_llama(folder)` saves config.json + model.safetensors and a word-level tokenizer
 whose tokens are "w0", "w1", ... so that a prompt such as "w3 w17 w5" encodes to known ids.
+With `byte_level=True` the tokenizer is a byte-level BPE instead, trained here on a few lines
+of text and JSON: it can spell any text, which a grammar (structured outputs) needs.
 The engine loads the folder as it loads any Hugging Face checkpoint.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -23,14 +25,27 @@ SMOLLM2_SHAPE = dict(TINY, vocab_size=49152, hidden_size=576, intermediate_size=
                      max_position_embeddings=8192, rope_theta=100000.0, initializer_range=0.02)
 
 
-def write_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
+BPE_CORPUS = ['{"name": "w", "value": 12, "ok": false, "tags": ["a", "b"]}',
+              '{"b": "x", "c": true, "n": null}', "the quick brown fox jumps over the lazy dog"]
+
+
+def write_tiny_llama(folder: Path, seed: int = 0, byte_level: bool = False,
+                     **overrides) -> Path:
     config = LlamaConfig(**{**TINY, **overrides})
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
-    vocab.update({f"w{i}": i for i in range(3, config.vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if byte_level:  # ids 0, 1, 2 are <s>, </s>, <unk> as below; fewer ids than the model has
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(BPE_CORPUS * 10, trainers.BpeTrainer(
+            vocab_size=min(config.vocab_size, 400), special_tokens=["<s>", "</s>", "<unk>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    else:
+        vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+        vocab.update({f"w{i}": i for i in range(3, config.vocab_size)})
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
     fast.save_pretrained(folder)

@@ -1,15 +1,20 @@
 """PDSERVE_CHECK_DEVICE: the check itself (on the meta device, where a host tensor is
 misplaced), and the engine's every step path under it, on the CPU and (marked gpu) on CUDA,
-with the same output as without it."""
+with the same output as without it: sampling, speculation, structured outputs, and the forks
+of n samples (their shared last prompt block copied on write)."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 
 from engine_core.device_check import ENV, DeviceCheck, DeviceMisplaced
 from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import StructuredOutput
 from tests.tiny_model import words, write_tiny_llama
 
 PROMPTS = [[5, 9, 200, 31, 5, 9, 200, 31, 5, 9], list(range(3, 60))]
@@ -65,3 +70,54 @@ def test_every_step_path_runs_under_the_check_with_the_same_output(tiny, device,
     checked = every_path(tiny, device)
     assert checked == plain
     assert plain[0][1] == len(PROMPTS[0]) and len(plain[1][0]) == 12
+
+
+SCHEMA = {"type": "object", "properties": {"b": {"enum": ["x", "yy"]}, "c": {"type": "boolean"},
+                                           "tags": {"type": "array", "maxItems": 2,
+                                                    "items": {"enum": ["a", "b"]}}},
+          "required": ["b", "c", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_bytes(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-bytes"), byte_level=True)
+
+
+def grammar_and_forks(folder, device: str) -> list[tuple]:
+    """A JSON schema, greedy and sampled, and three samples of one prompt as forks of one
+    request: the children share its prompt blocks, the last (partial) one copied on write."""
+    llm = LLM(model=str(folder), device=device, kv_cache_memory_gb=0.05)
+    eng = llm.engine
+    structured = StructuredOutput("json", json.dumps(SCHEMA))
+    for i, temperature in enumerate((0.0, 1.0)):
+        eng.add_request("the quick brown fox", SamplingParams(
+            max_tokens=48, temperature=temperature, seed=5, structured=structured),
+            req_id=f"json{i}")
+    prompt = list(range(3, 24))  # 21 tokens: a partial last block of 16
+    for i in range(3):
+        eng.add_request(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=11 + i,
+                                               ignore_eos=True),
+                        req_id=f"n{i}", fork_of="n0" if i else None)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].text)
+    eng.kv.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks  # every reserved block freed
+    return [outs[k] for k in sorted(outs)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grammars_and_forks_run_under_the_check_with_the_same_output(tiny_bytes, device,
+                                                                     monkeypatch):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    plain = grammar_and_forks(tiny_bytes, device)
+    monkeypatch.setenv(ENV, "1")
+    assert grammar_and_forks(tiny_bytes, device) == plain
+    for _, text in plain[:2]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    samples = [tuple(ids) for ids, _ in plain[2:]]
+    assert len(samples) == 3 and all(len(s) == 10 for s in samples)
+    assert len(set(samples)) > 1  # each child drew with its own seed
