@@ -191,7 +191,10 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init: load_weights fills it (nn.Embedding's normal_ under the meta device
+        # of model_loader imports torch._dynamo, ~1.5 s of every start)
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
