@@ -82,12 +82,27 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
+class _PlainViewReader(GGUFReader):
+    """gguf's reader, parsing through a plain ndarray view of its np.memmap (same mapped
+    bytes). The reader slices `data` once per field part, and the vocabulary is one part per
+    token: np.memmap's slices cost most of the parse (default model, 49k tokens: 2.1 s ->
+    0.75 s; Gemma 3's 262k tokens: about 10 s before)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
 class GGUFFile:
     """One open GGUF file: metadata, config and weights."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.reader = GGUFReader(str(self.path))
+        self.reader = _PlainViewReader(str(self.path))
         self.arch = str(self.field("general.architecture"))
         self.architecture = architectures.for_gguf(self.arch)  # raises for an unknown one
 
