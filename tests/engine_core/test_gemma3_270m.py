@@ -33,8 +33,8 @@ def gemma_hf(gemma_path):
 
 @pytest.fixture(scope="module")
 def gemma_f32(gemma_path):
-    """The engine on the file, float32 (opening a GGUF of a 262k-token vocabulary with gguf's
-    reader takes ~10 s here, so the module opens it once per engine)."""
+    """The engine on the file, float32, shared: each engine opens the GGUF (a 262k-token
+    vocabulary, ~3 s to parse here) and loads its weights."""
     return tm.engine(gemma_path, block_size=16)
 
 
