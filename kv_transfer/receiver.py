@@ -238,9 +238,9 @@ class KVReceiver:
                             f"expected {num_layers * nbytes}")
         kind = checksum_kind(lease.transport)  # the sender chose the same from the transport
         # the layers never reported done first, while the verifier finishes the others
-        unreported = {layer: self._checksum(kind, layer, lease.block_ids)
-                      for layer in range(num_layers)
-                      if not problems and layer not in checks}
+        unreported = {} if problems else {
+            layer: self._checksum(kind, layer, lease.block_ids)
+            for layer in range(num_layers) if layer not in checks}
         for layer in range(num_layers) if not problems else ():
             check = checks.pop(layer, None)
             actual = check.result() if check is not None else unreported[layer]

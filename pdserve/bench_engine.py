@@ -271,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         hf_list = " / ".join(f"{x:.1f}" for x in results["transformers"]["runs_tokens_per_s"])
         print(f"{'transformers generate, 1 at a time':<34}{GREEDY:<48}{base:>10.1f}"
               f"{1.0:>16.1f}{'':>10}   {hf_list}")
+    on_cpu = device.type == "cpu"  # a GPU's work is not its process's CPU time
     for r in results["engine"]:
         ratio = f"{r['ratio_vs_transformers']:>16.1f}" if base else f"{'':>16}"
         vs_greedy = f"{r['ratio_vs_greedy']:>10.2f}" if "ratio_vs_greedy" in r else f"{'':>10}"
@@ -279,7 +280,6 @@ def run(args: argparse.Namespace) -> int:
             runs += "   (x " + " / ".join(f"{x:.1f}" for x in r["ratios_vs_transformers"]) + ")"
         print(f"{'engine, ' + str(r['concurrency']) + ' concurrent':<34}{r['sampling']:<48}"
               f"{r['output_tokens_per_s']:>10.1f}{ratio}{vs_greedy}   {runs}")
-        on_cpu = llm.engine.device.type == "cpu"  # a GPU's work is not its process's CPU time
         if "cpu_ratio_vs_transformers" in r and on_cpu:
             cpu = " / ".join(f"{x:.1f}" for x in r["cpu_ratios_vs_transformers"])
             print(f"{'':<34}{'  per CPU second, x transformers':<48}{'':>10}"
