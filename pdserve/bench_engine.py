@@ -189,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
         samplings = {spec: parse_sampling(spec) for spec in args.sampling}
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise SystemExit(f"--device must be cpu or cuda (cuda:N), got {args.device!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: torch sees no CUDA device here")
     if device.type not in ("cpu", "cuda"):

@@ -101,6 +101,7 @@ def test_bench_engine_on_a_safetensors_folder_names_its_device(tmp_path):
 @pytest.mark.parametrize("device, message", [
     ("cuda", "--device cuda: torch sees no CUDA device here"),
     ("mps", "--device must be cpu or cuda (cuda:N), got 'mps'"),
+    ("gpu0", "--device must be cpu or cuda (cuda:N), got 'gpu0'"),
 ])
 def test_bench_engine_refuses_a_device_it_cannot_use(tmp_path, device, message):
     import torch
