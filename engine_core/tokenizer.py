@@ -119,7 +119,10 @@ def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = (),
     if (cache / "tokenizer.json").exists():
         return Tokenizer(AutoTokenizer.from_pretrained(str(cache)), eos_token_ids, chat_template)
     logger.info("building the tokenizer from %s (once; cached in %s)", source.path, cache)
-    hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    from engine_core.weights.gguf_loader import transformers_parses_plainly  # torch: only here
+
+    with transformers_parses_plainly():
+        hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + ".tmp")
     hf.save_pretrained(str(tmp))

@@ -57,12 +57,15 @@ class HFGenerate:
         from transformers import AutoModelForCausalLM
 
         self.device = device
+        from engine_core.weights.gguf_loader import transformers_parses_plainly
+
         if source.kind == "gguf":
             folder, kw = source.path.parent, {"gguf_file": source.path.name}
         else:
             folder, kw = source.path, {}
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=dtype, **kw).to(device).eval()
+        with transformers_parses_plainly():
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kw)
+        self.model = model.to(device).eval()
 
     def generate(self, ids: list[int], n: int) -> None:
         x = torch.tensor([ids], device=self.device)

@@ -35,9 +35,12 @@ def hf_reference(model_path):
     """transformers' own GGUF loading of the same file: the reference implementation."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
+    from engine_core.weights.gguf_loader import transformers_parses_plainly
+
+    with transformers_parses_plainly():  # the same gguf parse, through a plain view
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+        )
     return model.eval()
 
 

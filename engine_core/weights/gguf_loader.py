@@ -11,10 +11,13 @@ halves of each head (`rotate_half`). Llama 3's rope scaling comes as the `rope_f
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
@@ -95,6 +98,23 @@ class _PlainViewReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
+_reader_swap = threading.Lock()
+
+
+@contextmanager
+def transformers_parses_plainly() -> Iterator[None]:
+    """While open, `gguf.GGUFReader` is _PlainViewReader, process-wide: transformers' GGUF
+    loading (`from_pretrained(..., gguf_file=...)`) imports gguf's reader when it runs, so it
+    parses the file as ours does, on the same gguf code (Gemma 3's model: 35 s -> 17 s here).
+    Its dequantizing and converting are untouched. Opened by one thread at a time."""
+    with _reader_swap:
+        gguf.GGUFReader = _PlainViewReader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = GGUFReader
 
 
 class GGUFFile:

@@ -229,12 +229,14 @@ def load(model: str | None, dtype: str) -> NaiveServer:
 
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import load_tokenizer
+    from engine_core.weights.gguf_loader import transformers_parses_plainly
 
     source = resolve_model(model)
     if source.kind == "gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(source.path.parent),
-                                                  gguf_file=source.path.name,
-                                                  dtype=getattr(torch, dtype))
+        with transformers_parses_plainly():
+            hf = AutoModelForCausalLM.from_pretrained(str(source.path.parent),
+                                                      gguf_file=source.path.name,
+                                                      dtype=getattr(torch, dtype))
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=getattr(torch, dtype))
     tokenizer = load_tokenizer(source)

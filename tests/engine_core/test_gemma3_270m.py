@@ -27,8 +27,11 @@ def gemma_path():
 def gemma_hf(gemma_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32).eval()
+    from engine_core.weights.gguf_loader import transformers_parses_plainly
+
+    with transformers_parses_plainly():  # the same gguf parse, through a plain view: 2x faster
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
