@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine_core.model import architectures
+from engine_core.model.rope import inv_frequencies, served_positions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,6 +112,8 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                              f"expected head_dim / 2 = {self.head_dim // 2}")
+        # an unsupported or incomplete rope_scaling fails here, before any weight is read
+        inv_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None where it attends to every position."""
@@ -168,7 +171,8 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling or None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=served_positions(cfg.get("max_position_embeddings", 2048),
+                                                     scaling or None),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch.qkv_bias if bias is None else bool(bias),
             bos_token_id=cfg.get("bos_token_id"),

@@ -1,5 +1,5 @@
-"""Rotary position embeddings (the two-halves form, `rotate_half`), with Llama 3 and linear
-scaling."""
+"""Rotary position embeddings (the two-halves form, `rotate_half`), with Llama 3, linear and
+YaRN scaling."""
 
 from __future__ import annotations
 
@@ -27,9 +27,75 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
         return torch.where(wavelen < old_len / high, inv_freq, out)
+    if kind == "yarn":
+        return _yarn_inv_frequencies(inv_freq, head_dim, theta, scaling)
     if kind in ("default", None):
         return inv_freq
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported ({', '.join(SCALINGS)})")
+
+
+SCALINGS = ("linear", "llama3", "yarn")
+
+
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    factor = scaling.get("factor")
+    if factor is None:
+        raise ValueError("rope_scaling 'yarn' needs a factor")
+    return float(factor)
+
+
+def _yarn_inv_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
+                          scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies that turn fewer than
+    beta_slow times over the original context are divided by `factor` (interpolated), those
+    that turn more than beta_fast times are kept, with a linear ramp over the dimensions
+    between."""
+    factor = _yarn_factor(scaling)
+    if "original_max_position_embeddings" not in scaling:
+        raise ValueError("rope_scaling 'yarn' needs original_max_position_embeddings")
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor on cos and sin (so on every attention logit, twice): YaRN's
+    0.1 ln(factor) + 1 unless the config states it; 1 for every other scaling."""
+    if not scaling or (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def m(scale: float, k: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return m(factor, float(mscale)) / m(factor, float(mscale_all_dim))
+    return m(factor)
+
+
+def served_positions(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
+    """The positions a model serves: YaRN stretches its original context by `factor` (as
+    vLLM derives it; Qwen's configs keep max_position_embeddings at the original length)."""
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "yarn" \
+            and scaling.get("original_max_position_embeddings"):
+        stretched = int(float(scaling["original_max_position_embeddings"]) * _yarn_factor(scaling))
+        return max(max_position_embeddings, stretched)
+    return max_position_embeddings
 
 
 def cos_sin_cache(
@@ -45,7 +111,7 @@ def cos_sin_cache(
         inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
     t = torch.arange(max_positions, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor(scaling)).float()
 
 
 def apply_rope(

@@ -25,6 +25,7 @@ from gguf.quants import dequantize
 
 from engine_core.config import ModelConfig
 from engine_core.model import architectures
+from engine_core.model.rope import served_positions
 from engine_core.weights.gguf_q4 import Q4_TYPES, Q4Weight, unpack_q4
 from engine_core.weights.gguf_q8 import Q8_TYPES, Q8Weight, unpack_q8
 
@@ -130,6 +131,26 @@ class GGUFFile:
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
 
+    def _yarn_fields(self, a: str) -> dict[str, Any]:
+        """YaRN's keys as llama.cpp writes them, under transformers' names. Its attention factor
+        is refused where the file states one: llama.cpp multiplies it into YaRN's own, where
+        transformers' replaces it."""
+        out: dict[str, Any] = {}
+        original = self.field(f"{a}.rope.scaling.original_context_length")
+        if original is not None:
+            out["original_max_position_embeddings"] = int(original)
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = self.field(f"{a}.rope.scaling.{key}")
+            if value is not None:
+                out[name] = float(value)
+        for key in ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier"):
+            value = self.field(f"{a}.rope.scaling.{key}")
+            if value is not None and float(value) != (0.0 if key == "yarn_log_multiplier"
+                                                      else 1.0):
+                raise ValueError(f"{self.path.name}: {a}.rope.scaling.{key} = {value} is not "
+                                 f"supported (YaRN with its own attention factor only)")
+        return out
+
     def model_config(self) -> ModelConfig:
         a = self.arch
         names = {t.name for t in self.reader.tensors}
@@ -144,6 +165,8 @@ class GGUFFile:
                 "rope_type": scaling_type,
                 "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0)),
             }
+            if scaling_type == "yarn":
+                scaling.update(self._yarn_fields(a))
         factors = None
         rope_freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
         if rope_freqs is not None:
@@ -174,7 +197,8 @@ class GGUFFile:
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,
-            max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
+            max_position_embeddings=served_positions(
+                int(self.field(f"{a}.context_length", 2048)), scaling),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),

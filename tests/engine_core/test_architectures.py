@@ -6,6 +6,7 @@ same batch, and prompts longer than the sliding window where there is one."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -20,10 +21,17 @@ transformers = pytest.importorskip("transformers")
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
                "rope_theta": 10000.0}
+# Qwen's long-context recipe on a 32-token original context: prompts of 70 tokens and 48
+# more generated run past it; max_position_embeddings is the stretched length, as
+# transformers expects
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+             "rope_theta": 10000.0}
 CASES = {
     "llama": (transformers.LlamaConfig, {}),
     "llama-tied": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
     "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
+    "qwen2-yarn": (transformers.Qwen2Config, {"rope_parameters": YARN_ROPE,
+                                              "max_position_embeddings": 128}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {}),
     "mistral-window": (transformers.MistralConfig, {"sliding_window": 12}),
@@ -90,6 +98,67 @@ def test_config_fields_from_the_registry(tmp_path):
         for k, v in want.items():
             assert getattr(cfg, k) == v, (case, k)
     assert load_hf_config(tmp_path / "llama3-rope").rope_scaling["rope_type"] == "llama3"
+
+
+def test_yarn_rope_as_transformers_computes_it(tmp_path):
+    """YaRN's frequencies and attention factor against transformers' own rotary embedding,
+    for a Qwen config as its model card writes it (max_position_embeddings at the original
+    length: served up to factor times that, as vLLM derives it), with beta and mscale
+    variants; and what YaRN cannot do without is a clear error before any weight is read."""
+    from engine_core.config import ModelConfig
+    from engine_core.model.rope import attention_factor, cos_sin_cache, inv_frequencies
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    for extra in ({}, {"beta_fast": 16.0, "beta_slow": 2.0}, {"mscale": 0.707,
+                                                            "mscale_all_dim": 1.0}):
+        rope = {**YARN_ROPE, **extra}
+        hf = tm.build_hf(transformers.Qwen2Config, tmp_path, rope_parameters=rope,
+                         max_position_embeddings=128)
+        rotary = hf.model.rotary_emb
+        ours = inv_frequencies(16, 10000.0, rope)
+        torch.testing.assert_close(ours.float(), rotary.inv_freq, rtol=1e-6, atol=0)
+        assert attention_factor(rope) == pytest.approx(rotary.attention_scaling)
+        assert not torch.allclose(ours, inv_frequencies(16, 10000.0, None))  # in play
+        positions = torch.arange(100)[None]
+        cos, sin = rotary(torch.zeros(1, 100, 16), positions)  # [1, 100, 16], halves repeated
+        table = cos_sin_cache(16, 100, 10000.0, rope)
+        torch.testing.assert_close(table[:, :8], cos[0, :, :8], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(table[:, 8:], sin[0, :, :8], rtol=1e-5, atol=1e-5)
+
+    transformers.Qwen2Config(**{**tm.SIZES, "max_position_embeddings": 32768, "rope_parameters": {
+        **YARN_ROPE, "original_max_position_embeddings": 32768}}).save_pretrained(tmp_path / "q")
+    assert load_hf_config(tmp_path / "q").max_position_embeddings == 131072
+    fields = dict(name="m", vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=1,
+                  num_heads=1, num_kv_heads=1, head_dim=16)
+    for rope, message in [({"rope_type": "yarn", "factor": 4.0}, "original_max_position"),
+                          ({"rope_type": "yarn", "original_max_position_embeddings": 8},
+                           "needs a factor"),
+                          ({"rope_type": "longrope", "factor": 4.0},
+                           "'longrope' is not supported (linear, llama3, yarn)")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ModelConfig(**fields, rope_scaling=rope)
+
+
+def test_gguf_yarn_as_llama_cpp_writes_it(tmp_path):
+    """A Qwen2 GGUF with YaRN's keys as llama.cpp's converter writes them (type, factor,
+    original context length) matches transformers past the original context; an attention
+    factor of its own, which llama.cpp and transformers read differently, is refused."""
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    hf = tm.build_hf(transformers.Qwen2Config, tmp_path, rope_parameters=YARN_ROPE,
+                     max_position_embeddings=128)
+    keys = {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+            "qwen2.rope.scaling.original_context_length": 32}
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    tm.write_gguf(hf, gguf_dir / "m.gguf", arch="qwen2", permute=False, extra=keys)
+    assert GGUFFile(gguf_dir / "m.gguf").model_config().rope_scaling == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    check_against_hf(hf, gguf_dir / "m.gguf")
+    tm.write_gguf(hf, tmp_path / "bad.gguf", arch="qwen2", permute=False,
+                  extra={**keys, "qwen2.rope.scaling.attn_factor": 0.5})
+    with pytest.raises(ValueError, match=r"qwen2.rope.scaling.attn_factor = 0.5 is not supported"):
+        GGUFFile(tmp_path / "bad.gguf").model_config()
 
 
 def test_qwen2_sliding_window_follows_layer_types(tmp_path):
@@ -263,7 +332,8 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
         assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
+                                  "gemma3"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next

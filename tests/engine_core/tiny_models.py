@@ -214,8 +214,9 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         token = getattr(hf_model.generation_config, f"{key}_token_id")
         if isinstance(token, int):
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", token)
-    for k, v in (extra or {}).items():
-        w.add_uint32(k, v)
+    for k, v in (extra or {}).items():  # by the value's type: string, float32 or uint32
+        add = {str: w.add_string, float: w.add_float32}.get(type(v), w.add_uint32)
+        add(k, v)
     held = {}
     k_quants = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
     for i, (name, p) in enumerate(hf_model.state_dict().items()):
