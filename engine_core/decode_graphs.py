@@ -175,7 +175,7 @@ class DecodeGraphRunner:
             static[:bucket].copy_(self._staging[name][:bucket], non_blocking=True)
         if self.runner.device.type == "cuda":
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.runner.device))
 
     def _forward(self, bucket: int, decode_max_len: int) -> torch.Tensor:
         """The model over the first `bucket` rows of the static buffers: [bucket, hidden].

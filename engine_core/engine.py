@@ -76,6 +76,7 @@ class LLMEngine:
         none either way."""
         self.kv_connector = kv_connector
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._use_device()
         # PDSERVE_CHECK_DEVICE=1 (tests): every step's ops read only tensors on self.device
         self._device_check = (device_check.DeviceCheck(self.device)
                               if device_check.is_enabled() else None)
@@ -273,8 +274,16 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- the step ---------------------------------------------------------------------------
+    def _use_device(self) -> None:
+        """Make the engine's CUDA device current on this thread: streams, events and Triton
+        launches without a device of their own take the current one, which is per thread
+        (0 unless set), and steps may run on another thread than the one that built us."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def step(self) -> list[RequestOutput]:
         t_start = time.monotonic()
+        self._use_device()
         out = self.scheduler.schedule()
         if out.is_empty:  # the runner hears of finished requests only with a step: tell it now
             assert not out.blocks_to_copy, "copies queued for a step that runs nothing"

@@ -61,5 +61,5 @@ class StepUploader:
         layout = pack(arrays, self._staging.numpy())
         flat = self._staging[:size].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))
         return unpack(flat, layout)

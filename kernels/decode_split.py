@@ -67,7 +67,8 @@ def num_context_splits(
                              f"{setting!r}") from None
     if device.type != "cuda" or num_seqs == 0:
         return 1
-    target = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = PROGRAMS_PER_SM * _sm_count(index)
     splits = min(MAX_SPLITS, triton.cdiv(target, num_seqs * num_kv_heads))
     for bound in (window, max_context_len):
         if bound is not None:

@@ -29,7 +29,8 @@ def is_interpreted(kernel: Any) -> bool:
 
 
 def launchable(kernel: Any, device: torch.device) -> Any:
-    """`kernel`, after checking it can run on tensors on `device`.
+    """`kernel`, after checking it can run on tensors on `device`; on a CUDA device, launched
+    with that device current (_OnDevice).
 
     CPU tensors need the interpreter, i.e. TRITON_INTERPRET=1 before triton's first import.
     """
@@ -38,7 +39,28 @@ def launchable(kernel: Any, device: torch.device) -> Any:
             "Triton kernels run on CPU tensors only in the interpreter: set TRITON_INTERPRET=1 "
             "before triton is first imported (or use PDSERVE_ATTN_BACKEND=torch)"
         )
+    if device.type == "cuda" and not is_interpreted(kernel):
+        return _OnDevice(kernel, device)
     return kernel
+
+
+class _OnDevice:
+    """A kernel whose launches make `device` current first. Triton launches on the current
+    device's current stream, not on its tensors' device: from a thread whose current device
+    is 0, a kernel over cuda:1 tensors would run on device 0's stream (a fault, or without
+    order against device 1's work)."""
+
+    def __init__(self, kernel: Any, device: torch.device) -> None:
+        self.kernel, self.device = kernel, device
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.kernel[grid]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch.cuda.device(self.device):
+                return launch(*args, **kwargs)
+
+        return run
 
 
 def compute_dtype(dtype: torch.dtype, interpreted: bool) -> tuple[Any, str]:

@@ -172,7 +172,7 @@ class SendSession:
         ready = None
         if blocks.is_cuda:
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(blocks.device))
         queued = self._put(_Layer(layer, blocks, ready))
         self._queued_s[layer] = self._elapsed()
         return queued

@@ -68,6 +68,32 @@ def engine_greedy(folder, dtype: str) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def test_engine_on_a_second_card_stepped_from_another_thread(tiny):
+    """On cuda:N, N > 0, stepped from a thread whose current device is 0: Triton launches,
+    events and streams take the current device unless told, so the engine makes its own
+    current (a multi-GPU node; the lent machines have one card, where this skips)."""
+    import threading
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    result: dict = {}
+
+    def run() -> None:
+        assert torch.cuda.current_device() == 0
+        llm = LLM(model=str(tiny), dtype="float32", device=device, kv_cache_memory_gb=0.25)
+        outs = llm.generate([words(p) for p in PROMPTS], params)
+        result["ids"] = [o.outputs[0].token_ids for o in outs]
+        result["cache"] = llm.engine.runner.kv_cache.device
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert str(result["cache"]) == device
+    assert result["ids"] == engine_greedy(tiny, "float32")
+
+
 def test_float32_greedy_equals_transformers_on_cuda(tiny):
     got = engine_greedy(tiny, "float32")
     for prompt, ids in zip(PROMPTS, got, strict=True):
