@@ -28,6 +28,7 @@ both ends know, so the wire's crc32 fields carry either.
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Sequence
 
@@ -47,20 +48,28 @@ def checksum_tensor(blocks: torch.Tensor, crc: int = 0) -> int:
     return zlib.crc32(host_bytes(blocks), crc)
 
 
-_WEIGHTS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+# The weight of word i depends on i mod 2^16 only (i * a mod 2^16 does), so one period of
+# weights serves any length; words are summed CHUNK_WORDS at a time (a multiple of the period),
+# which bounds the int64 temporaries (a 32k-token prompt's layer of an 8B model is 32M words).
+_PERIOD = 1 << 16
+CHUNK_WORDS = 1 << 22
+_WEIGHTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_WEIGHTS_LOCK = threading.Lock()
 
 
-def _weights(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Odd int64 weights below 2^16 for the low and high halves of words 0..n-1 (cached)."""
-    key = (n, str(device))
-    if key not in _WEIGHTS:
-        i = torch.arange(n, dtype=torch.int64, device=device)
-        low = ((i * 40503 + 1) & 0xFFFF) | 1
-        high = ((i * 30011 + 12345) & 0xFFFF) | 1
-        if len(_WEIGHTS) >= 8:
-            _WEIGHTS.pop(next(iter(_WEIGHTS)))
-        _WEIGHTS[key] = (low, high)
-    return _WEIGHTS[key]
+def _weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Odd int64 weights below 2^16 for the low and high halves of words 0..2^16-1, one pair
+    per device, built once and kept: sender and receiver threads read them from streams of
+    their own, so the building stream is drained before any other can see them."""
+    key = str(device)
+    with _WEIGHTS_LOCK:
+        if key not in _WEIGHTS:
+            i = torch.arange(_PERIOD, dtype=torch.int64, device=device)
+            pair = (((i * 40503 + 1) & 0xFFFF) | 1, ((i * 30011 + 12345) & 0xFFFF) | 1)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            _WEIGHTS[key] = pair
+        return _WEIGHTS[key]
 
 
 def weighted_sum32(t: torch.Tensor) -> int:
@@ -68,11 +77,19 @@ def weighted_sum32(t: torch.Tensor) -> int:
     t = t.contiguous()
     if t.nbytes % 4:
         raise ValueError(f"weighted_sum32 takes whole 32-bit words, got {t.nbytes} bytes")
-    words = t.view(torch.uint8).view(torch.int32).reshape(-1).to(torch.int64) & 0xFFFFFFFF
-    if words.numel() >= 1 << 31:
+    words32 = t.view(torch.uint8).view(torch.int32).reshape(-1)
+    n = words32.numel()
+    if n >= 1 << 31:
         raise ValueError("weighted_sum32 takes fewer than 2^31 words")
-    low, high = _weights(words.numel(), words.device)
-    total = ((words & 0xFFFF) * low).sum() + ((words >> 16) * high).sum()
+    low, high = _weights(words32.device)
+    total = torch.zeros((), dtype=torch.int64, device=words32.device)
+    for start in range(0, n, CHUNK_WORDS):
+        words = words32[start:start + CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
+        full = words.numel() // _PERIOD * _PERIOD
+        for part, count in ((words[:full].view(-1, _PERIOD), _PERIOD),
+                            (words[full:], words.numel() - full)):
+            if part.numel():
+                total += ((part & 0xFFFF) * low[:count]).sum() + ((part >> 16) * high[:count]).sum()
     return int(total.item()) & 0xFFFFFFFF
 
 

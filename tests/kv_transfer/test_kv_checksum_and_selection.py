@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from kv_helpers import LAYOUTS, random_cache
@@ -63,6 +64,24 @@ def test_weighted_sum32_is_the_exact_weighted_sum_of_half_words():
     assert weighted_sum32(t) == want % (1 << 32)
     with pytest.raises(ValueError, match="whole 32-bit words"):
         weighted_sum32(torch.zeros(3, dtype=torch.uint8))
+
+
+def test_weighted_sum32_past_its_weights_period_and_across_chunks(monkeypatch):
+    """The weights repeat every 2^16 words and the sum runs a chunk at a time: over 2.3
+    periods, with chunks of two periods (one boundary inside), the same sum as the formula
+    taken at every position directly."""
+    from kv_transfer import checksum
+
+    monkeypatch.setattr(checksum, "CHUNK_WORDS", 2 << 16)
+    n = (2 << 16) + 20000
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(-(1 << 31), 1 << 31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    w = t.numpy().astype(np.int64) & 0xFFFFFFFF
+    i = np.arange(n, dtype=np.int64)
+    low, high = ((i * 40503 + 1) & 0xFFFF) | 1, ((i * 30011 + 12345) & 0xFFFF) | 1
+    want = int(((w & 0xFFFF) * low).sum() + ((w >> 16) * high).sum()) % (1 << 32)
+    assert weighted_sum32(t) == want
+    assert weighted_sum32(t[:1000]) != weighted_sum32(t[1:1001])  # position-dependent
 
 
 def test_only_cuda_ipc_uses_the_device_checksum():
