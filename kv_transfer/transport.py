@@ -168,6 +168,9 @@ def connect(kind: str, target: str, layout: KVLayout, *, device: str = "cpu",
     """Handshake with the decode worker at `target` ("host:port") and set up the data plane.
     kind: "auto" | "grpc" | "shm" | "cuda_ipc"; device: where the sender's KV cache lives;
     credentials: TLS for the control plane and the grpc transport (None: plaintext).
+    "auto" falls back to grpc when the one-sided transport it chose cannot map the receiver's
+    pool here (same host and boot, but separate /dev/shm mounts or GPUs this process cannot
+    reach: containers that share a kernel and nothing else).
     Raises LayoutMismatchError, TransportRefusedError, or TransferError (unreachable)."""
     options = options or SenderOptions()
     wire.kind_to_proto(kind)  # ValueError for an unknown kind
@@ -189,7 +192,16 @@ def connect(kind: str, target: str, layout: KVLayout, *, device: str = "cpu",
         if select_transport(kind, me, reply.receiver_host_id, str(device),
                             reply.receiver_device, allowed=(chosen,)) != chosen:
             raise TransportRefusedError(f"receiver chose {chosen}, the sender would not")
-        dst, keepalive = _attach(chosen, reply, layout)
+        try:
+            dst, keepalive = _attach(chosen, reply, layout)
+        except TransportRefusedError as e:
+            if kind != "auto":
+                raise
+            log.warning("kv transfer to %s: %s cannot map the receiver's pool here (%s); "
+                        "using grpc", target, chosen, e)
+            channel.close()
+            return connect("grpc", target, layout, device=device, options=options,
+                           credentials=credentials, channel_options=channel_options)
     except grpc.RpcError as e:
         channel.close()
         if e.code() is grpc.StatusCode.FAILED_PRECONDITION:
@@ -218,6 +230,12 @@ def _attach(kind: str, reply: pb.HandshakeResponse, layout: KVLayout):
     if kind == "cuda_ipc":
         from kv_transfer.cuda_ipc_transport import handle_from_proto, open_handle
 
-        pool = open_handle(handle_from_proto(reply.cuda_ipc), layout, reply.num_blocks)
+        handle = handle_from_proto(reply.cuda_ipc)
+        try:
+            pool = open_handle(handle, layout, reply.num_blocks)
+        except (RuntimeError, OSError) as e:  # torch's cudaIpcOpenMemHandle or ref-counter file
+            raise TransportRefusedError(
+                f"cuda_ipc cannot open the receiver's pool (GPU {handle.device_index}) here: "
+                f"{e}; the workers must share /dev/shm and see each other's GPUs") from e
         return pool, pool
     return None, None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from kv_helpers import LAYOUTS, same_bits, wait_until
 
 from engine_core.kv_cache.layout import KVLayout
@@ -189,6 +190,49 @@ def test_explicit_shm_across_hosts_is_refused_and_auto_uses_grpc(make_rig, monke
         connect("shm", rig.target, rig.layout)
     with connect("auto", rig.target, rig.layout) as conn:
         assert conn.kind == "grpc"
+
+
+# the sender of the next test, in a mount namespace of its own with a fresh /dev/shm
+_SENDER_IN_OWN_SHM = """
+import sys, torch
+from kv_transfer import connect
+from tests.kv_transfer.kv_helpers import LAYOUTS
+target, lease_id, src_ids, dst_ids, src_path = sys.argv[1:]
+src = torch.load(src_path)
+with connect("auto", target, LAYOUTS[0]) as conn:
+    print("chosen", conn.kind, flush=True)
+    session = conn.begin(lease_id, eval(src_ids), eval(dst_ids))
+    for layer in range(LAYOUTS[0].num_layers):
+        session.send_layer(layer, src)
+    session.commit(timeout=10)
+"""
+
+
+def test_auto_uses_grpc_where_the_shm_pool_is_out_of_reach(make_rig, tmp_path):
+    """Two containers on one kernel (same host id) that share no /dev/shm: auto picks shm by
+    the host ids, the sender cannot map the pool, and the handoff goes over grpc instead of
+    failing every request. The sender runs in a mount namespace with a /dev/shm of its own."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs a mount namespace of its own (unshare -m as root): {probe.stderr}")
+    rig = make_rig("shm", LAYOUTS[0])
+    lease = rig.open(3)
+    src, src_ids = rig.source(3)
+    torch.save(src, tmp_path / "src.pt")
+    command = (f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -c "
+               f"'{_SENDER_IN_OWN_SHM}' {rig.target} {lease.lease_id} '{src_ids}' "
+               f"'{list(lease.block_ids)}' {tmp_path / 'src.pt'}")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=root, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "chosen grpc" in done.stdout
+    assert "shm cannot map the receiver's pool here" in done.stderr
+    assert "cannot be opened here" in done.stderr  # the reason, in the sender's log
+    assert rig.table.get(lease.lease_id).state is LeaseState.COMPLETE
+    assert rig.table.claim(lease.lease_id) == list(lease.block_ids)
+    assert same_bits(rig.kv[:, list(lease.block_ids)], src[:, src_ids])
 
 
 def test_cuda_ipc_without_cuda_is_refused(make_rig):
