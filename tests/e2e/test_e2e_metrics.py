@@ -155,6 +155,34 @@ class FakeNVML:
     def nvmlDeviceGetPowerUsage(self, h): return 123_000  # milliwatts
 
 
+class MigNVML(FakeNVML):
+    """Two cards; the first in MIG mode, where NVML cannot read utilization."""
+
+    def nvmlDeviceGetCount(self): return 2
+    def nvmlDeviceGetUUID(self, h): return f"GPU-000{h}".encode()
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        if h == 0:
+            raise RuntimeError("Not Supported")
+        return super().nvmlDeviceGetUtilizationRates(h)
+
+
+def test_a_quantity_nvml_cannot_read_is_left_out_for_that_card_only(caplog):
+    collector = GPUCollector(MigNVML())
+    for _ in range(2):  # said once, not at every scrape
+        with caplog.at_level("INFO", logger="service_infra.metrics.gpu"):
+            series = {(s.name, s.labels["gpu"]): s.value
+                      for f in collector.collect() for s in f.samples}
+    assert ("pdserve:gpu_utilization_perc", "0") not in series
+    assert series[("pdserve:gpu_utilization_perc", "1")] == 0.37
+    for gpu in "01":
+        assert series[("pdserve:gpu_memory_total_bytes", gpu)] == 2**34
+        assert series[("pdserve:gpu_power_watts", gpu)] == 123.0
+    said = [r.message for r in caplog.records if "cannot read" in r.message]
+    assert said == ["GPU 0: NVML cannot read pdserve:gpu_utilization_perc (Not Supported); "
+                    "not exported"]
+
+
 def test_dashboard_queries_name_exported_metrics(stack):
     """Every metric a panel queries is exported by a running service (scraped above), or, for
     the GPU panels, by the NVML collector (which exports nothing on this GPU-less machine)."""
