@@ -161,6 +161,8 @@ class ModelRunner:
             num_decode_tokens=ndt,
             decode_max_len=int(decode_lens.max()) if ndt else 0,
             prefill_max_len=int(prefill_lens.max()) if len(prefill_lens) else 0,
+            prefill_max_query_len=(int(np.diff(arrays["prefill_query_start_loc"]).max())
+                                   if len(prefill_lens) else 0),
             **on_device,
         )
         return input_ids_t, positions_t, meta, cu

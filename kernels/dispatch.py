@@ -87,6 +87,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    *,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens over a cached prefix (all K/V already stored).
 
@@ -96,13 +98,15 @@ def paged_prefill_attention(
     q_len = query_start_loc[s + 1] - query_start_loc[s], sits at position
     seq_lens[s] - q_len + i and attends to positions 0..that position, or with a `window`
     to the last `window` of them (position - window < key position <= position). Returns
-    [num_tokens, num_q_heads, head_dim] in query's dtype.
+    [num_tokens, num_q_heads, head_dim] in query's dtype. max_query_len: the longest q_len,
+    known on the host (None: the Triton path reads it from the device, a sync).
     """
     if select_backend(query.device) == "triton":
         from kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
-            query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window
+            query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window,
+            max_query_len=max_query_len,
         )
     return cpu_attention.paged_prefill_attention_torch(
         query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window

@@ -138,12 +138,14 @@ def paged_prefill_attention_triton(
     scale: float,
     window: int | None = None,
     *,
+    max_query_len: int | None = None,
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
     """Triton path of `kernels.paged_prefill_attention`; `block_m`/`block_n` are the tiles.
 
-    Reads max(q_len) on the host to size the grid (one device sync per call).
+    The grid is sized by max(q_len): `max_query_len` where the caller knows it on the host,
+    else read from the device (one sync per call).
     """
     check_prefill_args(query, kv_layer, block_tables, query_start_loc, seq_lens, scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -151,7 +153,8 @@ def paged_prefill_attention_triton(
     out = torch.empty_like(query)  # [num_tokens, num_q_heads, head_dim]
     if num_tokens == 0:
         return out
-    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    max_q_len = (max_query_len if max_query_len is not None
+                 else int((query_start_loc[1:] - query_start_loc[:-1]).max()))
     block_m = max(16, triton.next_power_of_2(block_m))
     kernel = launchable(_paged_prefill_kernel, query.device)
     tile_dtype, precision = compute_dtype(query.dtype, is_interpreted(kernel))

@@ -35,6 +35,9 @@ class AttentionMetadata:
     prefill_row_tables: torch.Tensor | None = None  # [num_prefill_tokens] int32
     prefill_row_lens: torch.Tensor | None = None  # [num_prefill_tokens] int32
     prefill_max_len: int | None = None  # prefill_seq_lens.max(), 0 without prefills
+    # the longest prefill chunk (query rows of one sequence), from the host: sizes the Triton
+    # prefill kernel's grid without reading the device back; None: the kernel reads it
+    prefill_max_query_len: int | None = None
     # the rows are the step's prefill rows only: its decode rows ran elsewhere (the C layers)
     decodes_done: bool = False
     # index arithmetic the CPU kernels share between layers; lives for one step
@@ -81,7 +84,7 @@ def paged_attention(
         kernels.store_kv(k, v, kv_layer, meta.slot_mapping[skip_decodes:], cache)
         return kernels.paged_prefill_attention(
             q, kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
-            meta.prefill_seq_lens, scale, window,
+            meta.prefill_seq_lens, scale, window, max_query_len=meta.prefill_max_query_len,
         )
     kernels.store_kv(k, v, kv_layer, meta.slot_mapping, meta.kernel_cache)
     nd = meta.num_decode_tokens
@@ -92,7 +95,7 @@ def paged_attention(
         )
     prefill_out = kernels.paged_prefill_attention(
         q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
-        meta.prefill_seq_lens, scale, window,
+        meta.prefill_seq_lens, scale, window, max_query_len=meta.prefill_max_query_len,
     )
     if nd == 0:
         return prefill_out
