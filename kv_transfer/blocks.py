@@ -27,8 +27,10 @@ def block_rows(kv_cache: torch.Tensor) -> np.ndarray | None:
     return kv_cache.view(torch.uint8).view(kv_cache.shape[0], kv_cache.shape[1], -1).numpy()
 
 
-def gather_blocks(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
-    """A contiguous copy of kv_cache[layer][block_ids]: [n, 2, block_size, heads, head_dim]."""
+def gather_blocks(kv_cache: torch.Tensor, layer: int,
+                  block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of kv_cache[layer][block_ids]: [n, 2, block_size, heads, head_dim].
+    block_ids may be an int64 tensor on the cache's device already (used as it is)."""
     rows = block_rows(kv_cache)
     if rows is None:
         index = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)

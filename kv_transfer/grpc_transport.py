@@ -19,6 +19,7 @@ import zlib
 from collections.abc import Iterator
 
 import grpc
+import torch
 
 from kv_transfer.checksum import host_bytes
 from kv_transfer.session import MAX_CHUNK_BYTES, SendSession, _Stopped
@@ -68,6 +69,22 @@ class GrpcSendSession(SendSession):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._call: grpc.Future | None = None
+        self._stream: torch.cuda.Stream | None = None  # a CUDA snapshot's copy to the host
+
+    def _host_payload(self, blocks: torch.Tensor):
+        """A layer's snapshot as host bytes. From a CUDA cache it is copied on a stream of
+        this session's own into pinned memory: on the thread's default stream, the copy would
+        queue behind the model's later layers, already enqueued (the snapshot itself is
+        complete: `_next_layer` waited for its event)."""
+        if not blocks.is_cuda:
+            return host_bytes(blocks)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(blocks.device)
+        with torch.cuda.stream(self._stream):
+            host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+            host.copy_(blocks, non_blocking=True)
+            self._stream.synchronize()
+        return host_bytes(host)
 
     def _pump(self) -> None:
         timeout = max(self._lease_deadline - time.monotonic(), 0.0) + self._options.rpc_timeout_s
@@ -88,7 +105,7 @@ class GrpcSendSession(SendSession):
         block_nbytes = self._layout.block_nbytes
         try:
             while (item := self._next_layer()) is not None:
-                payload = host_bytes(item.blocks)  # uint8 [n * block_nbytes], dst order
+                payload = self._host_payload(item.blocks)  # uint8 [n * block_nbytes]
                 for first, count, offset, start, end in plan_chunks(
                         len(self._dst_ids), block_nbytes, self._options.chunk_bytes):
                     yield pb.PushBlocksRequest(chunk=pb.KVChunk(

@@ -123,6 +123,7 @@ class SendSession:
         self._receiver_instance = receiver_instance  # checked by the receiver at Begin
         self._stub, self._layout, self._options = stub, layout, options
         self._src_ids = [int(b) for b in src_block_ids]
+        self._src_index: torch.Tensor | None = None  # _src_ids on a CUDA cache's device
         self._dst_ids = [int(b) for b in dst_block_ids]
         self._queue: queue.Queue = queue.Queue(maxsize=options.max_queued_layers)
         self._lock = threading.Lock()
@@ -168,7 +169,12 @@ class SendSession:
             if layer in self._queued_s:
                 raise ValueError(f"layer {layer} sent twice")
             self._queued_s[layer] = -1.0
-        blocks = gather_blocks(kv_cache, layer, self._src_ids)  # [n, 2, bs, heads, dim]
+        ids: Sequence[int] | torch.Tensor = self._src_ids
+        if kv_cache.is_cuda:  # uploaded once, not a pageable copy (and a sync) per layer
+            if self._src_index is None:
+                self._src_index = torch.as_tensor(ids, dtype=torch.long, device=kv_cache.device)
+            ids = self._src_index
+        blocks = gather_blocks(kv_cache, layer, ids)  # [n, 2, bs, heads, dim]
         ready = None
         if blocks.is_cuda:
             ready = torch.cuda.Event()
