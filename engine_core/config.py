@@ -147,6 +147,10 @@ class ModelConfig:
             local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
                                 or arch.local_rope_theta)
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
+        if partial is not None and float(partial) != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (rope over the "
+                             f"whole head only)")
         scaling = rope or cfg.get("rope_scaling")
         if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
             scaling = None

@@ -7,16 +7,19 @@ unknown model must never run silently with Llama's math.
 
 What the fields change (each is read once, into ModelConfig, by the loaders):
 
-    field               llama  mistral  qwen2  qwen3  gemma3
+    field               llama  mistral  qwen2  qwen3  gemma3  phi3
     qkv_bias                            yes
-    qk_norm                                    yes    yes     per-head RMSNorm of q, k
-    sliding_window             config   config config config  when the config sets one
-    gguf_permutes_qk    yes    yes                            llama.cpp's interleaved rope
+    qk_norm                                    yes    yes             per-head RMSNorm of q, k
+    sliding_window             config   config config config  config  when the config sets one
+    gguf_permutes_qk    yes    yes                                    llama.cpp's interleaved rope
     activation          silu   silu     silu   silu   gelu (tanh)
-    sandwich_norms                                    yes     norms after attention and MLP
-    embedding_scale                                   yes     embeddings times sqrt(hidden)
-    norm_weight_offset                                1       HF norms scale by 1 + weight
-    local_rope_theta                                  10000   rope base of windowed layers
+    sandwich_norms                                    yes             norms after attn and MLP
+    embedding_scale                                   yes             embeddings times sqrt(hidden)
+    norm_weight_offset                                1               HF norms scale by 1 + weight
+    local_rope_theta                                  10000           rope base of windowed layers
+
+Phi-3 holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, the decoder's own fused
+matrices, in both formats (a GGUF's `attn_qkv` and its `ffn_up` of twice the width).
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                                     "post_attention_layernorm.weight"),
                                    ("post_ffw_norm.weight", "post_feedforward_layernorm.weight")),
                  gguf_global_every=6),
+    # Phi-3 and Phi-4 (which keeps Phi3ForCausalLM); LongRoPE (Phi-3 128k, Phi-3.5) and
+    # partial rotary (Phi-4-mini) are refused where the loaders read the config
+    Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), sliding_window=True,
+                 gguf_layer_names=(("attn_qkv.weight", "self_attn.qkv_proj.weight"),
+                                   ("ffn_up.weight", "mlp.gate_up_proj.weight"))),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 

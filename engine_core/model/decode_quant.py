@@ -283,6 +283,10 @@ def quantize_for_decode(
             (mlp, "gate_up_proj"): [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"],
             (mlp, "down_proj"): [f"{pre}mlp.down_proj.weight"],
         }
+        for module, attr in list(names):  # a file's own fused matrix (Phi-3)
+            whole = f"{pre}{'self_attn' if module is attn else 'mlp'}.{attr}.weight"
+            if whole in q4 or whole in q8 or whole in dense:
+                names[(module, attr)] = [whole]
         for (module, attr), parts in names.items():
             if any(p in dense for p in parts):
                 continue

@@ -281,6 +281,8 @@ class DecoderForCausalLM(nn.Module):
             "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size),
         }
+        parts_of = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),  # a checkpoint's fused matrix
+                    "gate_up_proj": ("gate_proj", "up_proj")}  # (Phi-3) counts as its parts
         loaded: set[str] = set()
         for name, w in weights:
             name = name.removeprefix("model.")
@@ -305,7 +307,11 @@ class DecoderForCausalLM(nn.Module):
                     f"{tuple(params[name].shape)}"
                 )
             params[name].copy_(w)
-            loaded.add(name)
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in parts_of and parts[-1] == "weight":
+                loaded.update(f"{name}:{p}" for p in parts_of[parts[-2]])
+            else:
+                loaded.add(name)
         # per layer: 2 norms, q, k, v, o, gate, up, down (+ q, k, v biases) (+ q, k norms)
         # (+ Gemma's pre- and post-feedforward norms)
         per_layer = (9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)

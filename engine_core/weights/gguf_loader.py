@@ -167,6 +167,21 @@ class GGUFFile:
             }
             if scaling_type == "yarn":
                 scaling.update(self._yarn_fields(a))
+        # a head's width: the file's key length, else the attention output's input width over
+        # the heads (the rope's dimension count is narrower under partial rotary: refused)
+        out_proj = next((t for t in self.reader.tensors if t.name == "blk.0.attn_output.weight"),
+                        None)
+        rope_dim = self.field(f"{a}.rope.dimension_count")
+        head_dim = int(self.field(f"{a}.attention.key_length")
+                       or (int(out_proj.shape[0]) // num_heads if out_proj is not None else None)
+                       or rope_dim or hidden // num_heads)
+        if rope_dim is not None and int(rope_dim) != head_dim:
+            raise ValueError(f"{self.path.name}: rope over {rope_dim} of a head's {head_dim} "
+                             f"dimensions (partial rotary) is not supported")
+        for t in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            if t in names:
+                raise ValueError(f"{self.path.name} has {t}: LongRoPE (Phi-3 128k, Phi-3.5) is "
+                                 f"not supported")
         factors = None
         rope_freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
         if rope_freqs is not None:
@@ -192,8 +207,7 @@ class GGUFFile:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
-            head_dim=int(self.field(f"{a}.attention.key_length")
-                         or self.field(f"{a}.rope.dimension_count", hidden // num_heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,

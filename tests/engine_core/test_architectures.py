@@ -32,6 +32,9 @@ CASES = {
     "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
     "qwen2-yarn": (transformers.Qwen2Config, {"rope_parameters": YARN_ROPE,
                                               "max_position_embeddings": 128}),
+    # fused qkv_proj and gate_up_proj; a window on every layer, as Phi-3-mini's 2047
+    "phi3": (transformers.Phi3Config, {"sliding_window": 12, "pad_token_id": 0,
+                                       "eos_token_id": 2}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {}),
     "mistral-window": (transformers.MistralConfig, {"sliding_window": 12}),
@@ -139,6 +142,66 @@ def test_yarn_rope_as_transformers_computes_it(tmp_path):
             ModelConfig(**fields, rope_scaling=rope)
 
 
+def test_gguf_phi3_with_its_fused_matrices(tmp_path):
+    """Phi-3 as llama.cpp writes it: attn_qkv and a double-width ffn_up, the window under
+    phi3.attention.sliding_window; greedy and logits equal to transformers past the window,
+    in float32 and on the CPU defaults (4-bit decode straight from a Q4_0 file's fused blocks)."""
+    from gguf import GGMLQuantizationType
+
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    config_cls, overrides = CASES["phi3"]
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="phi3", permute=False)
+    f = GGUFFile(tmp_path / "m.gguf")
+    cfg = f.model_config()
+    assert (cfg.architecture, cfg.sliding_window, cfg.head_dim) == ("phi3", 12, 16)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in f.tensor_types()
+    check_against_hf(hf, tmp_path / "m.gguf")
+    held = tm.write_gguf(hf, tmp_path / "q.gguf", arch="phi3", permute=False,
+                         qtype=GGMLQuantizationType.Q4_0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in held:
+                p.copy_(torch.from_numpy(held[name]))
+    eng = tm.engine(tmp_path / "q.gguf", quantize_decode=True, decode_activations="float32")
+    qkv = eng.model.layers[0].self_attn.qkv_proj
+    assert type(qkv.quant).__name__ in ("NativeQ4Matmul", "Int4Matmul")  # the file's blocks
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
+    assert tm.greedy(eng, [prompt], 4)[0][:2] == tm.hf_greedy(hf, prompt, 2)
+
+
+def test_phi3_variants_it_cannot_run_are_refused_before_any_weight(tmp_path):
+    """Phi-4-mini's partial rotary and Phi-3.5's LongRoPE, from an HF config and from a GGUF:
+    a clear error from the config, never Llama's math on part of the head."""
+    from engine_core.weights.gguf_loader import GGUFFile
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    config_cls, overrides = CASES["phi3"]
+    partial = {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.75}
+    config_cls(**{**tm.SIZES, **overrides, "rope_parameters": partial}).save_pretrained(
+        tmp_path / "partial")
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+        load_hf_config(tmp_path / "partial")
+    longrope = {"rope_theta": 10000.0, "rope_type": "longrope", "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}
+    config_cls(**{**tm.SIZES, **overrides, "rope_parameters": longrope}).save_pretrained(
+        tmp_path / "longrope")
+    with pytest.raises(ValueError, match="'longrope' is not supported"):
+        load_hf_config(tmp_path / "longrope")
+
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    keys = {"phi3.rope.dimension_count": 12}  # rope over 12 of 16 dims
+    tm.write_gguf(hf, tmp_path / "partial.gguf", arch="phi3", permute=False, extra=keys)
+    with pytest.raises(ValueError, match="rope over 12 of a head's 16 dimensions"):
+        GGUFFile(tmp_path / "partial.gguf").model_config()
+    factors = {f"rope_factors_{k}.weight": np.ones(8) for k in ("long", "short")}
+    tm.write_gguf(hf, tmp_path / "long.gguf", arch="phi3", permute=False,
+                  extra_tensors=factors)
+    with pytest.raises(ValueError, match="rope_factors_long.weight: LongRoPE .* not supported"):
+        GGUFFile(tmp_path / "long.gguf").model_config()
+
+
 def test_gguf_yarn_as_llama_cpp_writes_it(tmp_path):
     """A Qwen2 GGUF with YaRN's keys as llama.cpp's converter writes them (type, factor,
     original context length) matches transformers past the original context; an attention
@@ -194,9 +257,9 @@ def test_unknown_gguf_architecture_is_refused(tmp_path):
     from engine_core.weights.gguf_loader import GGUFFile
 
     hf = tm.build_hf(transformers.LlamaConfig, tmp_path)
-    tm.write_gguf(hf, tmp_path / "m.gguf", arch="phi3")
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="phi2")
     with pytest.raises(UnsupportedArchitectureError,
-                       match="'phi3' is not supported; supported: llama .*qwen3"):
+                       match="'phi2' is not supported; supported: llama .*phi3"):
         GGUFFile(tmp_path / "m.gguf")
 
 
@@ -248,7 +311,8 @@ def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
     check_against_hf(hf, gguf_dir / "m.gguf")
 
 
-@pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3", "gemma3", "gemma3-mqa"])
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3", "gemma3", "gemma3-mqa",
+                                  "phi3"])
 def test_one_call_c_decode_layers(case, tmp_path):
     """Where the C kernels load, every layer's attention runs in them (windowed ones with
     their window), and the decode rows of Llama-style layers, with q/k/v bias, q/k norm or a
@@ -305,7 +369,8 @@ def test_windowed_model_through_the_kv_handoff(case, tmp_path):
     assert got == tm.greedy(tm.engine(tmp_path), [prompt], 24)[0] == tm.hf_greedy(hf, prompt, 24)
 
 
-GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+              "phi3": "phi3"}
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
@@ -333,7 +398,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
-                                  "gemma3"])
+                                  "gemma3", "phi3"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next

@@ -136,6 +136,9 @@ GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Phi-3's fused matrices, as llama.cpp names them
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
                   "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -182,7 +185,8 @@ def random_k_quant(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
 
 
 def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: bool = True,
-               rope_freqs: np.ndarray | None = None, extra: dict | None = None) -> dict:
+               rope_freqs: np.ndarray | None = None, extra: dict | None = None,
+               extra_tensors: dict[str, np.ndarray] | None = None) -> dict:
     """Write `hf_model` as a GGUF of architecture `arch`: 2-D weights in `qtype` (default F32;
     a K-quant gets random blocks, see random_k_quant), 1-D ones in F32, Q/K permuted as
     llama.cpp does for llama; for gemma3 its norm names, and norms holding the + 1. Returns {HF name: float32 weight the file holds}: what a
@@ -199,7 +203,8 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
     w.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
     w.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
     w.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
-    w.add_uint32(f"{arch}.rope.dimension_count", cfg.head_dim)
+    if f"{arch}.rope.dimension_count" not in (extra or {}):  # extra may narrow it
+        w.add_uint32(f"{arch}.rope.dimension_count", cfg.head_dim)
     w.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
     w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
@@ -209,6 +214,8 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
     if gemma:
         w.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
         w.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    elif arch == "phi3" and cfg.sliding_window:  # llama.cpp writes Phi-3's window
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
     for key in ("bos", "eos"):  # min_tokens blocks EOS as transformers' min_new_tokens does
         token = getattr(hf_model.generation_config, f"{key}_token_id")
@@ -240,6 +247,8 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         held[name] = back
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32), raw_dtype=Q.F32)
+    for name, a in (extra_tensors or {}).items():
+        w.add_tensor(name, a.astype(np.float32), raw_dtype=Q.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
