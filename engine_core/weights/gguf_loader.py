@@ -34,10 +34,11 @@ SUPPORTED_TYPES = {
     Q.F32, Q.F16, Q.BF16,
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
 }
 # types whose decode matmuls the C kernels take from the file's own blocks (gguf_q4.py,
 # gguf_q8.py), or (float) requantize to int8 as decode_quant.py describes; the others (Q2_K,
-# Q3_K) decode on the torch path
+# Q3_K, and the IQ types below 4 bits, whose weights are grid entries) decode on the torch path
 NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, *Q4_TYPES, *Q8_TYPES}
 ROPE_FREQS = "rope_freqs.weight"
 

@@ -7,6 +7,8 @@ of 32 or 16 along K: the C kernels' q8 family (kernels/csrc/cpu_kernels.h).
     Q5_1   32     d * q + m                    0..31        d, m
     Q5_K   32     (d * sc) * q - dmin * mn     0..31        d, dmin, 6-bit (sc, mn) pairs
     Q6_K   16     (d * sc) * q                 -32..31      d, int8 sc per 16
+    IQ4_NL 32     d * q                        -127..113    d (q: a 16-value table's entry)
+    IQ4_XS 32     (d * (sc - 32)) * q          -127..113    d, 6-bit sc per 32
 
 Each is kept as q (int8), d and c per group (c = the constant, absent where it is 0), so
 w = q * d + c with the product rounded first: the same float32 operations as gguf's own
@@ -28,7 +30,7 @@ from gguf.quants import Q4_K, dequantize
 from engine_core.weights.gguf_q4 import Q4Weight
 
 Q = GGMLQuantizationType
-Q8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
+Q8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 GROUP_SIZE = 32
 
 
@@ -91,8 +93,15 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:  # [B, 1] float32
 
 def _scales(blocks: np.ndarray, qtype: GGMLQuantizationType):
     """d and c (or None) per group of each block, float32 as gguf computes them: [B, groups]."""
-    if qtype in (Q.Q8_0, Q.Q5_0):
+    if qtype in (Q.Q8_0, Q.Q5_0, Q.IQ4_NL):
         return _f16(blocks, 0), None
+    if qtype == Q.IQ4_XS:  # [d][scales_h: u16, 2 bits per 32][scales_l: 4 bits per 32][qs]
+        high = blocks[:, 2:4].copy().view(np.uint16)  # [B, 1]
+        high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [B, 8]
+        low = blocks[:, 4:8]  # [B, 4]: groups 2i and 2i + 1 in the low and high nibbles
+        low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(-1, 8)
+        sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+        return _f16(blocks, 0) * sc.astype(np.float32), None
     if qtype == Q.Q5_1:
         return _f16(blocks, 0), _f16(blocks, 2)
     if qtype == Q.Q5_K:  # [d][dmin][12 bytes of 6-bit (sc, mn)]...

@@ -3,8 +3,8 @@ in each family matches transformers on the same weights, and types without a C d
 decode on the torch path with one log line at start.
 
 The tiny model is 256 wide (a K-quant super-block is 256 weights). gguf writes F32, F16, BF16,
-Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 itself; K-quants it reads but does not write, so their blocks
-are random with small, finite scales (tiny_models.random_k_quant)."""
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 itself; the K-quants and IQ types it reads but does not write,
+so their blocks are random with small, finite scales (tiny_models.random_blocks)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
             head_dim=64, vocab_size=256)
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-         Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+         Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, *tm.IQ_TYPES]
 
 
 def test_supported_types_are_the_issue_list():
@@ -55,7 +55,8 @@ def test_weights_bit_equal_to_gguf_dequantize(qtype, tmp_path):
     assert qtype in types
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.BF16, Q.IQ4_XS, Q.IQ2_XXS],
+                         ids=lambda q: q.name)
 def test_quantized_model_matches_transformers(qtype, tmp_path):
     hf, path = gguf_model(tmp_path, qtype)
     eng = tm.engine(path)
@@ -66,14 +67,16 @@ def test_quantized_model_matches_transformers(qtype, tmp_path):
         assert got == tm.hf_greedy(hf, p, 48)
 
 
-def test_k_quants_decode_on_the_torch_path_and_say_so_once(tmp_path, caplog):
+@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.IQ3_S], ids=lambda q: q.name)
+def test_k_quants_decode_on_the_torch_path_and_say_so_once(qtype, tmp_path, caplog):
     """Quantized decode (the CPU default) keeps the dense weights of tensors whose type the C
-    kernels lack (Q3_K), logs that once, and decodes the exact engine's greedy tokens."""
-    hf, path = gguf_model(tmp_path, Q.Q3_K)
+    kernels lack (Q3_K, the IQ types below 4 bits), logs that once, and decodes the exact
+    engine's greedy tokens."""
+    hf, path = gguf_model(tmp_path, qtype)
     with caplog.at_level(logging.INFO):
         eng = tm.engine(path, quantize_decode=True)
     lines = [r.message for r in caplog.records if "have no C decode kernel" in r.message]
-    assert len(lines) == 1 and "Q3_K" in lines[0], lines
+    assert len(lines) == 1 and qtype.name in lines[0], lines
     layer = eng.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, torch.nn.Linear)
     assert isinstance(layer.mlp.down_proj, torch.nn.Linear)
@@ -106,7 +109,7 @@ def test_q4_k_blocks_expand_to_gguf_dequantize():
 
     from engine_core.weights.gguf_q4 import unpack_q4
 
-    raw = tm.random_k_quant(Q.Q4_K, 6, 512, seed=3)
+    raw = tm.random_blocks(Q.Q4_K, 6, 512, seed=3)
     w = unpack_q4(raw, Q.Q4_K)
     expected = np.asarray(dequantize(raw, Q.Q4_K), dtype=np.float32).reshape(6, 512)
     assert torch.equal(w.dequantize(), torch.from_numpy(expected))
@@ -161,17 +164,18 @@ def test_q5_0_and_q8_0_decode_in_c_with_the_files_scales(qtype, tmp_path):
 
 def raw_blocks(qtype, rows: int, cols: int, seed: int):
     """[rows, bytes] raw blocks: gguf's own quantization of random weights where it writes the
-    type, random blocks (tiny_models.random_k_quant) for the K-quants it only reads."""
+    type, random blocks (tiny_models.random_blocks) for the K-quants it only reads."""
     import numpy as np
     from gguf.quants import quantize
 
-    if qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
-        return tm.random_k_quant(qtype, rows, cols, seed)
+    if qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, *tm.IQ_TYPES):
+        return tm.random_blocks(qtype, rows, cols, seed)
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
     return quantize(w, qtype)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K, Q.Q5_1, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K, Q.Q5_1, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS],
+                         ids=lambda q: q.name)
 def test_q8_family_expands_to_gguf_dequantize_and_multiplies_in_c(qtype):
     """The q8 form of a tensor (gguf_q8.unpack_q8) expands to gguf's own dequantization bit
     for bit, and the C matmul of decode rows (float32 activations) equals that dequantized
@@ -206,7 +210,7 @@ def test_fused_projection_of_q4_k_and_q6_k_parts_is_one_exact_matrix():
     from engine_core.weights.gguf_q4 import unpack_q4
     from engine_core.weights.gguf_q8 import Q8Weight, unpack_q8
 
-    a, b = tm.random_k_quant(Q.Q4_K, 8, 256, 1), tm.random_k_quant(Q.Q6_K, 4, 256, 2)
+    a, b = tm.random_blocks(Q.Q4_K, 8, 256, 1), tm.random_blocks(Q.Q6_K, 4, 256, 2)
     fused = Q8Weight.cat([Q8Weight.from_q4(unpack_q4(a, Q.Q4_K)), unpack_q8(b, Q.Q6_K)])
     assert fused.kind == 7
     expected = np.concatenate([np.asarray(dequantize(a, Q.Q4_K)).reshape(8, 256),
@@ -214,10 +218,11 @@ def test_fused_projection_of_q4_k_and_q6_k_parts_is_one_exact_matrix():
     assert torch.equal(fused.dequantize(), torch.from_numpy(expected.astype(np.float32)))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
 def test_k_quants_decode_in_c(qtype, tmp_path, caplog):
-    """Q6_K and Q5_K tensors decode in C from their own integers and scales (all layers in one
-    call), with no torch-path log line; float32 activations give the dense engine's tokens."""
+    """Q6_K, Q5_K, IQ4_NL and IQ4_XS tensors decode in C from their own integers and scales
+    (all layers in one call), with no torch-path log line; float32 activations give the dense
+    engine's tokens."""
     from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ8Matmul
     from kernels import native
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as _Q
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.engine import LLMEngine
@@ -166,10 +167,16 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def random_k_quant(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
-    """[rows, bytes] raw blocks of a K-quant type that gguf can read but not write: random
-    quants and sub-block scales, with the f16 super-block scales (d, dmin) set small and
-    finite. Offsets of d/dmin within each block are those of llama.cpp's block structs."""
+# the IQ types pdserve reads (gguf dequantizes them; it writes none of them)
+IQ_TYPES = (_Q.IQ4_NL, _Q.IQ4_XS, _Q.IQ2_XXS, _Q.IQ2_XS, _Q.IQ2_S, _Q.IQ3_XXS, _Q.IQ3_S,
+            _Q.IQ1_S)
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
+    """[rows, bytes] raw blocks of a type that gguf can read but not write (the K-quants, the
+    IQ types): random quants, grid indices and sub-block scales, with the f16 block scales
+    (d, dmin) set small and finite, so weights land near transformers' init. Offsets of d/dmin
+    within each block are those of llama.cpp's block structs."""
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
@@ -177,7 +184,11 @@ def random_k_quant(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
     d_at = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-    scale = {Q.Q2_K: 2e-3, Q.Q3_K: 2e-3, Q.Q4_K: 2e-3, Q.Q5_K: 1e-3, Q.Q6_K: 1e-4}[qtype]
+    d_at = {**dict.fromkeys(IQ_TYPES, (0,)), **d_at}
+    # each type's largest |integer x sub-scale| is about 1 / scale: |w| stays below ~0.5
+    scale = {Q.Q2_K: 2e-3, Q.Q3_K: 2e-3, Q.Q4_K: 2e-3, Q.Q5_K: 1e-3, Q.Q6_K: 1e-4,
+             Q.IQ4_NL: 2e-3, Q.IQ4_XS: 1e-4, Q.IQ2_XXS: 2e-3, Q.IQ2_XS: 2e-3, Q.IQ2_S: 2e-3,
+             Q.IQ3_XXS: 1e-3, Q.IQ3_S: 1e-3, Q.IQ1_S: 1e-2}[qtype]
     for off in d_at[qtype]:
         f = rng.uniform(0.5, 1.5, (rows, cols // block)).astype(np.float16) * np.float16(scale)
         data[..., off:off + 2] = f.view(np.uint8).reshape(rows, cols // block, 2)
@@ -188,7 +199,7 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
                rope_freqs: np.ndarray | None = None, extra: dict | None = None,
                extra_tensors: dict[str, np.ndarray] | None = None) -> dict:
     """Write `hf_model` as a GGUF of architecture `arch`: 2-D weights in `qtype` (default F32;
-    a K-quant gets random blocks, see random_k_quant), 1-D ones in F32, Q/K permuted as
+    a K-quant or IQ type gets random blocks, see random_blocks), 1-D ones in F32, Q/K permuted as
     llama.cpp does for llama; for gemma3 its norm names, and norms holding the + 1. Returns {HF name: float32 weight the file holds}: what a
     loader must read back, for building the reference."""
     import gguf
@@ -225,7 +236,7 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         add = {str: w.add_string, float: w.add_float32}.get(type(v), w.add_uint32)
         add(k, v)
     held = {}
-    k_quants = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    unwritable = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, *IQ_TYPES}
     for i, (name, p) in enumerate(hf_model.state_dict().items()):
         if "rotary_emb" in name:
             continue
@@ -239,8 +250,8 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             a = permute_qk(a, cfg.num_key_value_heads)
         t = qtype if a.ndim == 2 else Q.F32
-        # gguf writes every type but the K-quants, which get random blocks
-        raw = (random_k_quant(t, a.shape[0], a.shape[1], seed=i) if t in k_quants
+        # gguf writes every type but the K-quants and IQ types, which get random blocks
+        raw = (random_blocks(t, a.shape[0], a.shape[1], seed=i) if t in unwritable
                else quantize(a, t))
         w.add_tensor(gguf_name(name, gemma), raw, raw_dtype=t)  # raw: [rows, bytes per row]
         back = np.asarray(dequantize(raw, t), dtype=np.float32).reshape(a.shape)
