@@ -89,6 +89,9 @@ class ModelConfig:
     embedding_scale: float | None = None
     norm_weight_offset: float = 0.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
+    # Gemma 2: attention scores and final logits soft-capped, cap * tanh(x / cap); None: none
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -112,6 +115,9 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                              f"expected head_dim / 2 = {self.head_dim // 2}")
+        for name in ("attn_softcap", "final_softcap"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         # an unsupported or incomplete rope_scaling fails here, before any weight is read
         inv_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
 
@@ -162,6 +168,9 @@ class ModelConfig:
                 sliding = tuple(t == "sliding_attention" for t in cfg["layer_types"])
                 if not any(sliding):
                     window, sliding = None, None
+            elif arch.global_every:  # an older config: every n-th layer is global
+                every = int(cfg.get("sliding_window_pattern") or arch.global_every)
+                sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
         bias = cfg.get("attention_bias")
         return cls(
             name=name,
@@ -192,6 +201,8 @@ class ModelConfig:
             norm_weight_offset=arch.norm_weight_offset,
             attention_scale=(cfg["query_pre_attn_scalar"] ** -0.5
                              if cfg.get("query_pre_attn_scalar") else None),
+            attn_softcap=cfg.get("attn_logit_softcapping") or None,
+            final_softcap=cfg.get("final_logit_softcapping") or None,
         )
 
 

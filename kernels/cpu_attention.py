@@ -132,6 +132,25 @@ def _gather_bytes(kv_layer: torch.Tensor, max_len: int) -> int:
     return 2 * max_len * kv_layer.shape[3] * kv_layer.shape[4] * kv_layer.element_size()
 
 
+def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, attn_mask: torch.Tensor,
+           scale: float, enable_gqa: bool = False,
+           softcap: float | None = None) -> torch.Tensor:
+    """SDPA over [..., heads, rows, D] with a boolean mask; with a soft cap (Gemma 2: each
+    scaled score becomes softcap * tanh(score / softcap) before the mask and softmax), which
+    SDPA cannot apply, the same math written out in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=attn_mask, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if enable_gqa:  # query head h reads KV head h // group, as SDPA's enable_gqa does
+        group = q.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(group, dim=-3)
+        value = value.repeat_interleave(group, dim=-3)
+    scores = (q.float() @ key.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ value.float()).to(q.dtype)
+
+
 def paged_decode_attention_torch(
     query: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -140,6 +159,7 @@ def paged_decode_attention_torch(
     scale: float,
     step_cache: dict | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch path of `kernels.paged_decode_attention` (see `_decode` for the method).
 
@@ -155,12 +175,13 @@ def paged_decode_attention_torch(
         if step_cache is not None:
             step_cache["decode_chunks"] = chunks
     if len(chunks) == 1:
-        return _decode(query, kv_layer, block_tables, context_lens, scale, step_cache, 0, window)
+        return _decode(query, kv_layer, block_tables, context_lens, scale, step_cache, 0, window,
+                       softcap)
     out = torch.empty_like(query)  # [num_seqs, num_q_heads, head_dim]
     for start, end in chunks:
         out[start:end] = _decode(
             query[start:end], kv_layer, block_tables[start:end], context_lens[start:end], scale,
-            step_cache, start, window,
+            step_cache, start, window, softcap,
         )
     return out
 
@@ -174,6 +195,7 @@ def _decode(
     step_cache: dict | None = None,
     group_start: int = 0,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of a group of sequences, batch invariant: a sequence's output is bit
     for bit the same whatever else shares the step (continuous batching must not change a
@@ -204,8 +226,8 @@ def _decode(
     for padded, index, tables, lens, mask in plan:
         key, value = gather_kv(kv_layer, tables, lens, padded, step_cache,
                                ("decode_rows", group_start, padded))  # [s, H, L, D] each
-        part = F.scaled_dot_product_attention(q if index is None else q[index], key, value,
-                                              attn_mask=mask, scale=scale)
+        part = attend(q if index is None else q[index], key, value, attn_mask=mask,
+                      scale=scale, softcap=softcap)
         if index is None:
             out = part
         else:
@@ -243,6 +265,7 @@ def paged_prefill_attention_torch(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch path of `kernels.paged_prefill_attention` (see `_prefill` for the method)."""
     check_prefill_args(query, kv_layer, block_tables, query_start_loc, seq_lens, scale)
@@ -251,7 +274,8 @@ def paged_prefill_attention_torch(
     num_seqs = seq_lens.shape[0]
     chunks = sequence_chunks(num_seqs, _gather_bytes(kv_layer, int(seq_lens.max())))
     if len(chunks) == 1:
-        return _prefill(query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window)
+        return _prefill(query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window,
+                        softcap)
     out = torch.empty_like(query)  # [num_tokens, num_q_heads, head_dim]
     token_starts = query_start_loc.tolist()  # a chunk's tokens are contiguous in query
     for start, end in chunks:
@@ -264,6 +288,7 @@ def paged_prefill_attention_torch(
             seq_lens[start:end],
             scale,
             window,
+            softcap,
         )
     return out
 
@@ -276,6 +301,7 @@ def _prefill(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Prefill attention of a group of sequences with one gather and one SDPA.
 
@@ -302,7 +328,7 @@ def _prefill(
     q = q.transpose(1, 2)  # [S, num_q_heads, max_q_len, D]
 
     is_gqa = num_q_heads != kv_layer.shape[3]
-    if window is None and not bool(prefix_lens.any()):
+    if window is None and softcap is None and not bool(prefix_lens.any()):
         out = F.scaled_dot_product_attention(
             q, key, value, is_causal=True, scale=scale, enable_gqa=is_gqa
         )
@@ -312,9 +338,8 @@ def _prefill(
         mask = key_positions <= query_positions[:, :, None]  # [S, max_q_len, L]
         if window is not None:
             mask &= key_positions > query_positions[:, :, None] - window
-        out = F.scaled_dot_product_attention(
-            q, key, value, attn_mask=mask[:, None], scale=scale, enable_gqa=is_gqa
-        )
+        out = attend(q, key, value, attn_mask=mask[:, None], scale=scale, enable_gqa=is_gqa,
+                     softcap=softcap)
     out = out.transpose(1, 2)  # [S, max_q_len, num_q_heads, D]
     if num_seqs == 1:
         return out[0].contiguous()  # [T, num_q_heads, D]

@@ -35,6 +35,7 @@ def _paged_decode_kernel(
     context_lens_ptr,
     scale,
     window,
+    softcap,
     stride_query_seq,
     stride_query_head,
     stride_query_dim,
@@ -64,6 +65,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -113,6 +115,8 @@ def _paged_decode_kernel(
         v = tl.load(kv_ptr + stride_kv_kv + kv_offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, N]
+        if SOFTCAP:  # Gemma 2: softcap * tanh(scores / softcap), tanh by exp (no overflow)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
         # Position `start` is always in [lo, context_len), so every row has a finite max here.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -165,6 +169,7 @@ def paged_decode_attention_triton(
     block_n: int = 64,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile.
     A window starts the walk at the context's last `window` positions. `num_splits`: chunks
@@ -199,6 +204,7 @@ def paged_decode_attention_triton(
         context_lens,
         float(scale),
         NO_WINDOW if window is None else int(window),
+        float(softcap or 0.0),
         *query.stride(),
         *out.stride(),
         *kv_layer.stride(),
@@ -214,6 +220,7 @@ def paged_decode_attention_triton(
         BLOCK_N=max(16, triton.next_power_of_2(block_n)),
         COMPUTE_DTYPE=tile_dtype,
         DOT_PRECISION=precision,
+        SOFTCAP=softcap is not None,
     )
     if num_splits > 1:
         combine_splits(out, partial, lse, launchable(_combine_splits_kernel, query.device))

@@ -56,6 +56,7 @@ def paged_decode_attention(
     window: int | None = None,
     *,
     max_context_len: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached K/V (its own K/V included).
 
@@ -67,15 +68,17 @@ def paged_decode_attention(
     window: a sliding window, the last `window` tokens of each context (None: all of them).
     max_context_len: a host-side bound on context_lens (None: unknown), with which the Triton
     kernel splits short contexts less (kernels/decode_split.py); a bound, so a CUDA graph may
-    be captured with a larger one than its replays see.
+    be captured with a larger one than its replays see. softcap: each scaled score becomes
+    softcap * tanh(score / softcap) before the softmax (Gemma 2; None: no cap).
     """
     if select_backend(query.device) == "triton":
         from kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(query, kv_layer, block_tables, context_lens, scale,
-                                             window, max_context_len=max_context_len)
+                                             window, max_context_len=max_context_len,
+                                             softcap=softcap)
     return cpu_attention.paged_decode_attention_torch(
-        query, kv_layer, block_tables, context_lens, scale, step_cache, window
+        query, kv_layer, block_tables, context_lens, scale, step_cache, window, softcap
     )
 
 
@@ -89,6 +92,7 @@ def paged_prefill_attention(
     window: int | None = None,
     *,
     max_query_len: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens over a cached prefix (all K/V already stored).
 
@@ -99,15 +103,16 @@ def paged_prefill_attention(
     seq_lens[s] - q_len + i and attends to positions 0..that position, or with a `window`
     to the last `window` of them (position - window < key position <= position). Returns
     [num_tokens, num_q_heads, head_dim] in query's dtype. max_query_len: the longest q_len,
-    known on the host (None: the Triton path reads it from the device, a sync).
+    known on the host (None: the Triton path reads it from the device, a sync). softcap: as in
+    `paged_decode_attention`.
     """
     if select_backend(query.device) == "triton":
         from kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window,
-            max_query_len=max_query_len,
+            max_query_len=max_query_len, softcap=softcap,
         )
     return cpu_attention.paged_prefill_attention_torch(
-        query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window
+        query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window, softcap
     )

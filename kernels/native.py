@@ -64,7 +64,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_q4_matmul": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _int], _int),
     "pd_q8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int),
     "pd_row_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _p,
-                          _int, _f32, _p, _i64, _int, _i64], _int),
+                          _int, _f32, _p, _i64, _int, _i64, _f32], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
@@ -239,6 +239,7 @@ def row_attention(
     max_len: int,  # context_lens.max() (0: computed here)
     table_of_row: torch.Tensor | None = None,  # [S] int32: each row's block table
     window: int | None = None,  # a sliding window: each row's last `window` positions
+    softcap: float | None = None,  # scores capped to softcap * tanh(s / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [S, Hq * D] float32
     """Rotary embedding, K/V store and attention of S query rows in one call, each over its
     own context (see pd_row_attention in csrc/attention.c): decode rows, a token and its
@@ -267,7 +268,7 @@ def row_attention(
         block_tables.data_ptr(), block_tables.stride(0),
         None if table_of_row is None else table_of_row.data_ptr(), context_lens.data_ptr(),
         kv_layer.shape[2], scale,
-        out.data_ptr(), max_len, torch.get_num_threads(), window or 0))
+        out.data_ptr(), max_len, torch.get_num_threads(), window or 0, softcap or 0.0))
     return out
 
 

@@ -30,7 +30,8 @@ class Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", Matrix), ("o", Matrix),
                 ("gate_up", Matrix), ("down", Matrix), ("window", ctypes.c_int64),
                 ("q_norm", _p), ("k_norm", _p), ("attn_out_norm", _p), ("mlp_out_norm", _p),
-                ("gelu", ctypes.c_int32), ("local_rope", ctypes.c_int32)]
+                ("gelu", ctypes.c_int32), ("local_rope", ctypes.c_int32),
+                ("softcap", ctypes.c_float)]
 
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {"pd_matrix": Matrix, "pd_layer": Layer}

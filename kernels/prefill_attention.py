@@ -32,6 +32,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr,
     scale,
     window,
+    softcap,
     stride_query_token,
     stride_query_head,
     stride_query_dim,
@@ -53,6 +54,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -105,6 +107,8 @@ def _paged_prefill_kernel(
         v = tl.load(kv_ptr + stride_kv_kv + kv_offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [M, N]
+        if SOFTCAP:  # Gemma 2: softcap * tanh(scores / softcap), tanh by exp (no overflow)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [M, N]
         visible &= positions[None, :] > q_positions[:, None] - window
         scores = tl.where(visible, scores, float("-inf"))
@@ -139,6 +143,7 @@ def paged_prefill_attention_triton(
     window: int | None = None,
     *,
     max_query_len: int | None = None,
+    softcap: float | None = None,
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
@@ -167,6 +172,7 @@ def paged_prefill_attention_triton(
         seq_lens,
         float(scale),
         NO_WINDOW if window is None else int(window),
+        float(softcap or 0.0),
         *query.stride(),
         *out.stride(),
         *kv_layer.stride(),
@@ -179,5 +185,6 @@ def paged_prefill_attention_triton(
         BLOCK_N=max(16, triton.next_power_of_2(block_n)),
         COMPUTE_DTYPE=tile_dtype,
         DOT_PRECISION=precision,
+        SOFTCAP=softcap is not None,
     )
     return out

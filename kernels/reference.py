@@ -42,9 +42,10 @@ def attention_ref(
     query_positions: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence in fp32 (with a window: over the last `window`
-    positions up to the query's own).
+    positions up to the query's own; with a soft cap, scores softcap * tanh(s / softcap)).
 
     query: [q_len, num_q_heads, head_dim]; key, value: [kv_len, num_kv_heads, head_dim];
     query_positions: [q_len] absolute positions; query i attends to keys 0..query_positions[i].
@@ -54,6 +55,8 @@ def attention_ref(
     k = key.float().repeat_interleave(group, dim=1)  # [kv_len, num_q_heads, head_dim]
     v = value.float().repeat_interleave(group, dim=1)  # [kv_len, num_q_heads, head_dim]
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale  # [heads, q_len, kv_len]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     kv_positions = torch.arange(key.shape[0])
     allowed = kv_positions[None, :] <= query_positions[:, None]  # [q_len, kv_len]
     if window is not None:
@@ -71,6 +74,7 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its context_lens[s] cached tokens."""
     out = torch.empty_like(query)
@@ -78,7 +82,8 @@ def paged_decode_attention_ref(
         context_len = int(context_lens[s])
         key, value = gather_seq_kv_ref(kv_layer, block_tables[s], context_len)
         position = torch.tensor([context_len - 1])
-        out[s] = attention_ref(query[s : s + 1], key, value, position, scale, window)[0]
+        out[s] = attention_ref(query[s : s + 1], key, value, position, scale, window,
+                               softcap)[0]
     return out
 
 
@@ -90,6 +95,7 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal prefill over a cached prefix (see kernels.paged_prefill_attention)."""
     out = torch.empty_like(query)
@@ -98,5 +104,6 @@ def paged_prefill_attention_ref(
         seq_len = int(seq_lens[s])
         key, value = gather_seq_kv_ref(kv_layer, block_tables[s], seq_len)
         positions = torch.arange(seq_len - (end - start), seq_len)
-        out[start:end] = attention_ref(query[start:end], key, value, positions, scale, window)
+        out[start:end] = attention_ref(query[start:end], key, value, positions, scale, window,
+                                       softcap)
     return out

@@ -7,16 +7,19 @@ unknown model must never run silently with Llama's math.
 
 What the fields change (each is read once, into ModelConfig, by the loaders):
 
-    field               llama  mistral  qwen2  qwen3  gemma3  phi3
+    field               llama  mistral  qwen2  qwen3  gemma3  gemma2  phi3
     qkv_bias                            yes
-    qk_norm                                    yes    yes             per-head RMSNorm of q, k
-    sliding_window             config   config config config  config  when the config sets one
-    gguf_permutes_qk    yes    yes                                    llama.cpp's interleaved rope
-    activation          silu   silu     silu   silu   gelu (tanh)
-    sandwich_norms                                    yes             norms after attn and MLP
-    embedding_scale                                   yes             embeddings times sqrt(hidden)
-    norm_weight_offset                                1               HF norms scale by 1 + weight
-    local_rope_theta                                  10000           rope base of windowed layers
+    qk_norm                                    yes    yes                     per-head RMSNorm
+    sliding_window             config   config config config  config  config  when set
+    gguf_permutes_qk    yes    yes                                            llama.cpp's rope
+    activation          silu   silu     silu   silu   gelu    gelu            (tanh approx.)
+    sandwich_norms                                    yes     yes             after attn and MLP
+    embedding_scale                                   yes     yes             times sqrt(hidden)
+    norm_weight_offset                                1       1               scale by 1 + w
+    local_rope_theta                                  10000                   windowed layers'
+
+Gemma 2's soft caps (attention scores, final logits) come from its config
+(`attn_logit_softcapping`, `final_logit_softcapping`; a GGUF's `gemma2.*_softcapping`).
 
 Phi-3 holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, the decoder's own fused
 matrices, in both formats (a GGUF's `attn_qkv` and its `ffn_up` of twice the width).
@@ -52,10 +55,16 @@ class Architecture:
     local_rope_theta: float | None = None
     # GGUF tensor names that mean something else in this architecture than in Llama's
     gguf_layer_names: tuple[tuple[str, str], ...] = ()
-    # GGUF: which layers slide when the file says only the window (llama.cpp's fixed pattern:
-    # every n-th layer is global); 0: all of them
-    gguf_global_every: int = 0
+    # which layers slide when a GGUF says only the window (llama.cpp's fixed pattern: every
+    # n-th layer is global), or an HF config has no `layer_types` (one written before
+    # transformers 5: its `sliding_window_pattern`, else this); 0: all of them
+    global_every: int = 0
 
+
+# Gemma's four norms per layer, as llama.cpp names them
+_GEMMA_GGUF_NAMES = (("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+                     ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+                     ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"))
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("llama", ("LlamaForCausalLM",), ("llama",), gguf_permutes_qk=True),
@@ -68,11 +77,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), qk_norm=True,
                  sliding_window=True, activation="gelu_pytorch_tanh", sandwich_norms=True,
                  embedding_scale=True, norm_weight_offset=1.0, local_rope_theta=10000.0,
-                 gguf_layer_names=(("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
-                                   ("post_attention_norm.weight",
-                                    "post_attention_layernorm.weight"),
-                                   ("post_ffw_norm.weight", "post_feedforward_layernorm.weight")),
-                 gguf_global_every=6),
+                 gguf_layer_names=_GEMMA_GGUF_NAMES, global_every=6),
+    # Gemma 2: Gemma 3's layer without q/k norm or a local rope base, every other layer
+    # windowed, attention scores and final logits soft-capped (read from the config)
+    Architecture("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), sliding_window=True,
+                 activation="gelu_pytorch_tanh", sandwich_norms=True, embedding_scale=True,
+                 norm_weight_offset=1.0, gguf_layer_names=_GEMMA_GGUF_NAMES,
+                 global_every=2),
     # Phi-3 and Phi-4 (which keeps Phi3ForCausalLM); LongRoPE (Phi-3 128k, Phi-3.5) and
     # partial rotary (Phi-4-mini) are refused where the loaders read the config
     Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), sliding_window=True,

@@ -171,7 +171,7 @@ class NativeDecodeLayers:
                 norm(layer.post_attention_layernorm) if sandwich else None,
                 norm(layer.post_feedforward_layernorm) if sandwich else None,
                 int(cfg.hidden_act == "gelu_pytorch_tanh"),
-                int(local_rope and attn.window is not None)))
+                int(local_rope and attn.window is not None), cfg.attn_softcap or 0.0))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = f32(model.norm.weight)
 

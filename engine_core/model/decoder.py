@@ -70,6 +70,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.window = cfg.layer_window(layer)  # None: attends to every earlier position
+        self.softcap = cfg.attn_softcap  # Gemma 2's cap on the attention scores; None: none
         # Qwen3: every q and k head RMS-normalised over head_dim before rope
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -99,13 +100,13 @@ class Attention(nn.Module):
             parts.append(native.row_attention(
                 self.native, rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
                 meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
-                meta.decode_max_len, window=self.window,
+                meta.decode_max_len, window=self.window, softcap=self.softcap,
             ))
         if first < rows.shape[0]:
             parts.append(native.row_attention(
                 self.native, rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
                 meta.prefill_block_tables, meta.prefill_row_lens, self.num_heads, self.scale,
-                meta.prefill_max_len, meta.prefill_row_tables, self.window,
+                meta.prefill_max_len, meta.prefill_row_tables, self.window, self.softcap,
             ))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.to(qkv.dtype))
@@ -129,7 +130,8 @@ class Attention(nn.Module):
                         cos_sin[:, None, :half], cos_sin[:, None, half:])
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes, self.window)
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes, self.window,
+                              self.softcap)
         return out.reshape(n, self.q_size)  # [n, heads * head_dim]
 
 
@@ -269,7 +271,11 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2: softcap * tanh(logits / softcap), in float32
+            logits = cap * torch.tanh(logits / cap)
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -194,9 +194,15 @@ class GGUFFile:
         # a Mistral GGUF as `llama`, whose HF configs have no window
         window = self.field(f"{a}.attention.sliding_window")
         sliding = None
-        if window is not None and arch.gguf_global_every:
-            every = arch.gguf_global_every
+        if window is not None and arch.global_every:
+            every = arch.global_every
             sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
+        soft = {k: self.field(f"{a}.{k}_logit_softcapping") for k in ("attn", "final")}
+        # Gemma 2 27B scales attention by (hidden / heads) ** -0.5, not head_dim's; its GGUF
+        # does not say so, and llama.cpp knows it by the 27B's 46 layers: so do we
+        scale = self.field(f"{a}.attention.scale")
+        if scale is None and a == "gemma2" and num_layers == 46:
+            scale = (hidden / num_heads) ** -0.5
         eos = self.field("tokenizer.ggml.eos_token_id")
         eot = self.field("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
@@ -221,6 +227,9 @@ class GGUFFile:
             architecture=self.architecture.name,
             qk_norm="blk.0.attn_q_norm.weight" in names,
             sliding_window=None if window is None else int(window),
+            attention_scale=None if scale is None else float(scale),
+            attn_softcap=float(soft["attn"]) if soft["attn"] else None,
+            final_softcap=float(soft["final"]) if soft["final"] else None,
             sliding_layers=sliding,
             rope_freq_factors=factors,
             # the file's norms already hold Gemma's + 1: no norm_weight_offset

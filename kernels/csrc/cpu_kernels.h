@@ -109,6 +109,7 @@ typedef struct {
     const float *attn_out_norm, *mlp_out_norm;
     int32_t gelu;       /* the MLP's gate: 0 silu, 1 tanh-approximated GELU (GeGLU) */
     int32_t local_rope; /* 1: rotate with the call's cos_sin_local (Gemma's local layers) */
+    float softcap;      /* attention scores capped by softcap * tanh(s / softcap); 0: none */
 } pd_layer;
 
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
@@ -123,7 +124,7 @@ int pd_row_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float 
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
                         int bs, float scale, float *out, int64_t max_len, int threads,
-                        int64_t window);
+                        int64_t window, float softcap);
 void pd_topk_row(const float *row, int64_t N, int k, int64_t *idx);
 void pd_select_top(const float *row, int64_t n, int k, int64_t *idx);
 void pd_sample(float *x, int64_t M, int64_t V, const float *temperature, const int64_t *top_k,

@@ -132,7 +132,7 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
         status |= pd_row_attention(wide, S, Hq, Hkv, D, L->local_rope ? cos_sin_local : cos_sin,
                                       (char *)kv + (size_t)l * layer_stride * elem, kv_bf16,
                                       slots, tables, table_stride, 0, lens, bs, scale, att,
-                                      max_len, threads, L->window);
+                                      max_len, threads, L->window, L->softcap);
         status |= matmul(att, S, &L->o, tmp, threads);
         if (L->attn_out_norm != 0) pd_add_rms_norm(tmp, 0, L->attn_out_norm, eps, tmp, S, H);
         pd_add_rms_norm(h, tmp, L->post_norm, eps, x, S, H);

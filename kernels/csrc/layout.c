@@ -23,7 +23,7 @@ static const field_layout LAYER_FIELDS[] = {
     FIELD(pd_layer, o),       FIELD(pd_layer, gate_up),   FIELD(pd_layer, down),
     FIELD(pd_layer, window),  FIELD(pd_layer, q_norm),    FIELD(pd_layer, k_norm),
     FIELD(pd_layer, attn_out_norm), FIELD(pd_layer, mlp_out_norm), FIELD(pd_layer, gelu),
-    FIELD(pd_layer, local_rope),
+    FIELD(pd_layer, local_rope), FIELD(pd_layer, softcap),
 };
 
 #define COUNT(A) ((int)(sizeof(A) / sizeof((A)[0])))

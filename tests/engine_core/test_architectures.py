@@ -32,6 +32,11 @@ CASES = {
     "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
     "qwen2-yarn": (transformers.Qwen2Config, {"rope_parameters": YARN_ROPE,
                                               "max_position_embeddings": 128}),
+    # local/global/local (transformers' default pattern: every other layer global), both soft
+    # caps far below the scores' and logits' spread here, so that they change every output
+    "gemma2": (transformers.Gemma2Config, {
+        "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 1.5, "final_logit_softcapping": 4.0}),
     # fused qkv_proj and gate_up_proj; a window on every layer, as Phi-3-mini's 2047
     "phi3": (transformers.Phi3Config, {"sliding_window": 12, "pad_token_id": 0,
                                        "eos_token_id": 2}),
@@ -140,6 +145,40 @@ def test_yarn_rope_as_transformers_computes_it(tmp_path):
                            "'longrope' is not supported (linear, llama3, yarn)")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             ModelConfig(**fields, rope_scaling=rope)
+
+
+def test_gemma2_soft_caps_and_layer_pattern(tmp_path):
+    """Gemma 2's caps are in play (the model without them answers otherwise), its layers
+    alternate local and global from transformers 5's layer_types, from an older config's
+    sliding_window_pattern, and from a GGUF, which carries the caps too; a GGUF of the 27B's
+    46 layers scales attention by (hidden / heads) ** -0.5, as llama.cpp does."""
+    from engine_core.weights.gguf_loader import GGUFFile
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    config_cls, overrides = CASES["gemma2"]
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    cfg = load_hf_config(tmp_path / "hf")
+    assert (cfg.attn_softcap, cfg.final_softcap) == (1.5, 4.0)
+    assert [cfg.layer_window(i) for i in range(3)] == [12, None, 12]
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
+    uncapped = tm.build_hf(config_cls, tmp_path / "uncapped", **{
+        **overrides, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert tm.relative_error(tm.prompt_logits(tm.engine(tmp_path / "hf"), prompt),
+                             tm.hf_logits(uncapped, prompt)) > 0.05
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del raw["layer_types"]  # written before transformers 5
+    raw["sliding_window_pattern"] = 2
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path / "hf").sliding_layers == (True, False, True)
+
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="gemma2", permute=False)
+    g = GGUFFile(tmp_path / "m.gguf").model_config()
+    assert (g.attn_softcap, g.final_softcap, g.attention_scale) == (1.5, 4.0, None)
+    assert g.sliding_layers == (True, False, True) and g.local_rope_theta is None
+    big = tm.build_hf(config_cls, tmp_path / "big", **{**overrides, "num_hidden_layers": 46,
+                                                        "hidden_size": 48})
+    tm.write_gguf(big, tmp_path / "big.gguf", arch="gemma2", permute=False)
+    assert GGUFFile(tmp_path / "big.gguf").model_config().attention_scale == 12 ** -0.5
 
 
 def test_gguf_phi3_with_its_fused_matrices(tmp_path):
@@ -312,12 +351,13 @@ def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3", "gemma3", "gemma3-mqa",
-                                  "phi3"])
+                                  "gemma2", "phi3"])
 def test_one_call_c_decode_layers(case, tmp_path):
     """Where the C kernels load, every layer's attention runs in them (windowed ones with
     their window), and the decode rows of Llama-style layers, with q/k/v bias, q/k norm or a
     window, and of Gemma 3's (GeGLU, sandwich norms, local layers' own rope base, scaled
-    embeddings and attention), go through all layers in one C call (pd_decode_layers),
+    embeddings and attention) and Gemma 2's (soft-capped scores), go through all layers in one
+    C call (pd_decode_layers),
     giving the tokens the layer-by-layer path gives with the same quantized weights."""
     from kernels import native
 
@@ -327,18 +367,21 @@ def test_one_call_c_decode_layers(case, tmp_path):
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
     eng = tm.engine(tmp_path, quantize_decode=True)
     window = overrides.get("sliding_window")
-    types = overrides.get("layer_types", ["sliding_attention"] * 2)
+    types = overrides.get("layer_types") or (hf.config.layer_types if case == "gemma2"
+                                             else ["sliding_attention"] * 2)
     windows = [window if t == "sliding_attention" else None for t in types]
     assert [layer.self_attn.window for layer in eng.model.layers] == windows
     assert all(layer.self_attn.native is not None for layer in eng.model.layers)
     assert eng.runner.quantization.decode_layers is not None
     layers = eng.runner.quantization.decode_layers.layers
     assert [layer.window for layer in layers] == [w or 0 for w in windows]
-    gemma = case.startswith("gemma3")
-    assert all(bool(layer.q_norm) == (case == "qwen3" or gemma) for layer in layers)
+    cap = overrides.get("attn_logit_softcapping") or 0.0  # Gemma 2's cap, in every C layer
+    assert [layer.softcap for layer in layers] == [cap] * len(windows)
+    gemma3, gemma = case.startswith("gemma3"), case.startswith("gemma")
+    assert all(bool(layer.q_norm) == (case == "qwen3" or gemma3) for layer in layers)
     assert all(bool(layer.attn_out_norm) == bool(layer.mlp_out_norm) == layer.gelu == gemma
                for layer in layers)
-    assert [layer.local_rope for layer in layers] == [int(gemma and w is not None)
+    assert [layer.local_rope for layer in layers] == [int(gemma3 and w is not None)
                                                       for w in windows]
     prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
     assert tm.relative_error(tm.prompt_logits(eng, prompts[0]),
@@ -370,7 +413,7 @@ def test_windowed_model_through_the_kv_handoff(case, tmp_path):
 
 
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-              "phi3": "phi3"}
+              "gemma2": "gemma2", "phi3": "phi3"}
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
@@ -384,6 +427,8 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
     config_cls, overrides = CASES[case]
     if case == "gemma3":
         overrides = GEMMA3_AS_GGUF
+    elif case == "gemma2":  # a GGUF scales attention by head_dim (the 27B aside)
+        overrides = {**overrides, "query_pre_attn_scalar": tm.SIZES["head_dim"]}
     hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
     path = tmp_path / "m.gguf"
     held = tm.write_gguf(hf, path, arch=GGUF_ARCHS[case], qtype=GGMLQuantizationType[qtype],
@@ -398,7 +443,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
-                                  "gemma3", "phi3"])
+                                  "gemma3", "gemma2", "phi3"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next

@@ -200,7 +200,7 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
                extra_tensors: dict[str, np.ndarray] | None = None) -> dict:
     """Write `hf_model` as a GGUF of architecture `arch`: 2-D weights in `qtype` (default F32;
     a K-quant or IQ type gets random blocks, see random_blocks), 1-D ones in F32, Q/K permuted as
-    llama.cpp does for llama; for gemma3 its norm names, and norms holding the + 1. Returns {HF name: float32 weight the file holds}: what a
+    llama.cpp does for llama; for gemma2/3 its norm names, and norms holding the + 1. Returns {HF name: float32 weight the file holds}: what a
     loader must read back, for building the reference."""
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -221,11 +221,14 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     w.add_float32(f"{arch}.rope.freq_base", rope.get("full_attention", rope)["rope_theta"])
-    gemma = arch == "gemma3"
+    gemma = arch in ("gemma3", "gemma2")
     if gemma:
         w.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
         w.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    if arch == "gemma2":  # llama.cpp writes Gemma 2's soft caps
+        w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
     elif arch == "phi3" and cfg.sliding_window:  # llama.cpp writes Phi-3's window
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
     for key in ("bos", "eos"):  # min_tokens blocks EOS as transformers' min_new_tokens does
