@@ -85,6 +85,8 @@ class ModelConfig:
     # rope_scaling applies to the global layers only when it is set), four norms per layer,
     # embeddings times embedding_scale, norm weights stored without their + 1 (HF)
     local_rope_theta: float | None = None
+    # per layer, whether it rotates q and k (SmolLM3's NoPE layers do not); None: all do
+    rope_layers: tuple[bool, ...] | None = None
     sandwich_norms: bool = False
     embedding_scale: float | None = None
     norm_weight_offset: float = 0.0
@@ -107,6 +109,9 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
+            raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for "
+                             f"{self.num_layers} layers")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for "
                              f"{self.num_layers} layers")
@@ -120,6 +125,10 @@ class ModelConfig:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         # an unsupported or incomplete rope_scaling fails here, before any weight is read
         inv_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether layer `layer` applies rope to q and k (SmolLM3's NoPE layers do not)."""
+        return self.rope_layers is None or self.rope_layers[layer]
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None where it attends to every position."""
@@ -171,6 +180,13 @@ class ModelConfig:
             elif arch.global_every:  # an older config: every n-th layer is global
                 every = int(cfg.get("sliding_window_pattern") or arch.global_every)
                 sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
+        rope_layers = None
+        if arch.nope_every:  # 1: the layer rotates (SmolLM3's no_rope_layers)
+            if cfg.get("no_rope_layers"):
+                rope_layers = tuple(bool(x) for x in cfg["no_rope_layers"])
+            else:
+                every = int(cfg.get("no_rope_layer_interval") or arch.nope_every)
+                rope_layers = tuple((i + 1) % every != 0 for i in range(num_layers))
         bias = cfg.get("attention_bias")
         return cls(
             name=name,
@@ -196,6 +212,7 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding if window else None,
             local_rope_theta=local_theta,
+            rope_layers=rope_layers,
             sandwich_norms=arch.sandwich_norms,
             embedding_scale=cfg["hidden_size"] ** 0.5 if arch.embedding_scale else None,
             norm_weight_offset=arch.norm_weight_offset,

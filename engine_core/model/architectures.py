@@ -18,7 +18,8 @@ What the fields change (each is read once, into ModelConfig, by the loaders):
     norm_weight_offset                                1       1               scale by 1 + w
     local_rope_theta                                  10000                   windowed layers'
 
-Gemma 2's soft caps (attention scores, final logits) come from its config
+SmolLM3 leaves rope out of every 4th layer (`no_rope_layers`). Gemma 2's soft caps (attention
+scores, final logits) come from its config
 (`attn_logit_softcapping`, `final_logit_softcapping`; a GGUF's `gemma2.*_softcapping`).
 
 Phi-3 holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, the decoder's own fused
@@ -59,6 +60,9 @@ class Architecture:
     # n-th layer is global), or an HF config has no `layer_types` (one written before
     # transformers 5: its `sliding_window_pattern`, else this); 0: all of them
     global_every: int = 0
+    # every n-th layer attends without rope (SmolLM3's NoPE layers: 4), where an HF config has
+    # no `no_rope_layers` list and in a GGUF (llama.cpp fixes the step); 0: rope everywhere
+    nope_every: int = 0
 
 
 # Gemma's four norms per layer, as llama.cpp names them
@@ -84,6 +88,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  activation="gelu_pytorch_tanh", sandwich_norms=True, embedding_scale=True,
                  norm_weight_offset=1.0, gguf_layer_names=_GEMMA_GGUF_NAMES,
                  global_every=2),
+    # SmolLM3: Llama with every 4th layer's rope left out (a GGUF: llama.cpp's Llama order)
+    Architecture("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), sliding_window=True,
+                 gguf_permutes_qk=True, nope_every=4),
     # Phi-3 and Phi-4 (which keeps Phi3ForCausalLM); LongRoPE (Phi-3 128k, Phi-3.5) and
     # partial rotary (Phi-4-mini) are refused where the loaders read the config
     Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), sliding_window=True,

@@ -155,7 +155,6 @@ class NativeDecodeLayers:
         def norm(module) -> int | None:  # a norm's float32 weight (offset included at load)
             return None if module is None else f32(module.weight).data_ptr()
 
-        local_rope = cfg.local_rope_theta is not None  # windowed layers rotate with their own
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -171,7 +170,7 @@ class NativeDecodeLayers:
                 norm(layer.post_attention_layernorm) if sandwich else None,
                 norm(layer.post_feedforward_layernorm) if sandwich else None,
                 int(cfg.hidden_act == "gelu_pytorch_tanh"),
-                int(local_rope and attn.window is not None), cfg.attn_softcap or 0.0))
+                int(attn.other_rope), cfg.attn_softcap or 0.0))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = f32(model.norm.weight)
 

@@ -71,6 +71,10 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.window = cfg.layer_window(layer)  # None: attends to every earlier position
         self.softcap = cfg.attn_softcap  # Gemma 2's cap on the attention scores; None: none
+        # rotates with the model's other rope rows (DecoderForCausalLM.other_rope): Gemma 3's
+        # local layers (their own base), SmolLM3's NoPE layers (no rotation)
+        self.other_rope = ((cfg.local_rope_theta is not None and self.window is not None)
+                           or not cfg.layer_rotates(layer))
         # Qwen3: every q and k head RMS-normalised over head_dim before rope
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -246,7 +250,7 @@ class DecoderForCausalLM(nn.Module):
             return self._layers(input_ids, positions, cos_sin, kv_cache, meta, num_layers)
         # decode rows: every layer in one C call, float32 (NativeDecodeLayers); prefill rows
         # beside them on the torch path, in the model dtype
-        local = self.cos_sin_local[positions[:nd]] if self.cos_sin_local.numel() else None
+        local = self.other_rope(positions[:nd], cos_sin[:nd])
         decoded = ctx.decode_layers(self.embed(input_ids[:nd]), cos_sin, kv_cache, meta,
                                     len(self.layers) if num_layers is None else num_layers,
                                     local)
@@ -257,14 +261,25 @@ class DecoderForCausalLM(nn.Module):
                                      dataclasses.replace(meta, decodes_done=True), num_layers)
         return torch.cat([decoded, prefilled.float()])
 
+    def other_rope(self, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
+        """The rope rows of the layers with `other_rope`: Gemma 3's local base, or cos 1 and
+        sin 0 (rotating nothing, exactly) for SmolLM3's NoPE layers; None: no such layer."""
+        if self.cos_sin_local.numel():
+            return self.cos_sin_local[positions]
+        if self.config.rope_layers is not None:
+            rows = torch.zeros_like(cos_sin)
+            rows[:, : self.config.head_dim // 2] = 1.0
+            return rows
+        return None
+
     def _layers(self, input_ids, positions, cos_sin, kv_cache, meta, num_layers) -> torch.Tensor:
         x = self.embed(input_ids)
         residual = None
-        local = self.cos_sin_local[positions] if self.cos_sin_local.numel() else cos_sin
+        local = self.other_rope(positions, cos_sin)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         on_layer_done = current().on_layer_done
         for i, layer in enumerate(layers):
-            rope = local if layer.self_attn.window is not None else cos_sin
+            rope = local if layer.self_attn.other_rope else cos_sin
             x, residual = layer(x, residual, rope, kv_cache[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)

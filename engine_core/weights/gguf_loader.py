@@ -234,6 +234,8 @@ class GGUFFile:
             rope_freq_factors=factors,
             # the file's norms already hold Gemma's + 1: no norm_weight_offset
             local_rope_theta=arch.local_rope_theta if sliding else None,
+            rope_layers=(tuple((i + 1) % arch.nope_every != 0 for i in range(num_layers))
+                         if arch.nope_every else None),
             sandwich_norms=arch.sandwich_norms,
             embedding_scale=hidden**0.5 if arch.embedding_scale else None,
             hidden_act=arch.activation,

@@ -37,6 +37,9 @@ CASES = {
     "gemma2": (transformers.Gemma2Config, {
         "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
         "attn_logit_softcapping": 1.5, "final_logit_softcapping": 4.0}),
+    # four layers, the fourth without rope (SmolLM3's every 4th)
+    "smollm3": (transformers.SmolLM3Config, {"num_hidden_layers": 4, "pad_token_id": 0,
+                                             "bos_token_id": 1, "eos_token_id": 2}),
     # fused qkv_proj and gate_up_proj; a window on every layer, as Phi-3-mini's 2047
     "phi3": (transformers.Phi3Config, {"sliding_window": 12, "pad_token_id": 0,
                                        "eos_token_id": 2}),
@@ -179,6 +182,31 @@ def test_gemma2_soft_caps_and_layer_pattern(tmp_path):
                                                         "hidden_size": 48})
     tm.write_gguf(big, tmp_path / "big.gguf", arch="gemma2", permute=False)
     assert GGUFFile(tmp_path / "big.gguf").model_config().attention_scale == 12 ** -0.5
+
+
+def test_smollm3_leaves_rope_out_of_its_nope_layers(tmp_path):
+    """SmolLM3's fourth layer rotates nothing (the model with rope there answers otherwise),
+    from transformers 5's no_rope_layers, an older config's no_rope_layer_interval and a
+    GGUF (llama.cpp's fixed step of 4, Q/K in its Llama order)."""
+    from engine_core.weights.gguf_loader import GGUFFile
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    config_cls, overrides = CASES["smollm3"]
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    assert load_hf_config(tmp_path / "hf").rope_layers == (True, True, True, False)
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
+    everywhere = tm.build_hf(config_cls, tmp_path / "rope", **{**overrides,
+                                                               "no_rope_layers": [1] * 4})
+    assert tm.relative_error(tm.prompt_logits(tm.engine(tmp_path / "hf"), prompt),
+                             tm.hf_logits(everywhere, prompt)) > 0.05
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del raw["no_rope_layers"]
+    raw["no_rope_layer_interval"] = 2
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path / "hf").rope_layers == (True, False, True, False)
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="smollm3")
+    assert GGUFFile(tmp_path / "m.gguf").model_config().rope_layers == (True, True, True, False)
+    check_against_hf(hf, tmp_path / "m.gguf")
 
 
 def test_gguf_phi3_with_its_fused_matrices(tmp_path):
@@ -351,7 +379,7 @@ def test_gguf_gemma3_as_llama_cpp_writes_it(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["mistral-window", "qwen2", "qwen3", "gemma3", "gemma3-mqa",
-                                  "gemma2", "phi3"])
+                                  "gemma2", "smollm3", "phi3"])
 def test_one_call_c_decode_layers(case, tmp_path):
     """Where the C kernels load, every layer's attention runs in them (windowed ones with
     their window), and the decode rows of Llama-style layers, with q/k/v bias, q/k norm or a
@@ -367,8 +395,9 @@ def test_one_call_c_decode_layers(case, tmp_path):
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
     eng = tm.engine(tmp_path, quantize_decode=True)
     window = overrides.get("sliding_window")
-    types = overrides.get("layer_types") or (hf.config.layer_types if case == "gemma2"
-                                             else ["sliding_attention"] * 2)
+    types = overrides.get("layer_types") or (
+        hf.config.layer_types if case == "gemma2"
+        else ["sliding_attention"] * hf.config.num_hidden_layers)
     windows = [window if t == "sliding_attention" else None for t in types]
     assert [layer.self_attn.window for layer in eng.model.layers] == windows
     assert all(layer.self_attn.native is not None for layer in eng.model.layers)
@@ -381,8 +410,9 @@ def test_one_call_c_decode_layers(case, tmp_path):
     assert all(bool(layer.q_norm) == (case == "qwen3" or gemma3) for layer in layers)
     assert all(bool(layer.attn_out_norm) == bool(layer.mlp_out_norm) == layer.gelu == gemma
                for layer in layers)
-    assert [layer.local_rope for layer in layers] == [int(gemma3 and w is not None)
-                                                      for w in windows]
+    nope = [not r for r in getattr(hf.config, "no_rope_layers", [1] * len(windows))]
+    assert [layer.local_rope for layer in layers] == [int(gemma3 and w is not None or n)
+                                                      for w, n in zip(windows, nope, strict=True)]
     prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
     assert tm.relative_error(tm.prompt_logits(eng, prompts[0]),
                              tm.hf_logits(hf, prompts[0])) < 1e-3
@@ -413,7 +443,7 @@ def test_windowed_model_through_the_kv_handoff(case, tmp_path):
 
 
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-              "gemma2": "gemma2", "phi3": "phi3"}
+              "gemma2": "gemma2", "smollm3": "smollm3", "phi3": "phi3"}
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
@@ -432,7 +462,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
     hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
     path = tmp_path / "m.gguf"
     held = tm.write_gguf(hf, path, arch=GGUF_ARCHS[case], qtype=GGMLQuantizationType[qtype],
-                         permute=case == "llama")
+                         permute=case in ("llama", "smollm3"))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name in held:
@@ -443,7 +473,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
-                                  "gemma3", "gemma2", "phi3"])
+                                  "gemma3", "gemma2", "smollm3", "phi3"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next
