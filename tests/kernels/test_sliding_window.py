@@ -156,12 +156,13 @@ def test_c_attention_window(window: int, isa: str) -> None:
     torch.testing.assert_close(alone, expected[last], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["mistral-window", "gemma3"])
+@pytest.mark.parametrize("case", ["mistral-window", "gemma3", "gemma2"])
 def test_engine_on_triton_kernels_matches_transformers(case, tmp_path, monkeypatch,
                                                         triton_backend: torch.device):
     """The engine with its attention on the Triton kernels (on the card where there is one,
     else interpreted on the CPU, the C kernels off): a tiny windowed model, prompts longer than the window, chunked prefill (16-token budget) and a
-    prefix-cache hit, against transformers (tests/engine_core/test_architectures.py)."""
+    prefix-cache hit, against transformers (tests/engine_core/test_architectures.py); Gemma 2's
+    soft caps ride along into the kernels."""
     pytest.importorskip("transformers")
     from kernels import decode_attention, prefill_attention
     from tests.engine_core import tiny_models as tm
