@@ -126,6 +126,12 @@ class ModelConfig:
         # an unsupported or incomplete rope_scaling fails here, before any weight is read
         inv_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
 
+    @property
+    def rope_kind(self) -> str | None:
+        """rope_scaling's type ("linear", "llama3", "yarn", "longrope"); None: unscaled."""
+        s = self.rope_scaling
+        return (s.get("rope_type") or s.get("type")) if s else None
+
     def layer_rotates(self, layer: int) -> bool:
         """Whether layer `layer` applies rope to q and k (SmolLM3's NoPE layers do not)."""
         return self.rope_layers is None or self.rope_layers[layer]
@@ -169,6 +175,10 @@ class ModelConfig:
         scaling = rope or cfg.get("rope_scaling")
         if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
             scaling = None
+        if (scaling and scaling.get("original_max_position_embeddings") is None
+                and cfg.get("original_max_position_embeddings")):  # Phi-3 states it beside
+            scaling = {**scaling,
+                       "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
         window, sliding = None, None
         if (arch.sliding_window and cfg.get("sliding_window")
                 and cfg.get("use_sliding_window") is not False):

@@ -104,6 +104,8 @@ class LLMEngine:
             scheduler_config.max_model_len or cfg.max_position_embeddings,
             cfg.max_position_embeddings,
         )
+        if cfg.rope_kind == "longrope":  # its factors follow the context served
+            self.model.init_rope(self.device, served_len=self.max_model_len)
         self.layout = KVLayout(
             model=self.source.name, dtype=dtype_name(self.dtype),
             block_size=cache_config.block_size, num_layers=cfg.num_layers,

@@ -19,7 +19,7 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.model.attention import AttentionMetadata, paged_attention
 from engine_core.model.forward_context import current, use
-from engine_core.model.rope import apply_rope, cos_sin_cache
+from engine_core.model.rope import apply_rope, cos_sin_cache, uses_long_factors
 from kernels import native
 
 
@@ -214,11 +214,15 @@ class DecoderForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def init_rope(self, device: torch.device) -> None:
+    def init_rope(self, device: torch.device, served_len: int | None = None) -> None:
+        """served_len: the longest sequence the engine serves (None: the model's whole
+        context), which picks LongRoPE's factors (rope.uses_long_factors)."""
         cfg = self.config
+        long = uses_long_factors(cfg.rope_scaling if cfg.rope_kind == "longrope" else None,
+                                 served_len or cfg.max_position_embeddings)
         self.cos_sin = cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-            cfg.rope_freq_factors,
+            cfg.rope_freq_factors, long,
         ).to(device)
         if cfg.local_rope_theta is not None:
             self.cos_sin_local = cos_sin_cache(

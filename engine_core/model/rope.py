@@ -1,5 +1,5 @@
-"""Rotary position embeddings (the two-halves form, `rotate_half`), with Llama 3, linear and
-YaRN scaling."""
+"""Rotary position embeddings (the two-halves form, `rotate_half`), with Llama 3, linear, YaRN
+and LongRoPE scaling."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                    long: bool = True) -> torch.Tensor:
+    """long: LongRoPE's long factors, else its short ones (see uses_long_factors)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv_freq
@@ -29,12 +31,30 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         return torch.where(wavelen < old_len / high, inv_freq, out)
     if kind == "yarn":
         return _yarn_inv_frequencies(inv_freq, head_dim, theta, scaling)
+    if kind == "longrope":  # Phi-3 128k, Phi-3.5: each frequency divided by its own factor
+        for key in ("long_factor", "short_factor", "original_max_position_embeddings"):
+            if scaling.get(key) is None:
+                raise ValueError(f"rope_scaling 'longrope' needs {key}")
+        factors = scaling["long_factor" if long else "short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"rope_scaling 'longrope' has {len(factors)} factors for a rope "
+                             f"over {head_dim} dimensions (partial rotary is not supported)")
+        return inv_freq / torch.tensor(factors, dtype=torch.float64)
     if kind in ("default", None):
         return inv_freq
     raise ValueError(f"rope_scaling type {kind!r} is not supported ({', '.join(SCALINGS)})")
 
 
-SCALINGS = ("linear", "llama3", "yarn")
+SCALINGS = ("linear", "llama3", "yarn", "longrope")
+
+
+def uses_long_factors(scaling: dict[str, Any] | None, served_len: int) -> bool:
+    """LongRoPE's choice, made once for the engine as llama.cpp makes it (by the context it
+    serves): the long factors when it serves more than the original context. transformers
+    chooses per forward by the sequence's length and recomputes the cache when a sequence
+    crosses over; within the original context on a short-context engine, and past it on a
+    long-context one, the two agree."""
+    return served_len > int(scaling["original_max_position_embeddings"]) if scaling else True
 
 
 def _yarn_factor(scaling: dict[str, Any]) -> float:
@@ -70,13 +90,20 @@ def _yarn_inv_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
-def attention_factor(scaling: dict[str, Any] | None) -> float:
+def attention_factor(scaling: dict[str, Any] | None, max_positions: int = 0) -> float:
     """The factor on cos and sin (so on every attention logit, twice): YaRN's
-    0.1 ln(factor) + 1 unless the config states it; 1 for every other scaling."""
-    if not scaling or (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+    0.1 ln(factor) + 1, LongRoPE's sqrt(1 + ln(factor) / ln(original context)) (factor:
+    max_positions over the original context where the config gives none), unless the config
+    states it; 1 for every other scaling."""
+    kind = (scaling.get("rope_type") or scaling.get("type")) if scaling else None
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        factor = float(scaling.get("factor") or max_positions / original)
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor = _yarn_factor(scaling)
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
 
@@ -100,18 +127,20 @@ def served_positions(max_position_embeddings: int, scaling: dict[str, Any] | Non
 
 def cos_sin_cache(
     head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-    freq_factors: tuple[float, ...] | None = None,
+    freq_factors: tuple[float, ...] | None = None, long: bool = True,
 ) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos in the first half, sin in the second.
 
     freq_factors: a GGUF's `rope_freqs` tensor, [head_dim / 2] divisors of the frequencies
-    (llama.cpp's form of Llama 3 scaling: 1 for short wavelengths, `factor` for long ones)."""
-    inv_freq = inv_frequencies(head_dim, theta, scaling)
+    (llama.cpp's form of Llama 3 scaling: 1 for short wavelengths, `factor` for long ones).
+    long: LongRoPE's factor set (uses_long_factors)."""
+    inv_freq = inv_frequencies(head_dim, theta, scaling, long)
     if freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
     t = torch.arange(max_positions, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
-    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor(scaling)).float()
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return (table * attention_factor(scaling, max_positions)).float()
 
 
 def apply_rope(

@@ -41,6 +41,8 @@ SUPPORTED_TYPES = {
 # Q3_K, and the IQ types below 4 bits, whose weights are grid entries) decode on the torch path
 NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, *Q4_TYPES, *Q8_TYPES}
 ROPE_FREQS = "rope_freqs.weight"
+# rope tensors, read into the config rather than the model: Llama 3's and LongRoPE's factors
+ROPE_TENSORS = {ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -132,6 +134,25 @@ class GGUFFile:
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
 
+    def _longrope(self, a: str, scaling: dict[str, Any] | None) -> dict[str, Any]:
+        """LongRoPE as llama.cpp's converter writes it: the factors as rope_factors_long and
+        _short tensors, the original context, and the attention factor it computed."""
+        tensors = {t.name: t for t in self.reader.tensors}
+        out = {"rope_type": "longrope"}
+        for kind in ("long", "short"):
+            t = tensors[f"rope_factors_{kind}.weight"]
+            out[f"{kind}_factor"] = [float(x) for x in dequantize(
+                t.data, GGMLQuantizationType(t.tensor_type)).reshape(-1)]
+        original = self.field(f"{a}.rope.scaling.original_context_length")
+        if original is None:
+            raise ValueError(f"{self.path.name}: LongRoPE factors without "
+                             f"{a}.rope.scaling.original_context_length")
+        out["original_max_position_embeddings"] = int(original)
+        attn = self.field(f"{a}.rope.scaling.attn_factor")
+        if attn is not None:
+            out["attention_factor"] = float(attn)
+        return {**(scaling or {}), **out}
+
     def _yarn_fields(self, a: str) -> dict[str, Any]:
         """YaRN's keys as llama.cpp writes them, under transformers' names. Its attention factor
         is refused where the file states one: llama.cpp multiplies it into YaRN's own, where
@@ -179,10 +200,8 @@ class GGUFFile:
         if rope_dim is not None and int(rope_dim) != head_dim:
             raise ValueError(f"{self.path.name}: rope over {rope_dim} of a head's {head_dim} "
                              f"dimensions (partial rotary) is not supported")
-        for t in ("rope_factors_long.weight", "rope_factors_short.weight"):
-            if t in names:
-                raise ValueError(f"{self.path.name} has {t}: LongRoPE (Phi-3 128k, Phi-3.5) is "
-                                 f"not supported")
+        if "rope_factors_long.weight" in names:  # LongRoPE (Phi-3 128k, Phi-3.5)
+            scaling = self._longrope(a, scaling)
         factors = None
         rope_freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
         if rope_freqs is not None:
@@ -244,13 +263,13 @@ class GGUFFile:
     def tensor_types(self) -> dict[str, GGMLQuantizationType]:
         """The GGUF type of every weight, by Hugging Face name."""
         return {hf_name(t.name, self.architecture): GGMLQuantizationType(t.tensor_type)
-                for t in self.reader.tensors if t.name != ROPE_FREQS}
+                for t in self.reader.tensors if t.name not in ROPE_TENSORS}
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, float32 tensor) for every tensor in the file."""
         permute = self.architecture.gguf_permutes_qk
         for t in self.reader.tensors:
-            if t.name == ROPE_FREQS:  # in the config (rope_freq_factors)
+            if t.name in ROPE_TENSORS:  # in the config (rope_freq_factors, rope_scaling)
                 continue
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in SUPPORTED_TYPES:
@@ -274,7 +293,7 @@ class GGUFFile:
         the same order as `weights` gives them (Q/K unpermuted)."""
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
-            if qtype not in Q4_TYPES:
+            if qtype not in Q4_TYPES or t.name in ROPE_TENSORS:
                 continue
             w = unpack_q4(t.data, qtype)
             name = hf_name(t.name, self.architecture)
@@ -290,8 +309,10 @@ class GGUFFile:
         `weights` gives them."""
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
+            if qtype not in Q8_TYPES or t.name in ROPE_TENSORS:
+                continue
             name = hf_name(t.name, self.architecture)
-            if qtype not in Q8_TYPES or name == "model.embed_tokens.weight":
+            if name == "model.embed_tokens.weight":
                 continue
             w = unpack_q8(t.data, qtype)
             heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}

@@ -6,6 +6,7 @@ same batch, and prompts longer than the sliding window where there is one."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -144,8 +145,8 @@ def test_yarn_rope_as_transformers_computes_it(tmp_path):
     for rope, message in [({"rope_type": "yarn", "factor": 4.0}, "original_max_position"),
                           ({"rope_type": "yarn", "original_max_position_embeddings": 8},
                            "needs a factor"),
-                          ({"rope_type": "longrope", "factor": 4.0},
-                           "'longrope' is not supported (linear, llama3, yarn)")]:
+                          ({"rope_type": "dynamic", "factor": 4.0},
+                           "'dynamic' is not supported (linear, llama3, yarn, longrope)")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             ModelConfig(**fields, rope_scaling=rope)
 
@@ -238,9 +239,9 @@ def test_gguf_phi3_with_its_fused_matrices(tmp_path):
     assert tm.greedy(eng, [prompt], 4)[0][:2] == tm.hf_greedy(hf, prompt, 2)
 
 
-def test_phi3_variants_it_cannot_run_are_refused_before_any_weight(tmp_path):
-    """Phi-4-mini's partial rotary and Phi-3.5's LongRoPE, from an HF config and from a GGUF:
-    a clear error from the config, never Llama's math on part of the head."""
+def test_phi4_mini_partial_rotary_is_refused_before_any_weight(tmp_path):
+    """Phi-4-mini's partial rotary, from an HF config and from a GGUF: a clear error from the
+    config, never Llama's math on part of the head."""
     from engine_core.weights.gguf_loader import GGUFFile
     from engine_core.weights.safetensors_loader import load_hf_config
 
@@ -250,23 +251,76 @@ def test_phi3_variants_it_cannot_run_are_refused_before_any_weight(tmp_path):
         tmp_path / "partial")
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
         load_hf_config(tmp_path / "partial")
-    longrope = {"rope_theta": 10000.0, "rope_type": "longrope", "short_factor": [1.0] * 8,
-                "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}
-    config_cls(**{**tm.SIZES, **overrides, "rope_parameters": longrope}).save_pretrained(
-        tmp_path / "longrope")
-    with pytest.raises(ValueError, match="'longrope' is not supported"):
-        load_hf_config(tmp_path / "longrope")
-
     hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
     keys = {"phi3.rope.dimension_count": 12}  # rope over 12 of 16 dims
     tm.write_gguf(hf, tmp_path / "partial.gguf", arch="phi3", permute=False, extra=keys)
     with pytest.raises(ValueError, match="rope over 12 of a head's 16 dimensions"):
         GGUFFile(tmp_path / "partial.gguf").model_config()
-    factors = {f"rope_factors_{k}.weight": np.ones(8) for k in ("long", "short")}
-    tm.write_gguf(hf, tmp_path / "long.gguf", arch="phi3", permute=False,
+
+
+# Phi-3-mini-128k's recipe on a 32-token original context (128 served): per-frequency
+# factors, long ones far from the short ones, so that the choice between them is in play
+LONGROPE = {"rope_theta": 10000.0, "rope_type": "longrope",
+            "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7],
+            "long_factor": [1.0, 1.3, 1.9, 2.8, 4.1, 6.0, 8.2, 11.0]}
+PHI3_LONG = {**CASES["phi3"][1], "sliding_window": None, "rope_parameters": LONGROPE,
+             "original_max_position_embeddings": 32, "max_position_embeddings": 128}
+
+
+def test_phi3_longrope_as_transformers_computes_it(tmp_path):
+    """LongRoPE's tables against transformers' rotary embedding, both factor sets and the
+    attention factor; an engine serving past the original context uses the long factors and
+    matches transformers on prompts past it, one serving within it the short ones and
+    matches on a prompt and continuation within it (transformers picks by the sequence)."""
+    from engine_core.model.rope import attention_factor, cos_sin_cache
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    hf = tm.build_hf(transformers.Phi3Config, tmp_path, **PHI3_LONG)
+    cfg = load_hf_config(tmp_path)
+    assert cfg.rope_kind == "longrope" and cfg.max_position_embeddings == 128
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 32
+    rotary = hf.model.rotary_emb
+    assert attention_factor(cfg.rope_scaling, 128) == pytest.approx(rotary.attention_scaling)
+    assert attention_factor(cfg.rope_scaling, 128) == pytest.approx(math.sqrt(1 + math.log(4) /
+                                                                               math.log(32)))
+    for last, long in ((100, True), (20, False)):  # transformers picks by max(position) + 1
+        cos, sin = rotary(torch.zeros(1, last + 1, 16), torch.arange(last + 1)[None])
+        table = cos_sin_cache(16, last + 1, 10000.0, cfg.rope_scaling, long=long)
+        table = table * attention_factor(cfg.rope_scaling, 128) / attention_factor(
+            cfg.rope_scaling, last + 1)  # the factor follows the model's context, not `last`
+        torch.testing.assert_close(table[:, :8], cos[0, :, :8], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(table[:, 8:], sin[0, :, :8], rtol=1e-5, atol=1e-5)
+
+    long_eng = tm.engine(tmp_path)  # serves 128 > 32: the long factors
+    for p in tm.prompts(tm.SIZES["vocab_size"], [40, 70]):
+        assert tm.relative_error(tm.prompt_logits(long_eng, p), tm.hf_logits(hf, p)) < 1e-3
+        assert tm.greedy(long_eng, [p], 24)[0] == tm.hf_greedy(hf, p, 24)
+    short_eng = tm.engine(tmp_path, max_model_len=32)  # within the original: the short ones
+    p = tm.prompts(tm.SIZES["vocab_size"], [12])[0]
+    assert tm.relative_error(tm.prompt_logits(short_eng, p), tm.hf_logits(hf, p)) < 1e-3
+    assert tm.greedy(short_eng, [p], 16)[0] == tm.hf_greedy(hf, p, 16)
+    assert tm.relative_error(tm.prompt_logits(long_eng, p), tm.hf_logits(hf, p)) > 1e-3
+
+
+def test_gguf_phi3_longrope_as_llama_cpp_writes_it(tmp_path):
+    """A Phi-3 128k GGUF: the factors as rope_factors_long/short tensors, the original
+    context and the attention factor llama.cpp's converter computed as keys."""
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    hf = tm.build_hf(transformers.Phi3Config, tmp_path / "hf", **PHI3_LONG)
+    factors = {f"rope_factors_{k}.weight": np.array(LONGROPE[f"{k}_factor"])
+               for k in ("long", "short")}
+    keys = {"phi3.rope.scaling.original_context_length": 32,
+            "phi3.rope.scaling.attn_factor": math.sqrt(1 + math.log(4) / math.log(32))}
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="phi3", permute=False, extra=keys,
                   extra_tensors=factors)
-    with pytest.raises(ValueError, match="rope_factors_long.weight: LongRoPE .* not supported"):
-        GGUFFile(tmp_path / "long.gguf").model_config()
+    cfg = GGUFFile(tmp_path / "m.gguf").model_config()
+    assert cfg.rope_kind == "longrope" and cfg.rope_scaling["long_factor"] == pytest.approx(
+        LONGROPE["long_factor"])
+    eng = tm.engine(tmp_path / "m.gguf")
+    for p in tm.prompts(tm.SIZES["vocab_size"], [40, 70]):
+        assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
+        assert tm.greedy(eng, [p], 24)[0] == tm.hf_greedy(hf, p, 24)
 
 
 def test_gguf_yarn_as_llama_cpp_writes_it(tmp_path):
