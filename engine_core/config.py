@@ -87,6 +87,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # per layer, whether it rotates q and k (SmolLM3's NoPE layers do not); None: all do
     rope_layers: tuple[bool, ...] | None = None
+    # partial rotary (Phi-4-mini): rope over the first rotary_dim dimensions of each head, the
+    # q and k rows reordered at load (rope.partial_rotary_order); None: the whole head
+    rotary_dim: int | None = None
     sandwich_norms: bool = False
     embedding_scale: float | None = None
     norm_weight_offset: float = 0.0
@@ -123,8 +126,12 @@ class ModelConfig:
         for name in ("attn_softcap", "final_softcap"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim {self.head_dim}), "
+                             f"got {self.rotary_dim}")
         # an unsupported or incomplete rope_scaling fails here, before any weight is read
-        inv_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+        inv_frequencies(self.rotary_dim or self.head_dim, self.rope_theta, self.rope_scaling)
 
     @property
     def rope_kind(self) -> str | None:
@@ -168,10 +175,8 @@ class ModelConfig:
             local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
                                 or arch.local_rope_theta)
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
-        if partial is not None and float(partial) != 1.0:
-            raise ValueError(f"partial_rotary_factor {partial} is not supported (rope over the "
-                             f"whole head only)")
+        partial = float(rope.pop("partial_rotary_factor", None)
+                        or cfg.get("partial_rotary_factor") or 1.0)
         scaling = rope or cfg.get("rope_scaling")
         if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
             scaling = None
@@ -198,6 +203,7 @@ class ModelConfig:
                 every = int(cfg.get("no_rope_layer_interval") or arch.nope_every)
                 rope_layers = tuple((i + 1) % every != 0 for i in range(num_layers))
         bias = cfg.get("attention_bias")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         return cls(
             name=name,
             vocab_size=cfg["vocab_size"],
@@ -206,7 +212,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling or None,
@@ -223,6 +229,7 @@ class ModelConfig:
             sliding_layers=sliding if window else None,
             local_rope_theta=local_theta,
             rope_layers=rope_layers,
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sandwich_norms=arch.sandwich_norms,
             embedding_scale=cfg["hidden_size"] ** 0.5 if arch.embedding_scale else None,
             norm_weight_offset=arch.norm_weight_offset,

@@ -19,7 +19,12 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.model.attention import AttentionMetadata, paged_attention
 from engine_core.model.forward_context import current, use
-from engine_core.model.rope import apply_rope, cos_sin_cache, uses_long_factors
+from engine_core.model.rope import (
+    apply_rope,
+    cos_sin_cache,
+    partial_rotary_rows,
+    uses_long_factors,
+)
 from kernels import native
 
 
@@ -222,7 +227,7 @@ class DecoderForCausalLM(nn.Module):
                                  served_len or cfg.max_position_embeddings)
         self.cos_sin = cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-            cfg.rope_freq_factors, long,
+            cfg.rope_freq_factors, long, cfg.rotary_dim,
         ).to(device)
         if cfg.local_rope_theta is not None:
             self.cos_sin_local = cos_sin_cache(
@@ -337,6 +342,12 @@ class DecoderForCausalLM(nn.Module):
                 loaded.update(f"{name}:{p}" for p in parts_of[parts[-2]])
             else:
                 loaded.add(name)
+        if cfg.rotary_dim is not None:  # partial rotary: q and k rows in rotate_half's pairs
+            for name, p in params.items():
+                rows = partial_rotary_rows(name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                           cfg.rotary_dim)
+                if rows is not None and name.startswith("layers."):
+                    p.copy_(p[rows])
         # per layer: 2 norms, q, k, v, o, gate, up, down (+ q, k, v biases) (+ q, k norms)
         # (+ Gemma's pre- and post-feedforward norms)
         per_layer = (9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)

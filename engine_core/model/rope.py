@@ -128,19 +128,61 @@ def served_positions(max_position_embeddings: int, scaling: dict[str, Any] | Non
 def cos_sin_cache(
     head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
     freq_factors: tuple[float, ...] | None = None, long: bool = True,
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos in the first half, sin in the second.
 
     freq_factors: a GGUF's `rope_freqs` tensor, [head_dim / 2] divisors of the frequencies
     (llama.cpp's form of Llama 3 scaling: 1 for short wavelengths, `factor` for long ones).
-    long: LongRoPE's factor set (uses_long_factors)."""
-    inv_freq = inv_frequencies(head_dim, theta, scaling, long)
+    long: LongRoPE's factor set (uses_long_factors).
+    rotary_dim: partial rotary (Phi-4-mini): the frequencies of a rope over rotary_dim
+    dimensions, then cos 1 and sin 0 (no rotation, no attention factor) for the rest: with q
+    and k rows in partial_rotary_order, rotate_half pairs exactly the dimensions the model's
+    own rope pairs, and leaves the others as they are."""
+    rot = rotary_dim or head_dim
+    inv_freq = inv_frequencies(rot, theta, scaling, long)
     if freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
     t = torch.arange(max_positions, dtype=torch.float64)
-    freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
-    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    return (table * attention_factor(scaling, max_positions)).float()
+    freqs = torch.outer(t, inv_freq)  # [max_positions, rot / 2]
+    factor = attention_factor(scaling, max_positions)
+    still = torch.zeros(max_positions, (head_dim - rot) // 2, dtype=torch.float64)
+    table = torch.cat([freqs.cos() * factor, still + 1, freqs.sin() * factor, still], dim=-1)
+    return table.float()
+
+
+def partial_rotary_rows(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                        rotary_dim: int) -> torch.Tensor | None:
+    """The row order (partial_rotary_order per head) of the q/k projection named `name` (HF
+    names: q_proj, k_proj, the fused qkv_proj of Phi-3, weight or bias) or of a q/k norm's
+    weight; None for any other tensor."""
+    order = partial_rotary_order(head_dim, rotary_dim)
+
+    def heads(n: int, start: int = 0) -> torch.Tensor:
+        return (start + torch.arange(n)[:, None] * head_dim + order).reshape(-1)
+
+    proj = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if proj == "q_proj":
+        return heads(num_heads)
+    if proj == "k_proj":
+        return heads(num_kv_heads)
+    if proj in ("q_norm", "k_norm"):
+        return order
+    if proj == "qkv_proj":
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        return torch.cat([heads(num_heads), heads(num_kv_heads, q), q + kv + torch.arange(kv)])
+    return None
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """[head_dim] source index of each dimension of a q or k head, for partial rotary: the
+    model rotates pairs (i, i + rotary_dim / 2) of its first rotary_dim dimensions; reordered,
+    they become the pairs (j, j + head_dim / 2) that rotate_half takes, with the dimensions
+    that do not rotate in the remaining slots. q and k alike, so every q . k is unchanged."""
+    half_rot, half_rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = torch.arange(half_rot)
+    rest = torch.arange(rotary_dim, head_dim)
+    return torch.cat([first, rest[:half_rest], first + half_rot, rest[half_rest:]])
 
 
 def apply_rope(

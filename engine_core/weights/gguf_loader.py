@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 
 from engine_core.config import ModelConfig
 from engine_core.model import architectures
-from engine_core.model.rope import served_positions
+from engine_core.model.rope import partial_rotary_rows, served_positions
 from engine_core.weights.gguf_q4 import Q4_TYPES, Q4Weight, unpack_q4
 from engine_core.weights.gguf_q8 import Q8_TYPES, Q8Weight, unpack_q8
 
@@ -197,9 +197,9 @@ class GGUFFile:
         head_dim = int(self.field(f"{a}.attention.key_length")
                        or (int(out_proj.shape[0]) // num_heads if out_proj is not None else None)
                        or rope_dim or hidden // num_heads)
-        if rope_dim is not None and int(rope_dim) != head_dim:
-            raise ValueError(f"{self.path.name}: rope over {rope_dim} of a head's {head_dim} "
-                             f"dimensions (partial rotary) is not supported")
+        rotary_dim = None
+        if rope_dim is not None and int(rope_dim) != head_dim:  # partial rotary (Phi-4-mini)
+            rotary_dim = int(rope_dim)
         if "rope_factors_long.weight" in names:  # LongRoPE (Phi-3 128k, Phi-3.5)
             scaling = self._longrope(a, scaling)
         factors = None
@@ -255,6 +255,7 @@ class GGUFFile:
             local_rope_theta=arch.local_rope_theta if sliding else None,
             rope_layers=(tuple((i + 1) % arch.nope_every != 0 for i in range(num_layers))
                          if arch.nope_every else None),
+            rotary_dim=rotary_dim,
             sandwich_norms=arch.sandwich_norms,
             embedding_scale=hidden**0.5 if arch.embedding_scale else None,
             hidden_act=arch.activation,
@@ -301,7 +302,7 @@ class GGUFFile:
             for suffix, n in heads.items():
                 if self.architecture.gguf_permutes_qk and name.endswith(suffix):
                     w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
-            yield name, w
+            yield name, self._partial_rotary(name, w, config)
 
     def q8_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q8Weight]]:
         """Yield (Hugging Face name, q8-family weight) for every Q8_0, Q5_0, Q5_1, Q5_K and
@@ -319,7 +320,17 @@ class GGUFFile:
             for suffix, n in heads.items():
                 if self.architecture.gguf_permutes_qk and name.endswith(suffix):
                     w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
-            yield name, w
+            yield name, self._partial_rotary(name, w, config)
+
+    @staticmethod
+    def _partial_rotary(name: str, w, config: ModelConfig):
+        """A q/k weight's rows in partial rotary's order, as load_weights orders the dense
+        ones (rope.partial_rotary_order)."""
+        if config.rotary_dim is None:
+            return w
+        rows = partial_rotary_rows(name, config.num_heads, config.num_kv_heads,
+                                   config.head_dim, config.rotary_dim)
+        return w if rows is None else w.permute_rows(rows)
 
     def chat_template(self) -> str | None:
         return self.field("tokenizer.chat_template")

@@ -239,25 +239,6 @@ def test_gguf_phi3_with_its_fused_matrices(tmp_path):
     assert tm.greedy(eng, [prompt], 4)[0][:2] == tm.hf_greedy(hf, prompt, 2)
 
 
-def test_phi4_mini_partial_rotary_is_refused_before_any_weight(tmp_path):
-    """Phi-4-mini's partial rotary, from an HF config and from a GGUF: a clear error from the
-    config, never Llama's math on part of the head."""
-    from engine_core.weights.gguf_loader import GGUFFile
-    from engine_core.weights.safetensors_loader import load_hf_config
-
-    config_cls, overrides = CASES["phi3"]
-    partial = {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.75}
-    config_cls(**{**tm.SIZES, **overrides, "rope_parameters": partial}).save_pretrained(
-        tmp_path / "partial")
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
-        load_hf_config(tmp_path / "partial")
-    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
-    keys = {"phi3.rope.dimension_count": 12}  # rope over 12 of 16 dims
-    tm.write_gguf(hf, tmp_path / "partial.gguf", arch="phi3", permute=False, extra=keys)
-    with pytest.raises(ValueError, match="rope over 12 of a head's 16 dimensions"):
-        GGUFFile(tmp_path / "partial.gguf").model_config()
-
-
 # Phi-3-mini-128k's recipe on a 32-token original context (128 served): per-frequency
 # factors, long ones far from the short ones, so that the choice between them is in play
 LONGROPE = {"rope_theta": 10000.0, "rope_type": "longrope",
@@ -300,6 +281,51 @@ def test_phi3_longrope_as_transformers_computes_it(tmp_path):
     assert tm.relative_error(tm.prompt_logits(short_eng, p), tm.hf_logits(hf, p)) < 1e-3
     assert tm.greedy(short_eng, [p], 16)[0] == tm.hf_greedy(hf, p, 16)
     assert tm.relative_error(tm.prompt_logits(long_eng, p), tm.hf_logits(hf, p)) > 1e-3
+
+
+def test_phi4_mini_partial_rotary(tmp_path):
+    """Phi-4-mini's partial rotary (rope over the first 3/4 of each head; here half of 16
+    dims, with LongRoPE's factors over those 8): q and k rows reordered at load so that
+    rotate_half pairs the dimensions the model's rope pairs, the rest unrotated. Against
+    transformers as safetensors and as a GGUF (rope.dimension_count 8), in float32 and on the
+    CPU defaults (a Q4_0 file's fused qkv blocks reordered alike, in one C call per step)."""
+    from gguf import GGMLQuantizationType
+
+    from engine_core.weights.gguf_loader import GGUFFile
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    rope = {**LONGROPE, "partial_rotary_factor": 0.5, "short_factor": LONGROPE["short_factor"][:4],
+            "long_factor": LONGROPE["long_factor"][:4]}
+    overrides = {**PHI3_LONG, "rope_parameters": rope}
+    hf = tm.build_hf(transformers.Phi3Config, tmp_path / "hf", **overrides)
+    assert load_hf_config(tmp_path / "hf").rotary_dim == 8
+    check = tm.prompts(tm.SIZES["vocab_size"], [40, 70])
+    eng = tm.engine(tmp_path / "hf")
+    for p in check:
+        assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
+        assert tm.greedy(eng, [p], 24)[0] == tm.hf_greedy(hf, p, 24)
+    whole = tm.build_hf(transformers.Phi3Config, tmp_path / "whole", **{
+        **PHI3_LONG, "rope_parameters": {**LONGROPE}})  # the same weights, rope over all 16
+    assert tm.relative_error(tm.prompt_logits(eng, check[0]), tm.hf_logits(whole, check[0])) > 0.05
+
+    factors = {f"rope_factors_{k}.weight": np.array(rope[f"{k}_factor"]) for k in ("long", "short")}
+    keys = {"phi3.rope.dimension_count": 8, "phi3.rope.scaling.original_context_length": 32}
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="phi3", permute=False, extra=keys,
+                  extra_tensors=factors)
+    assert GGUFFile(tmp_path / "m.gguf").model_config().rotary_dim == 8
+    eng = tm.engine(tmp_path / "m.gguf")
+    for p in check:
+        assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
+    held = tm.write_gguf(hf, tmp_path / "q.gguf", arch="phi3", permute=False, extra=keys,
+                         extra_tensors=factors, qtype=GGMLQuantizationType.Q4_0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in held:
+                p.copy_(torch.from_numpy(held[name]))
+    eng = tm.engine(tmp_path / "q.gguf", quantize_decode=True, decode_activations="float32")
+    assert type(eng.model.layers[0].self_attn.qkv_proj.quant).__name__ in (
+        "NativeQ4Matmul", "Int4Matmul")
+    assert tm.greedy(eng, [check[0]], 4)[0][:2] == tm.hf_greedy(hf, check[0], 2)
 
 
 def test_gguf_phi3_longrope_as_llama_cpp_writes_it(tmp_path):
