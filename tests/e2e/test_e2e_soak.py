@@ -71,12 +71,12 @@ def test_soak_with_a_decode_worker_restarted_midway(cluster, stub):
     print(f"soak: {SOAK_REQUESTS} requests at concurrency {SOAK_CONCURRENCY} in {elapsed:.0f} s "
           f"({SOAK_REQUESTS / elapsed:.1f} req/s), decode-1 restarted midway: {outcomes}; "
           f"migrations {cluster.status()['migrations']}")
+    cluster.wait_worker("decode-1")  # first: a failed assertion must not leave it starting
     assert sum(outcomes.values()) == SOAK_REQUESTS  # every request accounted for
     assert not [r for r in outcomes if r.startswith(("unclear", "wrong"))], outcomes
     # decode-0 lives throughout and decode-1 comes back: the gateway migrates what the kill
     # interrupted, so every request completes; a failure, even with a clear status, is a bug
     assert outcomes == {"completed": SOAK_REQUESTS}, outcomes
-    cluster.wait_worker("decode-1")
     cluster.wait_idle()
 
 
