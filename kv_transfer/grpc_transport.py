@@ -72,8 +72,8 @@ class GrpcSendSession(SendSession):
         self._stream: torch.cuda.Stream | None = None  # a CUDA snapshot's copy to the host
 
     def _host_payload(self, blocks: torch.Tensor):
-        """A layer's snapshot as host bytes. From a CUDA cache it is copied on a stream of
-        this session's own into pinned memory: on the thread's default stream, the copy would
+        """A layer's snapshot as host bytes. From a CUDA cache it is copied on the sender's
+        own stream into pinned memory: on the thread's default stream, the copy would
         queue behind the model's later layers, already enqueued (the snapshot itself is
         complete: `_next_layer` waited for its event)."""
         if not blocks.is_cuda:
