@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import replace
@@ -126,6 +127,8 @@ class Connection:
         self._dst = dst  # the receiver's pool mapped here (shm, cuda_ipc), else None
         self._keepalive = keepalive  # owns the mapping of _dst (e.g. a SharedKVPool)
         self._sessions: weakref.WeakSet[SendSession] = weakref.WeakSet()
+        self._lock = threading.Lock()  # begin (engine thread) against close (event loop)
+        self._closed = False
 
     def begin(self, lease_id: str, src_block_ids: Sequence[int],
               dst_block_ids: Sequence[int]) -> SendSession:
@@ -140,16 +143,24 @@ class Connection:
             raise ValueError(f"destination blocks must be in [0, {self.num_blocks})")
         args = (self._stub, self.layout, lease_id, src_block_ids, dst_block_ids, self.options,
                 self.receiver_instance)
-        if self.kind == "grpc":
-            session: SendSession = GrpcSendSession(*args)
-        else:
-            session = OneSidedSendSession(*args, dst=self._dst, kind=self.kind)
-        self._sessions.add(session)
+        with self._lock:
+            if self._closed:  # another transfer's failure closed it: the receiver may be gone
+                raise TransferError(f"the connection to {self.target} was closed after a "
+                                    f"failed transfer; handshake again")
+            if self.kind == "grpc":
+                session: SendSession = GrpcSendSession(*args)
+            else:
+                session = OneSidedSendSession(*args, dst=self._dst, kind=self.kind)
+            self._sessions.add(session)
         return session.start()
 
     def close(self) -> None:
-        """Abort the sessions still running, then close the channel and unmap the pool."""
-        for session in list(self._sessions):
+        """Abort the sessions still running, then close the channel and unmap the pool; a
+        later begin() raises TransferError."""
+        with self._lock:
+            self._closed = True
+            sessions = list(self._sessions)
+        for session in sessions:
             session.abort("connection closed")
         self._channel.close()
         self._dst = self._keepalive = None

@@ -27,6 +27,7 @@ from kv_transfer import (
     KVTransferError,
     LayoutMismatchError,
     SendSession,
+    TransferError,
     TransportRefusedError,
     connect,
 )
@@ -46,9 +47,10 @@ from service_infra.tls import TLSConfig
 logger = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0
 # TransferError codes of a transfer whose lease ended (aborted by the gateway or the decode
-# worker, expired) or that this worker gave up on: the connection is fine and other requests'
-# transfers are using it, so it is kept.
-LEASE_ENDED_CODES = frozenset({"ABORTED", "CANCELLED"})
+# worker, expired, unknown to the receiver) or that this worker gave up on: the connection is
+# fine (one to a previous receiver is refused FAILED_PRECONDITION at Begin) and other
+# requests' transfers are using it, so it is kept.
+LEASE_ENDED_CODES = frozenset({"ABORTED", "CANCELLED", "NOT_FOUND"})
 TRANSFER_SPEED_EWMA_WEIGHT = 0.2  # of the newest transfer in kv_transfer_bytes_per_s
 
 
@@ -94,9 +96,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                           target.transfer_instance)
         except (LayoutMismatchError, TransportRefusedError) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except KVTransferError as e:
+        except KVTransferError as e:  # the decode side: the gateway keeps this worker healthy
             self.metrics.failed(target.transport or "auto", "connect")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed: {e}")
 
         loop = asyncio.get_running_loop()
         sent: asyncio.Future = loop.create_future()
@@ -179,24 +181,33 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     async def _connection(self, address: str, kind: str, instance: str = "") -> Connection:
         """The cached connection to the decode worker at `address`, or a new handshake when
-        there is none or it is to another receiver `instance` than the reservation's (the
-        worker restarted at the same address: a mapping of its old pool must not be used)."""
+        there is none or it is to another receiver `instance` than the reservation's. Then
+        either the worker restarted at the same address (the cached connection maps its old
+        pool: replaced), or the reservation was made on the previous process (TransferError;
+        the cached connection, which other requests' transfers use, is kept)."""
         key = (address, kind)
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:  # one handshake per decode worker, however many requests wait on it
             conn = self._connections.get(key)
-            if conn is not None and instance and conn.receiver_instance != instance:
-                logger.info("decode worker %s restarted (receiver instance %s, was %s): "
-                            "handshaking again", address, instance, conn.receiver_instance)
-                self._forget(conn)
-                conn = None
-            if conn is None:
-                conn = await asyncio.to_thread(
+            if conn is None or (instance and conn.receiver_instance != instance):
+                fresh = await asyncio.to_thread(
                     connect, kind, address, self.engine.layout, device=str(self.engine.device),
                     credentials=self.tls.channel_credentials() if self.tls else None,
                     channel_options=self.tls.channel_options() if self.tls else ())
-                self._connections[key] = conn
-                self.metrics.connected(address, conn.kind)
+                self.metrics.connected(address, fresh.kind)
+                if conn is None or conn.receiver_instance != fresh.receiver_instance:
+                    if conn is not None:
+                        logger.info("decode worker %s restarted (receiver instance %s, was "
+                                    "%s): handshook again", address, fresh.receiver_instance,
+                                    conn.receiver_instance)
+                        self._forget(conn)
+                    conn = self._connections[key] = fresh
+                else:
+                    self._close_later(fresh)
+            if instance and conn.receiver_instance != instance:
+                raise TransferError(f"the reservation was made on a previous decode worker at "
+                                    f"{address} (instance {instance}, now "
+                                    f"{conn.receiver_instance})")
             return conn
 
     def _forget(self, conn: Connection) -> None:
@@ -205,14 +216,22 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         for key, c in list(self._connections.items()):
             if c is conn:
                 del self._connections[key]
-                with contextlib.suppress(Exception):
-                    c.close()
+                self._close_later(c)
+
+    @staticmethod
+    def _close_later(conn: Connection) -> None:
+        """Close off the event loop: aborting its transfers waits for their threads."""
+        asyncio.get_running_loop().run_in_executor(None, _close_quietly, conn)
 
     def close(self) -> None:
         for conn in self._connections.values():
-            with contextlib.suppress(Exception):
-                conn.close()
+            _close_quietly(conn)
         self._connections.clear()
+
+
+def _close_quietly(conn: Connection) -> None:
+    with contextlib.suppress(Exception):
+        conn.close()
 
 
 def _settle(fut: asyncio.Future, session: SendSession | None, error: BaseException | None):

@@ -283,6 +283,25 @@ def test_a_connection_to_a_previous_receiver_writes_nothing(make_rig, kind):
     assert same_bits(rig.kv[:, lease.block_ids], src_kv[:, src_ids])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_closed_connection_aborts_its_transfers_and_refuses_new_ones(make_rig, kind):
+    """A prefill worker closes a connection after a transfer on it failed (the decode worker
+    may be gone), while the engine thread may be about to begin another transfer on it:
+    that begin fails with TransferError (the request is run again), not with an
+    AttributeError on the unmapped pool, and the running transfer ends its lease once."""
+    rig = make_rig(kind, LAYOUTS[0])
+    conn, session, lease, _ = start(rig, kind)
+    conn.close()
+    with pytest.raises(TransferError, match="aborted by the sender: connection closed"):
+        session.commit(timeout=5)
+    assert [x.state for x, _ in rig.releases_of(lease.lease_id)] == [LeaseState.ABORTED]
+    later = rig.open(2)
+    _, src_ids = rig.source(2)
+    with pytest.raises(TransferError, match="was closed after a failed transfer"):
+        conn.begin(later.lease_id, src_ids, list(later.block_ids))
+    assert rig.table.get(later.lease_id).state is LeaseState.RESERVED  # no sender began
+
+
 _KILLED_SENDER = """
 import json, sys, time
 import torch
