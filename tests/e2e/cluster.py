@@ -1,9 +1,12 @@
 """A disaggregated cluster as separate processes on fixed loopback ports, for fault tests:
 2 prefill + 2 decode workers (real model, float32, one thread each) and a gateway given their
-static addresses. Workers can be killed and started again at the same address."""
+static addresses. Workers can be killed and started again at the same address. Each process
+logs to a temporary file, deleted at the end unless PDSERVE_TEST_KEEP_LOGS is set (the paths
+are then printed: run pytest with -s)."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -94,8 +97,11 @@ class Cluster:
     def stop(self) -> None:
         for proc, _ in self.procs.values():
             kill_tree(proc)
-        for _, log in self.procs.values():
-            log.unlink(missing_ok=True)
+        for name, (_, log) in self.procs.items():
+            if os.environ.get("PDSERVE_TEST_KEEP_LOGS"):
+                print(f"{name} log kept: {log}")
+            else:
+                log.unlink(missing_ok=True)
 
 
 def assert_greedy_unchanged(ref, prompts: list[str], results, max_tokens: int) -> None:

@@ -19,7 +19,7 @@ from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.cluster import assert_greedy_unchanged
 from tests.e2e.stack import LONG, greedy, out_ids, run
-from tests.helpers import wait_until
+from tests.helpers import log_tail, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +42,7 @@ def test_soak_with_a_decode_worker_restarted_midway(cluster, stub):
     outcome is counted and printed; every request completes (a clear error status is still
     a failure here: a decode worker was left throughout); pools end full."""
     outcomes: dict[str, int] = {}
+    failures: list[str] = []  # each failed request's status and details, for the report
     done = 0
 
     def one(i: int) -> str:
@@ -53,6 +54,7 @@ def test_soak_with_a_decode_worker_restarted_midway(cluster, stub):
             ok = msgs[-1].usage.completion_tokens == len(out_ids(msgs)) == 8
             return "completed" if ok else "wrong length"
         except grpc.RpcError as e:
+            failures.append(f"request {i}: {e.code().name}: {e.details()}")
             is_clear = e.code() in CLEAR_ERRORS and bool(e.details())
             return f"{e.code().name}" if is_clear else f"unclear {e.code().name}"
         finally:
@@ -76,8 +78,14 @@ def test_soak_with_a_decode_worker_restarted_midway(cluster, stub):
     assert not [r for r in outcomes if r.startswith(("unclear", "wrong"))], outcomes
     # decode-0 lives throughout and decode-1 comes back: the gateway migrates what the kill
     # interrupted, so every request completes; a failure, even with a clear status, is a bug
-    assert outcomes == {"completed": SOAK_REQUESTS}, outcomes
+    assert outcomes == {"completed": SOAK_REQUESTS}, (outcomes, failures, retries(cluster))
     cluster.wait_idle()
+
+
+def retries(cluster) -> list[str]:
+    """The gateway's log lines about requests it ran again (what a failed soak reports)."""
+    return [line for line in log_tail(cluster.procs["gateway"][1], 10**6).splitlines()
+            if "running it again" in line or "lost a worker" in line]
 
 
 def test_greedy_after_the_soak_matches_offline(cluster, stub, ref_fp32):
