@@ -95,9 +95,12 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = (
             load_tokenizer(self.source, cfg.eos_token_ids) if load_tokenizer_ else None
         )
-        self.eos_token_ids = (
-            self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids
-        )
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids
+        if outside := [t for t in eos if not 0 <= t < cfg.vocab_size]:
+            logger.warning("EOS token ids %s are outside the model's vocabulary of %d (the "
+                           "config and tokenizer disagree with the weights): the model can "
+                           "never sample them, so they are ignored", outside, cfg.vocab_size)
+        self.eos_token_ids = tuple(t for t in eos if 0 <= t < cfg.vocab_size)
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
         self.max_model_len = min(
@@ -192,6 +195,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {ids}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
+                             f"{[t for t in params.stop_token_ids if t >= vocab]}")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
                              f"{[t for t, _ in params.logit_bias if t >= vocab]}")
