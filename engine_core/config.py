@@ -51,9 +51,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a decoder in the architecture registry (model/architectures.py):
-    Llama, Mistral, Qwen2, Qwen3, Gemma 3. The registry's fields are resolved into the flat fields
-    below by the loaders, so the model reads one object."""
+    """Hyperparameters of a decoder in the architecture registry (model/architectures.py).
+    The registry's fields are resolved into the flat fields below by the loaders, so the model
+    reads one object."""
 
     name: str
     vocab_size: int
@@ -97,6 +97,17 @@ class ModelConfig:
     # Gemma 2: attention scores and final logits soft-capped, cap * tanh(x / cap); None: none
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # mixture of experts (decoder.SparseMoE): each token goes through the num_experts_per_tok
+    # experts (of num_experts, each moe_intermediate_size wide) its router ranks highest,
+    # weighted by their softmax probabilities (renormalized over the chosen ones where
+    # norm_topk_prob), plus a shared expert where shared_expert_intermediate_size (Qwen2-MoE);
+    # on the layers moe_layers marks (None: all); num_experts 0: a dense MLP everywhere
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -130,6 +141,14 @@ class ModelConfig:
                                                 and self.rotary_dim % 2 == 0):
             raise ValueError(f"rotary_dim must be even and in (0, head_dim {self.head_dim}), "
                              f"got {self.rotary_dim}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts "
+                             f"{self.num_experts}] and moe_intermediate_size > 0, got "
+                             f"{self.num_experts_per_tok} and {self.moe_intermediate_size}")
+        if self.moe_layers is not None and len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for "
+                             f"{self.num_layers} layers")
         # an unsupported or incomplete rope_scaling fails here, before any weight is read
         inv_frequencies(self.rotary_dim or self.head_dim, self.rope_theta, self.rope_scaling)
 
@@ -150,6 +169,10 @@ class ModelConfig:
         if self.sliding_layers is None or self.sliding_layers[layer]:
             return self.sliding_window
         return None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is routed experts (decoder.SparseMoE)."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
     @property
     def has_sliding_window(self) -> bool:
@@ -204,7 +227,7 @@ class ModelConfig:
                 rope_layers = tuple((i + 1) % every != 0 for i in range(num_layers))
         bias = cfg.get("attention_bias")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        return cls(
+        return cls(**_hf_experts(cfg, arch, num_layers),
             name=name,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -238,6 +261,26 @@ class ModelConfig:
             attn_softcap=cfg.get("attn_logit_softcapping") or None,
             final_softcap=cfg.get("final_logit_softcapping") or None,
         )
+
+
+def _hf_experts(cfg: dict[str, Any], arch: architectures.Architecture,
+                num_layers: int) -> dict[str, Any]:
+    """ModelConfig's expert fields from a Hugging Face config: Mixtral's num_local_experts
+    (its experts as wide as intermediate_size), Qwen's num_experts and moe_intermediate_size,
+    with decoder_sparse_step and mlp_only_layers naming the layers that keep a dense MLP."""
+    num = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not num:
+        return {}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return dict(num_experts=num, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size")
+                                          or cfg["intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", arch.moe_norm_topk)),
+                shared_expert_intermediate_size=int(
+                    cfg.get("shared_expert_intermediate_size") or 0),
+                moe_layers=None if all(layers) else layers)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ scores, final logits) come from its config
 
 Phi-3 holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, the decoder's own fused
 matrices, in both formats (a GGUF's `attn_qkv` and its `ffn_up` of twice the width).
+
+Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (decoder.SparseMoE):
+Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
+ones, Qwen3-MoE Qwen3's. llama.cpp writes Mixtral as `llama` with an expert count.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ class Architecture:
     # every n-th layer attends without rope (SmolLM3's NoPE layers: 4), where an HF config has
     # no `no_rope_layers` list and in a GGUF (llama.cpp fixes the step); 0: rope everywhere
     nope_every: int = 0
+    # mixture of experts (where the config or GGUF has experts): whether the top-k routing
+    # weights are renormalized to sum to 1, where the config does not say (`norm_topk_prob`)
+    # and in a GGUF (llama.cpp fixes it per architecture)
+    moe_norm_topk: bool = True
 
 
 # Gemma's four norms per layer, as llama.cpp names them
@@ -96,6 +104,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), sliding_window=True,
                  gguf_layer_names=(("attn_qkv.weight", "self_attn.qkv_proj.weight"),
                                    ("ffn_up.weight", "mlp.gate_up_proj.weight"))),
+    # mixtures of experts (decoder.SparseMoE); a Mixtral GGUF says `llama`
+    Architecture("mixtral", ("MixtralForCausalLM",), ("mixtral",), sliding_window=True,
+                 gguf_permutes_qk=True),
+    Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), qkv_bias=True,
+                 sliding_window=True, moe_norm_topk=False),
+    Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qk_norm=True,
+                 sliding_window=True),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 

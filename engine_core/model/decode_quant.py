@@ -62,7 +62,7 @@ from engine_core.model.decode_matmuls import (  # noqa: F401 (the matmuls' names
     requantize_int4,
     requantize_int8,
 )
-from engine_core.model.decoder import DecoderForCausalLM
+from engine_core.model.decoder import DecoderForCausalLM, SparseMoE
 from engine_core.model.forward_context import current
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 from engine_core.weights.gguf_q8 import Q8Weight
@@ -178,10 +178,11 @@ class NativeDecodeLayers:
     def applies(model: DecoderForCausalLM) -> bool:
         """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
         bias, q/k norm, a window per layer) or Gemma 3's (GeGLU, sandwich norms, a rope per
-        kind of layer), with every matmul quantized and attention in C on every layer."""
+        kind of layer), with every matmul quantized and attention in C on every layer; not a
+        mixture of experts."""
         cfg = model.config
-        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            return False
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.num_experts:
+            return False  # experts: layer by layer (decoder.SparseMoE)
         return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)
                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)
                    for layer in model.layers
@@ -200,6 +201,18 @@ class NativeDecodeLayers:
             meta.slot_mapping[:nd], meta.decode_block_tables, meta.decode_context_lens,
             self.num_heads, self.intermediate, self.eps, self.scale, meta.decode_max_len,
             self.final_norm, local)
+
+
+def mlps_of(layer, at: str) -> list[tuple[nn.Module, str]]:
+    """A layer's gated MLPs with their checkpoint name prefixes (under `at`, the layer's
+    `...mlp`): the MLP itself, or a SparseMoE's experts and its shared expert."""
+    mlp = layer.mlp
+    if not isinstance(mlp, SparseMoE):
+        return [(mlp, at)]
+    out = [(expert, f"{at}.experts.{e}") for e, expert in enumerate(mlp.experts)]
+    if mlp.shared_expert is not None:
+        out.append((mlp.shared_expert, f"{at}.shared_expert"))
+    return out
 
 
 DECODE_ACTIVATIONS = ("auto", "float32", "int8")
@@ -275,15 +288,16 @@ def quantize_for_decode(
 
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         names = {
             (attn, "qkv_proj"): [f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
             (attn, "o_proj"): [f"{pre}self_attn.o_proj.weight"],
-            (mlp, "gate_up_proj"): [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"],
-            (mlp, "down_proj"): [f"{pre}mlp.down_proj.weight"],
         }
-        for module, attr in list(names):  # a file's own fused matrix (Phi-3)
-            whole = f"{pre}{'self_attn' if module is attn else 'mlp'}.{attr}.weight"
+        for mlp, at in mlps_of(layer, f"{pre}mlp"):  # the MLP, or each expert (the router
+            names[(mlp, "gate_up_proj")] = [f"{at}.gate_proj.weight", f"{at}.up_proj.weight"]
+            names[(mlp, "down_proj")] = [f"{at}.down_proj.weight"]  # stays dense: SparseMoE)
+        for (module, attr), parts in list(names.items()):  # a file's own fused matrix (Phi-3)
+            whole = parts[0].rsplit(".", 2)[0] + f".{attr}.weight"
             if whole in q4 or whole in q8 or whole in dense:
                 names[(module, attr)] = [whole]
         for (module, attr), parts in names.items():
@@ -311,10 +325,12 @@ def quantize_for_decode(
     model.lm_head.native = lib
     # the layers in one C call need its attention: use_native_kernels (load_model) set it
     decode_layers = NativeDecodeLayers(model, lib) if NativeDecodeLayers.applies(model) else None
-    total = 4 * len(model.layers) + 1
-    num_dense = sum(isinstance(m, nn.Linear) for layer in model.layers
-                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                              layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    matrices = [m for layer in model.layers
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                          *(p for mlp, _ in mlps_of(layer, "")
+                            for p in (mlp.gate_up_proj, mlp.down_proj)))]
+    total = len(matrices) + 1
+    num_dense = sum(isinstance(m, nn.Linear) for m in matrices)
     logger.info("decode rows use quantized matmuls (%s, %s activations): %d int4 weights (from "
                 "the GGUF), %d q8-family weights from the GGUF, %d int8, %d dense",
                 "native kernels" if lib is not None else "torch",

@@ -151,16 +151,73 @@ ACTIVATIONS = {  # config.ACTIVATIONS names the same set
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The gated MLP, `width` wide (default: the config's intermediate_size)."""
+
+    def __init__(self, cfg: ModelConfig, width: int | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
+        self.intermediate = width or cfg.intermediate_size
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router (`gate`,
+    kept dense for every row, so that a token picks the same experts whatever its path) ranks
+    the experts per token; the top num_experts_per_tok run on it, their outputs weighted by
+    the softmax probabilities (renormalized over the chosen where norm_topk_prob). Qwen2-MoE
+    adds a shared expert on every token, scaled by sigmoid(shared_expert_gate(x)).
+
+    Each expert runs once per step on its tokens, gathered in row order, so a step's decode
+    rows (the first rows) stay first: the expert's quantized matmuls take exactly those
+    (the forward context's num_quant_rows, recounted per expert)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+        n, k = x.shape[0], self.top_k
+        probs = self.gate(x.to(self.gate.weight.dtype)).float().softmax(dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)  # [n, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        # the (token, expert) pairs grouped by expert, tokens ascending within each group
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows, pair_weights = order // k, weights.reshape(-1)[order]
+        num_experts = len(self.experts)
+        counts = torch.bincount(flat, minlength=num_experts).tolist()
+        ctx = current()
+        nq = min(ctx.num_quant_rows, n)
+        quant_counts = (torch.bincount(chosen[:nq].reshape(-1), minlength=num_experts).tolist()
+                        if nq else [0] * num_experts)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            idx = rows[start : start + count]
+            with use(dataclasses.replace(ctx, num_quant_rows=quant_counts[e])):
+                y = self.experts[e](x[idx])
+            out.index_add_(0, idx, y * pair_weights[start : start + count, None])
+            start += count
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x.to(self.gate.weight.dtype)))
+            out = out + gate.to(x.dtype) * self.shared_expert(x)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -176,7 +233,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.layer_is_moe(layer) else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -196,6 +253,21 @@ class DecoderLayer(nn.Module):
             return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+# Mixtral's checkpoint names for its experts, as the rest of the decoder names them (Qwen's)
+_MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def moe_name(name: str) -> str:
+    """A checkpoint's weight name with Mixtral's `block_sparse_moe.experts.E.w1` written as
+    `mlp.experts.E.gate_proj` (w3: up_proj, w2: down_proj) and its router as `mlp.gate`."""
+    if ".block_sparse_moe." not in name:
+        return name
+    parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
+    if len(parts) >= 2 and parts[-2] in _MIXTRAL_EXPERT_NAMES and "experts" in parts:
+        parts[-2] = _MIXTRAL_EXPERT_NAMES[parts[-2]]
+    return ".".join(parts)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -309,13 +381,13 @@ class DecoderForCausalLM(nn.Module):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         fused = {  # HF suffix -> (our suffix, row offset)
             "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", None),  # half-way
         }
         parts_of = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),  # a checkpoint's fused matrix
                     "gate_up_proj": ("gate_proj", "up_proj")}  # (Phi-3) counts as its parts
         loaded: set[str] = set()
         for name, w in weights:
-            name = name.removeprefix("model.")
+            name = moe_name(name.removeprefix("model."))
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -324,6 +396,8 @@ class DecoderForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in fused:
                 ours, offset = fused[parts[-2]]
                 target = ".".join([*parts[:-2], ours, parts[-1]])
+                if offset is None:  # up_proj: after gate_proj (an MLP's or expert's width)
+                    offset = params[target].shape[0] // 2
                 params[target][offset : offset + w.shape[0]].copy_(w)
                 loaded.add(f"{target}:{parts[-2]}")
                 continue
@@ -348,10 +422,14 @@ class DecoderForCausalLM(nn.Module):
                                            cfg.rotary_dim)
                 if rows is not None and name.startswith("layers."):
                     p.copy_(p[rows])
-        # per layer: 2 norms, q, k, v, o, gate, up, down (+ q, k, v biases) (+ q, k norms)
-        # (+ Gemma's pre- and post-feedforward norms)
-        per_layer = (9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
+        # per layer: 2 norms, q, k, v, o (+ q, k, v biases) (+ q, k norms) (+ Gemma's pre-
+        # and post-feedforward norms); the MLP's gate, up, down, or the experts': a router,
+        # gate, up and down per expert (+ a shared expert's three and its gate)
+        per_layer = (6 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
                      + (2 if cfg.sandwich_norms else 0))
-        expected = per_layer * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)
+        moe = 1 + 3 * cfg.num_experts + (4 if cfg.shared_expert_intermediate_size else 0)
+        expected = (sum(per_layer + (moe if cfg.layer_is_moe(i) else 3)
+                        for i in range(cfg.num_layers))
+                    + 2 + (0 if cfg.tie_word_embeddings else 1))
         if len(loaded) != expected:
             raise ValueError(f"loaded {len(loaded)} weight tensors, expected {expected}")

@@ -59,6 +59,16 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixtures of experts: the router, every expert's matrix stacked in one 3-D tensor
+    # ({} is the expert), a shared expert and its gate (Qwen2-MoE: a vector)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -77,6 +87,15 @@ def hf_name(gguf_name: str, arch: architectures.Architecture | None = None) -> s
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
 
 
+def hf_names(t, arch: architectures.Architecture) -> list[str]:
+    """The Hugging Face names of a GGUF tensor's matrices: one, or one per expert of a 3-D
+    stacked tensor (`ffn_*_exps`, experts outermost)."""
+    name = hf_name(t.name, arch)
+    if "{}" not in name:
+        return [name]
+    return [name.format(e) for e in range(int(t.shape[-1]))]  # dims innermost-first
+
+
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved pairs -> two halves per head)."""
     out_dim = w.shape[0]
@@ -87,6 +106,14 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
         .transpose(1, 2)
         .reshape(w.shape)
     )
+
+
+def _per_expert(names: list[str], w):
+    """A stacked experts' Q4Weight or Q8Weight (experts' rows one after another) split into
+    one weight per expert, under `names`."""
+    rows = w.q.shape[0] // len(names)
+    for e, name in enumerate(names):
+        yield name, w.permute_rows(torch.arange(e * rows, (e + 1) * rows))
 
 
 class _PlainViewReader(GGUFReader):
@@ -222,6 +249,7 @@ class GGUFFile:
         scale = self.field(f"{a}.attention.scale")
         if scale is None and a == "gemma2" and num_layers == 46:
             scale = (hidden / num_heads) ** -0.5
+        experts = self._experts(a, names, num_layers)
         eos = self.field("tokenizer.ggml.eos_token_id")
         eot = self.field("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
@@ -229,7 +257,8 @@ class GGUFFile:
             name=str(self.field("general.name", self.path.stem)),
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")
+                                  or self.field(f"{a}.expert_feed_forward_length")),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
@@ -259,12 +288,37 @@ class GGUFFile:
             sandwich_norms=arch.sandwich_norms,
             embedding_scale=hidden**0.5 if arch.embedding_scale else None,
             hidden_act=arch.activation,
+            **experts,
         )
+
+    def _experts(self, a: str, names: set[str], num_layers: int) -> dict[str, Any]:
+        """ModelConfig's expert fields as llama.cpp writes them: the counts, an expert's width
+        (Mixtral's is feed_forward_length), the shared expert's, and the layers with a router.
+        Whether the chosen weights are renormalized is fixed per architecture in llama.cpp
+        (Architecture.moe_norm_topk), unless the file says (expert_weights_norm)."""
+        num = int(self.field(f"{a}.expert_count") or 0)
+        if not num:
+            return {}
+        if any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n) for n in names):
+            raise ValueError(f"{self.path.name}: experts stored one tensor each (an early "
+                             f"llama.cpp Mixtral conversion) are not supported; convert the "
+                             f"model again with a current llama.cpp")
+        layers = tuple(f"blk.{i}.ffn_gate_inp.weight" in names for i in range(num_layers))
+        norm = self.field(f"{a}.expert_weights_norm")
+        return dict(num_experts=num, num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
+                    moe_intermediate_size=int(self.field(f"{a}.expert_feed_forward_length")
+                                              or self.field(f"{a}.feed_forward_length")),
+                    norm_topk_prob=(self.architecture.moe_norm_topk if norm is None
+                                    else bool(norm)),
+                    shared_expert_intermediate_size=int(
+                        self.field(f"{a}.expert_shared_feed_forward_length") or 0),
+                    moe_layers=None if all(layers) else layers)
 
     def tensor_types(self) -> dict[str, GGMLQuantizationType]:
         """The GGUF type of every weight, by Hugging Face name."""
-        return {hf_name(t.name, self.architecture): GGMLQuantizationType(t.tensor_type)
-                for t in self.reader.tensors if t.name not in ROPE_TENSORS}
+        return {name: GGMLQuantizationType(t.tensor_type)
+                for t in self.reader.tensors if t.name not in ROPE_TENSORS
+                for name in hf_names(t, self.architecture)}
 
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, float32 tensor) for every tensor in the file."""
@@ -282,11 +336,17 @@ class GGUFFile:
             # GGUF lists dims innermost-first; numpy wants them outermost-first
             shape = tuple(int(d) for d in reversed(t.shape))
             w = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)  # a copy
-            name = hf_name(t.name, self.architecture)
+            names = hf_names(t, self.architecture)
+            if len(names) > 1:  # stacked experts
+                yield from zip(names, w, strict=True)
+                continue
+            name = names[0]
             if permute and name.endswith("q_proj.weight"):
                 w = unpermute_qk(w, config.num_heads)
             elif permute and name.endswith("k_proj.weight"):
                 w = unpermute_qk(w, config.num_kv_heads)
+            elif name.endswith("shared_expert_gate.weight"):
+                w = w.reshape(1, -1)  # llama.cpp's vector: transformers' [1, hidden] matrix
             yield name, w
 
     def q4_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q4Weight]]:
@@ -296,8 +356,12 @@ class GGUFFile:
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in Q4_TYPES or t.name in ROPE_TENSORS:
                 continue
-            w = unpack_q4(t.data, qtype)
-            name = hf_name(t.name, self.architecture)
+            w = unpack_q4(t.data.reshape(-1, t.data.shape[-1]), qtype)
+            names = hf_names(t, self.architecture)
+            if len(names) > 1:  # stacked experts: each its rows
+                yield from _per_expert(names, w)
+                continue
+            name = names[0]
             heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
             for suffix, n in heads.items():
                 if self.architecture.gguf_permutes_qk and name.endswith(suffix):
@@ -312,10 +376,14 @@ class GGUFFile:
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in Q8_TYPES or t.name in ROPE_TENSORS:
                 continue
-            name = hf_name(t.name, self.architecture)
-            if name == "model.embed_tokens.weight":
+            names = hf_names(t, self.architecture)
+            if names == ["model.embed_tokens.weight"]:
                 continue
-            w = unpack_q8(t.data, qtype)
+            w = unpack_q8(t.data.reshape(-1, t.data.shape[-1]), qtype)
+            if len(names) > 1:  # stacked experts: each its rows
+                yield from _per_expert(names, w)
+                continue
+            name = names[0]
             heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
             for suffix, n in heads.items():
                 if self.architecture.gguf_permutes_qk and name.endswith(suffix):

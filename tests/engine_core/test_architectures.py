@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,16 @@ CASES = {
     # fused qkv_proj and gate_up_proj; a window on every layer, as Phi-3-mini's 2047
     "phi3": (transformers.Phi3Config, {"sliding_window": 12, "pad_token_id": 0,
                                        "eos_token_id": 2}),
+    # mixtures of experts: 4 experts, 2 per token; Mixtral's as wide as intermediate_size,
+    # Qwen2-MoE's with a gated shared expert, Qwen3-MoE's first layer a dense MLP
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                             "sliding_window": None}),
+    "qwen2-moe": (transformers.Qwen2MoeConfig, {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64}),
+    "qwen3-moe": (transformers.Qwen3MoeConfig, {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "mlp_only_layers": [0]}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {}),
     "mistral-window": (transformers.MistralConfig, {"sliding_window": 12}),
@@ -364,7 +375,8 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
-                                  "gemma3", "gemma2", "smollm3", "phi3"])
+                                  "gemma3", "gemma2", "smollm3", "phi3", "mixtral",
+                                  "qwen2-moe", "qwen3-moe"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next
@@ -378,7 +390,8 @@ def test_cpu_defaults_run_every_architecture(case, tmp_path):
     assert got[:2] == tm.hf_greedy(hf, prompt, 2)
 
 
-@pytest.mark.parametrize("case", ["qwen2-yarn", "gemma2", "smollm3", "phi3"])
+@pytest.mark.parametrize("case", ["qwen2-yarn", "gemma2", "smollm3", "phi3", "qwen2-moe",
+                                  "qwen3-moe"])
 def test_user_defaults_run_the_newer_architectures(case, tmp_path):
     """The configuration a user gets on this CPU: bfloat16 weights, quantized decode matmuls
     with int8 activations where the CPU has VNNI (LLMEngine's own choices, nothing forced):
@@ -395,3 +408,82 @@ def test_user_defaults_run_the_newer_architectures(case, tmp_path):
     assert tm.relative_error(ours, theirs) < 0.05
     got = tm.greedy(eng, [prompt], 8)[0]
     assert len(got) == 8 and got[0] == int(theirs[-1].argmax())
+
+
+@pytest.mark.parametrize("case", ["qwen2-moe", "mixtral"])
+def test_experts_decode_quantized_whatever_shares_the_step(case, tmp_path):
+    """Each expert runs once per step on its tokens in row order, so the decode rows among
+    them take its quantized matmuls and the prefill rows its dense ones: a request's tokens
+    are the same alone and in steps shared with other requests' prefill chunks (a 16-token
+    budget chunks the longer prompts beside the shorter ones' decodes). The router and the
+    shared expert's gate stay dense; every expert's matrices are quantized."""
+    from torch import nn
+
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    eng = tm.engine(tmp_path, quantize_decode=True, decode_activations="float32",
+                    max_num_batched_tokens=16)
+    moe = eng.model.layers[0].mlp
+    assert isinstance(moe.gate, nn.Linear)
+    assert all(type(e.gate_up_proj).__name__ == "DecodeQuantLinear"
+               and type(e.down_proj).__name__ == "DecodeQuantLinear" for e in moe.experts)
+    # one layer's experts on 3 decode rows and 5 prefill rows: each row as it would be alone
+    from engine_core.model.forward_context import ForwardContext, use
+
+    x = torch.randn(8, tm.SIZES["hidden_size"], generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        with use(ForwardContext(num_quant_rows=3)):
+            mixed, decoded = moe(x), moe(x[:3])
+        dense = moe(x[3:])
+    torch.testing.assert_close(mixed[:3], decoded, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mixed[3:], dense, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(decoded, moe(x[:3]), rtol=1e-5, atol=1e-6)  # quantized, truly
+    prompts = tm.prompts(tm.SIZES["vocab_size"], [9, 40, 70])
+    together = tm.greedy(eng, prompts, 12)
+    alone = [tm.greedy(eng, [p], 12)[0] for p in prompts]
+    assert together == alone
+    for p, got in zip(prompts, together, strict=True):
+        assert got[:2] == tm.hf_greedy(hf, p, 2)
+
+
+@pytest.mark.parametrize(("case", "arch", "permute"), [
+    ("mixtral", "llama", True), ("qwen2-moe", "qwen2moe", False),
+    ("qwen3-moe", "qwen3moe", False)])
+def test_gguf_mixture_of_experts(case, arch, permute, tmp_path):
+    """Experts as llama.cpp writes them: one 3-D tensor per matrix kind (ffn_gate_exps, ...),
+    the router as ffn_gate_inp, Qwen2-MoE's shared expert and its gate vector, Mixtral under
+    `llama`; logits and greedy equal to transformers in float32, and on the CPU defaults each
+    expert decodes from the file's own Q4_0 blocks."""
+    from gguf import GGMLQuantizationType
+
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch=arch, permute=permute)
+    f = GGUFFile(tmp_path / "m.gguf")
+    cfg = f.model_config()
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (4, 2)
+    assert cfg.norm_topk_prob == (case != "qwen2-moe")  # llama.cpp's choice per architecture
+    assert cfg.moe_layers == ((False, True) if case == "qwen3-moe" else None)
+    assert cfg.shared_expert_intermediate_size == (64 if case == "qwen2-moe" else 0)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in f.tensor_types()
+    check_against_hf(hf, tmp_path / "m.gguf")
+    if case == "mixtral":  # an early llama.cpp conversion: a tensor per expert, refused
+        tm.write_gguf(hf, tmp_path / "old.gguf", arch=arch, extra_tensors={
+            "blk.0.ffn_gate.0.weight": np.zeros((8, 8))})
+        with pytest.raises(ValueError, match="experts stored one tensor each"):
+            GGUFFile(tmp_path / "old.gguf").model_config()
+    held = tm.write_gguf(hf, tmp_path / "q.gguf", arch=arch, permute=permute,
+                         qtype=GGMLQuantizationType.Q4_0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in held:
+                p.copy_(torch.from_numpy(held[name]))
+    eng = tm.engine(tmp_path / "q.gguf", quantize_decode=True, decode_activations="float32")
+    experts = eng.model.layers[1].mlp.experts
+    assert all(type(e.gate_up_proj.quant).__name__ in ("NativeQ4Matmul", "Int4Matmul")
+               for e in experts)  # the file's blocks, each expert its own rows
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
+    assert tm.relative_error(tm.prompt_logits(eng, prompt), tm.hf_logits(hf, prompt)) < 1e-3
+    assert tm.greedy(eng, [prompt], 4)[0][:2] == tm.hf_greedy(hf, prompt, 2)

@@ -141,6 +141,16 @@ GGUF_LAYER_NAMES = {
     # Phi-3's fused matrices, as llama.cpp names them
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",
+    # mixtures of experts: the router, the stacked experts (transformers holds gate and up
+    # as one [experts, 2 * width, hidden] tensor), a shared expert and its gate
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj": "ffn_up_exps.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 GGUF_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
                   "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -160,6 +170,19 @@ def gguf_name(hf: str, gemma: bool = False) -> str:
     parts = hf.removeprefix("model.layers.").split(".", 1)
     names = {**GGUF_LAYER_NAMES, **GEMMA_LAYER_NAMES} if gemma else GGUF_LAYER_NAMES
     return f"blk.{parts[0]}.{names[parts[1]]}"
+
+
+def _split_experts(state: dict[str, torch.Tensor]):
+    """The state dict's items with transformers' fused experts' gate_up_proj ([experts,
+    2 * width, hidden]) as two tensors, `experts.gate_proj` and `experts.up_proj`, as
+    llama.cpp stores them."""
+    for name, p in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = p.chunk(2, dim=1)
+            yield name.removesuffix("gate_up_proj") + "gate_proj", gate
+            yield name.removesuffix("gate_up_proj") + "up_proj", up
+        else:
+            yield name, p
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -236,30 +259,50 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         token = getattr(hf_model.generation_config, f"{key}_token_id")
         if isinstance(token, int):
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", token)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:  # as llama.cpp writes them (Mixtral: experts as wide as the MLP)
+        w.add_uint32(f"{arch}.expert_count", experts)
+        w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length",
+                         cfg.shared_expert_intermediate_size)
     for k, v in (extra or {}).items():  # by the value's type: string, float32 or uint32
         add = {str: w.add_string, float: w.add_float32}.get(type(v), w.add_uint32)
         add(k, v)
     held = {}
     unwritable = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, *IQ_TYPES}
-    for i, (name, p) in enumerate(hf_model.state_dict().items()):
+    stacked = {}  # transformers' fused experts' gate/up: written apart, held together
+    for i, (name, p) in enumerate(_split_experts(hf_model.state_dict())):
         if "rotary_emb" in name:
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         a = p.detach().float().numpy()
+        if name.endswith("shared_expert_gate.weight"):
+            a = a.reshape(-1)  # llama.cpp's vector
         if gemma and name.endswith("norm.weight"):
             a = a + 1.0  # llama.cpp's converter stores Gemma's norms with the + 1
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             a = permute_qk(a, cfg.num_attention_heads)
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             a = permute_qk(a, cfg.num_key_value_heads)
-        t = qtype if a.ndim == 2 else Q.F32
-        # gguf writes every type but the K-quants and IQ types, which get random blocks
-        raw = (random_blocks(t, a.shape[0], a.shape[1], seed=i) if t in unwritable
-               else quantize(a, t))
-        w.add_tensor(gguf_name(name, gemma), raw, raw_dtype=t)  # raw: [rows, bytes per row]
+        t = qtype if a.ndim >= 2 else Q.F32
+        # gguf writes every type but the K-quants and IQ types, which get random blocks; a
+        # stack of experts as one matrix of all their rows
+        rows, cols = int(np.prod(a.shape[:-1])), a.shape[-1]
+        raw = (random_blocks(t, rows, cols, seed=i) if t in unwritable
+               else quantize(a.reshape(rows, cols), t))
+        raw = raw.reshape(*a.shape[:-1], raw.shape[-1])
+        w.add_tensor(gguf_name(name, gemma), raw, raw_dtype=t)  # raw: [..., bytes per row]
         back = np.asarray(dequantize(raw, t), dtype=np.float32).reshape(a.shape)
-        held[name] = back
+        if name.endswith(("experts.gate_proj", "experts.up_proj")):
+            stacked.setdefault(name.rsplit(".", 1)[0] + ".gate_up_proj", []).append(back)
+            continue
+        held[name] = back.reshape(p.shape)
+    for name, (gate, up) in stacked.items():
+        held[name] = np.concatenate([gate, up], axis=1)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32), raw_dtype=Q.F32)
     for name, a in (extra_tensors or {}).items():
