@@ -97,6 +97,10 @@ class ModelConfig:
     # Gemma 2: attention scores and final logits soft-capped, cap * tanh(x / cap); None: none
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # Granite: the attention and MLP outputs times residual_multiplier before they join the
+    # residual stream, and the logits divided by logits_scaling
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # mixture of experts (decoder.SparseMoE): each token goes through the num_experts_per_tok
     # experts (of num_experts, each moe_intermediate_size wide) its router ranks highest,
     # weighted by their softmax probabilities (renormalized over the chosen ones where
@@ -134,6 +138,9 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
                              f"expected head_dim / 2 = {self.head_dim // 2}")
+        if self.residual_multiplier <= 0 or self.logits_scaling <= 0:
+            raise ValueError(f"residual_multiplier and logits_scaling must be > 0, got "
+                             f"{self.residual_multiplier} and {self.logits_scaling}")
         for name in ("attn_softcap", "final_softcap"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
@@ -254,10 +261,14 @@ class ModelConfig:
             rope_layers=rope_layers,
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sandwich_norms=arch.sandwich_norms,
-            embedding_scale=cfg["hidden_size"] ** 0.5 if arch.embedding_scale else None,
+            embedding_scale=(cfg["hidden_size"] ** 0.5 if arch.embedding_scale
+                             else cfg.get("embedding_multiplier")),  # (Granite's)
             norm_weight_offset=arch.norm_weight_offset,
             attention_scale=(cfg["query_pre_attn_scalar"] ** -0.5
-                             if cfg.get("query_pre_attn_scalar") else None),
+                             if cfg.get("query_pre_attn_scalar")
+                             else cfg.get("attention_multiplier")),  # (Granite's)
+            residual_multiplier=float(cfg.get("residual_multiplier") or 1.0),
+            logits_scaling=float(cfg.get("logits_scaling") or 1.0),
             attn_softcap=cfg.get("attn_logit_softcapping") or None,
             final_softcap=cfg.get("final_logit_softcapping") or None,
         )

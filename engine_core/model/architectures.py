@@ -25,6 +25,12 @@ scores, final logits) come from its config
 Phi-3 holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, the decoder's own fused
 matrices, in both formats (a GGUF's `attn_qkv` and its `ffn_up` of twice the width).
 
+Granite scales the embeddings (`embedding_multiplier`), attention scores
+(`attention_multiplier`, in place of head_dim^-0.5), the attention and MLP outputs before they
+join the residual stream (`residual_multiplier`) and divides the logits (`logits_scaling`);
+llama.cpp writes them as `granite.embedding_scale`, `.attention.scale`, `.residual_scale` and
+`.logit_scale`.
+
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (decoder.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
 ones, Qwen3-MoE Qwen3's. llama.cpp writes Mixtral as `llama` with an expert count.
@@ -104,6 +110,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), sliding_window=True,
                  gguf_layer_names=(("attn_qkv.weight", "self_attn.qkv_proj.weight"),
                                    ("ffn_up.weight", "mlp.gate_up_proj.weight"))),
+    # Granite (3.x dense): Llama with four multipliers from its config (embeddings,
+    # attention scale, residual branches, logits)
+    Architecture("granite", ("GraniteForCausalLM",), ("granite",), gguf_permutes_qk=True),
     # mixtures of experts (decoder.SparseMoE); a Mixtral GGUF says `llama`
     Architecture("mixtral", ("MixtralForCausalLM",), ("mixtral",), sliding_window=True,
                  gguf_permutes_qk=True),

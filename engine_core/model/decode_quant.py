@@ -179,10 +179,11 @@ class NativeDecodeLayers:
         """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
         bias, q/k norm, a window per layer) or Gemma 3's (GeGLU, sandwich norms, a rope per
         kind of layer), with every matmul quantized and attention in C on every layer; not a
-        mixture of experts."""
+        mixture of experts, nor Granite's scaled residual branches."""
         cfg = model.config
-        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.num_experts:
-            return False  # experts: layer by layer (decoder.SparseMoE)
+        if (cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.num_experts
+                or cfg.residual_multiplier != 1.0):
+            return False  # experts, Granite's scaled branches: layer by layer
         return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)
                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)
                    for layer in model.layers

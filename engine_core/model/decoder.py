@@ -235,6 +235,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.layer_is_moe(layer) else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -251,8 +252,11 @@ class DecoderLayer(nn.Module):
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x),
                                                          residual)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (x * self.residual_multiplier if self.residual_multiplier != 1.0 else x), residual
 
 
 # Mixtral's checkpoint names for its experts, as the rest of the decoder names them (Qwen's)
@@ -368,6 +372,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         logits = self.lm_head(hidden).float()
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_softcap
         if cap is not None:  # Gemma 2: softcap * tanh(logits / softcap), in float32
             logits = cap * torch.tanh(logits / cap)

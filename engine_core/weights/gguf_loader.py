@@ -286,7 +286,10 @@ class GGUFFile:
                          if arch.nope_every else None),
             rotary_dim=rotary_dim,
             sandwich_norms=arch.sandwich_norms,
-            embedding_scale=hidden**0.5 if arch.embedding_scale else None,
+            embedding_scale=(hidden**0.5 if arch.embedding_scale
+                             else self.field(f"{a}.embedding_scale")),  # (Granite's)
+            residual_multiplier=float(self.field(f"{a}.residual_scale") or 1.0),
+            logits_scaling=float(self.field(f"{a}.logit_scale") or 1.0),
             hidden_act=arch.activation,
             **experts,
         )

@@ -42,6 +42,10 @@ CASES = {
     # fused qkv_proj and gate_up_proj; a window on every layer, as Phi-3-mini's 2047
     "phi3": (transformers.Phi3Config, {"sliding_window": 12, "pad_token_id": 0,
                                        "eos_token_id": 2}),
+    # Granite's four multipliers, each far from 1 so that each changes every output
+    "granite": (transformers.GraniteConfig, {
+        "embedding_multiplier": 2.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5,
+        "logits_scaling": 3.0}),
     # mixtures of experts: 4 experts, 2 per token; Mixtral's as wide as intermediate_size,
     # Qwen2-MoE's with a gated shared expert, Qwen3-MoE's first layer a dense MLP
     "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2,
@@ -376,7 +380,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
                                   "gemma3", "gemma2", "smollm3", "phi3", "mixtral",
-                                  "qwen2-moe", "qwen3-moe"])
+                                  "qwen2-moe", "qwen3-moe", "granite"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next
@@ -487,3 +491,20 @@ def test_gguf_mixture_of_experts(case, arch, permute, tmp_path):
     prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
     assert tm.relative_error(tm.prompt_logits(eng, prompt), tm.hf_logits(hf, prompt)) < 1e-3
     assert tm.greedy(eng, [prompt], 4)[0][:2] == tm.hf_greedy(hf, prompt, 2)
+
+
+def test_gguf_granite_with_its_multipliers(tmp_path):
+    """Granite as llama.cpp writes it (Llama's Q/K order, the multipliers as
+    granite.embedding_scale, .attention.scale, .residual_scale and .logit_scale): logits and
+    greedy equal to transformers."""
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    config_cls, overrides = CASES["granite"]
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="granite", extra={
+        "granite.embedding_scale": 2.0, "granite.attention.scale": 0.2,
+        "granite.residual_scale": 0.5, "granite.logit_scale": 3.0})
+    cfg = GGUFFile(tmp_path / "m.gguf").model_config()
+    assert (cfg.embedding_scale, cfg.attention_scale, cfg.residual_multiplier,
+            cfg.logits_scaling) == pytest.approx((2.0, 0.2, 0.5, 3.0))
+    check_against_hf(hf, tmp_path / "m.gguf")
