@@ -201,10 +201,7 @@ def test_gguf_phi3_with_its_fused_matrices(tmp_path):
     check_against_hf(hf, tmp_path / "m.gguf")
     held = tm.write_gguf(hf, tmp_path / "q.gguf", arch="phi3", permute=False,
                          qtype=GGMLQuantizationType.Q4_0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name in held:
-                p.copy_(torch.from_numpy(held[name]))
+    tm.use_held_weights(hf, held)
     eng = tm.engine(tmp_path / "q.gguf", quantize_decode=True, decode_activations="float32")
     qkv = eng.model.layers[0].self_attn.qkv_proj
     assert type(qkv.quant).__name__ in ("NativeQ4Matmul", "Int4Matmul")  # the file's blocks
@@ -369,10 +366,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
     path = tmp_path / "m.gguf"
     held = tm.write_gguf(hf, path, arch=GGUF_ARCHS[case], qtype=GGMLQuantizationType[qtype],
                          permute=case in ("llama", "smollm3"))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name in held:
-                p.copy_(torch.from_numpy(held[name]))
+    tm.use_held_weights(hf, held)
     eng = tm.engine(path)
     for p in tm.prompts(tm.SIZES["vocab_size"], [9, 40]):
         assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
@@ -480,10 +474,7 @@ def test_gguf_mixture_of_experts(case, arch, permute, tmp_path):
             GGUFFile(tmp_path / "old.gguf").model_config()
     held = tm.write_gguf(hf, tmp_path / "q.gguf", arch=arch, permute=permute,
                          qtype=GGMLQuantizationType.Q4_0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name in held:
-                p.copy_(torch.from_numpy(held[name]))
+    tm.use_held_weights(hf, held)
     eng = tm.engine(tmp_path / "q.gguf", quantize_decode=True, decode_activations="float32")
     experts = eng.model.layers[1].mlp.experts
     assert all(type(e.gate_up_proj.quant).__name__ in ("NativeQ4Matmul", "Int4Matmul")

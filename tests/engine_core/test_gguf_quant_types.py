@@ -34,10 +34,7 @@ def gguf_model(tmp_path, qtype, **overrides):
     hf = tm.build_hf(transformers.LlamaConfig, tmp_path / "hf", **{**WIDE, **overrides})
     path = tmp_path / f"m-{qtype.name}.gguf"
     held = tm.write_gguf(hf, path, qtype=qtype)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name in held:
-                p.copy_(torch.from_numpy(held[name]))
+    tm.use_held_weights(hf, held)
     return hf, path
 
 

@@ -140,10 +140,7 @@ def test_phi4_mini_partial_rotary(tmp_path):
         assert tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p)) < 1e-3
     held = tm.write_gguf(hf, tmp_path / "q.gguf", arch="phi3", permute=False, extra=keys,
                          extra_tensors=factors, qtype=GGMLQuantizationType.Q4_0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name in held:
-                p.copy_(torch.from_numpy(held[name]))
+    tm.use_held_weights(hf, held)
     eng = tm.engine(tmp_path / "q.gguf", quantize_decode=True, decode_activations="float32")
     assert type(eng.model.layers[0].self_attn.qkv_proj.quant).__name__ in (
         "NativeQ4Matmul", "Int4Matmul")

@@ -172,6 +172,15 @@ def gguf_name(hf: str, gemma: bool = False) -> str:
     return f"blk.{parts[0]}.{names[parts[1]]}"
 
 
+def use_held_weights(hf_model, held: dict[str, np.ndarray]) -> None:
+    """The transformers model's weights replaced by what a GGUF holds (write_gguf's return,
+    after quantization): the reference for a quantized file."""
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name in held:
+                p.copy_(torch.from_numpy(held[name]))
+
+
 def _split_experts(state: dict[str, torch.Tensor]):
     """The state dict's items with transformers' fused experts' gate_up_proj ([experts,
     2 * width, hidden]) as two tensors, `experts.gate_proj` and `experts.up_proj`, as
