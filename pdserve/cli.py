@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
+import signal
 import sys
 
 from gateway.cli import add_gateway_arguments, add_generate_arguments, run_gateway, run_generate
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_env_defaults(parser, command)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    # `kill -USR1 PID` prints every thread's stack to stderr: where a stuck process is stuck
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:

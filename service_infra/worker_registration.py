@@ -141,7 +141,11 @@ class WorkerRegistration:
         """Deregister (worker key and prefix set; the epoch stays for the next start)."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)  # no heartbeat after the DEL
+        if self._tasks:  # no heartbeat after the DEL; bounded: a stop must not hang on Redis
+            _, stuck = await asyncio.wait(self._tasks, timeout=STOP_TIMEOUT_S)
+            if stuck:
+                logger.warning("%d registration task(s) did not stop within %.0f s",
+                               len(stuck), STOP_TIMEOUT_S)
         if self._redis is None:
             return
         try:
@@ -153,7 +157,7 @@ class WorkerRegistration:
             logger.warning("could not deregister (the key expires in %.0f s): %s", self.ttl_s,
                            self.config.describe(e))
         with contextlib.suppress(*REDIS_ERRORS):
-            await self._redis.aclose()
+            await asyncio.wait_for(self._redis.aclose(), STOP_TIMEOUT_S)
         self._redis = None
 
 

@@ -83,9 +83,9 @@ async def serve_worker(
     host = address.rsplit(":", 1)[0]
     print(f"READY {role} {host}:{port}", flush=True)
     await stop.wait()
+    logger.warning("%s shutting down: draining for up to %.1f s", role, grace_s)
     if announcer is not None:
         await announcer.stop()
-    logger.warning("%s shutting down: draining for up to %.1f s", role, grace_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
     await close()

@@ -129,13 +129,17 @@ def is_alive(pid: int) -> bool:
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
-    """SIGTERM, then the exit code. If it does not exit in time, it and its direct children
-    are killed and TimeoutExpired is raised."""
+    """SIGTERM, then the exit code. If it does not exit in time, it prints its threads' stacks
+    into its log (SIGUSR1: pdserve's faulthandler), then it and its direct children are
+    killed and TimeoutExpired is raised."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
         kill_tree(proc)
         raise
 
