@@ -13,7 +13,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -30,10 +35,14 @@ BPE_CORPUS = ['{"name": "w", "value": 12, "ok": false, "tags": ["a", "b"]}',
 
 
 def write_tiny_llama(folder: Path, seed: int = 0, byte_level: bool = False,
-                     **overrides) -> Path:
-    config = LlamaConfig(**{**TINY, **overrides})
+                     config_cls=None, **overrides) -> Path:
+    """config_cls: another transformers config class than Llama's (a tiny model of that
+    architecture, with the same tokenizer)."""
+    config = (config_cls or LlamaConfig)(**{**TINY, **overrides})
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    model = (LlamaForCausalLM(config) if config_cls is None
+             else AutoModelForCausalLM.from_config(config))
+    model.save_pretrained(folder, safe_serialization=True)
     if byte_level:  # ids 0, 1, 2 are <s>, </s>, <unk> as below; fewer ids than the model has
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

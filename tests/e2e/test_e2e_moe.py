@@ -1,0 +1,55 @@
+"""A mixture of experts served by `pdserve up` on the defaults a user gets here: a tiny random
+Qwen3-MoE (tests/tiny_model.py, 4 experts, 2 per token, a word-level tokenizer) in the dtype
+the CPU picks, the prefill worker dense, the decode worker's experts on 4/8-bit matmuls, the
+KV handed over by the default transport. Greedy completions equal the offline engine's on
+the same defaults."""
+
+from __future__ import annotations
+
+import httpx2 as httpx
+import pytest
+from transformers import Qwen3MoeConfig
+
+from engine_core.llm import LLM
+from engine_core.sampling_params import SamplingParams
+from tests.e2e.stack import STARTUP_TIMEOUT_S, UP_READY, Stack, stop_stack
+from tests.helpers import spawn_pdserve, wait_for_output
+from tests.tiny_model import words, write_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+# several blocks long, one repeating, one token
+PROMPTS = [list(range(3, 60)), [5, 9, 200, 31] * 5, [11]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-moe"), config_cls=Qwen3MoeConfig,
+                            head_dim=32, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=64, norm_topk_prob=True)
+
+
+def test_pdserve_up_serves_a_mixture_of_experts(tiny_moe):
+    llm = LLM(model=str(tiny_moe), kv_cache_memory_gb=0.05)
+    assert llm.engine.model_config.num_experts == 4
+    # the defaults quantize every expert for decode rows (the decode worker's too)
+    experts = llm.engine.model.layers[0].mlp.experts
+    assert all(type(e.down_proj).__name__ == "DecodeQuantLinear" for e in experts)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate([words(p) for p in PROMPTS],
+                                                             params)]
+    proc, log = spawn_pdserve("up", "--port", "0", "--http-port", "0", "--kv-cache-memory-gb",
+                              "0.05", "--model", str(tiny_moe), name="up-moe")
+    m = wait_for_output(proc, log, UP_READY, STARTUP_TIMEOUT_S, "pdserve up")
+    stack = Stack(proc, log, m.group(1), m.group(2), m.group(3).split(), m.group(4).split(),
+                  m.group(5).split())
+    try:
+        for prompt, ids in zip(PROMPTS, expected, strict=True):
+            r = httpx.post(f"{stack.http_url}/v1/completions", timeout=300, json={
+                "prompt": words(prompt), "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"].split() == [f"w{i}" for i in ids if i >= 3]
+    finally:
+        assert stop_stack(stack) == 0
