@@ -71,6 +71,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _p,
                           _i64,
                           _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
+    "pd_moe_experts": ([_p, _i64, _i64, _p, _p, _int, _i64, _int, _p, _p, _p, _p, _int], _int),
 }
 VNNI_SIGNATURES = {"pd_i8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int)}
 
@@ -302,6 +303,26 @@ def decode_layers(
         slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         context_lens.data_ptr(), kv_cache.shape[3], scale, max_len, final_norm.data_ptr(),
         out.data_ptr(), torch.get_num_threads()))
+    return out
+
+
+def moe_experts(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,  # [S, H] float32 contiguous
+    gate_up,  # ctypes array of Matrix, one per expert: [2 * intermediate, H]
+    down,  # ctypes array of Matrix, one per expert: [H, intermediate]
+    intermediate: int,
+    gelu: bool,
+    counts: torch.Tensor,  # [experts] int64: pairs per expert
+    rows: torch.Tensor,  # [pairs] int64: each pair's row, grouped by expert
+    weights: torch.Tensor,  # [pairs] float32: each pair's routing weight
+    out: torch.Tensor,  # [S, H] float32 contiguous: the experts' weighted outputs added in
+) -> torch.Tensor:
+    """The routed experts on decode rows in one call (pd_moe_experts)."""
+    check(lib.pd_moe_experts(
+        x.data_ptr(), x.shape[0], x.shape[1], ctypes.addressof(gate_up), ctypes.addressof(down),
+        len(gate_up), intermediate, int(gelu), counts.data_ptr(), rows.data_ptr(),
+        weights.data_ptr(), out.data_ptr(), torch.get_num_threads()))
     return out
 
 

@@ -324,6 +324,16 @@ def quantize_for_decode(
         head_quant = quant_for(head, lm_head_parts)
     model.lm_head = DecodeQuantLMHead(head, head_quant)
     model.lm_head.native = lib
+    for layer in model.layers:  # a mixture of experts' decode rows: one C call per layer
+        moe = layer.mlp
+        if isinstance(moe, SparseMoE) and all(
+                isinstance(m, DecodeQuantLinear) and isinstance(m.quant, NativeQ4Matmul | NativeQ8Matmul)
+                for e in moe.experts for m in (e.gate_up_proj, e.down_proj)):
+            moe.native = (lib, (native.Matrix * len(moe.experts))(
+                *(e.gate_up_proj.quant.matrix(None) for e in moe.experts)),
+                (native.Matrix * len(moe.experts))(
+                *(e.down_proj.quant.matrix(None) for e in moe.experts)),
+                model.config.hidden_act == "gelu_pytorch_tanh")
     # the layers in one C call need its attention: use_native_kernels (load_model) set it
     decode_layers = NativeDecodeLayers(model, lib) if NativeDecodeLayers.applies(model) else None
     matrices = [m for layer in model.layers

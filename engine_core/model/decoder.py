@@ -174,7 +174,11 @@ class SparseMoE(nn.Module):
 
     Each expert runs once per step on its tokens, gathered in row order, so a step's decode
     rows (the first rows) stay first: the expert's quantized matmuls take exactly those
-    (the forward context's num_quant_rows, recounted per expert)."""
+    (the forward context's num_quant_rows, recounted per expert). Where every expert's
+    matrices are the C kernels' (`native`, set by decode_quant.quantize_for_decode), the
+    decode rows' experts run in one C call per layer instead (pd_moe_experts), float32."""
+
+    native = None  # (lib, gate_up Matrix array, down Matrix array, gelu): see decode_quant
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -188,25 +192,44 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden]
-        n, k = x.shape[0], self.top_k
         probs = self.gate(x.to(self.gate.weight.dtype)).float().softmax(dim=-1)
-        weights, chosen = probs.topk(k, dim=-1)  # [n, k]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [n, k]
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        # the (token, expert) pairs grouped by expert, tokens ascending within each group
+        ctx = current()
+        nq = min(ctx.num_quant_rows, x.shape[0])
+        if self.native is not None and nq:  # decode rows in C, the rest below
+            out = self._native_rows(x[:nq], chosen[:nq], weights[:nq]).to(x.dtype)
+            if nq < x.shape[0]:
+                with use(dataclasses.replace(ctx, num_quant_rows=0)):
+                    rest = self._routed(x[nq:], chosen[nq:], weights[nq:].to(x.dtype), 0)
+                out = torch.cat([out, rest])
+        else:
+            out = self._routed(x, chosen, weights.to(x.dtype), nq)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x.to(self.gate.weight.dtype)))
+            out = out + gate.to(x.dtype) * self.shared_expert(x)
+        return out
+
+    def _grouped(self, chosen: torch.Tensor, weights: torch.Tensor):
+        """The (row, expert) pairs grouped by expert, rows ascending within each group: pairs
+        per expert, each pair's row and weight."""
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        rows, pair_weights = order // k, weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        return counts, order // self.top_k, weights.reshape(-1)[order]
+
+    def _routed(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                nq: int) -> torch.Tensor:
+        """Each expert on its rows, in module calls; the first nq rows are decode rows."""
+        counts, rows, pair_weights = self._grouped(chosen, weights)
         num_experts = len(self.experts)
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
-        ctx = current()
-        nq = min(ctx.num_quant_rows, n)
         quant_counts = (torch.bincount(chosen[:nq].reshape(-1), minlength=num_experts).tolist()
                         if nq else [0] * num_experts)
+        ctx = current()
         out = torch.zeros_like(x)
         start = 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(counts.tolist()):
             if not count:
                 continue
             idx = rows[start : start + count]
@@ -214,10 +237,16 @@ class SparseMoE(nn.Module):
                 y = self.experts[e](x[idx])
             out.index_add_(0, idx, y * pair_weights[start : start + count, None])
             start += count
-        if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x.to(self.gate.weight.dtype)))
-            out = out + gate.to(x.dtype) * self.shared_expert(x)
         return out
+
+    def _native_rows(self, x: torch.Tensor, chosen: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:  # [nq, hidden] float32
+        lib, gate_up, down, gelu = self.native
+        counts, rows, pair_weights = self._grouped(chosen, weights)
+        xf = x.float().contiguous()
+        return native.moe_experts(lib, xf, gate_up, down, self.experts[0].intermediate, gelu,
+                                  counts, rows.contiguous(), pair_weights.float().contiguous(),
+                                  torch.zeros_like(xf))
 
 
 class DecoderLayer(nn.Module):

@@ -125,6 +125,10 @@ int pd_row_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float 
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
                         int bs, float scale, float *out, int64_t max_len, int threads,
                         int64_t window, float softcap);
+int pd_moe_experts(const float *x, int64_t S, int64_t H, const pd_matrix *gate_up,
+                   const pd_matrix *down, int num_experts, int64_t I, int gelu,
+                   const int64_t *counts, const int64_t *rows, const float *weights, float *out,
+                   int threads);
 void pd_topk_row(const float *row, int64_t N, int k, int64_t *idx);
 void pd_select_top(const float *row, int64_t n, int k, int64_t *idx);
 void pd_sample(float *x, int64_t M, int64_t V, const float *temperature, const int64_t *top_k,

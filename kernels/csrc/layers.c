@@ -148,3 +148,46 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
     free(tmp);
     return status ? -1 : 0;
 }
+
+/* A mixture of experts' routed experts on decode rows (engine_core/model/decoder.py,
+ * SparseMoE): x [S, H]; the (row, expert) pairs grouped by expert, counts[e] of them for
+ * expert e, rows[j] the row of pair j and weights[j] its routing weight. For each expert in
+ * order: out[rows[j]] += weights[j] * (act(g) * u) @ down_e with g|u = x[rows[j]] @ gate_up_e,
+ * the per-operation path's operations (matmul, gated_mul, matmul), so every row is still batch
+ * and thread invariant. Returns 0, or -1 when out of memory or a matmul failed. */
+int pd_moe_experts(const float *x, int64_t S, int64_t H, const pd_matrix *gate_up,
+                   const pd_matrix *down, int num_experts, int64_t I, int gelu,
+                   const int64_t *counts, const int64_t *rows, const float *weights, float *out,
+                   int threads) {
+    (void)S;
+    int64_t most = 0;
+    for (int e = 0; e < num_experts; e++)
+        if (counts[e] > most) most = counts[e];
+    if (most == 0) return 0;
+    float *xs = malloc((size_t)(most * H) * sizeof(float));
+    float *gu = malloc((size_t)(most * 2 * I) * sizeof(float));
+    float *act = malloc((size_t)(most * I) * sizeof(float));
+    float *y = malloc((size_t)(most * H) * sizeof(float));
+    int status = (xs == 0 || gu == 0 || act == 0 || y == 0) ? -1 : 0;
+    int64_t first = 0;
+    for (int e = 0; e < num_experts && status == 0; e++) {
+        const int64_t c = counts[e];
+        if (c == 0) continue;
+        for (int64_t j = 0; j < c; j++)
+            memcpy(xs + j * H, x + rows[first + j] * H, (size_t)H * sizeof(float));
+        status |= matmul(xs, c, gate_up + e, gu, threads);
+        gated_mul(gu, c, I, act, gelu, threads);
+        status |= matmul(act, c, down + e, y, threads);
+        for (int64_t j = 0; j < c; j++) {
+            float *o = out + rows[first + j] * H;
+            const float w = weights[first + j], *yj = y + j * H;
+            for (int64_t h = 0; h < H; h++) o[h] += w * yj[h];
+        }
+        first += c;
+    }
+    free(xs);
+    free(gu);
+    free(act);
+    free(y);
+    return status ? -1 : 0;
+}

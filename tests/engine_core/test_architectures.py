@@ -425,17 +425,26 @@ def test_experts_decode_quantized_whatever_shares_the_step(case, tmp_path):
     assert isinstance(moe.gate, nn.Linear)
     assert all(type(e.gate_up_proj).__name__ == "DecodeQuantLinear"
                and type(e.down_proj).__name__ == "DecodeQuantLinear" for e in moe.experts)
-    # one layer's experts on 3 decode rows and 5 prefill rows: each row as it would be alone
+    # one layer's experts on 3 decode rows and 5 prefill rows: each row as it would be alone,
+    # with the decode rows' experts in one C call and in module calls (the torch fallback)
     from engine_core.model.forward_context import ForwardContext, use
 
     x = torch.randn(8, tm.SIZES["hidden_size"], generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        with use(ForwardContext(num_quant_rows=3)):
-            mixed, decoded = moe(x), moe(x[:3])
-        dense = moe(x[3:])
-    torch.testing.assert_close(mixed[:3], decoded, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(mixed[3:], dense, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(decoded, moe(x[:3]), rtol=1e-5, atol=1e-6)  # quantized, truly
+    c_native = moe.native
+    assert c_native is not None  # every expert's matrices are the C kernels'
+    outs = {}
+    for path, native in (("C", c_native), ("modules", None)):
+        moe.native = native
+        with torch.inference_mode():
+            with use(ForwardContext(num_quant_rows=3)):
+                mixed, decoded = moe(x), moe(x[:3])
+            dense = moe(x[3:])
+        torch.testing.assert_close(mixed[:3], decoded, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mixed[3:], dense, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(decoded, moe(x[:3]), rtol=1e-5, atol=1e-6)  # quantized
+        outs[path] = decoded
+    moe.native = c_native
+    torch.testing.assert_close(outs["C"], outs["modules"], rtol=1e-4, atol=1e-4)
     prompts = tm.prompts(tm.SIZES["vocab_size"], [9, 40, 70])
     together = tm.greedy(eng, prompts, 12)
     alone = [tm.greedy(eng, [p], 12)[0] for p in prompts]
