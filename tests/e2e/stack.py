@@ -175,6 +175,22 @@ def stop_stack(stack: Stack) -> int:
 
 
 # -- checks shared by the modules -------------------------------------------------------------
+def check_word_completions(stack: Stack, prompts: list[list[int]], expected: list[list[int]],
+                           max_tokens: int, timeout: float = 300) -> None:
+    """Greedy /v1/completions of tiny-model prompts (token ids, sent as tests/tiny_model.py's
+    words, EOS ignored): each text is the expected ids' words, special tokens (ids < 3) left
+    out."""
+    from tests.tiny_model import words
+
+    for prompt, ids in zip(prompts, expected, strict=True):
+        r = httpx.post(f"{stack.http_url}/v1/completions", timeout=timeout, json={
+            "prompt": words(prompt), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert text.split() == [f"w{i}" for i in ids if i >= 3], (text, ids)
+
+
 def greedy(max_tokens: int, **kw) -> pb.SamplingParameters:
     return pb.SamplingParameters(max_tokens=max_tokens, temperature=0.0, **kw)
 

@@ -6,14 +6,12 @@ the same defaults."""
 
 from __future__ import annotations
 
-import httpx2 as httpx
 import pytest
 from transformers import Qwen3MoeConfig
 
 from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
-from tests.e2e.stack import STARTUP_TIMEOUT_S, UP_READY, Stack, stop_stack
-from tests.helpers import spawn_pdserve, wait_for_output
+from tests.e2e.stack import check_word_completions, spawn_stack, stop_stack, wait_stack
 from tests.tiny_model import words, write_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -39,17 +37,8 @@ def test_pdserve_up_serves_a_mixture_of_experts(tiny_moe):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate([words(p) for p in PROMPTS],
                                                              params)]
-    proc, log = spawn_pdserve("up", "--port", "0", "--http-port", "0", "--kv-cache-memory-gb",
-                              "0.05", "--model", str(tiny_moe), name="up-moe")
-    m = wait_for_output(proc, log, UP_READY, STARTUP_TIMEOUT_S, "pdserve up")
-    stack = Stack(proc, log, m.group(1), m.group(2), m.group(3).split(), m.group(4).split(),
-                  m.group(5).split())
+    stack = wait_stack(*spawn_stack("--kv-cache-memory-gb", "0.05", "--model", str(tiny_moe)))
     try:
-        for prompt, ids in zip(PROMPTS, expected, strict=True):
-            r = httpx.post(f"{stack.http_url}/v1/completions", timeout=300, json={
-                "prompt": words(prompt), "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"].split() == [f"w{i}" for i in ids if i >= 3]
+        check_word_completions(stack, PROMPTS, expected, MAX_TOKENS)
     finally:
         assert stop_stack(stack) == 0

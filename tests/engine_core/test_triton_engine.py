@@ -16,11 +16,16 @@ import os
 import subprocess
 import sys
 
-import httpx2 as httpx
 import pytest
 import torch
 
-from tests.e2e.stack import STARTUP_TIMEOUT_S, UP_READY, Stack, stop_stack
+from tests.e2e.stack import (
+    STARTUP_TIMEOUT_S,
+    UP_READY,
+    Stack,
+    check_word_completions,
+    stop_stack,
+)
 from tests.helpers import ROOT, spawn_pdserve, wait_for_output
 from tests.tiny_model import words, write_tiny_llama
 
@@ -104,11 +109,6 @@ def test_pdserve_up_on_the_triton_backend_over_grpc(tiny, triton_offline):
     stack = Stack(proc, log, m.group(1), m.group(2), m.group(3).split(), m.group(4).split(),
                   m.group(5).split())
     try:
-        for prompt, ids in zip(PROMPTS, triton_offline, strict=True):
-            r = httpx.post(f"{stack.http_url}/v1/completions", timeout=300, json={
-                "prompt": words(prompt), "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"].split() == [f"w{i}" for i in ids if i >= 3]
+        check_word_completions(stack, PROMPTS, triton_offline, MAX_TOKENS)
     finally:
         assert stop_stack(stack) == 0

@@ -9,7 +9,7 @@ import torch
 
 from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
-from tests.e2e.stack import spawn_stack, stop_stack, wait_stack
+from tests.e2e.stack import check_word_completions, spawn_stack, stop_stack, wait_stack
 from tests.tiny_model import words, write_tiny_llama
 
 pytestmark = pytest.mark.gpu
@@ -121,13 +121,7 @@ def test_pdserve_up_on_cuda_equals_offline(tiny, transport):
     proc, log = spawn_stack("--model", str(tiny), "--transport", transport)
     stack = wait_stack(proc, log)
     try:
-        for prompt, ids in zip(PROMPTS, want, strict=True):
-            r = httpx.post(f"{stack.http_url}/v1/completions", timeout=120, json={
-                "prompt": words(prompt), "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            text = r.json()["choices"][0]["text"]
-            assert text.split() == [f"w{i}" for i in ids if i >= 3], (text, ids)  # no specials
+        check_word_completions(stack, PROMPTS, want, MAX_TOKENS, timeout=120)
         assert transfers_by_transport(stack.metrics[1]) == {transport: len(PROMPTS)}
     finally:
         assert stop_stack(stack) == 0
