@@ -76,6 +76,8 @@ class LLMEngine:
         none either way."""
         self.kv_connector = kv_connector
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one,
+            self.device = torch.device("cuda", torch.cuda.current_device())  # named for steps
         self._use_device()
         # PDSERVE_CHECK_DEVICE=1 (tests): every step's ops read only tensors on self.device
         self._device_check = (device_check.DeviceCheck(self.device)
