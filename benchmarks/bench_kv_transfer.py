@@ -85,6 +85,7 @@ def summarize(stats) -> dict:
         "gbytes_per_s": med(s.gbytes_per_s for s in stats),
         "commit_seconds": med(s.commit_seconds for s in stats),
         "verify_seconds": med(s.verify_seconds for s in stats),
+        "commit_rpc_seconds": med(s.commit_rpc_seconds for s in stats),
         "last_layer_shipped_s": med(s.layer_shipped_s[-1] - s.layer_queued_s[-1] for s in stats),
         "runs": len(stats),
     }
@@ -94,7 +95,8 @@ def print_table(results: list[dict], compute_ms: float, prompt_tokens: int) -> N
     print(f"\nKV of a {prompt_tokens}-token prompt, 30 layers x {prompt_tokens // 16} blocks, "
           f"receiver in another process, loopback; medians")
     head = (f"{'transport':9} {'dtype':8} {'MB':>6} | {'b2b s':>7} {'GB/s':>6} {'commit ms':>9} "
-            f"{'verify ms':>9} | {'overlap s':>9} {'exposed ms':>10}")
+            f"{'verify ms':>9} | {'overlap s':>9} {'exposed ms':>10} {'last write':>10} "
+            f"{'Commit RPC':>10} {'verify':>6}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -102,9 +104,13 @@ def print_table(results: list[dict], compute_ms: float, prompt_tokens: int) -> N
         print(f"{r['kind']:9} {r['dtype']:8} {r['payload_bytes'] / 1e6:6.2f} | "
               f"{b2b['seconds']:7.4f} {b2b['gbytes_per_s']:6.2f} "
               f"{b2b['commit_seconds'] * 1e3:9.1f} {b2b['verify_seconds'] * 1e3:9.1f} | "
-              f"{ovl['seconds']:9.3f} {ovl['commit_seconds'] * 1e3:10.1f}")
+              f"{ovl['seconds']:9.3f} {ovl['commit_seconds'] * 1e3:10.2f} "
+              f"{ovl['last_layer_shipped_s'] * 1e3:10.2f} {ovl['commit_rpc_seconds'] * 1e3:10.2f} "
+              f"{ovl['verify_seconds'] * 1e3:6.2f}")
     print(f"b2b: all layers at once. overlap: a {compute_ms:g} ms sleep before each layer; "
-          f"exposed = last layer handed over -> verified commit (adds to TTFT)")
+          f"exposed = last layer handed over -> verified commit (adds to TTFT), of which: the "
+          f"last layer's write and checksum, the Commit RPC sent -> answered, and within it the "
+          f"receiver's verification (ms)")
 
 
 def plot(results: list[dict], path: Path, prompt_tokens: int) -> None:

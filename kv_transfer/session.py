@@ -86,6 +86,7 @@ class TransferStats:
     seconds: float  # begin() -> commit acknowledged
     commit_seconds: float  # commit() called -> acknowledged: the part never overlapped
     verify_seconds: float  # receiver's checksum verification (part of commit_seconds)
+    commit_rpc_seconds: float  # the Commit RPC, sent -> answered (part of commit_seconds)
     layer_queued_s: tuple[float, ...]  # per layer: send_layer() returned
     layer_shipped_s: tuple[float, ...]  # per layer: all its bytes handed to the transport
 
@@ -137,7 +138,7 @@ class SendSession:
         self._shipped_s: dict[int, float] = {}
         self._crc32: dict[int, int] = {}
         self._num_bytes = self._num_chunks = 0
-        self._commit_t = self._commit_s = self._verify_s = 0.0
+        self._commit_t = self._commit_s = self._verify_s = self._commit_rpc_s = 0.0
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kv-send-{lease_id[:8]}")
 
@@ -246,10 +247,12 @@ class SendSession:
                 raise TransferError(self._stop_reason)
             self._check_alive()
             layer_crc32 = [self._crc32[layer] for layer in range(self._layout.num_layers)]
+            rpc_t = time.perf_counter()
             reply = self._stub.Commit(pb.CommitRequest(lease_id=self.lease_id,
                                                        layer_crc32=layer_crc32),
                                       timeout=self._options.commit_timeout_s)
             self._verify_s = reply.verify_us / 1e6
+            self._commit_rpc_s = time.perf_counter() - rpc_t
             with self._lock:
                 if self._state is SendState.COMMITTING:
                     self._state = SendState.COMMITTED
@@ -336,6 +339,7 @@ class SendSession:
             num_bytes=self._num_bytes, num_chunks=self._num_chunks,
             seconds=self._commit_t + self._commit_s - self._t0,
             commit_seconds=self._commit_s, verify_seconds=self._verify_s,
+            commit_rpc_seconds=self._commit_rpc_s,
             layer_queued_s=tuple(self._queued_s[i] for i in range(num_layers)),
             layer_shipped_s=tuple(self._shipped_s[i] for i in range(num_layers)))
 

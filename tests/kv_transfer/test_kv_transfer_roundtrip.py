@@ -69,6 +69,7 @@ def test_layers_ship_as_they_are_computed(make_rig, kind):
     for layer in range(layout.num_layers - 1):
         assert stats.layer_shipped_s[layer] < stats.layer_queued_s[layer + 1]
     assert stats.commit_seconds < stats.seconds
+    assert stats.verify_seconds < stats.commit_rpc_seconds <= stats.commit_seconds
 
 
 @pytest.mark.parametrize("chunk_blocks", [2.5, 0.3], ids=["several-blocks", "block-pieces"])
