@@ -14,6 +14,8 @@
     python benchmarks/bench_gpu.py                  # needs CUDA
     python benchmarks/bench_gpu.py --concurrency 1 32 --out bench_results/gpu
     python benchmarks/bench_gpu.py --attention-only   # 1 and 2 only, in seconds
+    python benchmarks/bench_gpu.py --attention-only --sweep   # and the decode kernel's
+                                    # launch choices (tile, warps, stages), the best first
 
 The KV handoff over cuda_ipc is measured by benchmarks/bench_kv_transfer.py --device cuda.
 """
@@ -84,6 +86,46 @@ def decode_attention(num_seqs: int, context: int) -> list[dict]:
     return rows
 
 
+SWEEP = {"block_n": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4)}
+
+
+def decode_attention_sweep(num_seqs: int, context: int, copy: float) -> list[dict]:
+    """The unsplit decode kernel over SWEEP's launch choices, per head shape; then the best
+    choice with the split counts of decode_attention(). Rows sorted fastest first per shape."""
+    import itertools
+
+    from triton.testing import do_bench
+
+    from kernels.decode_attention import paged_decode_attention_triton
+
+    rows = []
+    for name, (hq, hkv, d) in HEADS.items():
+        inputs = make_decode_inputs([context] * num_seqs, hq, hkv, d, 16, torch.bfloat16)
+        args = inputs.to("cuda").args()
+        kv_bytes = num_seqs * context * hkv * d * 2 * 2
+        auto = auto_splits(num_seqs, hkv)
+        shape_rows = []
+        for block_n, warps, stages in itertools.product(*SWEEP.values()):
+            launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+            try:
+                ms = do_bench(lambda a=args, k=launch: paged_decode_attention_triton(
+                    *a, num_splits=1, **k), warmup=10, rep=60)
+            except Exception as e:  # e.g. out of shared memory for this tile and depth
+                print(f"  {name} {launch}: {type(e).__name__}", flush=True)
+                continue
+            shape_rows.append({"heads": name, "splits": 1, **launch, "ms": ms,
+                               "pct_of_copy": 100 * kv_bytes / (ms / 1e3) / copy})
+        shape_rows.sort(key=lambda r: r["ms"])
+        best = {k: shape_rows[0][k] for k in SWEEP}
+        for splits in sorted({auto, 2 * auto, 4 * auto} - {1}):
+            ms = do_bench(lambda a=args, k=best, s=splits: paged_decode_attention_triton(
+                *a, num_splits=s, **k), warmup=10, rep=60)
+            shape_rows.append({"heads": name, "splits": splits, **best, "ms": ms,
+                               "pct_of_copy": 100 * kv_bytes / (ms / 1e3) / copy})
+        rows += sorted(shape_rows, key=lambda r: r["ms"])
+    return rows
+
+
 def engine(folder: Path, concurrency: list[int], prompt_len: int, output_len: int) -> dict:
     from engine_core.llm import LLM
     from engine_core.sampling_params import SamplingParams
@@ -141,6 +183,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench_results" / "gpu")
     p.add_argument("--attention-only", action="store_true",
                    help="copy bandwidth and decode attention only, no engine runs")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the decode kernel's launch choices (about a minute)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
@@ -153,6 +197,13 @@ def main() -> int:
               f"splits {r['splits']:10}: "
               f"{r['ms'] * 1e3:8.1f} us/layer, {r['gbytes_per_s']:7.0f} GB/s KV read = "
               f"{100 * r['gbytes_per_s'] * 1e9 / copy:5.1f} % of the copy bandwidth", flush=True)
+    sweep = decode_attention_sweep(32, 2048, copy) if args.sweep else []
+    for name in HEADS if sweep else ():
+        print(f"decode attention {name}, 32x2048, the fastest launch choices:")
+        for r in [r for r in sweep if r["heads"] == name][:6]:
+            print(f"  block_n {r['block_n']:3} warps {r['num_warps']} stages {r['num_stages']} "
+                  f"splits {r['splits']:2}: {r['ms'] * 1e3:7.1f} us, "
+                  f"{r['pct_of_copy']:5.1f} % of the copy bandwidth", flush=True)
     eng: dict = {}
     hf: dict = {}
     if not args.attention_only:
@@ -166,7 +217,8 @@ def main() -> int:
               f"generate, {hf['output_tokens_per_s']:.0f} tokens/s at c=1)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"card": card, "torch": torch.__version__, "copy_bytes_per_s": copy,
-              "decode_attention": attn, "engine": eng, "transformers_generate": hf,
+              "decode_attention": attn, "decode_attention_sweep": sweep, "engine": eng,
+              "transformers_generate": hf,
               "prompt_len": args.prompt_len, "output_len": args.output_len,
               "time": time.strftime("%Y-%m-%d %H:%M")}
     (args.out / "results.json").write_text(json.dumps(result, indent=2))

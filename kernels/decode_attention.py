@@ -170,8 +170,12 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     max_context_len: int | None = None,
     softcap: float | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile.
+    """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile, and
+    `num_warps` and `num_stages` the launch's (None: Triton's defaults; bench_gpu.py --sweep
+    times the choices on a card).
     A window starts the walk at the context's last `window` positions. `num_splits`: chunks
     each context is split into, one program each (None: `num_context_splits` of the shapes,
     device and `max_context_len`, a host-side bound on context_lens, or None; 1: no split, no
@@ -221,6 +225,8 @@ def paged_decode_attention_triton(
         COMPUTE_DTYPE=tile_dtype,
         DOT_PRECISION=precision,
         SOFTCAP=softcap is not None,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
+           if v is not None},
     )
     if num_splits > 1:
         combine_splits(out, partial, lse, launchable(_combine_splits_kernel, query.device))

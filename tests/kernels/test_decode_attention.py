@@ -80,6 +80,22 @@ def test_decode_triton_matches_reference(
     assert_close_to_reference(actual, expected)
 
 
+@pytest.mark.parametrize(("block_n", "num_warps", "num_stages"),
+                         [(32, 2, 1), (64, 8, 4), (128, 4, 2)])
+def test_decode_triton_launch_options(
+    block_n: int, num_warps: int, num_stages: int, triton_device: torch.device
+) -> None:
+    """The launch choices bench_gpu.py --sweep times give the same attention (on a card each
+    compiles; the interpreter ignores warps and stages but walks the tile)."""
+    from kernels.decode_attention import paged_decode_attention_triton
+
+    inputs = _decode_inputs([1, 150, 33], (8, 2), 64, 16, torch.bfloat16, seed=5)
+    expected = paged_decode_attention_ref(*inputs.args())
+    actual = paged_decode_attention_triton(*inputs.to(triton_device).args(), block_n=block_n,
+                                           num_warps=num_warps, num_stages=num_stages)
+    assert_close_to_reference(actual, expected)
+
+
 def test_decode_public_api_triton(triton_backend: torch.device) -> None:
     inputs = _decode_inputs([3, 20], (6, 2), 32, 16, torch.float32, seed=1)
     expected = paged_decode_attention_ref(*inputs.args())
