@@ -101,7 +101,7 @@ class ModelConfig:
     # residual stream, and the logits divided by logits_scaling
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # mixture of experts (decoder.SparseMoE): each token goes through the num_experts_per_tok
+    # mixture of experts (feed_forward.SparseMoE): each token goes through the num_experts_per_tok
     # experts (of num_experts, each moe_intermediate_size wide) its router ranks highest,
     # weighted by their softmax probabilities (renormalized over the chosen ones where
     # norm_topk_prob), plus a shared expert where shared_expert_intermediate_size (Qwen2-MoE);
@@ -178,7 +178,7 @@ class ModelConfig:
         return None
 
     def layer_is_moe(self, layer: int) -> bool:
-        """Whether layer `layer`'s MLP is routed experts (decoder.SparseMoE)."""
+        """Whether layer `layer`'s MLP is routed experts (feed_forward.SparseMoE)."""
         return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
     @property

@@ -155,7 +155,7 @@ class LLMEngine:
             return f"eager (no CUDA graphs on {self.device.type})"
         if enforce_eager:
             return "eager (enforce_eager)"
-        if self.model_config.num_experts:  # decoder.SparseMoE reads its experts' counts back
+        if self.model_config.num_experts:  # feed_forward.SparseMoE reads its experts' counts back
             return "eager (mixture of experts: routing sizes each expert's batch on the host)"
         backend = attention_backend(self.device)
         if backend != "triton":  # the torch path reads lengths back: not capturable

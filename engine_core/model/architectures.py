@@ -31,7 +31,7 @@ join the residual stream (`residual_multiplier`) and divides the logits (`logits
 llama.cpp writes them as `granite.embedding_scale`, `.attention.scale`, `.residual_scale` and
 `.logit_scale`.
 
-Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (decoder.SparseMoE):
+Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
 ones, Qwen3-MoE Qwen3's. llama.cpp writes Mixtral as `llama` with an expert count.
 """
@@ -113,7 +113,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # Granite (3.x dense): Llama with four multipliers from its config (embeddings,
     # attention scale, residual branches, logits)
     Architecture("granite", ("GraniteForCausalLM",), ("granite",), gguf_permutes_qk=True),
-    # mixtures of experts (decoder.SparseMoE); a Mixtral GGUF says `llama`
+    # mixtures of experts (feed_forward.SparseMoE); a Mixtral GGUF says `llama`
     Architecture("mixtral", ("MixtralForCausalLM",), ("mixtral",), sliding_window=True,
                  gguf_permutes_qk=True),
     Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), qkv_bias=True,

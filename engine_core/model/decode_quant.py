@@ -62,7 +62,8 @@ from engine_core.model.decode_matmuls import (  # noqa: F401 (the matmuls' names
     requantize_int4,
     requantize_int8,
 )
-from engine_core.model.decoder import DecoderForCausalLM, SparseMoE
+from engine_core.model.decoder import DecoderForCausalLM
+from engine_core.model.feed_forward import SparseMoE
 from engine_core.model.forward_context import current
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 from engine_core.weights.gguf_q8 import Q8Weight
