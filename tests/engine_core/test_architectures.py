@@ -7,91 +7,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from engine_core.model.architectures import UnsupportedArchitectureError
 from engine_core.model.decode_quant import DecodeQuantization
 from tests.engine_core import tiny_models as tm
-
-transformers = pytest.importorskip("transformers")
-
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
-               "rope_theta": 10000.0}
-# Qwen's long-context recipe on a 32-token original context: prompts of 70 tokens and 48
-# more generated run past it; max_position_embeddings is the stretched length, as
-# transformers expects
-YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-             "rope_theta": 10000.0}
-CASES = {
-    "llama": (transformers.LlamaConfig, {}),
-    "llama-tied": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
-    "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
-    "qwen2-yarn": (transformers.Qwen2Config, {"rope_parameters": YARN_ROPE,
-                                              "max_position_embeddings": 128}),
-    # local/global/local (transformers' default pattern: every other layer global), both soft
-    # caps far below the scores' and logits' spread here, so that they change every output
-    "gemma2": (transformers.Gemma2Config, {
-        "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
-        "attn_logit_softcapping": 1.5, "final_logit_softcapping": 4.0}),
-    # four layers, the fourth without rope (SmolLM3's every 4th)
-    "smollm3": (transformers.SmolLM3Config, {"num_hidden_layers": 4, "pad_token_id": 0,
-                                             "bos_token_id": 1, "eos_token_id": 2}),
-    # fused qkv_proj and gate_up_proj; a window on every layer, as Phi-3-mini's 2047
-    "phi3": (transformers.Phi3Config, {"sliding_window": 12, "pad_token_id": 0,
-                                       "eos_token_id": 2}),
-    # Granite's four multipliers, each far from 1 so that each changes every output
-    "granite": (transformers.GraniteConfig, {
-        "embedding_multiplier": 2.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5,
-        "logits_scaling": 3.0}),
-    # mixtures of experts: 4 experts, 2 per token; Mixtral's as wide as intermediate_size,
-    # Qwen2-MoE's with a gated shared expert, Qwen3-MoE's first layer a dense MLP
-    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2,
-                                             "sliding_window": None}),
-    "qwen2-moe": (transformers.Qwen2MoeConfig, {
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 64}),
-    "qwen3-moe": (transformers.Qwen3MoeConfig, {
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "norm_topk_prob": True, "mlp_only_layers": [0]}),
-    "qwen2": (transformers.Qwen2Config, {}),
-    "qwen3": (transformers.Qwen3Config, {}),
-    "mistral-window": (transformers.MistralConfig, {"sliding_window": 12}),
-    "mistral-global": (transformers.MistralConfig, {"sliding_window": None}),
-    # local (windowed, rope base 10000) and global (rope base 1e6) layers interleaved;
-    # query_pre_attn_scalar apart from head_dim so that its scale is in play
-    "gemma3": (transformers.Gemma3TextConfig, {
-        "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
-    # Gemma 3 270M's attention shape: head_dim 256, one KV head (the C kernel's widest)
-    "gemma3-mqa": (transformers.Gemma3TextConfig, {
-        "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 12,
-        "query_pre_attn_scalar": 256, "layer_types": ["sliding_attention", "full_attention"]}),
-}
-# what a llama.cpp Gemma 3 GGUF can say: every 6th layer global, attention scaled by head_dim
-GEMMA3_AS_GGUF = {"num_hidden_layers": 6, "sliding_window": 12,
-                  "query_pre_attn_scalar": tm.SIZES["head_dim"]}
-# prompt lengths: short, longer than the 12-token window, several windows and blocks long
-LENGTHS = [5, 19, 70]
-
-
-def check_against_hf(hf, path, vocab: int = tm.SIZES["vocab_size"], device: str = "cpu") -> None:
-    """Our engine on `device` against transformers on the host (float32 both)."""
-    prompts = tm.prompts(vocab, LENGTHS)
-    # a fourth prompt shares the third's first 64 tokens: a prefix-cache hit once it is cached
-    prompts.append(prompts[2][:64] + prompts[0])
-    # a 16-token budget chunks every prompt longer than 16 (the prefill chunks attend over
-    # earlier chunks' KV, across the window)
-    eng = tm.engine(path, max_num_batched_tokens=16, device=device)
-    for p in prompts[1:3]:
-        rel = tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p))
-        assert rel < 1e-3, f"logits differ by {rel:.2e} (prompt of {len(p)})"
-    ours = tm.greedy(eng, prompts[:3], 48)
-    ours += tm.greedy(eng, prompts[3:], 48)  # after the third finished: its blocks are cached
-    for p, got in zip(prompts, ours, strict=True):
-        assert got == tm.hf_greedy(hf, p, 48), f"greedy differs for a prompt of {len(p)}"
+from tests.engine_core.arch_cases import CASES, GEMMA3_AS_GGUF, check_against_hf, transformers
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -406,91 +328,6 @@ def test_user_defaults_run_the_newer_architectures(case, tmp_path):
     assert tm.relative_error(ours, theirs) < 0.05
     got = tm.greedy(eng, [prompt], 8)[0]
     assert len(got) == 8 and got[0] == int(theirs[-1].argmax())
-
-
-@pytest.mark.parametrize("case", ["qwen2-moe", "mixtral"])
-def test_experts_decode_quantized_whatever_shares_the_step(case, tmp_path):
-    """Each expert runs once per step on its tokens in row order, so the decode rows among
-    them take its quantized matmuls and the prefill rows its dense ones: a request's tokens
-    are the same alone and in steps shared with other requests' prefill chunks (a 16-token
-    budget chunks the longer prompts beside the shorter ones' decodes). The router and the
-    shared expert's gate stay dense; every expert's matrices are quantized."""
-    from torch import nn
-
-    config_cls, overrides = CASES[case]
-    hf = tm.build_hf(config_cls, tmp_path, **overrides)
-    eng = tm.engine(tmp_path, quantize_decode=True, decode_activations="float32",
-                    max_num_batched_tokens=16)
-    moe = eng.model.layers[0].mlp
-    assert isinstance(moe.gate, nn.Linear)
-    assert all(type(e.gate_up_proj).__name__ == "DecodeQuantLinear"
-               and type(e.down_proj).__name__ == "DecodeQuantLinear" for e in moe.experts)
-    # one layer's experts on 3 decode rows and 5 prefill rows: each row as it would be alone,
-    # with the decode rows' experts in one C call and in module calls (the torch fallback)
-    from engine_core.model.forward_context import ForwardContext, use
-
-    x = torch.randn(8, tm.SIZES["hidden_size"], generator=torch.Generator().manual_seed(1))
-    c_native = moe.native
-    assert c_native is not None  # every expert's matrices are the C kernels'
-    outs = {}
-    for path, native in (("C", c_native), ("modules", None)):
-        moe.native = native
-        with torch.inference_mode():
-            with use(ForwardContext(num_quant_rows=3)):
-                mixed, decoded = moe(x), moe(x[:3])
-            dense = moe(x[3:])
-        torch.testing.assert_close(mixed[:3], decoded, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(mixed[3:], dense, rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(decoded, moe(x[:3]), rtol=1e-5, atol=1e-6)  # quantized
-        outs[path] = decoded
-    moe.native = c_native
-    torch.testing.assert_close(outs["C"], outs["modules"], rtol=1e-4, atol=1e-4)
-    prompts = tm.prompts(tm.SIZES["vocab_size"], [9, 40, 70])
-    together = tm.greedy(eng, prompts, 12)
-    alone = [tm.greedy(eng, [p], 12)[0] for p in prompts]
-    assert together == alone
-    for p, got in zip(prompts, together, strict=True):
-        assert got[:2] == tm.hf_greedy(hf, p, 2)
-
-
-@pytest.mark.parametrize(("case", "arch", "permute"), [
-    ("mixtral", "llama", True), ("qwen2-moe", "qwen2moe", False),
-    ("qwen3-moe", "qwen3moe", False)])
-def test_gguf_mixture_of_experts(case, arch, permute, tmp_path):
-    """Experts as llama.cpp writes them: one 3-D tensor per matrix kind (ffn_gate_exps, ...),
-    the router as ffn_gate_inp, Qwen2-MoE's shared expert and its gate vector, Mixtral under
-    `llama`; logits and greedy equal to transformers in float32, and on the CPU defaults each
-    expert decodes from the file's own Q4_0 blocks."""
-    from gguf import GGMLQuantizationType
-
-    from engine_core.weights.gguf_loader import GGUFFile
-
-    config_cls, overrides = CASES[case]
-    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
-    tm.write_gguf(hf, tmp_path / "m.gguf", arch=arch, permute=permute)
-    f = GGUFFile(tmp_path / "m.gguf")
-    cfg = f.model_config()
-    assert (cfg.num_experts, cfg.num_experts_per_tok) == (4, 2)
-    assert cfg.norm_topk_prob == (case != "qwen2-moe")  # llama.cpp's choice per architecture
-    assert cfg.moe_layers == ((False, True) if case == "qwen3-moe" else None)
-    assert cfg.shared_expert_intermediate_size == (64 if case == "qwen2-moe" else 0)
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in f.tensor_types()
-    check_against_hf(hf, tmp_path / "m.gguf")
-    if case == "mixtral":  # an early llama.cpp conversion: a tensor per expert, refused
-        tm.write_gguf(hf, tmp_path / "old.gguf", arch=arch, extra_tensors={
-            "blk.0.ffn_gate.0.weight": np.zeros((8, 8))})
-        with pytest.raises(ValueError, match="experts stored one tensor each"):
-            GGUFFile(tmp_path / "old.gguf").model_config()
-    held = tm.write_gguf(hf, tmp_path / "q.gguf", arch=arch, permute=permute,
-                         qtype=GGMLQuantizationType.Q4_0)
-    tm.use_held_weights(hf, held)
-    eng = tm.engine(tmp_path / "q.gguf", quantize_decode=True, decode_activations="float32")
-    experts = eng.model.layers[1].mlp.experts
-    assert all(type(e.gate_up_proj.quant).__name__ in ("NativeQ4Matmul", "Int4Matmul")
-               for e in experts)  # the file's blocks, each expert its own rows
-    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
-    assert tm.relative_error(tm.prompt_logits(eng, prompt), tm.hf_logits(hf, prompt)) < 1e-3
-    assert tm.greedy(eng, [prompt], 4)[0][:2] == tm.hf_greedy(hf, prompt, 2)
 
 
 def test_gguf_granite_with_its_multipliers(tmp_path):

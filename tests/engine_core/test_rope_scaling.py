@@ -1,6 +1,6 @@
 """Rope scaling and partial rotary against transformers: YaRN, LongRoPE (both factor sets),
 Llama 3 as a GGUF's rope_freqs, Phi-4-mini's partial rotary; each on tiny random models, as
-safetensors and as GGUF (test_architectures.py's helpers)."""
+safetensors and as GGUF (arch_cases.py's helpers)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.engine_core import tiny_models as tm
-from tests.engine_core.test_architectures import (
+from tests.engine_core.arch_cases import (
     CASES,
     LLAMA3_ROPE,
     YARN_ROPE,

@@ -161,12 +161,12 @@ def test_engine_on_triton_kernels_matches_transformers(case, tmp_path, monkeypat
                                                         triton_backend: torch.device):
     """The engine with its attention on the Triton kernels (on the card where there is one,
     else interpreted on the CPU, the C kernels off): a tiny windowed model, prompts longer than the window, chunked prefill (16-token budget) and a
-    prefix-cache hit, against transformers (tests/engine_core/test_architectures.py); Gemma 2's
+    prefix-cache hit, against transformers (tests/engine_core/arch_cases.py); Gemma 2's
     soft caps ride along into the kernels."""
     pytest.importorskip("transformers")
     from kernels import decode_attention, prefill_attention
     from tests.engine_core import tiny_models as tm
-    from tests.engine_core.test_architectures import CASES, check_against_hf
+    from tests.engine_core.arch_cases import CASES, check_against_hf
 
     windows: list = []  # the windows the Triton kernels were called with
 
