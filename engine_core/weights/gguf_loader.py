@@ -25,7 +25,9 @@ from gguf.quants import dequantize
 
 from engine_core.config import ModelConfig
 from engine_core.model import architectures
-from engine_core.model.rope import partial_rotary_rows, served_positions
+from engine_core.model.rope import partial_rotary_rows
+from engine_core.weights import gguf_config
+from engine_core.weights.gguf_config import ROPE_TENSORS
 from engine_core.weights.gguf_q4 import Q4_TYPES, Q4Weight, unpack_q4
 from engine_core.weights.gguf_q8 import Q8_TYPES, Q8Weight, unpack_q8
 
@@ -40,9 +42,6 @@ SUPPORTED_TYPES = {
 # gguf_q8.py), or (float) requantize to int8 as decode_quant.py describes; the others (Q2_K,
 # Q3_K, and the IQ types below 4 bits, whose weights are grid entries) decode on the torch path
 NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, *Q4_TYPES, *Q8_TYPES}
-ROPE_FREQS = "rope_freqs.weight"
-# rope tensors, read into the config rather than the model: Llama 3's and LongRoPE's factors
-ROPE_TENSORS = {ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -161,161 +160,9 @@ class GGUFFile:
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
 
-    def _longrope(self, a: str, scaling: dict[str, Any] | None) -> dict[str, Any]:
-        """LongRoPE as llama.cpp's converter writes it: the factors as rope_factors_long and
-        _short tensors, the original context, and the attention factor it computed."""
-        tensors = {t.name: t for t in self.reader.tensors}
-        out = {"rope_type": "longrope"}
-        for kind in ("long", "short"):
-            t = tensors[f"rope_factors_{kind}.weight"]
-            out[f"{kind}_factor"] = [float(x) for x in dequantize(
-                t.data, GGMLQuantizationType(t.tensor_type)).reshape(-1)]
-        original = self.field(f"{a}.rope.scaling.original_context_length")
-        if original is None:
-            raise ValueError(f"{self.path.name}: LongRoPE factors without "
-                             f"{a}.rope.scaling.original_context_length")
-        out["original_max_position_embeddings"] = int(original)
-        attn = self.field(f"{a}.rope.scaling.attn_factor")
-        if attn is not None:
-            out["attention_factor"] = float(attn)
-        return {**(scaling or {}), **out}
-
-    def _yarn_fields(self, a: str) -> dict[str, Any]:
-        """YaRN's keys as llama.cpp writes them, under transformers' names. Its attention factor
-        is refused where the file states one: llama.cpp multiplies it into YaRN's own, where
-        transformers' replaces it."""
-        out: dict[str, Any] = {}
-        original = self.field(f"{a}.rope.scaling.original_context_length")
-        if original is not None:
-            out["original_max_position_embeddings"] = int(original)
-        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = self.field(f"{a}.rope.scaling.{key}")
-            if value is not None:
-                out[name] = float(value)
-        for key in ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier"):
-            value = self.field(f"{a}.rope.scaling.{key}")
-            if value is not None and float(value) != (0.0 if key == "yarn_log_multiplier"
-                                                      else 1.0):
-                raise ValueError(f"{self.path.name}: {a}.rope.scaling.{key} = {value} is not "
-                                 f"supported (YaRN with its own attention factor only)")
-        return out
-
     def model_config(self) -> ModelConfig:
-        a = self.arch
-        names = {t.name for t in self.reader.tensors}
-        num_heads = int(self.field(f"{a}.attention.head_count"))
-        hidden = int(self.field(f"{a}.embedding_length"))
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = self.field(f"{a}.vocab_size") or (len(tokens.data) if tokens else None)
-        scaling = None
-        scaling_type = self.field(f"{a}.rope.scaling.type")
-        if scaling_type not in (None, "none"):
-            scaling = {
-                "rope_type": scaling_type,
-                "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0)),
-            }
-            if scaling_type == "yarn":
-                scaling.update(self._yarn_fields(a))
-        # a head's width: the file's key length, else the attention output's input width over
-        # the heads (the rope's dimension count is narrower under partial rotary: refused)
-        out_proj = next((t for t in self.reader.tensors if t.name == "blk.0.attn_output.weight"),
-                        None)
-        rope_dim = self.field(f"{a}.rope.dimension_count")
-        head_dim = int(self.field(f"{a}.attention.key_length")
-                       or (int(out_proj.shape[0]) // num_heads if out_proj is not None else None)
-                       or rope_dim or hidden // num_heads)
-        rotary_dim = None
-        if rope_dim is not None and int(rope_dim) != head_dim:  # partial rotary (Phi-4-mini)
-            rotary_dim = int(rope_dim)
-        if "rope_factors_long.weight" in names:  # LongRoPE (Phi-3 128k, Phi-3.5)
-            scaling = self._longrope(a, scaling)
-        factors = None
-        rope_freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
-        if rope_freqs is not None:
-            factors = tuple(float(x) for x in dequantize(
-                rope_freqs.data, GGMLQuantizationType(rope_freqs.tensor_type)).reshape(-1))
-        arch = self.architecture
-        num_layers = int(self.field(f"{a}.block_count"))
-        # a window the file states applies whatever the architecture's name: llama.cpp writes
-        # a Mistral GGUF as `llama`, whose HF configs have no window
-        window = self.field(f"{a}.attention.sliding_window")
-        sliding = None
-        if window is not None and arch.global_every:
-            every = arch.global_every
-            sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
-        soft = {k: self.field(f"{a}.{k}_logit_softcapping") for k in ("attn", "final")}
-        # Gemma 2 27B scales attention by (hidden / heads) ** -0.5, not head_dim's; its GGUF
-        # does not say so, and llama.cpp knows it by the 27B's 46 layers: so do we
-        scale = self.field(f"{a}.attention.scale")
-        if scale is None and a == "gemma2" and num_layers == 46:
-            scale = (hidden / num_heads) ** -0.5
-        experts = self._experts(a, names, num_layers)
-        eos = self.field("tokenizer.ggml.eos_token_id")
-        eot = self.field("tokenizer.ggml.eot_token_id")
-        eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
-        return ModelConfig(
-            name=str(self.field("general.name", self.path.stem)),
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(self.field(f"{a}.feed_forward_length")
-                                  or self.field(f"{a}.expert_feed_forward_length")),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
-            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=served_positions(
-                int(self.field(f"{a}.context_length", 2048)), scaling),
-            tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=eos_ids,
-            architecture=self.architecture.name,
-            qk_norm="blk.0.attn_q_norm.weight" in names,
-            sliding_window=None if window is None else int(window),
-            attention_scale=None if scale is None else float(scale),
-            attn_softcap=float(soft["attn"]) if soft["attn"] else None,
-            final_softcap=float(soft["final"]) if soft["final"] else None,
-            sliding_layers=sliding,
-            rope_freq_factors=factors,
-            # the file's norms already hold Gemma's + 1: no norm_weight_offset
-            local_rope_theta=arch.local_rope_theta if sliding else None,
-            rope_layers=(tuple((i + 1) % arch.nope_every != 0 for i in range(num_layers))
-                         if arch.nope_every else None),
-            rotary_dim=rotary_dim,
-            sandwich_norms=arch.sandwich_norms,
-            embedding_scale=(hidden**0.5 if arch.embedding_scale
-                             else self.field(f"{a}.embedding_scale")),  # (Granite's)
-            residual_multiplier=float(self.field(f"{a}.residual_scale") or 1.0),
-            logits_scaling=float(self.field(f"{a}.logit_scale") or 1.0),
-            hidden_act=arch.activation,
-            **experts,
-        )
-
-    def _experts(self, a: str, names: set[str], num_layers: int) -> dict[str, Any]:
-        """ModelConfig's expert fields as llama.cpp writes them: the counts, an expert's width
-        (Mixtral's is feed_forward_length), the shared expert's, and the layers with a router.
-        Whether the chosen weights are renormalized is fixed per architecture in llama.cpp
-        (Architecture.moe_norm_topk), unless the file says (expert_weights_norm)."""
-        num = int(self.field(f"{a}.expert_count") or 0)
-        if not num:
-            return {}
-        if any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n) for n in names):
-            raise ValueError(f"{self.path.name}: experts stored one tensor each (an early "
-                             f"llama.cpp Mixtral conversion) are not supported; convert the "
-                             f"model again with a current llama.cpp")
-        layers = tuple(f"blk.{i}.ffn_gate_inp.weight" in names for i in range(num_layers))
-        norm = self.field(f"{a}.expert_weights_norm")
-        return dict(num_experts=num, num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
-                    moe_intermediate_size=int(self.field(f"{a}.expert_feed_forward_length")
-                                              or self.field(f"{a}.feed_forward_length")),
-                    norm_topk_prob=(self.architecture.moe_norm_topk if norm is None
-                                    else bool(norm)),
-                    shared_expert_intermediate_size=int(
-                        self.field(f"{a}.expert_shared_feed_forward_length") or 0),
-                    moe_layers=None if all(layers) else layers)
+        """The model's hyperparameters from the file's metadata (gguf_config.py)."""
+        return gguf_config.model_config(self)
 
     def tensor_types(self) -> dict[str, GGMLQuantizationType]:
         """The GGUF type of every weight, by Hugging Face name."""
