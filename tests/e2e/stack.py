@@ -191,6 +191,15 @@ def check_word_completions(stack: Stack, prompts: list[list[int]], expected: lis
         assert text.split() == [f"w{i}" for i in ids if i >= 3], (text, ids)
 
 
+def metric(url: str, name: str, labels: str = "") -> float:
+    """The sum of a metric's samples whose labels contain `labels`."""
+    total = 0.0
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def greedy(max_tokens: int, **kw) -> pb.SamplingParameters:
     return pb.SamplingParameters(max_tokens=max_tokens, temperature=0.0, **kw)
 

@@ -13,7 +13,6 @@ import re
 import time
 
 import grpc
-import httpx2 as httpx
 import pytest
 
 from protos.pdserve.internal import workers_pb2 as wpb
@@ -26,6 +25,7 @@ from tests.e2e.stack import (
     Stack,
     check_timing,
     greedy,
+    metric,
     out_ids,
     out_text,
     run,
@@ -70,15 +70,6 @@ class Gateway:
 def chat(conv: list[dict[str, str]], max_tokens: int = N) -> pb.GenerateRequest:
     return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in conv]),
                               sampling=greedy(max_tokens))
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    """The sum of a metric's samples whose labels contain `labels`."""
-    total = 0.0
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if line.startswith(name + "{") and labels in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def transfers(stack: Stack) -> float:
