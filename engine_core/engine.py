@@ -61,6 +61,7 @@ class LLMEngine:
         decode_activations: str | None = None,
         kv_connector: KVConnector | None = None,
         enforce_eager: bool = False,
+        prefill_weights: str = "auto",
     ) -> None:
         """quantize_decode: decode tokens use 4/8-bit weight matmuls (model/decode_quant.py);
         None means on for CPU. Pass False for exact dense math in every row.
@@ -73,7 +74,10 @@ class LLMEngine:
         worker's handoff; None moves nothing.
         enforce_eager: never run decode steps from CUDA graphs (decode_graphs.py); on CUDA
         they are captured here, per batch-size bucket up to max_num_seqs. On a CPU there are
-        none either way."""
+        none either way.
+        prefill_weights: "dense", "quantized" or "auto": whether prefill rows keep a dense
+        float copy of a GGUF's 4/8-bit weights or multiply the blocks themselves
+        (model_loader.load_model; auto: the blocks where the dense copy would not fit)."""
         self.kv_connector = kv_connector
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one,
@@ -91,8 +95,11 @@ class LLMEngine:
                                    if quantize_decode and self.device.type == "cpu" else None)
         self.model, self.model_config, quantization = load_model(
             self.source, self.dtype, self.device, quantize_decode,
-            self.decode_activations or "float32"
+            self.decode_activations or "float32", prefill_weights
         )
+        # what prefill_weights resolved to: "quantized" where projections have no dense copy
+        self.prefill_weights = ("quantized" if any(getattr(m, "quant_only", False)
+                                                   for m in self.model.modules()) else "dense")
         cfg = self.model_config
         self.tokenizer: Tokenizer | None = (
             load_tokenizer(self.source, cfg.eos_token_ids) if load_tokenizer_ else None

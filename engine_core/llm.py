@@ -38,6 +38,7 @@ class LLM:
         decode_activations: str | None = None,
         cache_decoded_blocks: bool = False,
         enforce_eager: bool = False,
+        prefill_weights: str = "auto",
     ) -> None:
         """speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
         {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig.
@@ -45,7 +46,9 @@ class LLM:
         matmuls (see model/decode_quant.resolve_activations).
         cache_decoded_blocks: see CacheConfig.cache_decoded_blocks.
         enforce_eager: no CUDA graphs for decode steps (engine_core/decode_graphs.py); they
-        are only ever used on CUDA."""
+        are only ever used on CUDA.
+        prefill_weights: "auto", "dense" or "quantized": whether prefill rows multiply a dense
+        copy of a GGUF's 4/8-bit weights or the blocks (model_loader.load_model)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         self.engine = LLMEngine(
@@ -56,6 +59,7 @@ class LLM:
             quantize_decode=quantize_decode,
             decode_activations=decode_activations,
             enforce_eager=enforce_eager,
+            prefill_weights=prefill_weights,
             cache_config=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                      kv_cache_memory_gb=kv_cache_memory_gb,
                                      enable_prefix_caching=enable_prefix_caching,

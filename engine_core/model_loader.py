@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 import torch
+from gguf import GGMLQuantizationType
+from torch import nn
 
 from engine_core.config import ModelConfig
-from engine_core.model.decode_quant import DecodeQuantization, quantize_for_decode
+from engine_core.model.decode_quant import DecodeQuantization, projections, quantize_for_decode
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.native_cpu import use_native_kernels
 from engine_core.model_files import ModelSource
 from engine_core.weights.gguf_loader import NATIVE_DECODE_TYPES, GGUFFile
+from engine_core.weights.gguf_q4 import Q4_TYPES
+from engine_core.weights.gguf_q8 import Q8_TYPES
 from engine_core.weights.safetensors_loader import iter_safetensors, load_hf_config
 from kernels import native
 from kernels.backends import attention_backend
@@ -20,39 +25,42 @@ from kernels.backends import attention_backend
 logger = logging.getLogger(__name__)
 
 
+PREFILL_WEIGHTS = ("auto", "dense", "quantized")
+
+
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, quantize_decode: bool = False,
-    decode_activations: str = "float32",
+    decode_activations: str = "float32", prefill_weights: str = "dense",
 ) -> tuple[DecoderForCausalLM, ModelConfig, DecodeQuantization | None]:
     """The model with real weights. On CPU, attention runs in the C kernels where they load
     (native_cpu.py). With quantize_decode (CPU only), decode rows of every
     matmul use 4/8-bit weights (see decode_quant.py), with "float32" or "int8" activations
     (decode_activations, as decode_quant.resolve_activations gives it); the
-    DecodeQuantization is returned for the runner's ForwardContext."""
+    DecodeQuantization is returned for the runner's ForwardContext.
+
+    prefill_weights: what the other rows' matmuls read. "dense": a float copy in `dtype`
+    beside the 4/8-bit one (fast prefill, about twice the memory of a 4-bit file's weights
+    and more). "quantized" (a GGUF with quantize_decode and the C kernels): a projection whose
+    parts the file holds in blocks the C kernels read has no dense copy; every row multiplies
+    its blocks, as llama.cpp does, so the weights take about the file's size. "auto":
+    quantized when the dense copies would not fit (resolve_prefill_weights)."""
     t0 = time.perf_counter()
+    if prefill_weights not in PREFILL_WEIGHTS:
+        raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS)}, got "
+                         f"{prefill_weights!r}")
     gguf = None
     if source.kind == "gguf":
         gguf = GGUFFile(source.path)
         config = gguf.model_config()
-        weights = gguf.weights(config)
     else:
         config = load_hf_config(source.path)
-        weights = iter_safetensors(source.path)
     with torch.device("meta"):
         model = DecoderForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()  # to_empty gives each module its own tensor; share them again
-    model.load_weights(weights)
-    model.init_rope(device)
-    model.eval().requires_grad_(False)
-    lib = native.load() if attention_backend(device) == "native" else None
-    if lib is not None:
-        use_native_kernels(model, lib)
-    quantization = None
+    q4 = q8 = None
+    dense: set[str] = set()
     if quantize_decode:
         if device.type != "cpu":
             raise ValueError(f"quantize_decode is a CPU path, device is {device}")
-        dense = set()
         if gguf is not None:
             types = gguf.tensor_types()
             dense = {n for n, t in types.items() if t not in NATIVE_DECODE_TYPES}
@@ -61,9 +69,105 @@ def load_model(
                     "GGUF tensor types %s have no C decode kernel: %d tensors decode on the "
                     "torch path (dense float weights)",
                     ", ".join(sorted({types[n].name for n in dense})), len(dense))
-        quantization = quantize_for_decode(
-            model, dict(gguf.q4_weights(config)) if gguf else None, decode_activations, dense,
-            dict(gguf.q8_weights(config)) if gguf else None)
+            q4, q8 = gguf.block_weights(config)  # unpacked as quantize_for_decode asks
+    blocks_only = _blocks_only(model, q4, q8, dense, prefill_weights, source, dtype)
+    model = model.to_empty(device=device)
+    for module, attr in blocks_only:  # never loaded: the quantized matmul holds the weight
+        linear = getattr(module, attr)
+        linear.weight = nn.Parameter(torch.empty_like(linear.weight, device="meta"),
+                                     requires_grad=False)
+    model = model.to(dtype)
+    model.tie_weights()  # to_empty gives each module its own tensor; share them again
+    absent = {p for parts in blocks_only.values() for p in parts}
+    model.load_weights(gguf.weights(config, skip=absent) if gguf is not None
+                       else iter_safetensors(source.path), absent=absent)
+    model.init_rope(device)
+    model.eval().requires_grad_(False)
+    lib = native.load() if attention_backend(device) == "native" else None
+    if lib is not None:
+        use_native_kernels(model, lib)
+    quantization = None
+    if quantize_decode:
+        quantization = quantize_for_decode(model, q4, decode_activations, dense, q8)
     logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
                 time.perf_counter() - t0)
     return model, config, quantization
+
+
+def _blocks_only(model: DecoderForCausalLM, q4: Mapping | None, q8: Mapping | None,
+                 dense: set[str], prefill_weights: str, source: ModelSource,
+                 dtype: torch.dtype) -> dict[tuple[nn.Module, str], list[str]]:
+    """The projections (module, attribute) -> parts that get no dense copy: with
+    prefill_weights "quantized" (or "auto" choosing it), those whose every part the GGUF holds
+    in 4/8-bit blocks the C kernels multiply."""
+    if prefill_weights == "dense":
+        return {}
+    lib = native.load()
+    if q4 is None or q8 is None or lib is None:
+        if prefill_weights == "quantized":
+            raise ValueError("prefill_weights='quantized' reads a GGUF's 4/8-bit blocks with "
+                             "the C kernels: it needs a GGUF model, quantized decode on the "
+                             "CPU and the native kernels (a C compiler, AVX2)")
+        return {}
+    groups = {key: parts for key, parts in projections(model, q4.keys() | q8.keys() | dense).items()
+              if all(p in q4 or p in q8 for p in parts)}
+    dense_bytes = sum(getattr(m, a).weight.numel() for m, a in groups) * dtype.itemsize
+    if resolve_prefill_weights(prefill_weights, dense_bytes, source.path.stat().st_size) == "dense":
+        return {}
+    logger.info("prefill rows multiply the GGUF's 4/8-bit blocks too: %d projections keep no "
+                "dense copy (%.2f GB of %s not held)", len(groups), dense_bytes / 1e9,
+                str(dtype).removeprefix("torch."))
+    return groups
+
+
+def resolve_prefill_weights(setting: str, dense_bytes: int, file_bytes: int,
+                            num_copies: int = 1) -> str:
+    """"dense" or "quantized" for `setting`; "auto" is quantized where `num_copies` processes'
+    dense copies (`dense_bytes` each) and their files' weights would take more than 80 % of
+    the memory available now (MemAvailable in /proc/meminfo), else dense."""
+    if setting != "auto":
+        return setting
+    need = num_copies * (dense_bytes + file_bytes)
+    available = available_memory_bytes()
+    choice = "quantized" if available is not None and need > 0.8 * available else "dense"
+    logger.info("prefill weights: %s (auto: %d process(es) x %.2f GB of dense copies and "
+                "file, %s GB available)", choice, num_copies, (dense_bytes + file_bytes) / 1e9,
+                "unknown" if available is None else f"{available / 1e9:.2f}")
+    return choice
+
+
+def settle_prefill_weights(setting: str, source: ModelSource, dtype: torch.dtype,
+                           num_copies: int = 1) -> str:
+    """`setting` with "auto" settled before any weight loads, for `num_copies` processes that
+    each hold the model (pdserve up's workers; a prefill worker, which quantizes nothing
+    unless its prefill reads the blocks). On CUDA there are no blocks to read: auto stays."""
+    if setting != "auto" or torch.cuda.is_available():
+        return setting
+    file_bytes = source.path.stat().st_size if source.kind == "gguf" else 0
+    return resolve_prefill_weights("auto", dense_copy_bytes(source, dtype), file_bytes,
+                                   num_copies)
+
+
+def dense_copy_bytes(source: ModelSource, dtype: torch.dtype) -> int:
+    """About the bytes of the dense copies prefill_weights="quantized" would leave out: the
+    GGUF's 4/8-bit matrices but its embedding, output head and routers, in `dtype`; 0 for a
+    safetensors model (its weights are dense already)."""
+    if source.kind != "gguf":
+        return 0
+    reader = GGUFFile(source.path).reader
+    return sum(int(t.n_elements) for t in reader.tensors
+               if GGMLQuantizationType(t.tensor_type) in (*Q4_TYPES, *Q8_TYPES)
+               and t.name not in ("token_embd.weight", "output.weight")
+               and ".ffn_gate_inp." not in t.name) * dtype.itemsize
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -10,6 +10,7 @@ from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
     add_enforce_eager_argument,
+    add_prefill_weights_argument,
     add_redis_arguments,
     add_speculative_arguments,
 )
@@ -85,6 +86,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_chat_template_argument(mode)
     add_decode_activations_argument(mode)
+    add_prefill_weights_argument(mode)
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     add_cache_decoded_blocks_argument(mode)
     mode.add_argument("--max-num-seqs", type=int, default=64)

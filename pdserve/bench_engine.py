@@ -203,13 +203,14 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=str(device),
               decode_activations=args.decode_activations, enable_prefix_caching=False,
               enforce_eager=args.enforce_eager, max_num_seqs=max(args.concurrency),
-              kv_cache_memory_gb=1.0)
+              kv_cache_memory_gb=1.0, prefill_weights=args.prefill_weights)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype_name(llm.engine.dtype)  # what "auto" resolved to on this machine
     results = {"model": llm.engine.source.name, "dtype": dtype,
                "quantize_decode": llm.engine.runner.quantization is not None,
                "decode_activations": llm.engine.decode_activations,
+               "prefill_weights": llm.engine.prefill_weights,
                "decode_mode": llm.engine.decode_mode,
                "prompt_len": args.prompt_len, "output_len": args.output_len,
                "torch_threads": torch.get_num_threads(), "machine": platform.processor(),

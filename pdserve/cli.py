@@ -10,7 +10,11 @@ import signal
 import sys
 
 from gateway.cli import add_gateway_arguments, add_generate_arguments, run_gateway, run_generate
-from service_infra.worker_args import add_decode_activations_argument, add_enforce_eager_argument
+from service_infra.worker_args import (
+    add_decode_activations_argument,
+    add_enforce_eager_argument,
+    add_prefill_weights_argument,
+)
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
@@ -45,7 +49,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     from engine_core.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, decode_activations=args.decode_activations,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, prefill_weights=args.prefill_weights)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
     if args.chat:
@@ -107,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model", default=None)
     o.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(o)
+    add_prefill_weights_argument(o)
     add_enforce_eager_argument(o)
     o.add_argument("--chat", action="store_true", help="apply the chat template")
     o.add_argument("--max-tokens", type=int, default=128)
@@ -157,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: bfloat16 on CUDA and where the CPU has native bf16, "
                         "else float32")
     add_decode_activations_argument(b)
+    add_prefill_weights_argument(b)
     add_enforce_eager_argument(b)
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--output-len", type=int, default=128)

@@ -38,6 +38,7 @@ from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
     add_enforce_eager_argument,
+    add_prefill_weights_argument,
     add_speculative_arguments,
     speculative_argv,
 )
@@ -56,6 +57,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_chat_template_argument(p)  # passed to the gateway
     add_decode_activations_argument(p)
+    add_prefill_weights_argument(p)  # auto: chosen here, once for every worker's copy
     p.add_argument("--host", default="127.0.0.1", help="the gateway's interface")
     p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (0: any free)")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free)")
@@ -150,6 +152,20 @@ class Stack:
         return all([c.stop(STOP_TIMEOUT_S) for c in self.children])
 
 
+def prefill_weights(args: argparse.Namespace, source) -> str:
+    """--prefill-weights for the workers. "auto" is settled here, for all of them at once:
+    each worker holds its own copy of the weights, so the dense copies must fit
+    (prefill + decode) times over (model_loader.resolve_prefill_weights)."""
+    import torch
+
+    from engine_core.config import resolve_dtype
+    from engine_core.model_loader import settle_prefill_weights
+
+    return settle_prefill_weights(args.prefill_weights, source,
+                                  resolve_dtype(args.dtype, torch.device("cpu")),
+                                  num_copies=args.prefill + args.decode)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError(f"--prefill and --decode must be >= 1, got {args.prefill} and "
@@ -164,10 +180,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.chat_template:
         read_chat_template(args.chat_template)  # a bad file fails here, before any worker
-    resolve_model(args.model)  # fetch the default model once, with a progress bar, up front
+    source = resolve_model(args.model)  # fetch the default model once, up front
     common = [a for a in (["--model", args.model] if args.model else [])
               + (["--dtype", args.dtype] if args.dtype else [])
-              + ["--decode-activations", args.decode_activations]]
+              + ["--decode-activations", args.decode_activations,
+                 "--prefill-weights", prefill_weights(args, source)]]
     cores = sorted(os.sched_getaffinity(0))
     pre_cores, dec_cores = (None, None) if args.no_pin else split_cores(cores)
     print(f"pdserve up: {args.prefill} prefill (cores {pre_cores or 'any'}) + {args.decode} "

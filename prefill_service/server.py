@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 
+import torch
 import uvloop
 
+from engine_core.config import resolve_dtype
 from engine_core.kv_cache.block_hash import hash_full_blocks
+from engine_core.model_files import resolve_model
+from engine_core.model_loader import settle_prefill_weights
 from prefill_service.engine import PrefillEngine
 from prefill_service.service import PrefillServicer
 from protos.pdserve.internal import workers_pb2 as pb
@@ -29,8 +33,13 @@ logger = logging.getLogger(__name__)
 async def _serve(args: argparse.Namespace) -> None:
     redis_config = await checked_redis_config(args)  # fails before the model loads
     tls = tls_from_args(args, is_public=False)
-    # a prefill worker never decodes: dense weights only
-    engine = PrefillEngine(quantize_decode=False, **engine_kwargs(args))
+    # a prefill worker never decodes: no 4/8-bit twins, unless its prefill rows multiply the
+    # GGUF's blocks (--prefill-weights quantized, or auto choosing it)
+    kwargs = engine_kwargs(args)
+    weights = settle_prefill_weights(kwargs.pop("prefill_weights"), resolve_model(args.model),
+                                     resolve_dtype(args.dtype, torch.device("cpu")))
+    engine = PrefillEngine(quantize_decode=weights == "quantized", prefill_weights=weights,
+                           **kwargs)
     registry = worker_registry("prefill", engine.source.name, engine)
     start_metrics(registry, "prefill", args)
     backend = ColocatedBackend(engine, max_waiting=args.max_waiting)

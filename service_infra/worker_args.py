@@ -15,6 +15,17 @@ def add_decode_activations_argument(p) -> None:
                         "auto: int8 for bfloat16 on a VNNI CPU, else float32")
 
 
+def add_prefill_weights_argument(p) -> None:
+    """--prefill-weights, for every command that loads a model on the CPU
+    (engine_core/model_loader.py load_model)."""
+    p.add_argument("--prefill-weights", default="auto", choices=["auto", "dense", "quantized"],
+                   help="what a GGUF's prefill rows multiply on the CPU: a dense copy of its "
+                        "4/8-bit weights in the model dtype (fast, about twice the memory), "
+                        "or the blocks themselves as llama.cpp does (the weights take about "
+                        "the file's size); auto: quantized where the dense copies would not "
+                        "fit in the memory available")
+
+
 def add_cache_decoded_blocks_argument(p) -> None:
     """--cache-decoded-blocks / --no-cache-decoded-blocks (engine_core/config.py
     CacheConfig.cache_decoded_blocks). On by default for the engines that serve: a chat's next
@@ -43,6 +54,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(p)
+    add_prefill_weights_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in containers")
     p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -134,7 +146,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
     return dict(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
-        speculative_config=speculative_config(args),
+        prefill_weights=args.prefill_weights, speculative_config=speculative_config(args),
         enforce_eager=getattr(args, "enforce_eager", False),  # decode workers' flag
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  cache_decoded_blocks=args.cache_decoded_blocks),

@@ -48,6 +48,7 @@ only weigh in sampling at temperature > 0. A 4-bit screen of Gemma 3's 262k x 64
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 from dataclasses import dataclass
 
 import torch
@@ -83,18 +84,21 @@ class DecodeQuantization:
 
 class DecodeQuantLinear(nn.Module):
     """A linear layer whose first input rows, as many as the forward context's
-    num_quant_rows, use a quantized matmul; the rest the dense one."""
+    num_quant_rows, use a quantized matmul; the rest the dense one. Without a dense weight
+    (left on the meta device: load_model's prefill_weights="quantized"), every row takes the
+    quantized matmul."""
 
     def __init__(self, dense: nn.Linear, quant: nn.Module) -> None:
         super().__init__()
         self.dense, self.quant = dense, quant
+        self.quant_only = dense.weight.is_meta
 
     @property
     def weight(self) -> torch.Tensor:
         return self.dense.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, K] -> [m, N]
-        nd = min(current().num_quant_rows, x.shape[0])
+        nd = x.shape[0] if self.quant_only else min(current().num_quant_rows, x.shape[0])
         if nd == 0:
             return self.dense(x.to(self.dense.weight.dtype))
         out = self.quant(x if nd == x.shape[0] else x[:nd]).to(x.dtype)  # [nd, N]
@@ -238,6 +242,29 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
     return setting
 
 
+def projections(model: DecoderForCausalLM,
+                in_file: Set[str] = frozenset()) -> dict[tuple[nn.Module, str], list[str]]:
+    """Every projection of the decoder layers, (module, attribute) -> the Hugging Face names of
+    its parts: q/k/v for qkv_proj, gate/up for gate_up_proj (an MLP's, or each expert's and the
+    shared expert's; a MoE's router stays dense), or the fused matrix itself where `in_file`
+    (the names a GGUF has) holds it (Phi-3's attn_qkv)."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        attn = layer.self_attn
+        names = {
+            (attn, "qkv_proj"): [f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
+            (attn, "o_proj"): [f"{pre}self_attn.o_proj.weight"],
+        }
+        for mlp, at in mlps_of(layer, f"{pre}mlp"):
+            names[(mlp, "gate_up_proj")] = [f"{at}.gate_proj.weight", f"{at}.up_proj.weight"]
+            names[(mlp, "down_proj")] = [f"{at}.down_proj.weight"]
+        for (module, attr), parts in names.items():
+            whole = parts[0].rsplit(".", 2)[0] + f".{attr}.weight"
+            out[(module, attr)] = [whole] if whole in in_file else parts
+    return out
+
+
 def quantize_for_decode(
     model: DecoderForCausalLM, q4: dict[str, Q4Weight] | None = None,
     activations: str = "float32", dense: set[str] | frozenset[str] = frozenset(),
@@ -288,28 +315,14 @@ def quantize_for_decode(
             return NativeQ8Matmul(linear.weight, lib, int8)
         return Int8Matmul(linear.weight)
 
-    for i, layer in enumerate(model.layers):
-        pre = f"model.layers.{i}."
-        attn = layer.self_attn
-        names = {
-            (attn, "qkv_proj"): [f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
-            (attn, "o_proj"): [f"{pre}self_attn.o_proj.weight"],
-        }
-        for mlp, at in mlps_of(layer, f"{pre}mlp"):  # the MLP, or each expert (the router
-            names[(mlp, "gate_up_proj")] = [f"{at}.gate_proj.weight", f"{at}.up_proj.weight"]
-            names[(mlp, "down_proj")] = [f"{at}.down_proj.weight"]  # stays dense: SparseMoE)
-        for (module, attr), parts in list(names.items()):  # a file's own fused matrix (Phi-3)
-            whole = parts[0].rsplit(".", 2)[0] + f".{attr}.weight"
-            if whole in q4 or whole in q8 or whole in dense:
-                names[(module, attr)] = [whole]
-        for (module, attr), parts in names.items():
-            if any(p in dense for p in parts):
-                continue
-            in_file = [p in q8 for p in parts]
-            if lib is not None and any(in_file) and not all(p in q4 or p in q8 for p in parts):
-                continue  # see q8
-            linear = getattr(module, attr)
-            setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts)))
+    for (module, attr), parts in projections(model, q4.keys() | q8.keys() | dense).items():
+        if any(p in dense for p in parts):
+            continue
+        in_file = [p in q8 for p in parts]
+        if lib is not None and any(in_file) and not all(p in q4 or p in q8 for p in parts):
+            continue  # see q8
+        linear = getattr(module, attr)
+        setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts)))
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
     if any(p in dense for p in lm_head_parts):
         lm_head_parts = []  # requantized: its top candidates are made exact anyway

@@ -10,6 +10,7 @@ parallelism are applied from outside.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -290,8 +291,11 @@ class DecoderForCausalLM(nn.Module):
         return logits
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     absent: Iterable[str] = ()) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way. `absent`:
+        names whose weights stay unloaded on purpose (their parameter on the meta device: the
+        quantized matmuls hold them, see model_loader), counted as loaded."""
         params = dict(self.named_parameters())
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -302,7 +306,7 @@ class DecoderForCausalLM(nn.Module):
         parts_of = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),  # a checkpoint's fused matrix
                     "gate_up_proj": ("gate_proj", "up_proj")}  # (Phi-3) counts as its parts
         loaded: set[str] = set()
-        for name, w in weights:
+        for name, w in itertools.chain(((n, None) for n in absent), weights):
             name = moe_name(name.removeprefix("model."))
             if "rotary_emb" in name:
                 continue
@@ -314,19 +318,21 @@ class DecoderForCausalLM(nn.Module):
                 target = ".".join([*parts[:-2], ours, parts[-1]])
                 if offset is None:  # up_proj: after gate_proj (an MLP's or expert's width)
                     offset = params[target].shape[0] // 2
-                params[target][offset : offset + w.shape[0]].copy_(w)
+                if w is not None:
+                    params[target][offset : offset + w.shape[0]].copy_(w)
                 loaded.add(f"{target}:{parts[-2]}")
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            if cfg.norm_weight_offset and name.endswith("norm.weight"):
-                w = w + cfg.norm_weight_offset  # HF Gemma's norms scale by 1 + weight
-            if params[name].shape != w.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(w.shape)}, expected "
-                    f"{tuple(params[name].shape)}"
-                )
-            params[name].copy_(w)
+            if w is not None:
+                if cfg.norm_weight_offset and name.endswith("norm.weight"):
+                    w = w + cfg.norm_weight_offset  # HF Gemma's norms scale by 1 + weight
+                if params[name].shape != w.shape:
+                    raise ValueError(
+                        f"weight {name!r} has shape {tuple(w.shape)}, expected "
+                        f"{tuple(params[name].shape)}"
+                    )
+                params[name].copy_(w)
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in parts_of and parts[-1] == "weight":
                 loaded.update(f"{name}:{p}" for p in parts_of[parts[-2]])

@@ -10,9 +10,10 @@ halves of each head (`rotate_half`). Llama 3's rope scaling comes as the `rope_f
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Set
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,29 @@ def _per_expert(names: list[str], w):
         yield name, w.permute_rows(torch.arange(e * rows, (e + 1) * rows))
 
 
+class _LazyBlocks(Mapping):
+    """HF name -> a Q4Weight or Q8Weight of one family's tensors, unpacked on access
+    (GGUFFile.block_weights). The last few tensors' unpacked weights are kept, since a stacked
+    experts' tensor holds many weights asked for one after another."""
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, types) -> None:
+        tensors = gguf._block_tensors(types)
+        by_name = {t.name: t for t in tensors}
+        self._tensor_of = {name: t.name for t in tensors
+                           for name in hf_names(t, gguf.architecture)}  # HF -> GGUF name
+        self._unpack = functools.lru_cache(maxsize=3)(
+            lambda gguf_name: dict(gguf._unpacked(by_name[gguf_name], config)))
+
+    def __getitem__(self, name: str):
+        return self._unpack(self._tensor_of[name])[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensor_of)
+
+    def __len__(self) -> int:
+        return len(self._tensor_of)
+
+
 class _PlainViewReader(GGUFReader):
     """gguf's reader, parsing through a plain ndarray view of its np.memmap (same mapped
     bytes). The reader slices `data` once per field part, and the vocabulary is one part per
@@ -170,11 +194,15 @@ class GGUFFile:
                 for t in self.reader.tensors if t.name not in ROPE_TENSORS
                 for name in hf_names(t, self.architecture)}
 
-    def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, float32 tensor) for every tensor in the file."""
+    def weights(self, config: ModelConfig,
+                skip: Set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, float32 tensor) for every tensor in the file but those
+        whose names are all in `skip` (never read nor dequantized)."""
         permute = self.architecture.gguf_permutes_qk
         for t in self.reader.tensors:
             if t.name in ROPE_TENSORS:  # in the config (rope_freq_factors, rope_scaling)
+                continue
+            if skip and all(n in skip for n in hf_names(t, self.architecture)):
                 continue
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in SUPPORTED_TYPES:
@@ -202,43 +230,44 @@ class GGUFFile:
     def q4_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q4Weight]]:
         """Yield (Hugging Face name, 4-bit weight) for every Q4_0/Q4_1/Q4_K tensor, rows in
         the same order as `weights` gives them (Q/K unpermuted)."""
-        for t in self.reader.tensors:
-            qtype = GGMLQuantizationType(t.tensor_type)
-            if qtype not in Q4_TYPES or t.name in ROPE_TENSORS:
-                continue
-            w = unpack_q4(t.data.reshape(-1, t.data.shape[-1]), qtype)
-            names = hf_names(t, self.architecture)
-            if len(names) > 1:  # stacked experts: each its rows
-                yield from _per_expert(names, w)
-                continue
-            name = names[0]
-            heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
-            for suffix, n in heads.items():
-                if self.architecture.gguf_permutes_qk and name.endswith(suffix):
-                    w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
-            yield name, self._partial_rotary(name, w, config)
+        for t in self._block_tensors(Q4_TYPES):
+            yield from self._unpacked(t, config)
 
     def q8_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q8Weight]]:
         """Yield (Hugging Face name, q8-family weight) for every Q8_0, Q5_0, Q5_1, Q5_K and
         Q6_K matrix but the embedding (looked up, not multiplied), rows in the same order as
         `weights` gives them."""
-        for t in self.reader.tensors:
-            qtype = GGMLQuantizationType(t.tensor_type)
-            if qtype not in Q8_TYPES or t.name in ROPE_TENSORS:
-                continue
-            names = hf_names(t, self.architecture)
-            if names == ["model.embed_tokens.weight"]:
-                continue
-            w = unpack_q8(t.data.reshape(-1, t.data.shape[-1]), qtype)
-            if len(names) > 1:  # stacked experts: each its rows
-                yield from _per_expert(names, w)
-                continue
-            name = names[0]
-            heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
-            for suffix, n in heads.items():
-                if self.architecture.gguf_permutes_qk and name.endswith(suffix):
-                    w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
-            yield name, self._partial_rotary(name, w, config)
+        for t in self._block_tensors(Q8_TYPES):
+            yield from self._unpacked(t, config)
+
+    def block_weights(self, config: ModelConfig) -> tuple[Mapping[str, Q4Weight],
+                                                          Mapping[str, Q8Weight]]:
+        """What q4_weights and q8_weights yield, as mappings that unpack a tensor when one of
+        its weights is asked for and keep none: loading holds one tensor's unpacked form at
+        a time (a few, for stacked experts), not the whole model's."""
+        return _LazyBlocks(self, config, Q4_TYPES), _LazyBlocks(self, config, Q8_TYPES)
+
+    def _block_tensors(self, types) -> list:
+        """The tensors of `types` that the block loaders give: no rope factors, and no
+        embedding (looked up, not multiplied) in the q8 family."""
+        return [t for t in self.reader.tensors
+                if GGMLQuantizationType(t.tensor_type) in types and t.name not in ROPE_TENSORS
+                and not (types is Q8_TYPES and t.name == "token_embd.weight")]
+
+    def _unpacked(self, t, config: ModelConfig) -> list[tuple[str, Q4Weight | Q8Weight]]:
+        """One tensor's blocks as (Hugging Face name, weight): one, or one per expert."""
+        qtype = GGMLQuantizationType(t.tensor_type)
+        unpack = unpack_q4 if qtype in Q4_TYPES else unpack_q8
+        w = unpack(t.data.reshape(-1, t.data.shape[-1]), qtype)
+        names = hf_names(t, self.architecture)
+        if len(names) > 1:  # stacked experts: each its rows
+            return list(_per_expert(names, w))
+        name = names[0]
+        heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
+        for suffix, n in heads.items():
+            if self.architecture.gguf_permutes_qk and name.endswith(suffix):
+                w = w.permute_rows(unpermute_qk(torch.arange(w.q.shape[0]), n))
+        return [(name, self._partial_rotary(name, w, config))]
 
     @staticmethod
     def _partial_rotary(name: str, w, config: ModelConfig):

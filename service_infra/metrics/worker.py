@@ -50,6 +50,13 @@ class EngineCollector:
         yield self._family(g, "cache_config_info", "KV cache configuration (value 1).", 1,
                            {"block_size": str(block_size), "num_blocks": str(kv.pool.num_blocks),
                             "cache_dtype": str(eng.layout.dtype).removeprefix("torch.")})
+        yield self._family(g, "weights_info", "How the weights are held and multiplied "
+                           "(value 1): dtype, prefill_weights (dense copies, or the GGUF's "
+                           "4/8-bit blocks for every row), decode_activations (none: dense "
+                           "decode rows).", 1,
+                           {"dtype": str(eng.dtype).removeprefix("torch."),
+                            "prefill_weights": eng.prefill_weights,
+                            "decode_activations": eng.decode_activations or "none"})
         yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix "
                            "cache (whole blocks).", kv.pool.num_cache_queries * block_size)
         yield self._family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",

@@ -37,7 +37,8 @@ GATEWAY = {
 }
 ENGINE = {
     "num_requests_running": G, "num_requests_waiting": G, "num_requests_reserved": G,
-    "kv_cache_usage_perc": G, "cache_config_info": G, "prefix_cache_queries": C,
+    "kv_cache_usage_perc": G, "cache_config_info": G, "weights_info": G,
+    "prefix_cache_queries": C,
     "prefix_cache_hits": C, "num_preemptions": C, "iteration_tokens_total": H,
     "engine_prompt_tokens": C, "engine_generation_tokens": C, "engine_forks": C,
 }

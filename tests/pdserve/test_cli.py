@@ -44,6 +44,45 @@ def test_decode_activations_reach_every_engine_that_decodes():
         parser.parse_args(["decode", "--decode-activations", "int4"])
 
 
+def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers():
+    """--prefill-weights reaches every engine; `pdserve up` settles "auto" once for all its
+    workers, counting each worker's copy of the weights (model_loader.resolve_prefill_weights,
+    with this machine's MemAvailable)."""
+    import pytest
+    import torch
+
+    from engine_core.config import resolve_dtype
+    from engine_core.model_files import resolve_model
+    from engine_core.model_loader import available_memory_bytes, dense_copy_bytes
+    from pdserve.up import prefill_weights
+    from service_infra.worker_args import engine_kwargs
+
+    parser = build_parser()
+    for cmd in (["decode"], ["prefill"], ["gateway", "--colocated"], ["up"], ["offline", "x"],
+                ["bench-engine"]):
+        assert parser.parse_args(cmd).prefill_weights == "auto"
+        assert parser.parse_args([*cmd, "--prefill-weights", "quantized"]).prefill_weights \
+            == "quantized"
+    args = parser.parse_args(["prefill", "--prefill-weights", "dense"])
+    assert engine_kwargs(args)["prefill_weights"] == "dense"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["decode", "--prefill-weights", "int4"])
+    # the default model (a Q4_1 GGUF): its 30 layers' 7 matrices, 106M weights, dense
+    source = resolve_model(None)
+    dtype = resolve_dtype(None, torch.device("cpu"))
+    dense = dense_copy_bytes(source, dtype)
+    assert dense == 30 * (576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536) * dtype.itemsize
+    if torch.cuda.is_available():
+        return  # up leaves auto to the workers there (no blocks to read on CUDA)
+    assert prefill_weights(parser.parse_args(["up"]), source) == "dense"
+    assert prefill_weights(parser.parse_args(["up", "--prefill-weights", "quantized"]),
+                           source) == "quantized"
+    # as many workers as it takes for their dense copies to pass 80 % of the memory available
+    many = int(available_memory_bytes() / (dense + source.path.stat().st_size)) + 1
+    assert prefill_weights(parser.parse_args(["up", "--prefill", str(many)]), source) \
+        == "quantized"
+
+
 def test_cache_decoded_blocks_is_on_for_every_serving_engine_and_can_be_turned_off():
     """On for the served engines (`pdserve up` hands it to its decode workers: the routing
     test in tests/e2e sees a follow-up hit its reply's blocks), off for the offline LLM."""
