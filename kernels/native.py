@@ -52,6 +52,7 @@ from kernels.native_build import (
 from kernels.native_structs import Layer as Layer  # re-exported: callers build the structs
 from kernels.native_structs import LayoutError as LayoutError
 from kernels.native_structs import Matrix as Matrix
+from kernels.native_structs import Moe as Moe
 from kernels.native_structs import check_structs
 
 logger = logging.getLogger(__name__)

@@ -47,6 +47,7 @@ only weigh in sampling at temperature > 0. A 4-bit screen of Gemma 3's 262k x 64
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Set
 from dataclasses import dataclass
@@ -160,40 +161,68 @@ class NativeDecodeLayers:
         def norm(module) -> int | None:  # a norm's float32 weight (offset included at load)
             return None if module is None else f32(module.weight).data_ptr()
 
+        def moe(mlp: SparseMoE) -> native.Moe:  # the router and the shared gate in float32
+            _, gate_up, down, _ = mlp.native
+            shared = mlp.shared_expert
+            return native.Moe(
+                f32(mlp.gate.weight).data_ptr(), len(mlp.experts), mlp.top_k,
+                int(mlp.norm_topk), 0, mlp.experts[0].intermediate, ctypes.addressof(gate_up),
+                ctypes.addressof(down), shared.intermediate if shared else 0,
+                matrix(shared.gate_up_proj) if shared else native.Matrix(),
+                matrix(shared.down_proj) if shared else native.Matrix(),
+                f32(mlp.shared_expert_gate.weight.reshape(-1)).data_ptr() if shared else None)
+
         layers = []
+        self._moes = []  # the Moe structs the layers point to
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             # Gemma's sandwich: the norm before the MLP is pre_feedforward_layernorm, and
             # post_attention_layernorm norms the attention's output
             sandwich = layer.sandwich
+            experts = isinstance(mlp, SparseMoE)
+            if experts:
+                self._moes.append(moe(mlp))
             layers.append(native.Layer(
                 norm(layer.input_layernorm),
                 norm(layer.pre_feedforward_layernorm if sandwich
                      else layer.post_attention_layernorm),
-                matrix(attn.qkv_proj), matrix(attn.o_proj), matrix(mlp.gate_up_proj),
-                matrix(mlp.down_proj), attn.window or 0, norm(attn.q_norm), norm(attn.k_norm),
+                matrix(attn.qkv_proj), matrix(attn.o_proj),
+                native.Matrix() if experts else matrix(mlp.gate_up_proj),
+                native.Matrix() if experts else matrix(mlp.down_proj),
+                attn.window or 0, norm(attn.q_norm), norm(attn.k_norm),
                 norm(layer.post_attention_layernorm) if sandwich else None,
                 norm(layer.post_feedforward_layernorm) if sandwich else None,
                 int(cfg.hidden_act == "gelu_pytorch_tanh"),
-                int(attn.other_rope), cfg.attn_softcap or 0.0))
+                int(attn.other_rope), cfg.attn_softcap or 0.0,
+                ctypes.addressof(self._moes[-1]) if experts else None))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = f32(model.norm.weight)
 
     @staticmethod
     def applies(model: DecoderForCausalLM) -> bool:
         """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
-        bias, q/k norm, a window per layer) or Gemma 3's (GeGLU, sandwich norms, a rope per
-        kind of layer), with every matmul quantized and attention in C on every layer; not a
-        mixture of experts, nor Granite's scaled residual branches."""
+        bias, q/k norm, a window per layer, routed experts with or without a shared one in
+        place of the MLP) or Gemma 3's (GeGLU, sandwich norms, a rope per kind of layer),
+        with every matmul quantized and attention in C on every layer; not Granite's scaled
+        residual branches."""
         cfg = model.config
-        if (cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.num_experts
-                or cfg.residual_multiplier != 1.0):
-            return False  # experts, Granite's scaled branches: layer by layer
-        return all(layer.self_attn.native is not None for layer in model.layers) and all(isinstance(getattr(m, a), DecodeQuantLinear)
-                   and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul)
-                   for layer in model.layers
-                   for m, a in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")))
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.residual_multiplier != 1.0:
+            return False  # Granite's scaled branches: layer by layer
+
+        def in_c(m: nn.Module, a: str) -> bool:
+            return (isinstance(getattr(m, a), DecodeQuantLinear)
+                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul))
+
+        def mlp_in_c(mlp: nn.Module) -> bool:
+            if not isinstance(mlp, SparseMoE):
+                return in_c(mlp, "gate_up_proj") and in_c(mlp, "down_proj")
+            shared = mlp.shared_expert  # the routed experts' C matrices: SparseMoE.native
+            return mlp.native is not None and (shared is None or (
+                in_c(shared, "gate_up_proj") and in_c(shared, "down_proj")))
+
+        return all(layer.self_attn.native is not None and in_c(layer.self_attn, "qkv_proj")
+                   and in_c(layer.self_attn, "o_proj") and mlp_in_c(layer.mlp)
+                   for layer in model.layers)
 
     def __call__(self, embeddings: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta, num_layers: int, cos_sin_local: torch.Tensor | None = None,

@@ -99,6 +99,21 @@ typedef struct {
     const float *d, *c, *bias; /* c: q4 only; bias [N] or NULL */
 } pd_matrix;
 
+/* A mixture of experts' MLP in place of a layer's gate_up and down (pd_decode_layers): a
+ * router, num_experts routed experts (each `width` wide) of which top_k run on each row, and
+ * an optional shared expert scaled by sigmoid(x . shared_gate). */
+typedef struct {
+    const float *router;  /* [num_experts, hidden] float32 */
+    int32_t num_experts, top_k;
+    int32_t norm_topk;    /* 1: the chosen experts' probabilities renormalized to sum to 1 */
+    int32_t reserved;
+    int64_t width;        /* an expert's intermediate size */
+    const pd_matrix *gate_up, *down; /* [num_experts] each */
+    int64_t shared_width; /* the shared expert's intermediate size; 0: none */
+    pd_matrix shared_gate_up, shared_down;
+    const float *shared_gate; /* [hidden] float32 */
+} pd_moe;
+
 typedef struct {
     const float *in_norm, *post_norm; /* [hidden] float32: before attention, before the MLP */
     pd_matrix qkv, o, gate_up, down;
@@ -110,6 +125,7 @@ typedef struct {
     int32_t gelu;       /* the MLP's gate: 0 silu, 1 tanh-approximated GELU (GeGLU) */
     int32_t local_rope; /* 1: rotate with the call's cos_sin_local (Gemma's local layers) */
     float softcap;      /* attention scores capped by softcap * tanh(s / softcap); 0: none */
+    const pd_moe *moe;  /* routed experts instead of gate_up and down; NULL: the dense MLP */
 } pd_layer;
 
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,

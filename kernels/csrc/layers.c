@@ -34,6 +34,7 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
  *   qkv = x @ Wqkv (+ bias); q/k heads normed (when q_norm is set); rope, K/V store,
  *   attention (over the layer's window, when set) -> a; h += a @ Wo
  *   x = rmsnorm(h) * post_norm;  g|u = x @ Wgate_up;  h += (silu(g) * u) @ Wdown
+ *   (a mixture of experts' layer: h += moe_mlp(x), its routed and shared experts)
  *
  * Gemma's layer: GeGLU (gelu) instead of silu, its local layers' own rope (local_rope), and
  * the sandwich norms: h += rmsnorm(a @ Wo) * attn_out_norm, and the MLP's output likewise.
@@ -98,6 +99,95 @@ static void gated_mul(const float *gu, int64_t M, int64_t I, float *act, int gel
     }
 }
 
+/* x . w over n floats: 8 lanes, then one horizontal sum and the tail, as pd_add_rms_norm's
+ * sum of squares, so a row's value does not depend on the other rows. */
+static float dot(const float *x, const float *w, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc);
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += x[i] * w[i];
+    return sum;
+}
+
+/* out [S, H] = a mixture of experts' MLP of x [S, H] (engine_core/model/feed_forward.py,
+ * SparseMoE): each row's router probabilities softmax(x . router_e) in float32, its top_k
+ * experts (pd_topk_row: equal probabilities, the lower expert first) weighted by their
+ * probabilities (renormalized over the chosen where norm_topk), the routed experts as
+ * pd_moe_experts runs them (experts in order, each on its rows in row order), then the shared
+ * expert's output times sigmoid(x . shared_gate) added. Returns 0, or -1 when out of memory
+ * or a matmul failed. */
+static int moe_mlp(const float *x, int64_t S, int64_t H, const pd_moe *m, int gelu, float *out,
+                   int threads) {
+    const int E = m->num_experts, K = m->top_k;
+    float *probs = malloc((size_t)(S * E) * sizeof(float));
+    int64_t *chosen = malloc((size_t)(S * K) * sizeof(int64_t));
+    int64_t *counts = calloc((size_t)E, sizeof(int64_t));
+    int64_t *next = malloc((size_t)E * sizeof(int64_t));
+    int64_t *rows = malloc((size_t)(S * K) * sizeof(int64_t));
+    float *weights = malloc((size_t)(S * K) * sizeof(float));
+    int status = (probs == 0 || chosen == 0 || counts == 0 || next == 0 || rows == 0 ||
+                  weights == 0) ? -1 : 0;
+    for (int64_t s = 0; s < S && status == 0; s++) {
+        float *p = probs + s * E, top = -INFINITY, total = 0.0f;
+        for (int e = 0; e < E; e++) {
+            p[e] = dot(x + s * H, m->router + (int64_t)e * H, H);
+            if (p[e] > top) top = p[e];
+        }
+        for (int e = 0; e < E; e++) total += (p[e] = expf(p[e] - top));
+        for (int e = 0; e < E; e++) p[e] /= total;
+        pd_topk_row(p, E, K, chosen + s * K);
+        for (int j = 0; j < K; j++) counts[chosen[s * K + j]]++;
+    }
+    /* the (row, expert) pairs grouped by expert, rows ascending within each */
+    int64_t first = 0;
+    for (int e = 0; e < E && status == 0; e++) {
+        next[e] = first;
+        first += counts[e];
+    }
+    for (int64_t s = 0; s < S && status == 0; s++) {
+        float chosen_sum = 0.0f;
+        for (int j = 0; j < K; j++) chosen_sum += probs[s * E + chosen[s * K + j]];
+        for (int j = 0; j < K; j++) {
+            const int64_t e = chosen[s * K + j], at = next[e]++;
+            rows[at] = s;
+            weights[at] = probs[s * E + e] / (m->norm_topk ? chosen_sum : 1.0f);
+        }
+    }
+    if (status == 0) {
+        memset(out, 0, (size_t)(S * H) * sizeof(float));
+        status = pd_moe_experts(x, S, H, m->gate_up, m->down, E, m->width, gelu, counts, rows,
+                                weights, out, threads);
+    }
+    if (status == 0 && m->shared_width > 0) {
+        const int64_t I = m->shared_width;
+        float *gu = malloc((size_t)(S * 2 * I) * sizeof(float));
+        float *act = malloc((size_t)(S * I) * sizeof(float));
+        float *y = malloc((size_t)(S * H) * sizeof(float));
+        status = (gu == 0 || act == 0 || y == 0) ? -1 : 0;
+        if (status == 0) {
+            status |= matmul(x, S, &m->shared_gate_up, gu, threads);
+            gated_mul(gu, S, I, act, gelu, threads);
+            status |= matmul(act, S, &m->shared_down, y, threads);
+            for (int64_t s = 0; s < S && status == 0; s++) {
+                const float g = 1.0f / (1.0f + expf(-dot(x + s * H, m->shared_gate, H)));
+                for (int64_t h = 0; h < H; h++) out[s * H + h] += g * y[s * H + h];
+            }
+        }
+        free(gu);
+        free(act);
+        free(y);
+    }
+    free(probs);
+    free(chosen);
+    free(counts);
+    free(next);
+    free(rows);
+    free(weights);
+    return status;
+}
+
 /* h [S, H]: the rows' embeddings in, their residual stream after the last layer out.
  * kv: layer l's cache at kv + l * layer_stride elements (float32 or bfloat16, kv_bf16).
  * out [S, H]: rmsnorm(h) * final_norm. Returns 0, or -1 when out of memory. */
@@ -136,9 +226,13 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
         status |= matmul(att, S, &L->o, tmp, threads);
         if (L->attn_out_norm != 0) pd_add_rms_norm(tmp, 0, L->attn_out_norm, eps, tmp, S, H);
         pd_add_rms_norm(h, tmp, L->post_norm, eps, x, S, H);
-        status |= matmul(x, S, &L->gate_up, wide, threads);
-        gated_mul(wide, S, I, att, L->gelu, threads);
-        status |= matmul(att, S, &L->down, tmp, threads);
+        if (L->moe != 0) {
+            status |= moe_mlp(x, S, H, L->moe, L->gelu, tmp, threads);
+        } else {
+            status |= matmul(x, S, &L->gate_up, wide, threads);
+            gated_mul(wide, S, I, att, L->gelu, threads);
+            status |= matmul(att, S, &L->down, tmp, threads);
+        }
         if (L->mlp_out_norm != 0) pd_add_rms_norm(tmp, 0, L->mlp_out_norm, eps, tmp, S, H);
     }
     if (status == 0) pd_add_rms_norm(h, num_layers > 0 ? tmp : 0, final_norm, eps, out, S, H);

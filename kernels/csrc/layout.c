@@ -23,7 +23,13 @@ static const field_layout LAYER_FIELDS[] = {
     FIELD(pd_layer, o),       FIELD(pd_layer, gate_up),   FIELD(pd_layer, down),
     FIELD(pd_layer, window),  FIELD(pd_layer, q_norm),    FIELD(pd_layer, k_norm),
     FIELD(pd_layer, attn_out_norm), FIELD(pd_layer, mlp_out_norm), FIELD(pd_layer, gelu),
-    FIELD(pd_layer, local_rope), FIELD(pd_layer, softcap),
+    FIELD(pd_layer, local_rope), FIELD(pd_layer, softcap), FIELD(pd_layer, moe),
+};
+static const field_layout MOE_FIELDS[] = {
+    FIELD(pd_moe, router),       FIELD(pd_moe, num_experts),    FIELD(pd_moe, top_k),
+    FIELD(pd_moe, norm_topk),    FIELD(pd_moe, reserved),       FIELD(pd_moe, width),
+    FIELD(pd_moe, gate_up),      FIELD(pd_moe, down),           FIELD(pd_moe, shared_width),
+    FIELD(pd_moe, shared_gate_up), FIELD(pd_moe, shared_down),  FIELD(pd_moe, shared_gate),
 };
 
 #define COUNT(A) ((int)(sizeof(A) / sizeof((A)[0])))
@@ -36,6 +42,7 @@ static const struct {
 } STRUCTS[] = {
     {"pd_matrix", sizeof(pd_matrix), MATRIX_FIELDS, COUNT(MATRIX_FIELDS)},
     {"pd_layer", sizeof(pd_layer), LAYER_FIELDS, COUNT(LAYER_FIELDS)},
+    {"pd_moe", sizeof(pd_moe), MOE_FIELDS, COUNT(MOE_FIELDS)},
 };
 
 /* Struct s's field i: its name, offset and size; field -1 is the struct itself (its name,

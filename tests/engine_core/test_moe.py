@@ -4,6 +4,8 @@ prefill rows in one step, and experts as llama.cpp stores them in a GGUF."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -95,3 +97,35 @@ def test_gguf_mixture_of_experts(case, arch, permute, tmp_path):
     prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
     assert tm.relative_error(tm.prompt_logits(eng, prompt), tm.hf_logits(hf, prompt)) < 1e-3
     assert tm.greedy(eng, [prompt], 4)[0][:2] == tm.hf_greedy(hf, prompt, 2)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2-moe", "qwen3-moe"])
+def test_experts_in_the_one_call_c_decode_layers(case, tmp_path):
+    """Where the C kernels load, a mixture of experts' decode rows go through all layers in one
+    C call too (pd_decode_layers with each MoE layer's pd_moe: the router, top-k and the
+    weights in C, the routed experts, Qwen2-MoE's gated shared expert; Qwen3-MoE's dense first
+    layer as any MLP), giving the tokens the layer-by-layer path gives with the same weights."""
+    from engine_core.model.decode_quant import DecodeQuantization
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    config_cls, overrides = CASES[case]
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    eng = tm.engine(tmp_path, quantize_decode=True, max_num_batched_tokens=16)
+    decode_layers = eng.runner.quantization.decode_layers
+    assert decode_layers is not None
+    moe_layers = [bool(layer.moe) for layer in decode_layers.layers]
+    assert moe_layers == ([False, True] if case == "qwen3-moe" else [True, True])
+    for layer, c_layer in zip(eng.model.layers, decode_layers.layers, strict=True):
+        if c_layer.moe:
+            moe = native.Moe.from_address(c_layer.moe)
+            assert (moe.num_experts, moe.top_k, moe.norm_topk) == (4, 2, case != "qwen2-moe")
+            assert moe.gate_up == ctypes.addressof(layer.mlp.native[1])  # this layer's experts
+            assert moe.shared_width == (64 if case == "qwen2-moe" else 0)
+    prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
+    one_call = tm.greedy(eng, prompts, 24)  # the 70-token prompt prefills beside decodes
+    for p, got in zip(prompts, one_call, strict=True):
+        assert got[:2] == tm.hf_greedy(hf, p, 2)
+    eng.runner.quantization = DecodeQuantization(decode_layers=None)  # layer by layer
+    assert tm.greedy(eng, prompts, 24) == one_call
