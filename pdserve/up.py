@@ -161,6 +161,9 @@ def prefill_weights(args: argparse.Namespace, source) -> str:
     from engine_core.config import resolve_dtype
     from engine_core.model_loader import settle_prefill_weights
 
+    if args.prefill_weights == "quantized" and source.kind != "gguf":  # before any worker
+        raise ValueError(f"--prefill-weights quantized reads a GGUF's 4/8-bit blocks; "
+                         f"{source.path} is a safetensors model (use dense or auto)")
     return settle_prefill_weights(args.prefill_weights, source,
                                   resolve_dtype(args.dtype, torch.device("cpu")),
                                   num_copies=args.prefill + args.decode)

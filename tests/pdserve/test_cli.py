@@ -52,7 +52,7 @@ def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers(
     import torch
 
     from engine_core.config import resolve_dtype
-    from engine_core.model_files import resolve_model
+    from engine_core.model_files import ModelSource, resolve_model
     from engine_core.model_loader import available_memory_bytes, dense_copy_bytes
     from pdserve.up import prefill_weights
     from service_infra.worker_args import engine_kwargs
@@ -77,6 +77,9 @@ def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers(
     assert prefill_weights(parser.parse_args(["up"]), source) == "dense"
     assert prefill_weights(parser.parse_args(["up", "--prefill-weights", "quantized"]),
                            source) == "quantized"
+    with pytest.raises(ValueError, match="reads a GGUF's 4/8-bit blocks"):
+        prefill_weights(parser.parse_args(["up", "--prefill-weights", "quantized"]),
+                        ModelSource("hf", source.path.parent))
     # as many workers as it takes for their dense copies to pass 80 % of the memory available
     many = int(available_memory_bytes() / (dense + source.path.stat().st_size)) + 1
     assert prefill_weights(parser.parse_args(["up", "--prefill", str(many)]), source) \
