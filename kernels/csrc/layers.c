@@ -99,18 +99,6 @@ static void gated_mul(const float *gu, int64_t M, int64_t I, float *act, int gel
     }
 }
 
-/* x . w over n floats: 8 lanes, then one horizontal sum and the tail, as pd_add_rms_norm's
- * sum of squares, so a row's value does not depend on the other rows. */
-static float dot(const float *x, const float *w, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc);
-    float sum = hsum(acc);
-    for (; i < n; i++) sum += x[i] * w[i];
-    return sum;
-}
-
 /* out [S, H] = a mixture of experts' MLP of x [S, H] (engine_core/model/feed_forward.py,
  * SparseMoE): each row's router probabilities softmax(x . router_e) in float32, its top_k
  * experts (pd_topk_row: equal probabilities, the lower expert first) weighted by their

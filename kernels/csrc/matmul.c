@@ -68,17 +68,6 @@ static inline __attribute__((always_inline)) void fma_rows(
     }
 }
 
-/* a . b over n floats: 8 lanes, a fixed tree, then the tail in order. */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 /* Rows 0 .. rows - 1 of one column: sum_g d_g * (x_g . q_g) + sum_g c_g * sum(x_g), with
  * c = m - off * d the constant part of each group's weights. The nibbles are expanded to floats
  * once per group and the group's scale applied to the 8-lane partial product; the constant
