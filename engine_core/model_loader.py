@@ -109,13 +109,13 @@ def _blocks_only(model: DecoderForCausalLM, q4: Mapping | None, q8: Mapping | No
                              "the C kernels: it needs a GGUF model, quantized decode on the "
                              "CPU and the native kernels (a C compiler, AVX2)")
         return {}
-    groups = {key: parts for key, parts in projections(model, q4.keys() | q8.keys() | dense).items()
-              if all(p in q4 or p in q8 for p in parts)}
-    dense_bytes = sum(getattr(m, a).weight.numel() for m, a in groups) * dtype.itemsize
+    dense_bytes = dense_copy_bytes(source, dtype)
     if resolve_prefill_weights(prefill_weights, dense_bytes, source.path.stat().st_size) == "dense":
         return {}
+    groups = {key: parts for key, parts in projections(model, q4.keys() | q8.keys() | dense).items()
+              if all(p in q4 or p in q8 for p in parts)}
     logger.info("prefill rows multiply the GGUF's 4/8-bit blocks too: %d projections keep no "
-                "dense copy (%.2f GB of %s not held)", len(groups), dense_bytes / 1e9,
+                "dense copy (about %.2f GB of %s not held)", len(groups), dense_bytes / 1e9,
                 str(dtype).removeprefix("torch."))
     return groups
 

@@ -136,6 +136,13 @@ class DecodeQuantLMHead(DecodeQuantLinear):
         return out
 
 
+def in_c_kernels(linear: nn.Module) -> bool:
+    """Whether a projection's decode rows multiply in the C kernels' 4/8-bit forms (the only
+    ones pd_decode_layers and pd_moe_experts take)."""
+    return (isinstance(linear, DecodeQuantLinear)
+            and isinstance(linear.quant, NativeQ4Matmul | NativeQ8Matmul))
+
+
 class NativeDecodeLayers:
     """A step's decode rows through the decoder layers in one C call (pd_decode_layers), float32
     whatever the model dtype: no Python between a layer's operations. The model's prefill rows
@@ -210,8 +217,7 @@ class NativeDecodeLayers:
             return False  # Granite's scaled branches: layer by layer
 
         def in_c(m: nn.Module, a: str) -> bool:
-            return (isinstance(getattr(m, a), DecodeQuantLinear)
-                    and isinstance(getattr(m, a).quant, NativeQ4Matmul | NativeQ8Matmul))
+            return in_c_kernels(getattr(m, a))
 
         def mlp_in_c(mlp: nn.Module) -> bool:
             if not isinstance(mlp, SparseMoE):
@@ -370,8 +376,7 @@ def quantize_for_decode(
     for layer in model.layers:  # a mixture of experts' decode rows: one C call per layer
         moe = layer.mlp
         if isinstance(moe, SparseMoE) and all(
-                isinstance(m, DecodeQuantLinear) and isinstance(m.quant, NativeQ4Matmul | NativeQ8Matmul)
-                for e in moe.experts for m in (e.gate_up_proj, e.down_proj)):
+                in_c_kernels(m) for e in moe.experts for m in (e.gate_up_proj, e.down_proj)):
             moe.native = (lib, (native.Matrix * len(moe.experts))(
                 *(e.gate_up_proj.quant.matrix(None) for e in moe.experts)),
                 (native.Matrix * len(moe.experts))(

@@ -46,7 +46,9 @@ class SparseMoE(nn.Module):
     rows (the first rows) stay first: the expert's quantized matmuls take exactly those
     (the forward context's num_quant_rows, recounted per expert). Where every expert's
     matrices are the C kernels' (`native`, set by decode_quant.quantize_for_decode), the
-    decode rows' experts run in one C call per layer instead (pd_moe_experts), float32."""
+    decode rows' experts run in one C call per layer instead (pd_moe_experts), float32; and
+    where every layer is in C, pd_decode_layers computes the whole MLP of the decode rows
+    (router included) and this forward sees prefill rows only."""
 
     native = None  # (lib, gate_up Matrix array, down Matrix array, gelu): see decode_quant
 
