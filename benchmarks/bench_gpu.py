@@ -5,7 +5,10 @@
    SmolLM2-135M's heads (9 query, 3 KV, head_dim 64) and on Llama-3-8B's (32, 8, 128): the
    KV bytes it reads per second, against the copy bandwidth; a row without splitting the
    context (1 split), one with the split count the kernel picks for the card (auto) and one
-   with twice that (kernels/decode_split.py);
+   with twice that (kernels/decode_split.py). Each is timed twice: replayed in a CUDA graph,
+   as the engine's decode steps run it (the kernel's own time: the bandwidth figure), and
+   launched eagerly from Python (that time includes the host's launch cost whenever the
+   launch takes longer than the kernel);
 3. the engine on CUDA, bf16, on a model of SmolLM2-135M's shapes with random weights (the
    weights' values don't change the speed): output tokens/s at each concurrency, 128-token
    prompts, 128 output tokens, against transformers `generate` of the same model one request
@@ -52,7 +55,7 @@ def copy_bandwidth() -> float:
 
 
 def auto_splits(num_seqs: int, num_kv_heads: int) -> int:
-    """What PDSERVE_DECODE_SPLITS=auto would choose (the default is 1, unsplit)."""
+    """What PDSERVE_DECODE_SPLITS=auto (the default) chooses."""
     from kernels.decode_split import ENV, num_context_splits
 
     before = os.environ.get(ENV)
@@ -66,9 +69,18 @@ def auto_splits(num_seqs: int, num_kv_heads: int) -> int:
             os.environ[ENV] = before
 
 
-def decode_attention(num_seqs: int, context: int) -> list[dict]:
-    from triton.testing import do_bench
+def kernel_ms(fn, rep: int = 100) -> tuple[float, float]:
+    """(ms a call replayed in a CUDA graph, ms a call launched eagerly), medians. The graph's
+    figure is the kernels' own time, as the engine's decode graphs run them; the eager one
+    is bounded below by the host's launch cost, which for a ~50 us kernel can dominate."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
+    graph = do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    eager = do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    return graph, eager
+
+
+def decode_attention(num_seqs: int, context: int) -> list[dict]:
     from kernels.decode_attention import paged_decode_attention_triton
 
     rows = []
@@ -77,11 +89,12 @@ def decode_attention(num_seqs: int, context: int) -> list[dict]:
         args = inputs.to("cuda").args()
         auto = auto_splits(num_seqs, hkv)
         for label, splits in (("1", 1), (f"auto={auto}", auto), (f"2xauto={2 * auto}", 2 * auto)):
-            ms = do_bench(lambda args=args, splits=splits: paged_decode_attention_triton(
-                *args, num_splits=splits), warmup=25, rep=200)
+            ms, eager_ms = kernel_ms(lambda args=args, splits=splits:
+                                     paged_decode_attention_triton(*args, num_splits=splits),
+                                     rep=200)
             kv_bytes = num_seqs * context * hkv * d * 2 * 2  # K and V, bf16
             rows.append({"heads": name, "num_seqs": num_seqs, "context": context,
-                         "splits": label, "ms": ms, "kv_bytes": kv_bytes,
+                         "splits": label, "ms": ms, "eager_ms": eager_ms, "kv_bytes": kv_bytes,
                          "gbytes_per_s": kv_bytes / (ms / 1e3) / 1e9})
     return rows
 
@@ -93,8 +106,6 @@ def decode_attention_sweep(num_seqs: int, context: int, copy: float) -> list[dic
     """The unsplit decode kernel over SWEEP's launch choices, per head shape; then the best
     choice with the split counts of decode_attention(). Rows sorted fastest first per shape."""
     import itertools
-
-    from triton.testing import do_bench
 
     from kernels.decode_attention import paged_decode_attention_triton
 
@@ -108,19 +119,25 @@ def decode_attention_sweep(num_seqs: int, context: int, copy: float) -> list[dic
         for block_n, warps, stages in itertools.product(*SWEEP.values()):
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
             try:
-                ms = do_bench(lambda a=args, k=launch: paged_decode_attention_triton(
-                    *a, num_splits=1, **k), warmup=10, rep=60)
+                ms, eager_ms = kernel_ms(lambda a=args, k=launch: paged_decode_attention_triton(
+                    *a, num_splits=1, **k), rep=40)
             except Exception as e:  # e.g. out of shared memory for this tile and depth
                 print(f"  {name} {launch}: {type(e).__name__}", flush=True)
                 continue
             shape_rows.append({"heads": name, "splits": 1, **launch, "ms": ms,
+                               "eager_ms": eager_ms,
                                "pct_of_copy": 100 * kv_bytes / (ms / 1e3) / copy})
+            print(f"  {name} {launch}: {ms * 1e3:.1f} us in a graph "
+                  f"({shape_rows[-1]['pct_of_copy']:.1f} %), {eager_ms * 1e3:.1f} us eager",
+                  flush=True)
         shape_rows.sort(key=lambda r: r["ms"])
         best = {k: shape_rows[0][k] for k in SWEEP}
         for splits in sorted({auto, 2 * auto, 4 * auto} - {1}):
-            ms = do_bench(lambda a=args, k=best, s=splits: paged_decode_attention_triton(
-                *a, num_splits=s, **k), warmup=10, rep=60)
+            ms, eager_ms = kernel_ms(lambda a=args, k=best, s=splits:
+                                     paged_decode_attention_triton(*a, num_splits=s, **k),
+                                     rep=40)
             shape_rows.append({"heads": name, "splits": splits, **best, "ms": ms,
+                               "eager_ms": eager_ms,
                                "pct_of_copy": 100 * kv_bytes / (ms / 1e3) / copy})
         rows += sorted(shape_rows, key=lambda r: r["ms"])
     return rows
@@ -195,15 +212,17 @@ def main() -> int:
     for r in attn:
         print(f"decode attention {r['heads']:13} {r['num_seqs']}x{r['context']} "
               f"splits {r['splits']:10}: "
-              f"{r['ms'] * 1e3:8.1f} us/layer, {r['gbytes_per_s']:7.0f} GB/s KV read = "
-              f"{100 * r['gbytes_per_s'] * 1e9 / copy:5.1f} % of the copy bandwidth", flush=True)
+              f"{r['ms'] * 1e3:8.1f} us/layer in a graph, {r['gbytes_per_s']:7.0f} GB/s KV read = "
+              f"{100 * r['gbytes_per_s'] * 1e9 / copy:5.1f} % of the copy bandwidth; "
+              f"{r['eager_ms'] * 1e3:8.1f} us launched eagerly", flush=True)
     sweep = decode_attention_sweep(32, 2048, copy) if args.sweep else []
     for name in HEADS if sweep else ():
         print(f"decode attention {name}, 32x2048, the fastest launch choices:")
         for r in [r for r in sweep if r["heads"] == name][:6]:
             print(f"  block_n {r['block_n']:3} warps {r['num_warps']} stages {r['num_stages']} "
-                  f"splits {r['splits']:2}: {r['ms'] * 1e3:7.1f} us, "
-                  f"{r['pct_of_copy']:5.1f} % of the copy bandwidth", flush=True)
+                  f"splits {r['splits']:2}: {r['ms'] * 1e3:7.1f} us in a graph, "
+                  f"{r['pct_of_copy']:5.1f} % of the copy bandwidth "
+                  f"({r['eager_ms'] * 1e3:.1f} us eager)", flush=True)
     eng: dict = {}
     hf: dict = {}
     if not args.attention_only:
