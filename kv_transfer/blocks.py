@@ -40,9 +40,10 @@ def gather_blocks(kv_cache: torch.Tensor, layer: int,
     return torch.from_numpy(out).view(kv_cache.dtype).view(shape)
 
 
-def scatter_blocks(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int],
+def scatter_blocks(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int] | torch.Tensor,
                    blocks: torch.Tensor) -> None:
-    """kv_cache[layer][block_ids[i]] = blocks[i]; blocks: [n, 2, block_size, heads, head_dim]."""
+    """kv_cache[layer][block_ids[i]] = blocks[i]; blocks: [n, 2, block_size, heads, head_dim].
+    block_ids may be an int64 tensor on the cache's device already (used as it is)."""
     rows = block_rows(kv_cache)
     if rows is None or blocks.device.type != "cpu":
         index = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)

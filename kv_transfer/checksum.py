@@ -22,7 +22,9 @@ handoff. Each 32-bit word is split into 16-bit halves, each multiplied by an odd
 reaches 2^32, so no sum of fewer than 2^31 words overflows). It is deterministic on any device,
 order-sensitive (a block in the wrong destination moves its words to other weights), and any
 change to one half-word changes it (an odd weight times a non-zero change below 2^16 is not
-0 mod 2^32). Which checksum a transfer uses follows from its transport (`checksum_kind`), which
+0 mod 2^32). On a GPU one fused Triton kernel computes it (kernels/weighted_sum.py), reading
+the receiver's destination blocks in place; the torch code here is its reference and the CPU
+path. Which checksum a transfer uses follows from its transport (`checksum_kind`), which
 both ends know, so the wire's crc32 fields carry either.
 """
 
@@ -81,6 +83,16 @@ def weighted_sum32(t: torch.Tensor) -> int:
     n = words32.numel()
     if n >= 1 << 31:
         raise ValueError("weighted_sum32 takes fewer than 2^31 words")
+    if words32.is_cuda:
+        from kernels.weighted_sum import weighted_sum_words  # imports triton: GPU only
+
+        return int(weighted_sum_words(words32.view(1, n)).item()) & 0xFFFFFFFF
+    return _weighted_sum32_torch(words32)
+
+
+def _weighted_sum32_torch(words32: torch.Tensor) -> int:
+    """The reference: torch ops over words32 [n] int32, CHUNK_WORDS at a time."""
+    n = words32.numel()
     low, high = _weights(words32.device)
     total = torch.zeros((), dtype=torch.int64, device=words32.device)
     for start in range(0, n, CHUNK_WORDS):
@@ -103,12 +115,21 @@ def checksum_tensor_as(kind: str, blocks: torch.Tensor) -> int:
     return weighted_sum32(blocks) if kind == "sum32" else checksum_tensor(blocks)
 
 
-def checksum_blocks_as(kind: str, kv_layer: torch.Tensor, block_ids: Sequence[int]) -> int:
-    """`kind`'s checksum of kv_layer[b] for b in block_ids, in that order."""
-    if kind == "sum32":
-        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_layer.device)
-        return weighted_sum32(kv_layer.index_select(0, index))
-    return checksum_blocks(kv_layer, block_ids)
+def checksum_blocks_as(kind: str, kv_layer: torch.Tensor,
+                       block_ids: Sequence[int] | torch.Tensor) -> int:
+    """`kind`'s checksum of kv_layer[b] for b in block_ids, in that order. block_ids may be
+    an int64 tensor on the layer's device already (a receiver uploads a lease's once)."""
+    if kind != "sum32":
+        return checksum_blocks(kv_layer, [int(b) for b in block_ids])
+    index = torch.as_tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+    block_nbytes = kv_layer[0].nbytes if kv_layer.shape[0] else 0
+    if kv_layer.is_cuda and kv_layer.is_contiguous() and block_nbytes % 4 == 0 \
+            and index.numel() * block_nbytes // 4 < 1 << 31:
+        from kernels.weighted_sum import weighted_sum_words  # imports triton: GPU only
+
+        words = kv_layer.view(torch.uint8).view(kv_layer.shape[0], -1).view(torch.int32)
+        return int(weighted_sum_words(words, index).item()) & 0xFFFFFFFF
+    return weighted_sum32(kv_layer.index_select(0, index))
 
 
 def checksum_blocks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> int:

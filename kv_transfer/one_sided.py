@@ -52,6 +52,9 @@ class OneSidedSendSession(SendSession):
         self._dst = dst  # [num_layers, num_blocks, 2, block_size, heads, dim], the pool
         # cuda_ipc: copies and checksums on a stream of their own (see the module docstring)
         self._stream = torch.cuda.Stream(dst.device) if dst.is_cuda else None
+        # the destination block ids, on the pool's device once per transfer (CUDA)
+        self._dst_index = (torch.as_tensor(self._dst_ids, dtype=torch.long, device=dst.device)
+                           if dst.is_cuda else self._dst_ids)
 
     def _pump(self) -> None:
         in_flight: deque[tuple[float, grpc.Future]] = deque()  # (send time, LayerDone call)
@@ -78,7 +81,7 @@ class OneSidedSendSession(SendSession):
         """Copy one layer's snapshot into the receiver's blocks; its checksum, returned once
         the bytes are in place (the receiver may look as soon as it hears of the layer)."""
         with torch.cuda.stream(self._stream):  # None (shm): no stream, host memcpy
-            scatter_blocks(self._dst, item.layer, self._dst_ids, item.blocks)
+            scatter_blocks(self._dst, item.layer, self._dst_index, item.blocks)
             crc32 = checksum_tensor_as(self._checksum_kind, item.blocks)
             if self._stream is not None:  # (sum32's read-back has waited for the copy too)
                 self._stream.synchronize()

@@ -2,7 +2,8 @@
 
 Transport-agnostic and free of gRPC: servicer.py turns protobuf into these calls and errors
 into status codes. Every method is thread-safe. commit() may wait for checksums, so the
-servicer runs it in a worker thread, off the event loop.
+servicer runs it in a worker thread, off the event loop, unless commit_is_quick() says only
+one device kernel is left.
 
     handshake    layouts equal? transport possible and enabled? -> kind + data-plane endpoint
     begin        a lease's sender arrives (LeaseTable.begin checks the blocks)
@@ -110,6 +111,8 @@ class KVReceiver:
         self.num_chunks = self.max_chunk_nbytes = 0  # observed PushBlocks chunks
         # lease id -> layer -> the checksum of its destination blocks, queued at layer_done
         self._checks: dict[str, dict[int, Future]] = {}
+        # lease id -> its destination block ids on the pool's device (CUDA: uploaded once)
+        self._device_ids: dict[str, torch.Tensor] = {}
         self._checks_lock = threading.Lock()
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
         self._closed = threading.Event()
@@ -191,9 +194,17 @@ class KVReceiver:
                 self._rows[layer, ids[0], byte_offset:byte_offset + src.size].copy_(t)
             self._stream.synchronize()
 
-    def _checksum(self, kind: str, layer: int, block_ids: Sequence[int]) -> int:
+    def _checksum(self, kind: str, layer: int, lease_id: str, block_ids: Sequence[int]) -> int:
         """`kind`'s checksum of the destination blocks of `layer` (on the receiver's stream)."""
         with torch.cuda.stream(self._stream):
+            if self._stream is not None:  # the ids go to the device once per lease
+                with self._checks_lock:
+                    ids = self._device_ids.get(lease_id)
+                if ids is None:
+                    ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+                    with self._checks_lock:
+                        self._device_ids[lease_id] = ids
+                block_ids = ids
             return checksum_blocks_as(kind, self.kv_cache[layer], block_ids)
 
     def layer_done(self, lease_id: str, layer: int, crc32: int) -> float:
@@ -201,7 +212,7 @@ class KVReceiver:
         self._check_layer(layer)
         lease = self.leases.record_layer(lease_id, layer, crc32)
         check = self._verifier.submit(self._checksum, checksum_kind(lease.transport), layer,
-                                      lease.block_ids)
+                                      lease_id, lease.block_ids)
         with self._checks_lock:
             self._checks.setdefault(lease_id, {})[layer] = check
         return lease.deadline - self.leases.now()
@@ -221,6 +232,18 @@ class KVReceiver:
             lease_id, f"push stream ended after {lease.num_layers_received} of "
                       f"{self.layout.num_layers} layers: sender gone", writer_stopped=True)
 
+    def commit_is_quick(self, lease_id: str) -> bool:
+        """Whether commit() has only device work left: the lease's checksum is the fused
+        device sum (cuda_ipc) and every reported layer's check has finished, so what remains
+        is one kernel over the unreported last layer, tens of microseconds. The servicer then
+        runs commit on its event loop, sparing the thread hop (a few hundred microseconds,
+        more than the work); a host CRC-32 or a check still queued goes to a thread."""
+        lease = self.leases.get(lease_id)
+        if lease is None or checksum_kind(lease.transport) != "sum32":
+            return False
+        with self._checks_lock:
+            return all(check.done() for check in self._checks.get(lease_id, {}).values())
+
     def commit(self, lease_id: str, layer_crc32: Sequence[int]) -> CommitResult:
         """Verify every layer's destination blocks against the sender's checksums: the lease
         becomes COMPLETE, or FAILED (released) and VerificationError is raised. A layer never
@@ -239,7 +262,7 @@ class KVReceiver:
         kind = checksum_kind(lease.transport)  # the sender chose the same from the transport
         # the layers never reported done first, while the verifier finishes the others
         unreported = {} if problems else {
-            layer: self._checksum(kind, layer, lease.block_ids)
+            layer: self._checksum(kind, layer, lease_id, lease.block_ids)
             for layer in range(num_layers) if layer not in checks}
         for layer in range(num_layers) if not problems else ():
             check = checks.pop(layer, None)
@@ -250,6 +273,7 @@ class KVReceiver:
                                 f"{reported:#010x}, commit {layer_crc32[layer]:#010x}")
         for check in checks.values():  # the layers not looked at (problems found first)
             check.cancel()
+        self._drop_checks(lease_id)  # the ids the last layer's check uploaded again
         verify_s = time.perf_counter() - start
         reason = "; ".join(problems[:4]) + (f"; ... {len(problems) - 4} more"
                                             if len(problems) > 4 else "")
@@ -273,6 +297,7 @@ class KVReceiver:
 
     def _drop_checks(self, lease_id: str) -> dict[int, Future]:
         with self._checks_lock:
+            self._device_ids.pop(lease_id, None)
             return self._checks.pop(lease_id, {})
 
     def _forget_checks(self, lease_id: str) -> None:
@@ -280,10 +305,10 @@ class KVReceiver:
             check.cancel()
 
     def _drop_ended_checks(self) -> None:
-        """Forget the queued checks of leases that ended without a commit (expired, or
-        aborted where abort() was not called: a lost stream, the reaper)."""
+        """Forget the queued checks and uploaded block ids of leases that ended without a
+        commit (expired, or aborted where abort() was not called: a lost stream, the reaper)."""
         with self._checks_lock:
-            ids = list(self._checks)
+            ids = set(self._checks) | set(self._device_ids)
         for lease_id in ids:
             lease = self.leases.get(lease_id)
             if lease is None or lease.state.is_terminal:

@@ -12,7 +12,8 @@ Serve it next to the decode service's other services:
     add_kv_transfer_servicer(server, KVTransferServicer(receiver))
 
 Handlers run on the event loop; the receiver's calls are short (a chunk copy holds the lease
-table lock for ~100 us per MiB) except commit, which goes to a worker thread. A PushBlocks
+table lock for ~100 us per MiB) except commit, which goes to a worker thread unless only a
+device kernel is left of it (cuda_ipc, every reported layer already checked). A PushBlocks
 stream that fails, is cancelled, or ends before all its layers are done ends its lease: a
 transfer cannot resume. (grpc.aio ends the request iterator quietly when the peer dies, so
 "ended early" is how a killed sender shows up.)
@@ -141,9 +142,12 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         return pb.LayerDoneResponse(remaining_ms=_ms(remaining_s))
 
     async def Commit(self, request, context):
+        receiver, args = self.receiver, (request.lease_id, list(request.layer_crc32))
         try:
-            result = await asyncio.to_thread(self.receiver.commit, request.lease_id,
-                                             list(request.layer_crc32))
+            if receiver.commit_is_quick(request.lease_id):  # one device kernel: no hop
+                result = receiver.commit(*args)
+            else:  # a host CRC-32, or checks still queued: milliseconds, off the loop
+                result = await asyncio.to_thread(receiver.commit, *args)
         except Exception as e:
             await _abort_with(context, e)
         return pb.CommitResponse(num_bytes_verified=result.num_bytes_verified,
