@@ -158,6 +158,15 @@ def _paged_decode_kernel(
         )
 
 
+def default_block_n(head_dim: int) -> int:
+    """The context tile: 128 positions up to head_dim 128, else 64. On an H200, in a CUDA
+    graph, 32 sequences x 2,048 positions (bench_gpu.py --sweep, BENCHMARKS.md): 128 read
+    Llama-3-8B's KV (8 heads of 128) at 94 % of the copy bandwidth against 80 % for 64, and
+    SmolLM2's (3 of 64) in 31 us against 50. A 128 x 256 tile of K and one of V, pipelined
+    three deep, would pass the SM's shared memory, so head_dim 256 (Gemma) keeps 64."""
+    return 128 if head_dim <= 128 else 64
+
+
 def paged_decode_attention_triton(
     query: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -166,16 +175,16 @@ def paged_decode_attention_triton(
     scale: float,
     window: int | None = None,
     *,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_splits: int | None = None,
     max_context_len: int | None = None,
     softcap: float | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile, and
-    `num_warps` and `num_stages` the launch's (None: Triton's defaults; bench_gpu.py --sweep
-    times the choices on a card).
+    """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile (None:
+    `default_block_n`), and `num_warps` and `num_stages` the launch's (None: Triton's
+    defaults, 4 and 3; bench_gpu.py --sweep times the choices on a card).
     A window starts the walk at the context's last `window` positions. `num_splits`: chunks
     each context is split into, one program each (None: `num_context_splits` of the shapes,
     device and `max_context_len`, a host-side bound on context_lens, or None; 1: no split, no
@@ -221,7 +230,7 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=kv_layer.shape[2],
         BLOCK_G=block_dim(group_size),
         BLOCK_D=block_dim(head_dim),
-        BLOCK_N=max(16, triton.next_power_of_2(block_n)),
+        BLOCK_N=max(16, triton.next_power_of_2(block_n or default_block_n(head_dim))),
         COMPUTE_DTYPE=tile_dtype,
         DOT_PRECISION=precision,
         SOFTCAP=softcap is not None,

@@ -68,15 +68,19 @@ def test_split_rejects_zero_splits(triton_device: torch.device) -> None:
 
 
 def test_num_context_splits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Enough programs for PROGRAMS_PER_SM per SM on a 132-SM card, from shapes alone."""
+    """Under one wave, enough programs for PROGRAMS_PER_SM per SM on a 132-SM card, from
+    shapes alone; the default is auto, and a number overrides it."""
     monkeypatch.setattr(decode_split, "_sm_count", lambda index: 132)
-    assert decode_split.num_context_splits(32, 3, torch.device("cuda")) == 1  # the default
-    monkeypatch.setenv(decode_split.ENV, "auto")
+    monkeypatch.delenv(decode_split.ENV, raising=False)
     cuda = torch.device("cuda", 0)
     assert decode_split.num_context_splits(32, 3, cuda) == 6  # 96 programs -> 576
-    assert decode_split.num_context_splits(32, 8, cuda) == 3  # 256 programs -> 768
+    assert decode_split.num_context_splits(32, 8, cuda) == 1  # 256 programs: over a wave
+    assert decode_split.num_context_splits(44, 3, cuda) == 1  # 132: exactly one wave
     assert decode_split.num_context_splits(1, 1, cuda) == decode_split.MAX_SPLITS
     assert decode_split.num_context_splits(512, 8, cuda) == 1  # already 4096 programs
+    monkeypatch.setenv(decode_split.ENV, "1")
+    assert decode_split.num_context_splits(32, 3, cuda) == 1
+    monkeypatch.setenv(decode_split.ENV, "auto")
     assert decode_split.num_context_splits(32, 3, cuda, window=100) == 1  # too short to split
     assert decode_split.num_context_splits(32, 3, cuda, window=300) == 3
     assert decode_split.num_context_splits(32, 3, cuda, max_context_len=20) == 1
