@@ -250,7 +250,8 @@ class KVReceiver:
         reported done (a one-sided sender reports its last layer here) is checked now."""
         lease = self.leases.start_verify(lease_id)
         start = time.perf_counter()
-        checks = self._drop_checks(lease_id)
+        with self._checks_lock:  # the lease's device ids stay for the last layer's check
+            checks = self._checks.pop(lease_id, {})
         num_layers, nbytes = self.layout.num_layers, len(lease.block_ids) * self.layout.block_nbytes
         announced = dict(lease.layer_crc32)
         problems = []
@@ -273,7 +274,7 @@ class KVReceiver:
                                 f"{reported:#010x}, commit {layer_crc32[layer]:#010x}")
         for check in checks.values():  # the layers not looked at (problems found first)
             check.cancel()
-        self._drop_checks(lease_id)  # the ids the last layer's check uploaded again
+        self._drop_checks(lease_id)  # and its device ids
         verify_s = time.perf_counter() - start
         reason = "; ".join(problems[:4]) + (f"; ... {len(problems) - 4} more"
                                             if len(problems) > 4 else "")
