@@ -53,6 +53,25 @@ def one_transfer(conn, receiver, src_kv, src_ids, compute_s: float):
     return stats
 
 
+def bare_rpc_seconds(target: str, calls: int = 200) -> float:
+    """The median unary round trip to the receiver that does no work (an Abort of no lease):
+    the floor under the Commit RPC on this host."""
+    import grpc
+
+    from protos.pdserve.internal import kv_transfer_pb2 as pb
+    from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.KVTransferStub(channel)
+        request = pb.AbortRequest(lease_id="bench-no-lease", reason="", writer_stopped=True)
+        times = []
+        for _ in range(calls + 20):  # the first 20: the channel's warm-up
+            t = time.perf_counter()
+            stub.Abort(request, timeout=5)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[20:])
+
+
 def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm,
           prompt_tokens: int = PROMPT_TOKENS, device: str = "cpu") -> dict:
     layout = layout_for(dtype)
@@ -74,8 +93,9 @@ def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm,
                 stats.append(one_transfer(conn, receiver, src_kv, src_ids, compute_s))
                 bar.update()
             rows[mode] = summarize(stats)
+        bare_rpc_s = bare_rpc_seconds(receiver.target)
     return {"kind": kind, "dtype": dtype, "device": device, "num_blocks": num_blocks,
-            "payload_bytes": stats[0].num_bytes, **rows}
+            "payload_bytes": stats[0].num_bytes, "bare_rpc_seconds": bare_rpc_s, **rows}
 
 
 def summarize(stats) -> dict:
@@ -96,7 +116,7 @@ def print_table(results: list[dict], compute_ms: float, prompt_tokens: int) -> N
           f"receiver in another process, loopback; medians")
     head = (f"{'transport':9} {'dtype':8} {'MB':>6} | {'b2b s':>7} {'GB/s':>6} {'commit ms':>9} "
             f"{'verify ms':>9} | {'overlap s':>9} {'exposed ms':>10} {'last write':>10} "
-            f"{'Commit RPC':>10} {'verify':>6}")
+            f"{'Commit RPC':>10} {'verify':>6} {'bare RPC':>8}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -106,11 +126,12 @@ def print_table(results: list[dict], compute_ms: float, prompt_tokens: int) -> N
               f"{b2b['commit_seconds'] * 1e3:9.1f} {b2b['verify_seconds'] * 1e3:9.1f} | "
               f"{ovl['seconds']:9.3f} {ovl['commit_seconds'] * 1e3:10.2f} "
               f"{ovl['last_layer_shipped_s'] * 1e3:10.2f} {ovl['commit_rpc_seconds'] * 1e3:10.2f} "
-              f"{ovl['verify_seconds'] * 1e3:6.2f}")
+              f"{ovl['verify_seconds'] * 1e3:6.2f} {r['bare_rpc_seconds'] * 1e3:8.2f}")
     print(f"b2b: all layers at once. overlap: a {compute_ms:g} ms sleep before each layer; "
           f"exposed = last layer handed over -> verified commit (adds to TTFT), of which: the "
           f"last layer's write and checksum, the Commit RPC sent -> answered, and within it the "
-          f"receiver's verification (ms)")
+          f"receiver's verification (ms); bare RPC: a unary call that does nothing, the floor "
+          f"under the Commit RPC")
 
 
 def plot(results: list[dict], path: Path, prompt_tokens: int) -> None:
