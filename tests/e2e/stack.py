@@ -52,7 +52,7 @@ UP_READY = re.compile(r"pdserve up: ready\. gRPC (\S+)\s+HTTP (\S+).*\n"
 # The shm stack that test_e2e_shm.py and test_e2e_shm_reservations.py share (conftest.py
 # shm_stack). The gateway's lease ttl: short, so that prompts queued for prefill outlive it
 # (renewed).
-LEASE_TTL_S = 3.0
+LEASE_TTL_S = 2.0
 # the gateway's admission bounds while the decode pool is full
 MAX_WAITING = 4
 MAX_QUEUE_WAIT_S = 10.0

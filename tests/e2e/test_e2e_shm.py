@@ -32,7 +32,8 @@ from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
-ENDLESS = greedy(500, ignore_eos=True)  # a stream long enough to be cut in the middle
+ENDLESS = greedy(2000, ignore_eos=True)  # a stream long enough to be cut in the middle
+# (500 tokens once finished inside the 3 s deadline below, on a fast hour)
 
 
 @pytest.fixture(scope="module")
