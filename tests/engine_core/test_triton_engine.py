@@ -38,9 +38,17 @@ MAX_TOKENS = 12
 CHUNK = 32  # max_num_batched_tokens: the 57-token prompt is prefilled in two chunks
 
 SCRIPT = """
-import json, sys
+import json, os, sys
 from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
+combines = []
+if os.environ["PDSERVE_ATTN_BACKEND"] == "triton":  # count the split decodes' combines
+    import kernels.decode_attention as decode_attention
+    combine = decode_attention.combine_splits
+    def counted(*args, **kwargs):
+        combines.append(1)
+        return combine(*args, **kwargs)
+    decode_attention.combine_splits = counted
 llm = LLM(model=sys.argv[1], dtype="float32", device="cpu", quantize_decode=False,
           max_num_batched_tokens=int(sys.argv[2]), kv_cache_memory_gb=0.05)
 prompts = json.loads(sys.argv[3])
@@ -50,7 +58,7 @@ rest = llm.generate(prompts[1:], params)
 triton_modules = sorted(m for m in ("kernels.decode_attention", "kernels.prefill_attention",
                                     "kernels.store_kv_triton") if m in sys.modules)
 print(json.dumps({"ids": [o.outputs[0].token_ids for o in first + rest],
-                  "triton_modules": triton_modules}))
+                  "triton_modules": triton_modules, "combines": len(combines)}))
 """
 TRITON_MODULES = ["kernels.decode_attention", "kernels.prefill_attention",
                   "kernels.store_kv_triton"]  # imported by kernels.dispatch on first use
@@ -67,14 +75,21 @@ def tiny(tmp_path_factory):
 
 
 def offline(tiny, backend: str) -> list[list[int]]:
+    """Offline greedy ids. On the Triton backend each decode context is split in 3 (flash
+    decoding, which a card uses for grids under one wave; auto never splits on a CPU), so the
+    split kernels and their combine run inside the engine here; `pdserve up` below runs the
+    unsplit kernel."""
     prompts = [words(p) for p in PROMPTS]
+    splits = {"PDSERVE_DECODE_SPLITS": "3"} if backend == "triton" else {}
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tiny), str(CHUNK), json.dumps(prompts),
          str(MAX_TOKENS)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, **backend_env(backend)})
+        env={**os.environ, **backend_env(backend), **splits})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["triton_modules"] == (TRITON_MODULES if backend == "triton" else [])
+    if backend == "triton":  # every decode step's layers split: 2 layers x 12 tokens at least
+        assert result["combines"] >= 2 * MAX_TOKENS, result["combines"]
     return result["ids"]
 
 
