@@ -1,22 +1,23 @@
-"""The checksum that proves a layer arrived intact: CRC-32 over the bytes of one layer's blocks,
-taken in destination-block order.
+"""The checksum that proves a layer arrived intact: XXH3-64 (its low 32 bits) over the bytes of
+one layer's blocks, taken in destination-block order.
 
     sender:   snapshot = kv_cache[layer][src_block_ids]   # [n, 2, block_size, heads, head_dim]
-              crc32(bytes of snapshot)                     # one contiguous buffer
-    receiver: crc32(kv_cache[layer][dst_block_ids[0]] ++ kv_cache[layer][dst_block_ids[1]] ++ ...)
+              xxh3(bytes of snapshot)                      # one contiguous buffer
+    receiver: xxh3(kv_cache[layer][dst_block_ids[0]] ++ kv_cache[layer][dst_block_ids[1]] ++ ...)
 
-Both are the same computation: CRC-32 chains, so crc(a ++ b) == crc(b, start=crc(a)), and
-snapshot block i is what lands in dst_block_ids[i]. Being order-sensitive, it catches a block
-written to the wrong destination, which an additive checksum would not.
+Both are the same computation: the receiver feeds its blocks to one streaming hasher in
+order, which hashes their concatenation, and snapshot block i is what lands in
+dst_block_ids[i]. Being order-sensitive, it catches a block written to the wrong destination,
+which an additive checksum would not. The wire's checksum fields are 32 bits (`crc32`, the
+name of the CRC-32 this replaced): a corrupted layer passes with probability 2^-32.
 
-Speed (measured here, zlib 1.2.13, AMD EPYC): zlib.crc32 ~2.7 GB/s on one core, zlib.adler32
-~2.0 GB/s, so CRC-32 it is. Verifying the KV of a 512-token prompt of the default model
-(30 layers x 32 blocks) costs ~9 ms in float32 (23.6 MB) and ~4.5 ms in bfloat16. zlib releases
-the GIL on buffers over 5 KiB, so verification in a worker thread does not stall the event loop.
-CUDA tensors are copied to the host first (one device-to-host copy per layer).
+Speed (Zen 4, one core, a 2,048-token layer of the default model in bf16, 1.57 MB): python's
+xxhash 18 us, streamed block by block 28 us; zlib.crc32 226 us. Verifying a 2k-token prompt's
+KV (30 layers) so costs the receiver about 1 ms, not 7, and the sender as much again. CUDA
+tensors are copied to the host first (one device-to-host copy per layer).
 
 cuda_ipc, where both ends hold the layer on a GPU, uses a checksum computed on the device
-instead (`weighted_sum32`): on the H200, host CRC-32 cost 37 ms of a 2k-token prompt's 96 ms
+instead (`weighted_sum32`): on the H200, a host CRC-32 cost 37 ms of a 2k-token prompt's 96 ms
 handoff. Each 32-bit word is split into 16-bit halves, each multiplied by an odd weight below
 2^16 that depends on the word's position, and the products summed exactly in int64 (no term
 reaches 2^32, so no sum of fewer than 2^31 words overflows). It is deterministic on any device,
@@ -31,10 +32,10 @@ both ends know, so the wire's crc32 fields carry either.
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 
 def host_bytes(t: torch.Tensor):
@@ -45,9 +46,15 @@ def host_bytes(t: torch.Tensor):
     return t.view(torch.uint8).reshape(-1).numpy()
 
 
-def checksum_tensor(blocks: torch.Tensor, crc: int = 0) -> int:
-    """CRC-32 of a contiguous tensor's bytes, e.g. a snapshot [n, 2, block_size, heads, dim]."""
-    return zlib.crc32(host_bytes(blocks), crc)
+def checksum_bytes(data) -> int:
+    """The host checksum of a buffer (bytes, or a contiguous numpy array): 32 bits."""
+    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+
+def checksum_tensor(blocks: torch.Tensor) -> int:
+    """The host checksum of a contiguous tensor's bytes, e.g. a snapshot [n, 2, block_size,
+    heads, dim]."""
+    return checksum_bytes(host_bytes(blocks))
 
 
 # The weight of word i depends on i mod 2^16 only (i * a mod 2^16 does), so one period of
@@ -106,8 +113,9 @@ def _weighted_sum32_torch(words32: torch.Tensor) -> int:
 
 
 def checksum_kind(transport: str) -> str:
-    """The checksum a transfer over `transport` carries: "sum32" for cuda_ipc, else "crc32"."""
-    return "sum32" if transport == "cuda_ipc" else "crc32"
+    """The checksum a transfer over `transport` carries: "sum32" (on the device) for
+    cuda_ipc, else "xxh3" (on the host)."""
+    return "sum32" if transport == "cuda_ipc" else "xxh3"
 
 
 def checksum_tensor_as(kind: str, blocks: torch.Tensor) -> int:
@@ -133,7 +141,7 @@ def checksum_blocks_as(kind: str, kv_layer: torch.Tensor,
 
 
 def checksum_blocks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> int:
-    """CRC-32 of kv_layer[b] for b in block_ids, chained in that order.
+    """The host checksum of kv_layer[b] for b in block_ids, in that order.
 
     kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim], contiguous
     """
@@ -141,7 +149,7 @@ def checksum_blocks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> int:
         index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_layer.device)
         return checksum_tensor(kv_layer.index_select(0, index))
     rows = host_bytes(kv_layer).reshape(kv_layer.shape[0], -1)  # [num_blocks, block bytes]
-    crc = 0
+    hasher = xxhash.xxh3_64()
     for b in block_ids:
-        crc = zlib.crc32(rows[b], crc)
-    return crc
+        hasher.update(rows[b])
+    return hasher.intdigest() & 0xFFFFFFFF

@@ -1,7 +1,7 @@
 """The grpc transport: KV bytes over a client-streaming PushBlocks call, for any two hosts.
 
 Each layer becomes a run of chunks of at most `chunk_bytes` payload, then an in-stream
-LayerDone carrying the layer's CRC-32, so the receiver sees a layer's end in order with its
+LayerDone carrying the layer's checksum (checksum.py), so the receiver sees a layer's end in order with its
 bytes. Chunks hold whole blocks when a block fits, else pieces of one block:
 
     layer payload:  | blk 0 | blk 1 | blk 2 | blk 3 | blk 4 |      (dst order, block_nbytes each)
@@ -15,13 +15,12 @@ request consumer pulls the next chunk only once the previous one has been writte
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Iterator
 
 import grpc
 import torch
 
-from kv_transfer.checksum import host_bytes
+from kv_transfer.checksum import checksum_bytes, host_bytes
 from kv_transfer.session import MAX_CHUNK_BYTES, SendSession, _Stopped
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
@@ -113,7 +112,7 @@ class GrpcSendSession(SendSession):
                         dst_block_ids=self._dst_ids[first:first + count], byte_offset=offset,
                         data=payload[start:end].tobytes()))
                     self._num_chunks += 1
-                crc32 = zlib.crc32(payload)
+                crc32 = checksum_bytes(payload)
                 self._shipped(item.layer, crc32, payload.nbytes)  # all chunks handed over
                 yield pb.PushBlocksRequest(layer_done=pb.LayerDoneRequest(
                     lease_id=self.lease_id, layer=item.layer, crc32=crc32))

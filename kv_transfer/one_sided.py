@@ -8,7 +8,7 @@ straight into the receiver's pool, mapped into this process, then reports it wit
         LayerDone(layer, checksum), not waited for  # up to MAX_LAYER_DONE_IN_FLIGHT pending
     Commit(every layer's checksum)                  # reports the last layer itself
 
-The checksum is CRC-32 over shm and a device-side sum over cuda_ipc (checksum.py).
+The checksum is XXH3 on the host over shm and a device-side sum over cuda_ipc (checksum.py).
 
 LayerDone calls are pipelined (a unary round trip costs ~1 ms here, more than copying a
 layer). That is safe because the receiver frees an aborted one-sided lease only on an explicit

@@ -13,7 +13,7 @@ Serve it next to the decode service's other services:
 
 Handlers run on the event loop; the receiver's calls are short (a chunk copy holds the lease
 table lock for ~100 us per MiB) except commit, which goes to a worker thread unless only a
-device kernel is left of it (cuda_ipc, every reported layer already checked). A PushBlocks
+short check is left of it (KVReceiver.commit_is_quick). A PushBlocks
 stream that fails, is cancelled, or ends before all its layers are done ends its lease: a
 transfer cannot resume. (grpc.aio ends the request iterator quietly when the peer dies, so
 "ended early" is how a killed sender shows up.)
@@ -144,9 +144,9 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
     async def Commit(self, request, context):
         receiver, args = self.receiver, (request.lease_id, list(request.layer_crc32))
         try:
-            if receiver.commit_is_quick(request.lease_id):  # one device kernel: no hop
+            if receiver.commit_is_quick(request.lease_id):  # a short check: no thread hop
                 result = receiver.commit(*args)
-            else:  # a host CRC-32, or checks still queued: milliseconds, off the loop
+            else:  # a long host checksum, or checks still queued: off the loop
                 result = await asyncio.to_thread(receiver.commit, *args)
         except Exception as e:
             await _abort_with(context, e)

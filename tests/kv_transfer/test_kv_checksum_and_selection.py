@@ -35,7 +35,7 @@ def test_checksum_of_snapshot_equals_checksum_of_scattered_blocks(layout, seed):
     assert checksum_blocks(kv[1], ids) != checksum_tensor(snapshot)
 
 
-@pytest.mark.parametrize("kind", ["crc32", "sum32"])
+@pytest.mark.parametrize("kind", ["xxh3", "sum32"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)
 def test_each_checksum_kind_catches_a_flipped_bit_and_a_misplaced_block(layout, kind, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -85,7 +85,7 @@ def test_weighted_sum32_past_its_weights_period_and_across_chunks(monkeypatch):
 
 
 def test_only_cuda_ipc_uses_the_device_checksum():
-    assert [checksum_kind(k) for k in ("grpc", "shm", "cuda_ipc")] == ["crc32", "crc32", "sum32"]
+    assert [checksum_kind(k) for k in ("grpc", "shm", "cuda_ipc")] == ["xxh3", "xxh3", "sum32"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)

@@ -157,3 +157,42 @@ def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind)
         assert returned == list(range(layout.num_layers))
         session.commit(timeout=10)
     assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])
+
+
+def test_commit_runs_on_the_event_loop_when_only_a_short_check_is_left(make_rig, monkeypatch):
+    """A one-sided lease whose reported layers are all checked: the Commit handler checks the
+    last layer itself (a few KB here), with no thread hop; over QUICK_HOST_CHECK_BYTES it goes
+    to a thread. Both verify the same way."""
+    import kv_transfer.receiver as receiver_module
+    import kv_transfer.servicer as servicer_module
+
+    hops: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(fn, *args, **kwargs):
+        hops.append(fn.__name__)
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(servicer_module.asyncio, "to_thread", counted)
+    layout = LAYOUTS[1]
+    rig = make_rig("shm", layout)
+
+    def transfer() -> None:
+        lease = rig.open(4)
+        src_kv, src_ids = rig.source(4)
+        with connect("shm", rig.target, layout) as conn:
+            session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+            for layer in range(layout.num_layers):
+                session.send_layer(layer, src_kv)
+            assert wait_until(lambda: rig.receiver.num_layers_checked(lease.lease_id)
+                              == layout.num_layers - 1)
+            session.commit(timeout=10)
+        assert rig.table.get(lease.lease_id).state is LeaseState.COMPLETE
+        dst_ids = rig.table.claim(lease.lease_id)
+        assert same_bits(rig.kv[:, dst_ids], src_kv[:, src_ids])
+
+    transfer()
+    assert hops == []
+    monkeypatch.setattr(receiver_module, "QUICK_HOST_CHECK_BYTES", layout.block_nbytes)
+    transfer()  # the last layer's 4 blocks are over it now
+    assert hops == ["commit"]
