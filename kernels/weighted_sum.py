@@ -10,8 +10,8 @@ Grid: (blocks, tiles of a block). With block ids, program (j, t) reads tile t of
 ids[j], which is word j * block_words + offset of the sequence (the receiver's destination
 blocks, summed in place: no gathered copy); without, block j of the tensor itself. The torch
 code in checksum.py is the reference: integer sums are exact (mod 2^64), so any order of them
-gives its value. Three torch kernels per 4M words and a weight table become one launch and a
-sum of the partials.
+gives its value. The reference's dozen torch kernels per 4M words, and its weight table,
+become one launch and a sum of the partials.
 """
 
 from __future__ import annotations

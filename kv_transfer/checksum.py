@@ -19,8 +19,9 @@ tensors are copied to the host first (one device-to-host copy per layer).
 cuda_ipc, where both ends hold the layer on a GPU, uses a checksum computed on the device
 instead (`weighted_sum32`): on the H200, a host CRC-32 cost 37 ms of a 2k-token prompt's 96 ms
 handoff. Each 32-bit word is split into 16-bit halves, each multiplied by an odd weight below
-2^16 that depends on the word's position, and the products summed exactly in int64 (no term
-reaches 2^32, so no sum of fewer than 2^31 words overflows). It is deterministic on any device,
+2^16 that depends on the word's position, and the products summed in int64 (each word adds
+under 2^33; a sum that wraps does so mod 2^64, which keeps its low 32 bits exact, so any order
+of the sums gives the same checksum). It is deterministic on any device,
 order-sensitive (a block in the wrong destination moves its words to other weights), and any
 change to one half-word changes it (an odd weight times a non-zero change below 2^16 is not
 0 mod 2^32). On a GPU one fused Triton kernel computes it (kernels/weighted_sum.py), reading

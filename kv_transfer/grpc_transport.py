@@ -1,8 +1,8 @@
 """The grpc transport: KV bytes over a client-streaming PushBlocks call, for any two hosts.
 
 Each layer becomes a run of chunks of at most `chunk_bytes` payload, then an in-stream
-LayerDone carrying the layer's checksum (checksum.py), so the receiver sees a layer's end in order with its
-bytes. Chunks hold whole blocks when a block fits, else pieces of one block:
+LayerDone carrying the layer's checksum (checksum.py), so the receiver sees a layer's end in
+order with its bytes. Chunks hold whole blocks when a block fits, else pieces of one block:
 
     layer payload:  | blk 0 | blk 1 | blk 2 | blk 3 | blk 4 |      (dst order, block_nbytes each)
     chunk_bytes >= 2 blocks:  [0 1] [2 3] [4]                     byte_offset 0

@@ -200,7 +200,7 @@ class KVReceiver:
     def _checksum(self, kind: str, layer: int, lease_id: str, block_ids: Sequence[int]) -> int:
         """`kind`'s checksum of the destination blocks of `layer` (on the receiver's stream)."""
         with torch.cuda.stream(self._stream):
-            if self._stream is not None:  # the ids go to the device once per lease
+            if kind == "sum32" and self._stream is not None:  # ids on the device, once a lease
                 with self._checks_lock:
                     ids = self._device_ids.get(lease_id)
                 if ids is None:
