@@ -77,6 +77,28 @@ _TOP_NAMES = {
 }
 
 
+# rows dequantized per call of gguf's dequantize: it holds its whole output twice (a list of
+# row groups, then their concatenation), so a whole 128k-row embedding would peak at 4 GB
+DEQUANTIZE_CHUNK_ELEMENTS = 1 << 24
+
+
+def dequantized(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A tensor's data as a writable float32 array of its own, [rows, row length] (or 1-D),
+    by gguf's `dequantize`, a chunk of rows at a time into one array: its peak is the output
+    and one chunk, not twice the output and a copy."""
+    if data.ndim < 2 or qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        array = dequantize(data, qtype)  # F32: a view of the file, so copied below
+        return array if array.flags.writeable and array.dtype == np.float32 \
+            else np.array(array, dtype=np.float32)
+    rows = data.reshape(-1, data.shape[-1])
+    first = dequantize(rows[:1], qtype)  # one row: its length in elements
+    out = np.empty((rows.shape[0], first.shape[-1]), dtype=np.float32)
+    step = max(1, DEQUANTIZE_CHUNK_ELEMENTS // first.shape[-1])
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = dequantize(rows[start:start + step], qtype)
+    return out
+
+
 def hf_name(gguf_name: str, arch: architectures.Architecture | None = None) -> str:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
@@ -210,10 +232,9 @@ class GGUFFile:
                     f"tensor {t.name!r} has GGUF type {qtype.name}, which is not supported "
                     f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
-            array = dequantize(t.data, qtype)
             # GGUF lists dims innermost-first; numpy wants them outermost-first
             shape = tuple(int(d) for d in reversed(t.shape))
-            w = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)  # a copy
+            w = torch.from_numpy(dequantized(t.data, qtype)).reshape(shape)
             names = hf_names(t, self.architecture)
             if len(names) > 1:  # stacked experts
                 yield from zip(names, w, strict=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from engine_core.weights import gguf_loader
 from engine_core.weights.gguf_loader import SUPPORTED_TYPES, GGUFFile
 from tests.engine_core import tiny_models as tm
 
@@ -39,7 +40,9 @@ def gguf_model(tmp_path, qtype, **overrides):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_weights_bit_equal_to_gguf_dequantize(qtype, tmp_path):
+def test_weights_bit_equal_to_gguf_dequantize(qtype, tmp_path, monkeypatch):
+    # a few rows per call of gguf's dequantize, as on a real model's largest tensors
+    monkeypatch.setattr(gguf_loader, "DEQUANTIZE_CHUNK_ELEMENTS", 3 * 256)
     hf, path = gguf_model(tmp_path, qtype)
     f = GGUFFile(path)
     ours = dict(f.weights(f.model_config()))
