@@ -200,7 +200,13 @@ def test_cuda_graphs_refuse_a_cpu_engine_and_enforce_eager_reaches_the_engine(ti
 TRITON_SCRIPT = """
 import json, sys
 import torch
+import kernels.decode_attention as decode_attention
 import tests.engine_core.test_decode_graphs as t
+combines, combine = [], decode_attention.combine_splits
+def counted(*args, **kwargs):
+    combines.append(1)
+    return combine(*args, **kwargs)
+decode_attention.combine_splits = counted
 t.PROMPTS, t.MAX_TOKENS = t.PROMPTS[:3], [2, 2, 3]  # decode batches of 3 (bucket 4), then 1
 plain, padded = (t._llm(sys.argv[1], quantize_decode=False) for _ in range(2))
 buckets = t._padded(padded)
@@ -212,7 +218,7 @@ print(json.dumps({
     "logits_diff": max((g - w).abs().max().item() for g, w in zip(got_logits, want_logits)),
     "same_kv_written": torch.equal(got_kv != initial, want_kv != initial),
     "kv_diff": (got_kv - want_kv).abs().max().item(),
-    "triton": "kernels.decode_attention" in sys.modules}))
+    "triton": "kernels.decode_attention" in sys.modules, "combines": len(combines)}))
 """
 
 
@@ -220,15 +226,17 @@ print(json.dumps({
 def test_padded_decode_steps_on_the_triton_kernels(tmp_path):
     """The kernels a CUDA graph captures, through the Triton interpreter in a fresh process
     (it must be on before triton's first import; the C kernels off): one small case, on a
-    one-layer model (the interpreter's cost is per kernel call)."""
+    one-layer model (the interpreter's cost is per kernel call). Each context is split in 3,
+    as a card splits a small batch's (kernels/decode_split.py): the padding rows' one-position
+    contexts leave two splits empty."""
     tiny = write_tiny_llama(tmp_path, num_hidden_layers=1)
     env = {**os.environ, "PDSERVE_NATIVE": "0", "PDSERVE_ATTN_BACKEND": "triton",
-           "TRITON_INTERPRET": "1"}
+           "TRITON_INTERPRET": "1", "PDSERVE_DECODE_SPLITS": "3"}
     out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(tiny)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["triton"]
+    assert result["triton"] and result["combines"] > 0
     assert result["buckets"] == [[3, 4], [1, 1]]
     assert result["ids_equal"]
     assert result["same_kv_written"]
