@@ -182,3 +182,19 @@ def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def count_split_combines() -> list[int]:
+    """From now on, one entry per split-decode combine that kernels.decode_attention launches
+    (for the scripts that run the engine on the Triton kernels; imports triton)."""
+    import kernels.decode_attention as decode_attention
+
+    combines: list[int] = []
+    combine = decode_attention.combine_splits
+
+    def counted(*args, **kwargs):
+        combines.append(1)
+        return combine(*args, **kwargs)
+
+    decode_attention.combine_splits = counted
+    return combines

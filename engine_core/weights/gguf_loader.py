@@ -91,9 +91,10 @@ def dequantized(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         return array if array.flags.writeable and array.dtype == np.float32 \
             else np.array(array, dtype=np.float32)
     rows = data.reshape(-1, data.shape[-1])
-    first = dequantize(rows[:1], qtype)  # one row: its length in elements
-    out = np.empty((rows.shape[0], first.shape[-1]), dtype=np.float32)
-    step = max(1, DEQUANTIZE_CHUNK_ELEMENTS // first.shape[-1])
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    row_length = rows.shape[-1] // type_size * block_size  # elements per row
+    out = np.empty((rows.shape[0], row_length), dtype=np.float32)
+    step = max(1, DEQUANTIZE_CHUNK_ELEMENTS // row_length)
     for start in range(0, rows.shape[0], step):
         out[start:start + step] = dequantize(rows[start:start + step], qtype)
     return out

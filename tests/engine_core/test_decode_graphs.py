@@ -200,13 +200,9 @@ def test_cuda_graphs_refuse_a_cpu_engine_and_enforce_eager_reaches_the_engine(ti
 TRITON_SCRIPT = """
 import json, sys
 import torch
-import kernels.decode_attention as decode_attention
 import tests.engine_core.test_decode_graphs as t
-combines, combine = [], decode_attention.combine_splits
-def counted(*args, **kwargs):
-    combines.append(1)
-    return combine(*args, **kwargs)
-decode_attention.combine_splits = counted
+from tests.helpers import count_split_combines
+combines = count_split_combines()
 t.PROMPTS, t.MAX_TOKENS = t.PROMPTS[:3], [2, 2, 3]  # decode batches of 3 (bucket 4), then 1
 plain, padded = (t._llm(sys.argv[1], quantize_decode=False) for _ in range(2))
 buckets = t._padded(padded)

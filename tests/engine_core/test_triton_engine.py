@@ -41,14 +41,9 @@ SCRIPT = """
 import json, os, sys
 from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
-combines = []
-if os.environ["PDSERVE_ATTN_BACKEND"] == "triton":  # count the split decodes' combines
-    import kernels.decode_attention as decode_attention
-    combine = decode_attention.combine_splits
-    def counted(*args, **kwargs):
-        combines.append(1)
-        return combine(*args, **kwargs)
-    decode_attention.combine_splits = counted
+from tests.helpers import count_split_combines
+triton = os.environ["PDSERVE_ATTN_BACKEND"] == "triton"
+combines = count_split_combines() if triton else []  # the split decodes' combines
 llm = LLM(model=sys.argv[1], dtype="float32", device="cpu", quantize_decode=False,
           max_num_batched_tokens=int(sys.argv[2]), kv_cache_memory_gb=0.05)
 prompts = json.loads(sys.argv[3])
