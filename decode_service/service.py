@@ -91,13 +91,15 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     @staticmethod
     async def _stream(context, chunks):
         """The worker's chunks as DecodeResponse messages; the last carries the timings."""
-        t_first = t_second = None
+        t_start, t_first, t_second = time.monotonic(), None, None
         num_tokens = 0
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     now = time.monotonic()
-                    t_first = t_first or now
+                    if t_first is None:  # a first chunk that carries a decoded token too: the
+                        # step ran between the call and now, not in no time
+                        t_first = now if len(chunk.token_ids) < 2 else t_start
                     num_tokens += len(chunk.token_ids)
                     if t_second is None and num_tokens >= 2:
                         t_second = now
