@@ -27,17 +27,33 @@ def block_rows(kv_cache: torch.Tensor) -> np.ndarray | None:
     return kv_cache.view(torch.uint8).view(kv_cache.shape[0], kv_cache.shape[1], -1).numpy()
 
 
-def gather_blocks(kv_cache: torch.Tensor, layer: int,
-                  block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def gather_blocks(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int] | torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """A contiguous copy of kv_cache[layer][block_ids]: [n, 2, block_size, heads, head_dim].
-    block_ids may be an int64 tensor on the cache's device already (used as it is)."""
+    block_ids may be an int64 tensor on the cache's device already (used as it is). `out`: a
+    contiguous tensor of that shape, dtype and device to copy into (on the host, a buffer
+    reused spares a fresh allocation's page faults, and its release's unmapping: ~0.3 ms a
+    1.6 MB layer here)."""
+    n = len(block_ids)
+    shape = (n, *kv_cache.shape[2:])
+    if out is not None and (tuple(out.shape) != shape or out.dtype != kv_cache.dtype
+                            or out.device != kv_cache.device or not out.is_contiguous()):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} is not a "
+                         f"contiguous {shape} {kv_cache.dtype} on {kv_cache.device}")
     rows = block_rows(kv_cache)
     if rows is None:
         index = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-        return kv_cache[layer].index_select(0, index)
-    out = rows[layer].take(np.asarray(block_ids), axis=0)  # [n, block_nbytes] uint8
-    shape = (len(block_ids), *kv_cache.shape[2:])
-    return torch.from_numpy(out).view(kv_cache.dtype).view(shape)
+        if out is None:
+            return kv_cache[layer].index_select(0, index)
+        return torch.index_select(kv_cache[layer], 0, index, out=out)
+    ids = np.asarray(block_ids)
+    if n and not 0 <= ids.min() <= ids.max() < rows.shape[1]:  # take(mode="clip") would clamp
+        raise IndexError(f"block ids must be in [0, {rows.shape[1]}), got {block_ids}")
+    if out is None:
+        out = torch.empty(shape, dtype=kv_cache.dtype)
+    # into `out`, unbuffered (mode="raise" would gather into a temporary first)
+    rows[layer].take(ids, axis=0, out=out.view(torch.uint8).view(n, -1).numpy(), mode="clip")
+    return out
 
 
 def scatter_blocks(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int] | torch.Tensor,

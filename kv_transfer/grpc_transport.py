@@ -113,7 +113,8 @@ class GrpcSendSession(SendSession):
                         data=payload[start:end].tobytes()))
                     self._num_chunks += 1
                 crc32 = checksum_bytes(payload)
-                self._shipped(item.layer, crc32, payload.nbytes)  # all chunks handed over
+                del payload  # (a view of a host snapshot, which _shipped frees for reuse)
+                self._shipped(item, crc32)  # all chunks handed over, as copies
                 yield pb.PushBlocksRequest(layer_done=pb.LayerDoneRequest(
                     lease_id=self.lease_id, layer=item.layer, crc32=crc32))
         except _Stopped:

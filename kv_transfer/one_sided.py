@@ -64,7 +64,7 @@ class OneSidedSendSession(SendSession):
                 if time.monotonic() > self._lease_deadline - WRITE_MARGIN_S:
                     raise TransferError("lease deadline too close to write safely", "CANCELLED")
                 crc32 = self._write(item)
-                self._shipped(item.layer, crc32, item.blocks.nbytes)  # bytes in place
+                self._shipped(item, crc32)  # bytes in place
                 if len(self._crc32) == self._layout.num_layers:
                     continue  # the last layer: Commit reports it, one round trip sooner
                 request = pb.LayerDoneRequest(lease_id=self.lease_id, layer=item.layer,

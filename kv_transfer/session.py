@@ -22,6 +22,7 @@ the receiver may free expired blocks at the deadline without hearing from us.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
@@ -89,6 +90,7 @@ class TransferStats:
     commit_rpc_seconds: float  # the Commit RPC, sent -> answered (part of commit_seconds)
     layer_queued_s: tuple[float, ...]  # per layer: send_layer() returned
     layer_shipped_s: tuple[float, ...]  # per layer: all its bytes handed to the transport
+    num_snapshot_buffers: int = 0  # host buffers the layers were gathered into (reused)
 
     @property
     def gbytes_per_s(self) -> float:
@@ -127,6 +129,11 @@ class SendSession:
         self._src_index: torch.Tensor | None = None  # _src_ids on a CUDA cache's device
         self._dst_ids = [int(b) for b in dst_block_ids]
         self._queue: queue.Queue = queue.Queue(maxsize=options.max_queued_layers)
+        # host snapshots already shipped, for send_layer to gather the next layers into: a
+        # fresh 1.6 MB buffer a layer costs page faults, and its release ~0.3 ms of unmapping
+        # on the session thread, which the last layer's would add to the handoff
+        self._spare: collections.deque[torch.Tensor] = collections.deque()
+        self._num_buffers = 0  # host snapshot buffers allocated
         self._lock = threading.Lock()
         self._state = SendState.SENDING
         self._error: TransferError | None = None
@@ -175,7 +182,13 @@ class SendSession:
             if self._src_index is None:
                 self._src_index = torch.as_tensor(ids, dtype=torch.long, device=kv_cache.device)
             ids = self._src_index
-        blocks = gather_blocks(kv_cache, layer, ids)  # [n, 2, bs, heads, dim]
+        spare = None
+        if not kv_cache.is_cuda:
+            try:
+                spare = self._spare.pop()
+            except IndexError:  # none shipped yet, or all still queued: a new buffer
+                self._num_buffers += 1
+        blocks = gather_blocks(kv_cache, layer, ids, out=spare)  # [n, 2, bs, heads, dim]
         ready = None
         if blocks.is_cuda:
             ready = torch.cuda.Event()
@@ -271,6 +284,7 @@ class SendSession:
             self._done.set()
             while not self._queue.empty():  # drop snapshots now, not when the session dies
                 self._queue.get_nowait()
+            self._spare.clear()  # after done: their release is off the commit's path
 
     def _next_layer(self) -> _Layer | None:
         """The next queued layer; None at commit. Raises _Stopped once aborted, and stops
@@ -291,7 +305,12 @@ class SendSession:
                     item.ready.synchronize()
                 return item
 
-    def _shipped(self, layer: int, crc32: int, nbytes: int) -> None:
+    def _shipped(self, item: _Layer, crc32: int) -> None:
+        """Every byte of `item` has reached the receiver (or the transport's own buffers); its
+        snapshot is free for send_layer to reuse."""
+        layer, nbytes = item.layer, item.blocks.nbytes
+        if not item.blocks.is_cuda and not self._done.is_set():
+            self._spare.append(item.blocks)
         self._crc32[layer] = crc32
         self._num_bytes += nbytes
         self._shipped_s[layer] = self._elapsed()
@@ -341,7 +360,8 @@ class SendSession:
             commit_seconds=self._commit_s, verify_seconds=self._verify_s,
             commit_rpc_seconds=self._commit_rpc_s,
             layer_queued_s=tuple(self._queued_s[i] for i in range(num_layers)),
-            layer_shipped_s=tuple(self._shipped_s[i] for i in range(num_layers)))
+            layer_shipped_s=tuple(self._shipped_s[i] for i in range(num_layers)),
+            num_snapshot_buffers=self._num_buffers)
 
     # -- transport hooks -------------------------------------------------------------------
     def _pump(self) -> None:

@@ -100,6 +100,15 @@ def test_gather_and_scatter_match_torch_indexing(layout, contiguous, seed):
     blocks = gather_blocks(kv, 1, ids)
     assert blocks.is_contiguous() and torch.equal(blocks.view(torch.uint8),
                                                   kv[1, ids].contiguous().view(torch.uint8))
+    # into a reused buffer (stale bytes of another layer): the same bytes, in that buffer
+    spare = gather_blocks(kv, 0, ids)
+    again = gather_blocks(kv, 1, ids, out=spare)
+    assert again.data_ptr() == spare.data_ptr()
+    assert torch.equal(again.view(torch.uint8), blocks.view(torch.uint8))
+    with pytest.raises(ValueError, match="is not a contiguous"):
+        gather_blocks(kv, 1, ids[:4], out=spare)
+    with pytest.raises(IndexError):
+        gather_blocks(kv, 1, [*ids[:4], kv.shape[1]], out=spare)
     other = torch.randperm(12, generator=gen)[:5].tolist()
     scatter_blocks(kv, 0, other, blocks)
     assert torch.equal(kv[0, other].contiguous().view(torch.uint8), blocks.view(torch.uint8))

@@ -68,6 +68,9 @@ def test_layers_ship_as_they_are_computed(make_rig, kind):
         stats = session.commit(timeout=10)
     for layer in range(layout.num_layers - 1):
         assert stats.layer_shipped_s[layer] < stats.layer_queued_s[layer + 1]
+    # each layer was gathered into the buffer the one before had been shipped from, and
+    # arrived intact (above)
+    assert stats.num_snapshot_buffers == 1
     assert stats.commit_seconds < stats.seconds
     assert stats.verify_seconds < stats.commit_rpc_seconds <= stats.commit_seconds
 
