@@ -2,6 +2,9 @@
 block 16) from this process to a receiver in another process over loopback, per transport and
 dtype, and reports GB/s and seconds. Writes bench_results/kv_transfer/{results.json,plot.png}.
 
+Over shm and cuda_ipc, LayerDone and Commit go over the receiver's Unix socket ("unix", the
+default) or gRPC ("grpc", where the socket is out of reach): --controls picks which to run.
+
 Two modes per configuration:
   back-to-back   all layers handed over at once: the transport's throughput
   overlapped     layers handed over --compute-ms apart (a sleep standing in for the prefill of
@@ -10,6 +13,7 @@ Two modes per configuration:
 
     python benchmarks/bench_kv_transfer.py                 # grpc + shm, float32 + bfloat16
     python benchmarks/bench_kv_transfer.py --runs 5 --kinds shm --dtypes bfloat16
+    python benchmarks/bench_kv_transfer.py --kinds shm --controls unix   # the default only
     python benchmarks/bench_kv_transfer.py --device cuda --kinds cuda_ipc grpc \
         --dtypes bfloat16 --prompt-tokens 2048           # on a GPU: KV on the device
 """
@@ -30,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from engine_core.kv_cache.layout import KVLayout  # noqa: E402
-from kv_transfer import connect  # noqa: E402
+from kv_transfer import SenderOptions, connect  # noqa: E402
 from tests.kv_transfer.loopback import ReceiverProcess  # noqa: E402
 
 PROMPT_TOKENS = 512  # --prompt-tokens; sender and receiver pools hold twice its blocks
@@ -72,7 +76,7 @@ def bare_rpc_seconds(target: str, calls: int = 200) -> float:
     return statistics.median(times[20:])
 
 
-def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm,
+def bench(kind: str, control: str, dtype: str, runs: int, compute_ms: float, bar: tqdm,
           prompt_tokens: int = PROMPT_TOKENS, device: str = "cpu") -> dict:
     layout = layout_for(dtype)
     num_blocks = prompt_tokens // layout.block_size
@@ -84,8 +88,9 @@ def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm,
     rows = {}
     with ReceiverProcess(layout, pool_blocks, use_shm=kind == "shm",
                          device=device) as receiver, \
-            connect(kind, receiver.target, layout, device=device) as conn:
-        assert conn.kind == kind
+            connect(kind, receiver.target, layout, device=device,
+                    options=SenderOptions(local_control=control == "unix")) as conn:
+        assert (conn.kind, conn.control) == (kind, control)
         for mode, compute_s in (("back-to-back", 0.0), ("overlapped", compute_ms / 1000)):
             one_transfer(conn, receiver, src_kv, src_ids, compute_s)  # warm-up
             stats = []
@@ -94,7 +99,8 @@ def bench(kind: str, dtype: str, runs: int, compute_ms: float, bar: tqdm,
                 bar.update()
             rows[mode] = summarize(stats)
         bare_rpc_s = bare_rpc_seconds(receiver.target)
-    return {"kind": kind, "dtype": dtype, "device": device, "num_blocks": num_blocks,
+    return {"kind": kind, "control": control, "dtype": dtype, "device": device,
+            "num_blocks": num_blocks,
             "payload_bytes": stats[0].num_bytes, "bare_rpc_seconds": bare_rpc_s, **rows}
 
 
@@ -114,14 +120,14 @@ def summarize(stats) -> dict:
 def print_table(results: list[dict], compute_ms: float, prompt_tokens: int) -> None:
     print(f"\nKV of a {prompt_tokens}-token prompt, 30 layers x {prompt_tokens // 16} blocks, "
           f"receiver in another process, loopback; medians")
-    head = (f"{'transport':9} {'dtype':8} {'MB':>6} | {'b2b s':>7} {'GB/s':>6} {'commit ms':>9} "
+    head = (f"{'transport':9} {'control':7} {'dtype':8} {'MB':>6} | {'b2b s':>7} {'GB/s':>6} {'commit ms':>9} "
             f"{'verify ms':>9} | {'overlap s':>9} {'exposed ms':>10} {'last write':>10} "
             f"{'Commit RPC':>10} {'verify':>6} {'bare RPC':>8}")
     print(head)
     print("-" * len(head))
     for r in results:
         b2b, ovl = r["back-to-back"], r["overlapped"]
-        print(f"{r['kind']:9} {r['dtype']:8} {r['payload_bytes'] / 1e6:6.2f} | "
+        print(f"{r['kind']:9} {r['control']:7} {r['dtype']:8} {r['payload_bytes'] / 1e6:6.2f} | "
               f"{b2b['seconds']:7.4f} {b2b['gbytes_per_s']:6.2f} "
               f"{b2b['commit_seconds'] * 1e3:9.1f} {b2b['verify_seconds'] * 1e3:9.1f} | "
               f"{ovl['seconds']:9.3f} {ovl['commit_seconds'] * 1e3:10.2f} "
@@ -140,7 +146,7 @@ def plot(results: list[dict], path: Path, prompt_tokens: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['kind']}\n{r['dtype']}" for r in results]
+    labels = [f"{r['kind']}/{r['control']}\n{r['dtype']}" for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.bar(labels, [r["back-to-back"]["gbytes_per_s"] for r in results], color="tab:blue")
     ax1.set_ylabel("GB/s (back-to-back)")
@@ -159,18 +165,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", default=["grpc", "shm"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--controls", nargs="+", default=["unix", "grpc"],
+                        help="shm / cuda_ipc: LayerDone and Commit over the receiver's Unix "
+                             "socket, or gRPC (the grpc transport is always grpc)")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--compute-ms", type=float, default=10.0)
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--device", default="cpu", help="where both ends' KV caches live")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "kv_transfer")
     args = parser.parse_args()
-    configs = [(k, d) for k in args.kinds for d in args.dtypes]
+    configs = [(k, c, d) for k in args.kinds
+               for c in (args.controls if k != "grpc" else ["grpc"]) for d in args.dtypes]
     results = []
     with tqdm(total=len(configs) * 2 * args.runs, desc="kv transfers") as bar:
-        for kind, dtype in configs:
-            bar.set_postfix_str(f"{kind} {dtype}")
-            results.append(bench(kind, dtype, args.runs, args.compute_ms, bar,
+        for kind, control, dtype in configs:
+            bar.set_postfix_str(f"{kind} {control} {dtype}")
+            results.append(bench(kind, control, dtype, args.runs, args.compute_ms, bar,
                                  args.prompt_tokens, args.device))
     print_table(results, args.compute_ms, args.prompt_tokens)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from kv_transfer import (
     KVReceiver,
     KVTransferServicer,
     LeaseTable,
+    LocalControlServer,
     SharedKVPool,
     add_kv_transfer_servicer,
 )
@@ -75,10 +76,13 @@ async def _serve(args: argparse.Namespace) -> None:
     start_metrics(worker_registry("decode", engine.source.name, engine, table), "decode", args)
     receiver = KVReceiver(engine.layout, engine.runner.kv_cache, table, kinds,
                           shm_pool=pools[0] if pools else None)
+    # LayerDone and Commit of same-host senders on a Unix socket: a gRPC round trip less
+    local = LocalControlServer(receiver).start() if set(kinds) - {"grpc"} else None
     servicer_box: dict[str, DecodeServicer] = {}
 
     def add(server) -> list[str]:
-        add_kv_transfer_servicer(server, KVTransferServicer(receiver))
+        add_kv_transfer_servicer(server, KVTransferServicer(receiver,
+                                                            local.path if local else ""))
         servicer_box["s"] = DecodeServicer(worker, "", receiver.instance_id,
                                            is_prefix_in_status=registration is None)
         pb_grpc.add_DecodeServicer_to_server(servicer_box["s"], server)
@@ -90,6 +94,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
     async def close() -> None:
         await worker.close()
+        if local is not None:
+            local.close()
         receiver.close()
         for pool in pools:
             pool.close()

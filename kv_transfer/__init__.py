@@ -5,14 +5,16 @@ Decode side (receiver):                         Prefill side (sender):
     table = LeaseTable(on_release=free_blocks)      session = conn.begin(lease_id, src, dst)
     receiver = KVReceiver(layout, pool.tensor,      session.send_layer(layer, kv_cache) ...
                           table, shm_pool=pool)     stats = session.commit(timeout)
+    local = LocalControlServer(receiver).start()
     add_kv_transfer_servicer(server,
-                             KVTransferServicer(receiver))
+                             KVTransferServicer(receiver, local.path))
     lease = table.open(req_id, block_ids, ttl_s)  -> ticket (lease_id, block ids) to prefill
     ... table.get(lease_id).state is COMPLETE -> table.claim(lease_id) -> decode
 
 Modules: lease (state machine), checksum, session (sender pipeline), transport (connect,
 select_transport, host_id), grpc_transport / shm_transport / cuda_ipc_transport (data planes),
-receiver + servicer (decode side), wire (proto conversions). Loopback servers for tests and
+receiver + servicer (decode side), local_control (LayerDone and Commit on a Unix socket, same
+host), wire (proto conversions). Loopback servers for tests and
 benchmarks: tests/kv_transfer/loopback.py.
 """
 
@@ -29,6 +31,7 @@ from kv_transfer.errors import (
 )
 from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GRPC_SERVER_OPTIONS
 from kv_transfer.lease import Lease, LeaseState, LeaseTable
+from kv_transfer.local_control import LocalControlServer
 from kv_transfer.receiver import CommitResult, KVReceiver
 from kv_transfer.servicer import KVTransferServicer, add_kv_transfer_servicer
 from kv_transfer.session import SenderOptions, SendSession, SendState, TransferStats
@@ -49,6 +52,7 @@ __all__ = [
     "LeaseError",
     "LeaseState",
     "LeaseTable",
+    "LocalControlServer",
     "SendSession",
     "SendState",
     "SenderOptions",

@@ -9,7 +9,9 @@
         ├── UnknownLeaseError   no such lease (never opened, or forgotten long ago)
         └── LeaseEndedError     the lease has ended (claimed, failed, aborted, expired)
 
-The servicer maps them to gRPC status codes (servicer.py); nothing deeper knows about gRPC.
+The receiver's two edges, the gRPC servicer (servicer.py) and the same-host socket
+(local_control.py), answer them with the status names of `status_name`; nothing deeper knows
+about gRPC.
 """
 
 from __future__ import annotations
@@ -73,3 +75,21 @@ class LeaseEndedError(LeaseError):
         self.state = state
         self.reason = reason
         super().__init__(lease_id, f"{state}" + (f": {reason}" if reason else ""))
+
+
+_STATUS_NAMES = (  # first match wins: subclasses before their bases
+    (UnknownLeaseError, "NOT_FOUND"),
+    (LeaseEndedError, "ABORTED"),
+    (VerificationError, "DATA_LOSS"),
+    ((LayoutMismatchError, TransportRefusedError, LeaseError), "FAILED_PRECONDITION"),
+    (ValueError, "INVALID_ARGUMENT"),  # a malformed request
+)
+
+
+def status_name(error: BaseException) -> str | None:
+    """The gRPC status name a receiver answers `error` with; None for an unexpected error
+    (a bug: the edge logs it and answers UNKNOWN or INTERNAL)."""
+    for types, name in _STATUS_NAMES:
+        if isinstance(error, types):
+            return name
+    return None

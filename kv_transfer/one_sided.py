@@ -9,9 +9,11 @@ straight into the receiver's pool, mapped into this process, then reports it wit
     Commit(every layer's checksum)                  # reports the last layer itself
 
 The checksum is XXH3 on the host over shm and a device-side sum over cuda_ipc (checksum.py).
+LayerDone and Commit travel on the receiver's Unix socket when the connection reached it
+(local_control.py: a round trip of tens of microseconds), else as unary gRPC calls.
 
-LayerDone calls are pipelined (a unary round trip costs ~1 ms here, more than copying a
-layer). That is safe because the receiver frees an aborted one-sided lease only on an explicit
+LayerDone calls are pipelined (a unary gRPC round trip costs 0.3-1 ms here, more than copying
+a layer). That is safe because the receiver frees an aborted one-sided lease only on an explicit
 Abort(writer_stopped=True), which this thread sends after it has stopped writing, or at the
 deadline, which it stops writing WRITE_MARGIN_S before (as seen from the last reply: the
 request's send time + the remaining time the receiver reported, a lower bound).
@@ -35,6 +37,7 @@ import torch
 from kv_transfer.blocks import scatter_blocks
 from kv_transfer.checksum import checksum_kind, checksum_tensor_as
 from kv_transfer.errors import TransferError
+from kv_transfer.local_control import LocalChannel, LocalControlClient
 from kv_transfer.session import WRITE_MARGIN_S, SendSession, _Layer
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
@@ -45,9 +48,14 @@ class OneSidedSendSession(SendSession):
     """shm and cuda_ipc: the sender writes each layer straight into the receiver's pool
     (`dst`, mapped into this process), then reports it with a LayerDone RPC."""
 
-    def __init__(self, *args, dst: torch.Tensor, kind: str, **kwargs) -> None:
+    def __init__(self, *args, dst: torch.Tensor, kind: str,
+                 local: LocalControlClient | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kind = kind
+        # LayerDone and Commit over the receiver's Unix socket (local_control.py), on one
+        # connection taken for the session; None: as unary gRPC calls
+        self._local = local
+        self._channel: LocalChannel | None = None
         self._checksum_kind = checksum_kind(kind)
         self._dst = dst  # [num_layers, num_blocks, 2, block_size, heads, dim], the pool
         # cuda_ipc: copies and checksums on a stream of their own (see the module docstring)
@@ -57,7 +65,8 @@ class OneSidedSendSession(SendSession):
                            if dst.is_cuda else self._dst_ids)
 
     def _pump(self) -> None:
-        in_flight: deque[tuple[float, grpc.Future]] = deque()  # (send time, LayerDone call)
+        # (send time, the LayerDone's gRPC call, or None: its reply comes on self._channel)
+        in_flight: deque[tuple[float, grpc.Future | None]] = deque()
         try:
             while (item := self._next_layer()) is not None:
                 self._harvest(in_flight, wait=len(in_flight) >= MAX_LAYER_DONE_IN_FLIGHT)
@@ -69,13 +78,13 @@ class OneSidedSendSession(SendSession):
                     continue  # the last layer: Commit reports it, one round trip sooner
                 request = pb.LayerDoneRequest(lease_id=self.lease_id, layer=item.layer,
                                               crc32=crc32)
-                in_flight.append((time.monotonic(), self._stub.LayerDone.future(
-                    request, timeout=self._options.rpc_timeout_s)))
+                in_flight.append((time.monotonic(), self._send_layer_done(request)))
             while in_flight:  # every layer acknowledged before Commit
                 self._harvest(in_flight, wait=True)
         finally:
             for _, call in in_flight:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
 
     def _write(self, item: _Layer) -> int:
         """Copy one layer's snapshot into the receiver's blocks; its checksum, returned once
@@ -87,11 +96,40 @@ class OneSidedSendSession(SendSession):
                 self._stream.synchronize()
         return crc32
 
+    def _send_layer_done(self, request: pb.LayerDoneRequest) -> grpc.Future | None:
+        if self._local is None:
+            return self._stub.LayerDone.future(request, timeout=self._options.rpc_timeout_s)
+        self._local_channel().send(pb.LocalControlRequest(layer_done=request))
+        return None
+
     def _harvest(self, in_flight: deque, wait: bool) -> None:
         """Collect finished LayerDone replies (the oldest first; raises if one failed) and
         refresh the lease deadline from them. `wait`: block for at least the oldest."""
-        while in_flight and (wait or in_flight[0][1].done()):
+        while in_flight and (wait or self._is_answered(in_flight[0][1])):
             sent, call = in_flight.popleft()
-            reply = call.result()  # grpc.RpcError if the receiver refused the layer
+            # grpc.RpcError or TransferError if the receiver refused the layer
+            reply = (call.result() if call is not None else self._local_channel().reply(
+                "layer_done", self._options.rpc_timeout_s).layer_done)
             self._lease_deadline = sent + reply.remaining_ms / 1000
             wait = False
+
+    def _is_answered(self, call: grpc.Future | None) -> bool:
+        return call.done() if call is not None else self._local_channel().has_reply()
+
+    def _commit_rpc(self, request: pb.CommitRequest) -> pb.CommitResponse:
+        if self._local is None:
+            return super()._commit_rpc(request)
+        channel = self._local_channel()
+        channel.send(pb.LocalControlRequest(commit=request))
+        return channel.reply("commit", self._options.commit_timeout_s).commit
+
+    def _local_channel(self) -> LocalChannel:
+        if self._channel is None:
+            assert self._local is not None
+            self._channel = self._local.take()
+        return self._channel
+
+    def _finish(self) -> None:
+        if self._channel is not None:  # kept for the next session only if nothing is pending
+            self._local.give_back(self._channel)
+            self._channel = None

@@ -1,4 +1,5 @@
-"""The KVTransfer gRPC service (grpc.aio): protobuf <-> KVReceiver calls, errors -> status codes.
+"""The KVTransfer gRPC service (grpc.aio): protobuf <-> KVReceiver calls, errors -> status codes
+(errors.status_name, which the same-host socket of local_control.py answers with too):
 
     LayoutMismatchError, TransportRefusedError, LeaseError   FAILED_PRECONDITION
     UnknownLeaseError                                        NOT_FOUND
@@ -6,10 +7,12 @@
     VerificationError                                        DATA_LOSS
     ValueError (malformed request)                           INVALID_ARGUMENT
 
-Serve it next to the decode service's other services:
+Serve it next to the decode service's other services, with the same-host socket beside it
+(local_control.py) when one-sided transports are enabled:
 
+    local = LocalControlServer(receiver).start()
     server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS.items()))
-    add_kv_transfer_servicer(server, KVTransferServicer(receiver))
+    add_kv_transfer_servicer(server, KVTransferServicer(receiver, local.path))
 
 Handlers run on the event loop; the receiver's calls are short (a chunk copy holds the lease
 table lock for ~100 us per MiB) except commit, which goes to a worker thread unless only a
@@ -28,46 +31,30 @@ import grpc
 
 from kv_transfer import wire
 from kv_transfer.cuda_ipc_transport import handle_to_proto
-from kv_transfer.errors import (
-    LayoutMismatchError,
-    LeaseEndedError,
-    LeaseError,
-    TransportRefusedError,
-    UnknownLeaseError,
-    VerificationError,
-)
+from kv_transfer.errors import status_name
 from kv_transfer.receiver import KVReceiver
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pdserve.kv_transfer")
 
-_STATUS = (  # first match wins: subclasses before their bases
-    (UnknownLeaseError, grpc.StatusCode.NOT_FOUND),
-    (LeaseEndedError, grpc.StatusCode.ABORTED),
-    (VerificationError, grpc.StatusCode.DATA_LOSS),
-    ((LayoutMismatchError, TransportRefusedError, LeaseError),
-     grpc.StatusCode.FAILED_PRECONDITION),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-)
-
 
 async def _abort_with(context: grpc.aio.ServicerContext, error: Exception):
     """End the RPC with the status that matches `error`; unknown errors propagate (UNKNOWN)."""
-    for types, code in _STATUS:
-        if isinstance(error, types):
-            await context.abort(code, str(error))
+    name = status_name(error)
+    if name is not None:
+        await context.abort(grpc.StatusCode[name], str(error))
     log.exception("KVTransfer handler failed", exc_info=error)
     raise error
 
 
-def _ms(seconds: float) -> int:
-    return max(0, int(seconds * 1000))
-
-
 class KVTransferServicer(pb_grpc.KVTransferServicer):
-    def __init__(self, receiver: KVReceiver) -> None:
+    """local_control_path: the receiver's LocalControlServer socket, offered to one-sided
+    senders at handshake ("": none, their LayerDone and Commit come here)."""
+
+    def __init__(self, receiver: KVReceiver, local_control_path: str = "") -> None:
         self.receiver = receiver
+        self.local_control_path = local_control_path
 
     async def Handshake(self, request, context):
         try:
@@ -88,6 +75,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                                           st_dev=pool.identity[0], st_ino=pool.identity[1]))
         if result.cuda_ipc is not None:
             reply.cuda_ipc.CopyFrom(handle_to_proto(result.cuda_ipc))
+        if result.kind != "grpc":
+            reply.local_control_path = self.local_control_path
         return reply
 
     async def Begin(self, request, context):
@@ -98,7 +87,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                                               request.receiver_instance)
         except Exception as e:
             await _abort_with(context, e)
-        return pb.BeginResponse(remaining_ms=_ms(remaining_s))
+        return pb.BeginResponse(remaining_ms=wire.to_ms(remaining_s))
 
     async def PushBlocks(self, request_iterator, context):
         lease_id, num_bytes, num_chunks = "", 0, 0
@@ -139,7 +128,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                                                    request.crc32)
         except Exception as e:
             await _abort_with(context, e)
-        return pb.LayerDoneResponse(remaining_ms=_ms(remaining_s))
+        return pb.LayerDoneResponse(remaining_ms=wire.to_ms(remaining_s))
 
     async def Commit(self, request, context):
         receiver, args = self.receiver, (request.lease_id, list(request.layer_crc32))

@@ -64,6 +64,9 @@ class SenderOptions:
     max_queued_layers: int = 4  # layer snapshots waiting per session (bounds memory)
     rpc_timeout_s: float = 5.0  # deadline of each unary control RPC
     commit_timeout_s: float = 30.0  # default wait in commit(), including verification
+    # shm / cuda_ipc: LayerDone and Commit over the receiver's Unix socket when it is reachable
+    # (local_control.py); False keeps them on gRPC
+    local_control: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -240,6 +243,12 @@ class SendSession:
             self._send_abort(reason, writer_stopped=not self._thread.is_alive())
         return True
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the session thread to end (after commit or abort it only cleans up): the
+        owner of the channel it used closes it after this."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
     # -- session thread --------------------------------------------------------------------
     def start(self) -> SendSession:
         self._thread.start()
@@ -261,9 +270,8 @@ class SendSession:
             self._check_alive()
             layer_crc32 = [self._crc32[layer] for layer in range(self._layout.num_layers)]
             rpc_t = time.perf_counter()
-            reply = self._stub.Commit(pb.CommitRequest(lease_id=self.lease_id,
-                                                       layer_crc32=layer_crc32),
-                                      timeout=self._options.commit_timeout_s)
+            reply = self._commit_rpc(pb.CommitRequest(lease_id=self.lease_id,
+                                                      layer_crc32=layer_crc32))
             self._verify_s = reply.verify_us / 1e6
             self._commit_rpc_s = time.perf_counter() - rpc_t
             with self._lock:
@@ -281,6 +289,7 @@ class SendSession:
                 log.exception("KV send session %s crashed", self.lease_id)
             self._fail(repr(e), "INTERNAL")
         finally:
+            self._finish()
             self._done.set()
             while not self._queue.empty():  # drop snapshots now, not when the session dies
                 self._queue.get_nowait()
@@ -367,6 +376,13 @@ class SendSession:
     def _pump(self) -> None:
         """Ship layers from `_next_layer()` until it returns None."""
         raise NotImplementedError
+
+    def _commit_rpc(self, request: pb.CommitRequest) -> pb.CommitResponse:
+        """Send the Commit and wait for the receiver's verdict (RpcError / TransferError)."""
+        return self._stub.Commit(request, timeout=self._options.commit_timeout_s)
+
+    def _finish(self) -> None:
+        """The session thread ends (any outcome): release what the transport held."""
 
     def _interrupt(self) -> None:
         """Unblock the data plane after abort (e.g. cancel a stream); default: nothing."""

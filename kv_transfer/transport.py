@@ -15,7 +15,9 @@
 
 An explicit choice that cannot work raises TransportRefusedError (a ValueError); there is no
 silent fallback. Both ends log the transport in use; `Connection.kind` is the metric label.
-The control plane (Begin, LayerDone, Commit, Abort) is the same gRPC service for all three.
+The control plane (Begin, LayerDone, Commit, Abort) is the same gRPC service for all three;
+shm and cuda_ipc send LayerDone and Commit over the receiver's Unix socket instead when they
+reach it (local_control.py; `Connection.control` is "unix" then, else "grpc").
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.errors import LayoutMismatchError, TransferError, TransportRefusedError
 from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GrpcSendSession
+from kv_transfer.local_control import LocalControlClient
 from kv_transfer.one_sided import OneSidedSendSession
 from kv_transfer.session import SenderOptions, SendSession
 from protos.pdserve.internal import kv_transfer_pb2 as pb
@@ -114,8 +117,11 @@ class Connection:
 
     def __init__(self, target: str, layout: KVLayout, kind: str, reply: pb.HandshakeResponse,
                  channel: grpc.Channel, options: SenderOptions, dst: torch.Tensor | None,
-                 keepalive: object = None) -> None:
+                 keepalive: object = None, local: LocalControlClient | None = None) -> None:
         self.target, self.layout, self.kind = target, layout, kind
+        # where LayerDone and Commit go: "unix" (the receiver's socket) or "grpc"
+        self.control = "unix" if local is not None else "grpc"
+        self._local = local
         self.receiver_host_id = reply.receiver_host_id
         self.receiver_device = reply.receiver_device
         self.num_blocks = reply.num_blocks  # blocks in the receiver's pool
@@ -150,7 +156,8 @@ class Connection:
             if self.kind == "grpc":
                 session: SendSession = GrpcSendSession(*args)
             else:
-                session = OneSidedSendSession(*args, dst=self._dst, kind=self.kind)
+                session = OneSidedSendSession(*args, dst=self._dst, kind=self.kind,
+                                              local=self._local)
             self._sessions.add(session)
         return session.start()
 
@@ -162,6 +169,10 @@ class Connection:
             sessions = list(self._sessions)
         for session in sessions:
             session.abort("connection closed")
+        for session in sessions:  # a committed one may still be dropping its snapshots
+            session.join(self.options.rpc_timeout_s)
+        if self._local is not None:
+            self._local.close()
         self._channel.close()
         self._dst = self._keepalive = None
 
@@ -224,10 +235,24 @@ def connect(kind: str, target: str, layout: KVLayout, *, device: str = "cpu",
         channel.close()
         raise
     options = replace(options, chunk_bytes=min(options.chunk_bytes, reply.max_chunk_bytes))
-    log.info("kv transfer to %s uses %s (requested %s; sender host %s on %s, receiver host %s "
-             "on %s)", target, chosen, kind, me, device, reply.receiver_host_id,
-             reply.receiver_device)
-    return Connection(target, layout, chosen, reply, channel, options, dst, keepalive)
+    local = _open_local_control(chosen, reply, options, target)
+    log.info("kv transfer to %s uses %s, control over %s (requested %s; sender host %s on %s, "
+             "receiver host %s on %s)", target, chosen, "unix" if local else "grpc", kind, me,
+             device, reply.receiver_host_id, reply.receiver_device)
+    return Connection(target, layout, chosen, reply, channel, options, dst, keepalive, local)
+
+
+def _open_local_control(kind: str, reply: pb.HandshakeResponse, options: SenderOptions,
+                        target: str) -> LocalControlClient | None:
+    """The receiver's same-host control socket, if this one-sided connection can use it."""
+    if kind == "grpc" or not options.local_control or not reply.local_control_path:
+        return None
+    try:
+        return LocalControlClient.open(reply.local_control_path, reply.receiver_instance,
+                                       options.rpc_timeout_s)
+    except TransportRefusedError as e:
+        log.warning("kv transfer to %s: control stays on grpc (%s)", target, e)
+        return None
 
 
 def _attach(kind: str, reply: pb.HandshakeResponse, layout: KVLayout):

@@ -38,3 +38,8 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
     return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size,
                     num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads,
                     head_dim=msg.head_dim)
+
+
+def to_ms(seconds: float) -> int:
+    """A remaining time as the protos carry it: whole milliseconds, never negative."""
+    return max(0, int(seconds * 1000))

@@ -150,25 +150,29 @@ class KVTransferMetrics:
         self.transport_info = Gauge(
             PREFIX + "kv_transport_info", "1 for each (prefill, decode) pair's connection, "
             "labelled by the transport its handshake chose (auto may pick shm, cuda_ipc or "
-            "grpc); prefill is its worker id or address, decode the decode worker's address.",
-            ["model_name", "transport", "prefill", "decode"], registry=registry)
+            "grpc) and where its LayerDone and Commit go (control: unix, the decode worker's "
+            "same-host socket, or grpc); prefill is its worker id or address, decode the "
+            "decode worker's address.",
+            ["model_name", "transport", "control", "prefill", "decode"], registry=registry)
         self.prefill = ""  # this worker's name (set once its port is bound: set_prefill)
-        self._chosen: dict[str, str] = {}  # decode -> transport
+        self._chosen: dict[str, tuple[str, str]] = {}  # decode -> (transport, control)
 
     def set_prefill(self, name: str) -> None:
         """This prefill worker's name in the `prefill` label (its worker id or address)."""
-        for decode, transport in self._chosen.items():  # (none before the first request)
-            self.transport_info.remove(self.model_name, transport, self.prefill, decode)
-            self.transport_info.labels(self.model_name, transport, name, decode).set(1)
+        for decode, chosen in self._chosen.items():  # (none before the first request)
+            self.transport_info.remove(self.model_name, *chosen, self.prefill, decode)
+            self.transport_info.labels(self.model_name, *chosen, name, decode).set(1)
         self.prefill = name
 
-    def connected(self, decode: str, transport: str) -> None:
-        """A handshake with `decode` chose `transport`; replaces its previous series."""
+    def connected(self, decode: str, transport: str, control: str) -> None:
+        """A handshake with `decode` chose `transport` and `control`; replaces its previous
+        series."""
         old = self._chosen.pop(decode, None)
         if old is not None:
-            self.transport_info.remove(self.model_name, old, self.prefill, decode)
-        self._chosen[decode] = transport
-        self.transport_info.labels(self.model_name, transport, self.prefill, decode).set(1)
+            self.transport_info.remove(self.model_name, *old, self.prefill, decode)
+        self._chosen[decode] = (transport, control)
+        self.transport_info.labels(self.model_name, transport, control, self.prefill,
+                                   decode).set(1)
 
     def transferred(self, transport: str, seconds: float, num_bytes: int) -> None:
         self.seconds.labels(self.model_name, transport).observe(seconds)

@@ -107,6 +107,7 @@ def test_counters_move_with_a_request(stack, ref):
     # one series per (prefill, decode) pair in use, named by both ends
     (pair,) = [p.labels for p in pf["pdserve:kv_transport_info"].samples]
     assert pair["prefill"] == stack.prefill[0] and pair["transport"] == "shm"
+    assert pair["control"] == "unix"  # LayerDone and Commit on the decode worker's socket
     assert pair["decode"].rsplit(":", 1)[0] == stack.decode[0].rsplit(":", 1)[0]
     assert d(dc, dc0, "kv_leases_ended", "_total", state="CLAIMED") == 1
     assert d(dc, dc0, "iteration_tokens_total", "_count") >= 1

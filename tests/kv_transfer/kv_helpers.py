@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_core.kv_cache.layout import KVLayout
-from kv_transfer import KVReceiver, Lease, LeaseTable, SharedKVPool
+from kv_transfer import KVReceiver, Lease, LeaseTable, LocalControlServer, SharedKVPool
 from tests.kv_transfer.loopback import LoopbackServer
 
 LAYOUTS = [
@@ -57,6 +57,7 @@ class Rig:
     gen: torch.Generator
     pool: SharedKVPool | None = None
     released: list[tuple[Lease, str]] = field(default_factory=list)
+    local: LocalControlServer | None = None  # the same-host control socket, if served
 
     @property
     def target(self) -> str:

@@ -3,8 +3,9 @@
     LoopbackServer(servicer).start()    grpc.aio on its own event loop (uvloop when installed)
                                         in a background thread of this process
     ReceiverProcess(layout, ...)        a whole decode-side receiver (pool, lease table,
-                                        server) in a spawned child process, driven through a
-                                        pipe: open a lease, claim it, read blocks back
+                                        server, same-host control socket) in a spawned child
+                                        process, driven through a pipe: open a lease, claim
+                                        it, read blocks back
 
 The decode service does not use this module: it adds KVTransferServicer to its own server.
 """
@@ -76,6 +77,7 @@ class LoopbackServer:
 def _receiver_main(conn, layout: KVLayout, num_blocks: int, use_shm: bool, device: str) -> None:
     """Child process: a decode-side receiver answering commands from the parent's pipe."""
     from kv_transfer.lease import LeaseTable
+    from kv_transfer.local_control import LocalControlServer
     from kv_transfer.receiver import KVReceiver
     from kv_transfer.shm_transport import SharedKVPool
 
@@ -91,7 +93,8 @@ def _receiver_main(conn, layout: KVLayout, num_blocks: int, use_shm: bool, devic
 
     table = LeaseTable(on_release)
     receiver = KVReceiver(layout, kv_cache, table, shm_pool=pool)
-    server = LoopbackServer(KVTransferServicer(receiver)).start()
+    local = LocalControlServer(receiver).start()  # as the decode worker serves it
+    server = LoopbackServer(KVTransferServicer(receiver, local.path)).start()
     conn.send(server.port)
     try:
         while True:
@@ -111,6 +114,7 @@ def _receiver_main(conn, layout: KVLayout, num_blocks: int, use_shm: bool, devic
                 break
     finally:
         server.stop()
+        local.close()
         receiver.close()
         if pool is not None:
             pool.close()

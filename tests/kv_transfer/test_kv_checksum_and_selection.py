@@ -175,7 +175,8 @@ def test_chosen_transport_is_logged_on_both_sides(make_rig, caplog):
     rig = make_rig("shm", LAYOUTS[0])
     with caplog.at_level(logging.INFO, logger="pdserve.kv_transfer"), \
             connect("auto", rig.target, rig.layout) as conn:
-        assert conn.kind == "shm"
+        assert (conn.kind, conn.control) == ("shm", "unix")
     messages = [r.getMessage() for r in caplog.records]
-    assert any("uses shm (requested auto" in m and "sender host" in m for m in messages)
+    assert any("uses shm, control over unix (requested auto" in m and "sender host" in m
+               for m in messages)
     assert any("kv transfer from host" in m and "uses shm" in m for m in messages)

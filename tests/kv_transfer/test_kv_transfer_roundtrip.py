@@ -11,23 +11,35 @@ import pytest
 from kv_helpers import LAYOUTS, same_bits, wait_until
 
 from engine_core.kv_cache.layout import KVLayout
-from kv_transfer import KVTransferServicer, LeaseState, SenderOptions, SendState, connect
+from kv_transfer import (
+    KVTransferServicer,
+    LeaseState,
+    LocalControlServer,
+    SenderOptions,
+    SendState,
+    connect,
+)
 from kv_transfer.grpc_transport import plan_chunks
 from kv_transfer.one_sided import MAX_LAYER_DONE_IN_FLIGHT
+from protos.pdserve.internal import kv_transfer_pb2 as pb
 from tests.threads import CheckedThread, join_checked
 
 KINDS = ["grpc", "shm"]
+# (transport, where LayerDone and Commit go): shm takes the receiver's Unix socket by default,
+# and gRPC where the socket cannot be reached
+CONTROLS = [("grpc", "grpc"), ("shm", "unix"), ("shm", "grpc")]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay.dtype}-bs{lay.block_size}")
-@pytest.mark.parametrize("kind", KINDS)
-def test_destination_blocks_equal_source_bit_for_bit(make_rig, kind, layout):
+@pytest.mark.parametrize(("kind", "control"), CONTROLS)
+def test_destination_blocks_equal_source_bit_for_bit(make_rig, kind, control, layout):
     rig = make_rig(kind, layout)
     num_blocks = rig.rng.randint(1, 12)
     lease = rig.open(num_blocks)
     src_kv, src_ids = rig.source(num_blocks)
-    with connect(kind, rig.target, layout) as conn:
-        assert conn.kind == kind
+    options = SenderOptions(local_control=control == "unix")
+    with connect(kind, rig.target, layout, options=options) as conn:
+        assert (conn.kind, conn.control) == (kind, control)
         session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
         for layer in range(layout.num_layers):
             assert session.send_layer(layer, src_kv)
@@ -102,6 +114,17 @@ def test_grpc_chunk_size_is_capped_by_the_receiver(make_rig):
         assert conn.options.chunk_bytes == layout.block_nbytes
 
 
+class GatedLocalControl(LocalControlServer):
+    """Holds every LayerDone and Commit on the same-host socket until `gate` opens."""
+
+    gate = threading.Event()
+
+    def handle(self, data: bytes):
+        if pb.LocalControlRequest.FromString(data).WhichOneof("verb") != "hello":
+            self.gate.wait()
+        return super().handle(data)
+
+
 class GatedServicer(KVTransferServicer):
     """Holds every data-plane call until `gate` opens: a receiver that has stalled."""
 
@@ -120,8 +143,8 @@ class GatedServicer(KVTransferServicer):
         return await super().LayerDone(request, context)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind):
+@pytest.mark.parametrize(("kind", "control"), CONTROLS)
+def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind, control):
     """Memory stays bounded: once max_queued_layers snapshots wait, send_layer blocks.
     grpc also lets its HTTP/2 flow-control window (a few MiB, auto-tuned) fill first."""
     # layers of 16 blocks x 32 KiB = 512 KiB; grpc needs enough of them to fill its window,
@@ -129,13 +152,14 @@ def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind)
     num_layers = 16 if kind == "shm" else 24
     layout = KVLayout("big", "float32", block_size=16, num_layers=num_layers, num_kv_heads=4,
                       head_dim=64)
-    GatedServicer.gate = threading.Event()
-    rig = make_rig(kind, layout, servicer_cls=GatedServicer)
+    gate = GatedServicer.gate = GatedLocalControl.gate = threading.Event()
+    rig = make_rig(kind, layout, servicer_cls=GatedServicer, local_control_cls=GatedLocalControl)
     lease = rig.open(16)
     src_kv, src_ids = rig.source(16)
     returned = []
-    with connect(kind, rig.target, layout,
-                 options=SenderOptions(max_queued_layers=2)) as conn:
+    options = SenderOptions(max_queued_layers=2, local_control=control == "unix")
+    with connect(kind, rig.target, layout, options=options) as conn:
+        assert conn.control == control
         session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
 
         def model_thread():
@@ -155,7 +179,7 @@ def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind)
         assert len(returned) < num_layers and thread.is_alive(), thread.error
         if kind == "shm":  # 8 layers written and unacknowledged, 1 held back, 2 queued
             assert returned == list(range(MAX_LAYER_DONE_IN_FLIGHT + 1 + 2))
-        GatedServicer.gate.set()
+        gate.set()
         join_checked([thread], timeout_s=10)
         assert returned == list(range(layout.num_layers))
         session.commit(timeout=10)
@@ -163,9 +187,10 @@ def test_a_stalled_receiver_blocks_send_layer_at_the_queue_bound(make_rig, kind)
 
 
 def test_commit_runs_on_the_event_loop_when_only_a_short_check_is_left(make_rig, monkeypatch):
-    """A one-sided lease whose reported layers are all checked: the Commit handler checks the
-    last layer itself (a few KB here), with no thread hop; over QUICK_HOST_CHECK_BYTES it goes
-    to a thread. Both verify the same way."""
+    """A one-sided lease whose reported layers are all checked: the Commit RPC's handler
+    checks the last layer itself (a few KB here), with no thread hop; over
+    QUICK_HOST_CHECK_BYTES it goes to a thread. Both verify the same way. (Control over gRPC:
+    the same-host socket runs every commit on its connection's thread.)"""
     import kv_transfer.receiver as receiver_module
     import kv_transfer.servicer as servicer_module
 
@@ -178,7 +203,7 @@ def test_commit_runs_on_the_event_loop_when_only_a_short_check_is_left(make_rig,
 
     monkeypatch.setattr(servicer_module.asyncio, "to_thread", counted)
     layout = LAYOUTS[1]
-    rig = make_rig("shm", layout)
+    rig = make_rig("shm", layout, local_control_cls=None)
 
     def transfer() -> None:
         lease = rig.open(4)

@@ -24,47 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)protos/pdserve/internal/kv_transfer.proto\x12\x10pdserve.internal\"x\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"\xa1\x01\n\x10HandshakeRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.pdserve.internal.KVLayout\x12\x32\n\ttransport\x18\x02 \x01(\x0e\x32\x1f.pdserve.internal.TransportKind\x12\x16\n\x0esender_host_id\x18\x03 \x01(\t\x12\x15\n\rsender_device\x18\x04 \x01(\t\"\xb9\x02\n\x11HandshakeResponse\x12\x32\n\ttransport\x18\x01 \x01(\x0e\x32\x1f.pdserve.internal.TransportKind\x12\x18\n\x10receiver_host_id\x18\x02 \x01(\t\x12\x17\n\x0freceiver_device\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\r\x12&\n\x03shm\x18\x07 \x01(\x0b\x32\x19.pdserve.internal.ShmPool\x12\x31\n\x08\x63uda_ipc\x18\x08 \x01(\x0b\x32\x1f.pdserve.internal.CudaIpcHandle\x12\x19\n\x11receiver_instance\x18\t \x01(\t\"K\n\x07ShmPool\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06st_dev\x18\x03 \x01(\x04\x12\x0e\n\x06st_ino\x18\x04 \x01(\x04\"\xb0\x02\n\rCudaIpcHandle\x12\x14\n\x0c\x64\x65vice_index\x18\x01 \x01(\x05\x12\x12\n\nmem_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0btensor_size\x18\t \x03(\x03\x12\x15\n\rtensor_stride\x18\n \x03(\x03\x12\x15\n\rtensor_offset\x18\x0b \x01(\x03\x12\r\n\x05\x64type\x18\x0c \x01(\t\"\xb6\x01\n\x0c\x42\x65ginRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rdst_block_ids\x18\x02 \x03(\r\x12\x32\n\ttransport\x18\x03 \x01(\x0e\x32\x1f.pdserve.internal.TransportKind\x12\x12\n\nsender_pid\x18\x04 \x01(\r\x12\x1a\n\x12sender_start_ticks\x18\x05 \x01(\x04\x12\x19\n\x11receiver_instance\x18\x06 \x01(\t\"%\n\rBeginResponse\x12\x14\n\x0cremaining_ms\x18\x01 \x01(\r\"d\n\x07KVChunk\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x81\x01\n\x11PushBlocksRequest\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.pdserve.internal.KVChunkH\x00\x12\x38\n\nlayer_done\x18\x02 \x01(\x0b\x32\".pdserve.internal.LayerDoneRequestH\x00\x42\x06\n\x04item\"M\n\x12PushBlocksResponse\x12\x1a\n\x12num_bytes_received\x18\x01 \x01(\x04\x12\x1b\n\x13num_chunks_received\x18\x02 \x01(\r\"B\n\x10LayerDoneRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x63rc32\x18\x03 \x01(\x07\")\n\x11LayerDoneResponse\x12\x14\n\x0cremaining_ms\x18\x01 \x01(\r\"6\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_crc32\x18\x02 \x03(\x07\"?\n\x0e\x43ommitResponse\x12\x1a\n\x12num_bytes_verified\x18\x01 \x01(\x04\x12\x11\n\tverify_us\x18\x02 \x01(\x04\"H\n\x0c\x41\x62ortRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0ewriter_stopped\x18\x03 \x01(\x08\"0\n\rAbortResponse\x12\x10\n\x08was_live\x18\x01 \x01(\x08\x12\r\n\x05state\x18\x02 \x01(\t*v\n\rTransportKind\x12\x17\n\x13TRANSPORT_KIND_AUTO\x10\x00\x12\x17\n\x13TRANSPORT_KIND_GRPC\x10\x01\x12\x16\n\x12TRANSPORT_KIND_SHM\x10\x02\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x03\x32\xf4\x03\n\nKVTransfer\x12T\n\tHandshake\x12\".pdserve.internal.HandshakeRequest\x1a#.pdserve.internal.HandshakeResponse\x12H\n\x05\x42\x65gin\x12\x1e.pdserve.internal.BeginRequest\x1a\x1f.pdserve.internal.BeginResponse\x12Y\n\nPushBlocks\x12#.pdserve.internal.PushBlocksRequest\x1a$.pdserve.internal.PushBlocksResponse(\x01\x12T\n\tLayerDone\x12\".pdserve.internal.LayerDoneRequest\x1a#.pdserve.internal.LayerDoneResponse\x12K\n\x06\x43ommit\x12\x1f.pdserve.internal.CommitRequest\x1a .pdserve.internal.CommitResponse\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.internal.AbortRequest\x1a\x1f.pdserve.internal.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)protos/pdserve/internal/kv_transfer.proto\x12\x10pdserve.internal\"x\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"\xa1\x01\n\x10HandshakeRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.pdserve.internal.KVLayout\x12\x32\n\ttransport\x18\x02 \x01(\x0e\x32\x1f.pdserve.internal.TransportKind\x12\x16\n\x0esender_host_id\x18\x03 \x01(\t\x12\x15\n\rsender_device\x18\x04 \x01(\t\"\xd5\x02\n\x11HandshakeResponse\x12\x32\n\ttransport\x18\x01 \x01(\x0e\x32\x1f.pdserve.internal.TransportKind\x12\x18\n\x10receiver_host_id\x18\x02 \x01(\t\x12\x17\n\x0freceiver_device\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\r\x12&\n\x03shm\x18\x07 \x01(\x0b\x32\x19.pdserve.internal.ShmPool\x12\x31\n\x08\x63uda_ipc\x18\x08 \x01(\x0b\x32\x1f.pdserve.internal.CudaIpcHandle\x12\x19\n\x11receiver_instance\x18\t \x01(\t\x12\x1a\n\x12local_control_path\x18\n \x01(\t\"K\n\x07ShmPool\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06st_dev\x18\x03 \x01(\x04\x12\x0e\n\x06st_ino\x18\x04 \x01(\x04\"\xb0\x02\n\rCudaIpcHandle\x12\x14\n\x0c\x64\x65vice_index\x18\x01 \x01(\x05\x12\x12\n\nmem_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0btensor_size\x18\t \x03(\x03\x12\x15\n\rtensor_stride\x18\n \x03(\x03\x12\x15\n\rtensor_offset\x18\x0b \x01(\x03\x12\r\n\x05\x64type\x18\x0c \x01(\t\"\xb6\x01\n\x0c\x42\x65ginRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rdst_block_ids\x18\x02 \x03(\r\x12\x32\n\ttransport\x18\x03 \x01(\x0e\x32\x1f.pdserve.internal.TransportKind\x12\x12\n\nsender_pid\x18\x04 \x01(\r\x12\x1a\n\x12sender_start_ticks\x18\x05 \x01(\x04\x12\x19\n\x11receiver_instance\x18\x06 \x01(\t\"%\n\rBeginResponse\x12\x14\n\x0cremaining_ms\x18\x01 \x01(\r\"d\n\x07KVChunk\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x81\x01\n\x11PushBlocksRequest\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.pdserve.internal.KVChunkH\x00\x12\x38\n\nlayer_done\x18\x02 \x01(\x0b\x32\".pdserve.internal.LayerDoneRequestH\x00\x42\x06\n\x04item\"M\n\x12PushBlocksResponse\x12\x1a\n\x12num_bytes_received\x18\x01 \x01(\x04\x12\x1b\n\x13num_chunks_received\x18\x02 \x01(\r\"B\n\x10LayerDoneRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\r\n\x05\x63rc32\x18\x03 \x01(\x07\")\n\x11LayerDoneResponse\x12\x14\n\x0cremaining_ms\x18\x01 \x01(\r\"6\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_crc32\x18\x02 \x03(\x07\"?\n\x0e\x43ommitResponse\x12\x1a\n\x12num_bytes_verified\x18\x01 \x01(\x04\x12\x11\n\tverify_us\x18\x02 \x01(\x04\"H\n\x0c\x41\x62ortRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0ewriter_stopped\x18\x03 \x01(\x08\"0\n\rAbortResponse\x12\x10\n\x08was_live\x18\x01 \x01(\x08\x12\r\n\x05state\x18\x02 \x01(\t\"\x9b\x01\n\x13LocalControlRequest\x12\x38\n\nlayer_done\x18\x01 \x01(\x0b\x32\".pdserve.internal.LayerDoneRequestH\x00\x12\x31\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x1f.pdserve.internal.CommitRequestH\x00\x12\x0f\n\x05hello\x18\x03 \x01(\x08H\x00\x42\x06\n\x04verb\"\xdf\x01\n\x11LocalControlReply\x12\x39\n\nlayer_done\x18\x01 \x01(\x0b\x32#.pdserve.internal.LayerDoneResponseH\x00\x12\x32\n\x06\x63ommit\x18\x02 \x01(\x0b\x32 .pdserve.internal.CommitResponseH\x00\x12\x1b\n\x11receiver_instance\x18\x03 \x01(\tH\x00\x12\x34\n\x05\x65rror\x18\x04 \x01(\x0b\x32#.pdserve.internal.LocalControlErrorH\x00\x42\x08\n\x06result\"2\n\x11LocalControlError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t*v\n\rTransportKind\x12\x17\n\x13TRANSPORT_KIND_AUTO\x10\x00\x12\x17\n\x13TRANSPORT_KIND_GRPC\x10\x01\x12\x16\n\x12TRANSPORT_KIND_SHM\x10\x02\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x03\x32\xf4\x03\n\nKVTransfer\x12T\n\tHandshake\x12\".pdserve.internal.HandshakeRequest\x1a#.pdserve.internal.HandshakeResponse\x12H\n\x05\x42\x65gin\x12\x1e.pdserve.internal.BeginRequest\x1a\x1f.pdserve.internal.BeginResponse\x12Y\n\nPushBlocks\x12#.pdserve.internal.PushBlocksRequest\x1a$.pdserve.internal.PushBlocksResponse(\x01\x12T\n\tLayerDone\x12\".pdserve.internal.LayerDoneRequest\x1a#.pdserve.internal.LayerDoneResponse\x12K\n\x06\x43ommit\x12\x1f.pdserve.internal.CommitRequest\x1a .pdserve.internal.CommitResponse\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.internal.AbortRequest\x1a\x1f.pdserve.internal.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.internal.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORTKIND']._serialized_start=1942
-  _globals['_TRANSPORTKIND']._serialized_end=2060
+  _globals['_TRANSPORTKIND']._serialized_start=2406
+  _globals['_TRANSPORTKIND']._serialized_end=2524
   _globals['_KVLAYOUT']._serialized_start=63
   _globals['_KVLAYOUT']._serialized_end=183
   _globals['_HANDSHAKEREQUEST']._serialized_start=186
   _globals['_HANDSHAKEREQUEST']._serialized_end=347
   _globals['_HANDSHAKERESPONSE']._serialized_start=350
-  _globals['_HANDSHAKERESPONSE']._serialized_end=663
-  _globals['_SHMPOOL']._serialized_start=665
-  _globals['_SHMPOOL']._serialized_end=740
-  _globals['_CUDAIPCHANDLE']._serialized_start=743
-  _globals['_CUDAIPCHANDLE']._serialized_end=1047
-  _globals['_BEGINREQUEST']._serialized_start=1050
-  _globals['_BEGINREQUEST']._serialized_end=1232
-  _globals['_BEGINRESPONSE']._serialized_start=1234
-  _globals['_BEGINRESPONSE']._serialized_end=1271
-  _globals['_KVCHUNK']._serialized_start=1273
-  _globals['_KVCHUNK']._serialized_end=1373
-  _globals['_PUSHBLOCKSREQUEST']._serialized_start=1376
-  _globals['_PUSHBLOCKSREQUEST']._serialized_end=1505
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=1507
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=1584
-  _globals['_LAYERDONEREQUEST']._serialized_start=1586
-  _globals['_LAYERDONEREQUEST']._serialized_end=1652
-  _globals['_LAYERDONERESPONSE']._serialized_start=1654
-  _globals['_LAYERDONERESPONSE']._serialized_end=1695
-  _globals['_COMMITREQUEST']._serialized_start=1697
-  _globals['_COMMITREQUEST']._serialized_end=1751
-  _globals['_COMMITRESPONSE']._serialized_start=1753
-  _globals['_COMMITRESPONSE']._serialized_end=1816
-  _globals['_ABORTREQUEST']._serialized_start=1818
-  _globals['_ABORTREQUEST']._serialized_end=1890
-  _globals['_ABORTRESPONSE']._serialized_start=1892
-  _globals['_ABORTRESPONSE']._serialized_end=1940
-  _globals['_KVTRANSFER']._serialized_start=2063
-  _globals['_KVTRANSFER']._serialized_end=2563
+  _globals['_HANDSHAKERESPONSE']._serialized_end=691
+  _globals['_SHMPOOL']._serialized_start=693
+  _globals['_SHMPOOL']._serialized_end=768
+  _globals['_CUDAIPCHANDLE']._serialized_start=771
+  _globals['_CUDAIPCHANDLE']._serialized_end=1075
+  _globals['_BEGINREQUEST']._serialized_start=1078
+  _globals['_BEGINREQUEST']._serialized_end=1260
+  _globals['_BEGINRESPONSE']._serialized_start=1262
+  _globals['_BEGINRESPONSE']._serialized_end=1299
+  _globals['_KVCHUNK']._serialized_start=1301
+  _globals['_KVCHUNK']._serialized_end=1401
+  _globals['_PUSHBLOCKSREQUEST']._serialized_start=1404
+  _globals['_PUSHBLOCKSREQUEST']._serialized_end=1533
+  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=1535
+  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=1612
+  _globals['_LAYERDONEREQUEST']._serialized_start=1614
+  _globals['_LAYERDONEREQUEST']._serialized_end=1680
+  _globals['_LAYERDONERESPONSE']._serialized_start=1682
+  _globals['_LAYERDONERESPONSE']._serialized_end=1723
+  _globals['_COMMITREQUEST']._serialized_start=1725
+  _globals['_COMMITREQUEST']._serialized_end=1779
+  _globals['_COMMITRESPONSE']._serialized_start=1781
+  _globals['_COMMITRESPONSE']._serialized_end=1844
+  _globals['_ABORTREQUEST']._serialized_start=1846
+  _globals['_ABORTREQUEST']._serialized_end=1918
+  _globals['_ABORTRESPONSE']._serialized_start=1920
+  _globals['_ABORTRESPONSE']._serialized_end=1968
+  _globals['_LOCALCONTROLREQUEST']._serialized_start=1971
+  _globals['_LOCALCONTROLREQUEST']._serialized_end=2126
+  _globals['_LOCALCONTROLREPLY']._serialized_start=2129
+  _globals['_LOCALCONTROLREPLY']._serialized_end=2352
+  _globals['_LOCALCONTROLERROR']._serialized_start=2354
+  _globals['_LOCALCONTROLERROR']._serialized_end=2404
+  _globals['_KVTRANSFER']._serialized_start=2527
+  _globals['_KVTRANSFER']._serialized_end=3027
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., sender_host_id: _Optional[str] = ..., sender_device: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("transport", "receiver_host_id", "receiver_device", "num_blocks", "layout_fingerprint", "max_chunk_bytes", "shm", "cuda_ipc", "receiver_instance")
+    __slots__ = ("transport", "receiver_host_id", "receiver_device", "num_blocks", "layout_fingerprint", "max_chunk_bytes", "shm", "cuda_ipc", "receiver_instance", "local_control_path")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class HandshakeResponse(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CONTROL_PATH_FIELD_NUMBER: _ClassVar[int]
     transport: TransportKind
     receiver_host_id: str
     receiver_device: str
@@ -66,7 +67,8 @@ class HandshakeResponse(_message.Message):
     shm: ShmPool
     cuda_ipc: CudaIpcHandle
     receiver_instance: str
-    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., receiver_host_id: _Optional[str] = ..., receiver_device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., receiver_instance: _Optional[str] = ...) -> None: ...
+    local_control_path: str
+    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., receiver_host_id: _Optional[str] = ..., receiver_device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., receiver_instance: _Optional[str] = ..., local_control_path: _Optional[str] = ...) -> None: ...
 
 class ShmPool(_message.Message):
     __slots__ = ("path", "size_bytes", "st_dev", "st_ino")
@@ -209,3 +211,33 @@ class AbortResponse(_message.Message):
     was_live: bool
     state: str
     def __init__(self, was_live: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
+
+class LocalControlRequest(_message.Message):
+    __slots__ = ("layer_done", "commit", "hello")
+    LAYER_DONE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    layer_done: LayerDoneRequest
+    commit: CommitRequest
+    hello: bool
+    def __init__(self, layer_done: _Optional[_Union[LayerDoneRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitRequest, _Mapping]] = ..., hello: _Optional[bool] = ...) -> None: ...
+
+class LocalControlReply(_message.Message):
+    __slots__ = ("layer_done", "commit", "receiver_instance", "error")
+    LAYER_DONE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    layer_done: LayerDoneResponse
+    commit: CommitResponse
+    receiver_instance: str
+    error: LocalControlError
+    def __init__(self, layer_done: _Optional[_Union[LayerDoneResponse, _Mapping]] = ..., commit: _Optional[_Union[CommitResponse, _Mapping]] = ..., receiver_instance: _Optional[str] = ..., error: _Optional[_Union[LocalControlError, _Mapping]] = ...) -> None: ...
+
+class LocalControlError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
