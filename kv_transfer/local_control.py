@@ -31,7 +31,6 @@ import contextlib
 import glob
 import logging
 import os
-import select
 import socket
 import threading
 from typing import TYPE_CHECKING
@@ -148,7 +147,8 @@ class LocalControlServer:
         try:
             while data := conn.recv(MAX_MESSAGE_BYTES):
                 reply = self.handle(data)
-                self.num_requests += 1
+                with self._lock:
+                    self.num_requests += 1
                 conn.send(reply.SerializeToString())
         except OSError:  # the sender died or closed mid-reply, or close()
             pass
@@ -199,11 +199,18 @@ class LocalChannel:
         self.num_pending += 1
 
     def has_reply(self) -> bool:
-        """Whether the oldest pending request's reply has arrived (never blocks)."""
+        """Whether the oldest pending request's reply has arrived, or the connection has
+        ended (reply() then says so). Never blocks."""
         if not self.num_pending:
             return False
-        readable, _, _ = select.select([self._sock], [], [], 0)
-        return bool(readable)
+        try:
+            self._sock.settimeout(0)  # non-blocking: a peek that finds nothing raises
+            self._sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return True
 
     def reply(self, expected: str, timeout_s: float) -> pb.LocalControlReply:
         """The oldest pending request's reply, whose result must be `expected`

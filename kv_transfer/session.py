@@ -5,8 +5,9 @@
     Connection.begin() ─ starts ───────-> Begin RPC: lease alive, blocks are the lease's
     send_layer(0): snapshot ──┐
     send_layer(1): snapshot ──┤ queue     ship the layer: grpc chunks + LayerDone (in-stream),
-    ...                       │ bounded   or a direct write + LayerDone RPC (shm, cuda_ipc)
-    commit() ─────────────────┘────────-> Commit RPC: the receiver verifies the checksums
+    ...                       │ bounded   or a direct write + LayerDone (shm, cuda_ipc)
+    request_commit() ─────────┘────────-> Commit: the receiver verifies the checksums
+    commit(): wait for the verdict        (add_done_callback: hear of it without waiting)
     abort(reason), any thread:            stop the thread, then Abort RPC
 
 send_layer copies the layer's source blocks (so the caller may reuse them at once) and
@@ -29,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -142,6 +143,7 @@ class SendSession:
         self._error: TransferError | None = None
         self._stop_reason = ""  # a local reason to fail, set where raising is not possible
         self._done = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []  # add_done_callback's
         self._t0 = time.perf_counter()
         self._lease_deadline = time.monotonic() + options.rpc_timeout_s  # until Begin replies
         self._queued_s: dict[int, float] = {}
@@ -200,29 +202,48 @@ class SendSession:
         self._queued_s[layer] = self._elapsed()
         return queued
 
-    def commit(self, timeout: float | None = None) -> TransferStats:
-        """Wait for every layer to be shipped and verified by the receiver; the stats, or
-        TransferError (the lease is then released on the receiver)."""
+    def request_commit(self) -> bool:
+        """Ask for the commit once every layer is shipped, without waiting for it: the session
+        thread sends it right after the last layer. Blocks only while max_queued_layers
+        snapshots wait (as send_layer does). True if the commit is on its way (now or before);
+        False if the session has ended, or a layer was never sent (it is aborted then)."""
         with self._lock:
-            state = self._state
+            if self._state is not SendState.SENDING:
+                return self._state is SendState.COMMITTING
             missing = sorted(set(range(self._layout.num_layers)) - set(self._queued_s))
-            if state is SendState.SENDING and not missing:
+            if not missing:
                 self._state = SendState.COMMITTING
                 self._commit_t = time.perf_counter()
-        if state is SendState.SENDING and missing:
+        if missing:
             self.abort(f"commit with layers {missing} never sent")
-        elif state in (SendState.SENDING, SendState.COMMITTING):
-            self._put(_COMMIT)
+            return False
+        return self._put(_COMMIT)
+
+    def commit(self, timeout: float | None = None) -> TransferStats:
+        """Wait for every layer to be shipped and verified by the receiver (requesting the
+        commit if nobody has); the stats, or TransferError (the lease is then released on the
+        receiver)."""
+        if self.request_commit():
             timeout = self._options.commit_timeout_s if timeout is None else timeout
             if not self._done.wait(timeout):
                 self.abort(f"commit timed out after {timeout:.3f}s")
-        else:  # FAILED: let the thread finish telling the receiver before we report it
+        else:  # ended: let the thread finish telling the receiver before we report it
             self._done.wait(self._options.rpc_timeout_s)
         with self._lock:
             if self._state is SendState.COMMITTED:
                 return self._stats()
             assert self._error is not None
             raise self._error
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call fn() when the session thread ends (committed, failed or aborted; commit() then
+        returns at once): from that thread, or now if it has ended. For an event loop that
+        waits without parking a thread on commit()."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def abort(self, reason: str) -> bool:
         """Stop sending and release the lease on the receiver; False if already ended."""
@@ -291,6 +312,13 @@ class SendSession:
         finally:
             self._finish()
             self._done.set()
+            with self._lock:  # (after set: a callback added from now on runs at once)
+                callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("a done callback of KV send session %s failed", self.lease_id)
             while not self._queue.empty():  # drop snapshots now, not when the session dies
                 self._queue.get_nowait()
             self._spare.clear()  # after done: their release is off the commit's path

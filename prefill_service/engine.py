@@ -5,7 +5,9 @@ whose prompt KV leaves for a decode worker layer by layer, while later layers st
               layer 0 computed -> session.send_layer(0)   (snapshot + queue; the wire is async)
               layer 1 computed -> session.send_layer(1)
               ...
-              first token sampled -> r finishes here; its handoff commits off the engine thread
+              last layer handed over -> session.request_commit(): the session thread
+                                        commits right behind it, the loop awaits the verdict
+              first token sampled -> r finishes here
 
 A request with a long prompt is chunked (token budget); its blocks are complete only when the
 last chunk is computed, so all of its blocks are sent, layer by layer, during that last step.
@@ -36,8 +38,8 @@ class HandoffTarget:
     lease_id: str
     dst_block_ids: list[int]  # destination of prompt blocks first_block, first_block + 1, ...
     first_block: int  # prompt blocks before this one are cached on the decode worker
-    # called from the engine thread once every layer has been handed to the session (or the
-    # session could not start: then with None and the error)
+    # called from the engine thread once every layer has been handed to the session and its
+    # commit requested (or the session could not start: then with None and the error)
     on_sent: Callable[[SendSession | None, BaseException | None], None]
     session: SendSession | None = field(default=None, repr=False)
 
@@ -90,9 +92,13 @@ class HandoffStep:
     def save_layer(self, layer: int) -> None:
         for t in self.targets:
             t.session.send_layer(layer, self.kv_cache)  # False once the session has ended
+        if layer + 1 == self.kv_cache.shape[0]:  # the KV is complete: commit behind the last
+            for t in self.targets:               # layer, while the model samples
+                t.session.request_commit()
 
     def finish(self) -> None:
         for t in self.targets:
+            t.session.request_commit()  # done already, unless the forward failed (an abort)
             t.on_sent(t.session, None)
 
 

@@ -4,7 +4,8 @@ Prefill(request):
     connect to the decode worker (handshake once per address, cached)
     -> register the handoff target -> run the request (max_tokens=1) in the engine thread
     -> every layer's KV leaves during the last prefill step (prefill_service/engine.py)
-    -> commit off the engine thread: the decode worker verifies checksums
+    -> the engine thread requests the commit after the last layer; the decode worker verifies
+       checksums, and the loop awaits the verdict
     -> on_prefilled(prompt): publishes the prompt's cached blocks (gateways route by them)
     -> reply with the first token and the timings
 Cancellation (client gone, deadline) aborts the engine request and the transfer session, which
@@ -28,6 +29,7 @@ from kv_transfer import (
     LayoutMismatchError,
     SendSession,
     TransferError,
+    TransferStats,
     TransportRefusedError,
     connect,
 )
@@ -124,7 +126,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.ABORTED, f"request {req_id} was aborted")
             t_first = time.monotonic()
             session = await sent
-            stats = await asyncio.to_thread(session.commit, COMMIT_TIMEOUT_S)
+            stats = await _committed(session, COMMIT_TIMEOUT_S)
             is_done = True
             if self.on_prefilled is not None:
                 self.on_prefilled(list(request.prompt_token_ids))
@@ -227,6 +229,25 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         for conn in self._connections.values():
             _close_quietly(conn)
         self._connections.clear()
+
+
+async def _committed(session: SendSession, timeout_s: float) -> TransferStats:
+    """The stats of a session whose commit the engine thread has requested (HandoffStep), once
+    the receiver has verified it; TransferError if it failed. The loop hears of the end from
+    the session thread: no worker thread waits on commit(), and no hop to one starts it."""
+    loop = asyncio.get_running_loop()
+    ended = loop.create_future()
+
+    def wake() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    session.add_done_callback(lambda: loop.call_soon_threadsafe(wake))
+    try:
+        await asyncio.wait_for(ended, timeout_s)
+    except TimeoutError:  # abort() waits for the session thread: off the loop
+        await asyncio.to_thread(session.abort, f"commit timed out after {timeout_s:.3f}s")
+    return session.commit(0)  # ended: the stats, or its error, at once
 
 
 def _close_quietly(conn: Connection) -> None:

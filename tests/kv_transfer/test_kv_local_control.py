@@ -233,3 +233,31 @@ def test_a_socket_left_by_a_dead_receiver_is_reaped_and_a_live_one_kept(make_rig
         assert not os.path.exists(live.path)  # close() unlinks its own
     finally:
         shutil.rmtree(directory)
+
+
+def test_a_channel_tells_whether_a_reply_is_in_without_blocking(make_rig):
+    """What the sender polls before each layer's write to collect LayerDone replies."""
+    rig = make_rig("shm", LAYOUT)
+    channel = LocalControlClient(rig.local.path, rig.receiver.instance_id, 5.0).take()
+    assert not channel.has_reply()  # nothing asked
+    channel.close()
+    SlowCommit.gate = threading.Event()
+    rig.local.close()
+    slow = SlowCommit(rig.receiver).start()  # a server whose commits wait for the gate
+    rig.local = slow
+    channel = LocalControlClient(slow.path, rig.receiver.instance_id, 5.0).take()
+    channel.send(pb.LocalControlRequest(commit=pb.CommitRequest(lease_id="nope")))
+    try:
+        assert not channel.has_reply()  # held: the peek returns at once, empty-handed
+    finally:
+        SlowCommit.gate.set()
+    assert wait_until(channel.has_reply)
+    with pytest.raises(TransferError, match="NOT_FOUND"):
+        channel.reply("commit", 5.0)
+    assert not channel.has_reply() and not channel.is_broken
+    slow.close()
+    with pytest.raises(TransferError, match="UNAVAILABLE"):  # the server is gone
+        channel.send(pb.LocalControlRequest(hello=True))
+        channel.reply("receiver_instance", 5.0)
+    assert channel.is_broken
+    rig.local = None

@@ -1,4 +1,5 @@
-"""The prefill worker's connections to decode workers (prefill_service/service.py) when a
+"""The prefill worker's side of the handoff (prefill_service/): its commit, requested behind
+the last layer and awaited on the loop; and its connections to decode workers when a
 decode worker restarts at its address: a reservation made on the new process replaces the
 connection to the old one; a reservation made on the old process, arriving late (it waited
 in the prefill queue), fails alone and leaves the current connection, which other requests'
@@ -10,12 +11,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kv_helpers import wait_until
+from kv_helpers import LAYOUTS, same_bits, wait_until
 
 from engine_core.config import CacheConfig
-from kv_transfer import LeaseState, TransferError
-from prefill_service.engine import PrefillEngine
-from prefill_service.service import PrefillServicer
+from kv_transfer import LeaseState, TransferError, connect
+from prefill_service.engine import HandoffStep, HandoffTarget, PrefillEngine
+from prefill_service.service import PrefillServicer, _committed
 from service_infra.metrics.worker import KVTransferMetrics, worker_registry
 from tests.tiny_model import write_tiny_llama
 
@@ -58,3 +59,37 @@ def test_a_late_reservation_of_a_restarted_decode_worker_fails_alone(engine, mak
     session.commit(timeout=5)
     assert wait_until(lambda: rig.table.get(lease.lease_id).state is LeaseState.COMPLETE)
     servicer.close()
+
+
+@pytest.mark.parametrize("layers_computed", ["all", "some"])
+def test_the_handoff_commits_behind_the_last_layer_and_the_loop_awaits_it(make_rig,
+                                                                          layers_computed):
+    """HandoffStep (the prefill engine's connector) requests the commit as the last layer is
+    handed over, before the step ends; the service's loop awaits the verdict with no thread
+    parked on it. A forward that failed midway aborts the transfer at the step's end."""
+    layout = LAYOUTS[1]
+    rig = make_rig("shm", layout)
+    lease = rig.open(3)
+    src_kv, src_ids = rig.source(3)
+    sent = []
+    with connect("shm", rig.target, layout) as conn:
+        target = HandoffTarget(conn, lease.lease_id, list(lease.block_ids), 0,
+                               lambda session, error: sent.append((session, error)))
+        target.session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        step = HandoffStep([target], src_kv)
+        num_computed = layout.num_layers if layers_computed == "all" else 2
+        for layer in range(num_computed):
+            step.save_layer(layer)
+        if layers_computed == "all":  # committed before the step is over
+            assert wait_until(lambda: rig.table.get(lease.lease_id).state
+                              is LeaseState.COMPLETE)
+        step.finish()
+        assert sent == [(target.session, None)]
+        if layers_computed == "all":
+            stats = asyncio.run(_committed(target.session, 5.0))
+            assert stats.num_bytes == layout.num_layers * 3 * layout.block_nbytes
+            assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])
+        else:
+            with pytest.raises(TransferError, match=r"layers \[2, 3\] never sent"):
+                asyncio.run(_committed(target.session, 5.0))
+            assert wait_until(lambda: len(rig.releases_of(lease.lease_id)) == 1)

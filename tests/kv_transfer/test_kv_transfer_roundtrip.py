@@ -17,6 +17,7 @@ from kv_transfer import (
     LocalControlServer,
     SenderOptions,
     SendState,
+    TransferError,
     connect,
 )
 from kv_transfer.grpc_transport import plan_chunks
@@ -224,3 +225,44 @@ def test_commit_runs_on_the_event_loop_when_only_a_short_check_is_left(make_rig,
     monkeypatch.setattr(receiver_module, "QUICK_HOST_CHECK_BYTES", layout.block_nbytes)
     transfer()  # the last layer's 4 blocks are over it now
     assert hops == ["commit"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_requested_commit_completes_without_waiting_for_it(make_rig, kind):
+    """request_commit() (the prefill engine's, behind the last layer) commits with no thread
+    in commit(); the done callbacks run once, the late one at once; commit() then returns
+    the stats without waiting."""
+    layout = LAYOUTS[1]
+    rig = make_rig(kind, layout)
+    lease = rig.open(5)
+    src_kv, src_ids = rig.source(5)
+    with connect(kind, rig.target, layout) as conn:
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        heard: list[str] = []
+        session.add_done_callback(lambda: heard.append(threading.current_thread().name))
+        for layer in range(layout.num_layers):
+            session.send_layer(layer, src_kv)
+        assert session.request_commit() and session.request_commit()  # once on its way
+        assert wait_until(lambda: rig.table.get(lease.lease_id).state is LeaseState.COMPLETE)
+        assert wait_until(lambda: heard) and heard[0].startswith("kv-send-")
+        session.add_done_callback(lambda: heard.append("late"))
+        assert heard[1:] == ["late"]
+        stats = session.commit(timeout=0)
+        assert session.state is SendState.COMMITTED and not session.request_commit()
+        assert stats.num_bytes == layout.num_layers * 5 * layout.block_nbytes
+    assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])
+    assert len(heard) == 2
+
+
+def test_a_commit_requested_before_every_layer_is_sent_aborts(make_rig):
+    layout = LAYOUTS[1]
+    rig = make_rig("shm", layout)
+    lease = rig.open(2)
+    src_kv, src_ids = rig.source(2)
+    with connect("shm", rig.target, layout) as conn:
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        session.send_layer(0, src_kv)
+        assert not session.request_commit()
+        with pytest.raises(TransferError, match=r"layers \[1, 2, 3\] never sent"):
+            session.commit(timeout=5)
+    assert wait_until(lambda: len(rig.releases_of(lease.lease_id)) == 1)
