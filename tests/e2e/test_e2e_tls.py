@@ -7,6 +7,7 @@ HTTPS to clients that verify it."""
 from __future__ import annotations
 
 import re
+import ssl
 
 import grpc
 import openai
@@ -95,7 +96,8 @@ def test_workers_refuse_unauthenticated_peers(tls_stack, certs, role):
 
 def test_gateway_https_and_plaintext_refused(tls_stack, certs, ref):
     client = openai.OpenAI(base_url=f"{tls_stack['http']}/v1", api_key="none",
-                           http_client=openai.DefaultHttpxClient(verify=str(certs.ca)))
+                           http_client=openai.DefaultHttpxClient(
+                               verify=ssl.create_default_context(cafile=str(certs.ca))))
     done = client.completions.create(model="SmolLM2-135M-Instruct", prompt=LONG,
                                      max_tokens=N, temperature=0)
     assert done.choices[0].text == ref.generate(LONG, N).outputs[0].text
