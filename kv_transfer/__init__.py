@@ -11,11 +11,11 @@ Decode side (receiver):                         Prefill side (sender):
     lease = table.open(req_id, block_ids, ttl_s)  -> ticket (lease_id, block ids) to prefill
     ... table.get(lease_id).state is COMPLETE -> table.claim(lease_id) -> decode
 
-Modules: lease (state machine), checksum, session (sender pipeline), transport (connect,
-select_transport, host_id), grpc_transport / shm_transport / cuda_ipc_transport (data planes),
-receiver + servicer (decode side), local_control (LayerDone and Commit on a Unix socket, same
-host), wire (proto conversions). Loopback servers for tests and
-benchmarks: tests/kv_transfer/loopback.py.
+Modules: lease (state machine), checksum, session (sender pipeline) and send_options (its
+options, states and stats), transport (connect, select_transport, host_id), grpc_transport /
+shm_transport / cuda_ipc_transport (data planes), receiver + servicer (decode side),
+local_control (LayerDone and Commit on a Unix socket, same host), wire (proto conversions).
+Loopback servers for tests and benchmarks: tests/kv_transfer/loopback.py.
 """
 
 from kv_transfer.checksum import checksum_blocks, checksum_tensor
@@ -33,8 +33,9 @@ from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GRPC_SERVER_OPTIONS
 from kv_transfer.lease import Lease, LeaseState, LeaseTable
 from kv_transfer.local_control import LocalControlServer
 from kv_transfer.receiver import CommitResult, KVReceiver
+from kv_transfer.send_options import SenderOptions, SendState, TransferStats
 from kv_transfer.servicer import KVTransferServicer, add_kv_transfer_servicer
-from kv_transfer.session import SenderOptions, SendSession, SendState, TransferStats
+from kv_transfer.session import SendSession
 from kv_transfer.shm_transport import SharedKVPool, reap_stale_pools
 from kv_transfer.transport import Connection, connect, host_id, select_transport
 

@@ -21,7 +21,8 @@ import grpc
 import torch
 
 from kv_transfer.checksum import checksum_bytes, host_bytes
-from kv_transfer.session import MAX_CHUNK_BYTES, SendSession, _Stopped
+from kv_transfer.send_options import MAX_CHUNK_BYTES
+from kv_transfer.session import SendSession, _Stopped
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
 # A chunk message is its payload plus a few bytes per block id and framing; 1 MiB of headroom.

@@ -114,9 +114,7 @@ class LocalControlServer:
             if verb == "commit":
                 msg = request.commit
                 result = self.receiver.commit(msg.lease_id, list(msg.layer_crc32))
-                return pb.LocalControlReply(commit=pb.CommitResponse(
-                    num_bytes_verified=result.num_bytes_verified,
-                    verify_us=int(result.verify_seconds * 1e6)))
+                return pb.LocalControlReply(commit=wire.commit_to_proto(result))
             if verb == "hello":
                 return pb.LocalControlReply(receiver_instance=self.receiver.instance_id)
             raise ValueError("empty LocalControlRequest")

@@ -139,8 +139,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 result = await asyncio.to_thread(receiver.commit, *args)
         except Exception as e:
             await _abort_with(context, e)
-        return pb.CommitResponse(num_bytes_verified=result.num_bytes_verified,
-                                 verify_us=int(result.verify_seconds * 1e6))
+        return wire.commit_to_proto(result)
 
     async def Abort(self, request, context):
         was_live, state = self.receiver.abort(request.lease_id, request.reason,

@@ -42,7 +42,8 @@ from kv_transfer.errors import LayoutMismatchError, TransferError, TransportRefu
 from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GrpcSendSession
 from kv_transfer.local_control import LocalControlClient
 from kv_transfer.one_sided import OneSidedSendSession
-from kv_transfer.session import SenderOptions, SendSession
+from kv_transfer.send_options import SenderOptions
+from kv_transfer.session import SendSession
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
 

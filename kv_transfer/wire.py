@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine_core.kv_cache.layout import KVLayout
 from protos.pdserve.internal import kv_transfer_pb2 as pb
+
+if TYPE_CHECKING:
+    from kv_transfer.receiver import CommitResult
 
 KINDS = ("grpc", "shm", "cuda_ipc")  # the transports, in no particular order
 _KIND_TO_PROTO = {
@@ -43,3 +48,9 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
 def to_ms(seconds: float) -> int:
     """A remaining time as the protos carry it: whole milliseconds, never negative."""
     return max(0, int(seconds * 1000))
+
+
+def commit_to_proto(result: CommitResult) -> pb.CommitResponse:
+    """A verified commit's reply (the gRPC service's and the same-host socket's)."""
+    return pb.CommitResponse(num_bytes_verified=result.num_bytes_verified,
+                             verify_us=int(result.verify_seconds * 1e6))
