@@ -15,7 +15,7 @@ from engine_core.model.decode_quant import DecodeQuantization, projections, quan
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.native_cpu import use_native_kernels
 from engine_core.model_files import ModelSource
-from engine_core.weights.gguf_loader import NATIVE_DECODE_TYPES, GGUFFile
+from engine_core.weights.gguf_loader import GGUFFile
 from engine_core.weights.gguf_q4 import Q4_TYPES
 from engine_core.weights.gguf_q8 import Q8_TYPES
 from engine_core.weights.safetensors_loader import iter_safetensors, load_hf_config
@@ -57,20 +57,12 @@ def load_model(
     with torch.device("meta"):
         model = DecoderForCausalLM(config)
     q4 = q8 = None
-    dense: set[str] = set()
     if quantize_decode:
         if device.type != "cpu":
             raise ValueError(f"quantize_decode is a CPU path, device is {device}")
-        if gguf is not None:
-            types = gguf.tensor_types()
-            dense = {n for n, t in types.items() if t not in NATIVE_DECODE_TYPES}
-            if dense:
-                logger.info(
-                    "GGUF tensor types %s have no C decode kernel: %d tensors decode on the "
-                    "torch path (dense float weights)",
-                    ", ".join(sorted({types[n].name for n in dense})), len(dense))
+        if gguf is not None:  # every supported type's blocks (gguf_q4.py, gguf_q8.py)
             q4, q8 = gguf.block_weights(config)  # unpacked as quantize_for_decode asks
-    blocks_only = _blocks_only(model, q4, q8, dense, prefill_weights, source, dtype)
+    blocks_only = _blocks_only(model, q4, q8, prefill_weights, source, dtype)
     model = model.to_empty(device=device)
     for module, attr in blocks_only:  # never loaded: the quantized matmul holds the weight
         linear = getattr(module, attr)
@@ -88,14 +80,14 @@ def load_model(
         use_native_kernels(model, lib)
     quantization = None
     if quantize_decode:
-        quantization = quantize_for_decode(model, q4, decode_activations, dense, q8)
+        quantization = quantize_for_decode(model, q4, decode_activations, q8)
     logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
                 time.perf_counter() - t0)
     return model, config, quantization
 
 
 def _blocks_only(model: DecoderForCausalLM, q4: Mapping | None, q8: Mapping | None,
-                 dense: set[str], prefill_weights: str, source: ModelSource,
+                 prefill_weights: str, source: ModelSource,
                  dtype: torch.dtype) -> dict[tuple[nn.Module, str], list[str]]:
     """The projections (module, attribute) -> parts that get no dense copy: with
     prefill_weights "quantized" (or "auto" choosing it), those whose every part the GGUF holds
@@ -112,7 +104,7 @@ def _blocks_only(model: DecoderForCausalLM, q4: Mapping | None, q8: Mapping | No
     dense_bytes = dense_copy_bytes(source, dtype)
     if resolve_prefill_weights(prefill_weights, dense_bytes, source.path.stat().st_size) == "dense":
         return {}
-    groups = {key: parts for key, parts in projections(model, q4.keys() | q8.keys() | dense).items()
+    groups = {key: parts for key, parts in projections(model, q4.keys() | q8.keys()).items()
               if all(p in q4 or p in q8 for p in parts)}
     logger.info("prefill rows multiply the GGUF's 4/8-bit blocks too: %d projections keep no "
                 "dense copy (about %.2f GB of %s not held)", len(groups), dense_bytes / 1e9,

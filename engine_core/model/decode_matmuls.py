@@ -91,12 +91,13 @@ class NativeQ8Matmul(_NativeMatmul):
     scale (and a constant) per group of 32 or 16 along K; float32 activations, or int8 ones as
     in NativeQ4Matmul.
 
-    `weight` is either a GGUF tensor's own integers and scales (a Q8Weight: Q8_0, Q5_0, Q5_1,
-    Q5_K, Q6_K, or a fused projection of those and 4-bit parts), exactly the file's values, or
-    a float tensor, requantized to int8 with one scale per 32. A Q8_0 tensor (as the default
-    model's embedding) is requantized exactly: its dense weight is d * q with |q| reaching 127
-    in every block, so amax / 127 gives d back and q follows; `d`, given, makes that exact for
-    any tensor whose dense weight is d times an integer in -127..127 per group of 32.
+    `weight` is either a GGUF tensor's own integers and scales (a Q8Weight: any type of
+    gguf_q8.Q8_TYPES, or a fused projection of those and 4-bit parts), exactly the file's
+    values, or a float tensor, requantized to int8 with one scale per 32. A Q8_0 tensor (as
+    the default model's embedding) is requantized exactly: its dense weight is d * q with |q|
+    reaching 127 in every block, so amax / 127 gives d back and q follows; `d`, given, makes
+    that exact for any tensor whose dense weight is d times an integer in -127..127 per group
+    of 32.
     Plain attributes, as in NativeQ4Matmul.
     """
 

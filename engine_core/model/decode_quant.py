@@ -11,8 +11,8 @@ different paths, decided by position (decodes come first in every step, see atte
 
 A token takes the same path whatever else shares its step, so batched output equals
 one-at-a-time output. Weights come from the GGUF's own blocks where the file has them: 4-bit
-(Q4_0, Q4_1, Q4_K) or the q8 family (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: int8 integers with the
-file's scales, see gguf_q8.py); any other matrix (safetensors models) is requantized to int8
+(Q4_0, Q4_1, Q4_K) or the q8 family (every other type: int8 integers with the file's scales,
+see gguf_q8.py); any other matrix (safetensors models) is requantized to int8
 per 32. With int8 activations (the default) the lm_head (a tied Q8_0 embedding in both pulled
 models) is requantized to 4 bits per 32 (lm_head_screen): it only picks candidates, see below. The matmul
 modules live in decode_matmuls.py.
@@ -302,22 +302,19 @@ def projections(model: DecoderForCausalLM,
 
 def quantize_for_decode(
     model: DecoderForCausalLM, q4: dict[str, Q4Weight] | None = None,
-    activations: str = "float32", dense: set[str] | frozenset[str] = frozenset(),
-    q8: dict[str, Q8Weight] | None = None, lm_head_screen: str = "auto",
+    activations: str = "float32", q8: dict[str, Q8Weight] | None = None,
+    lm_head_screen: str = "auto",
 ) -> DecodeQuantization:
     """Give every projection and the lm_head a quantized twin for decode rows, in place.
 
     q4: Hugging Face-named 4-bit weights from the GGUF (see GGUFFile.q4_weights); a fused
     projection uses them when all of its parts are 4-bit.
     q8: Hugging Face-named q8-family weights from the GGUF (GGUFFile.q8_weights: Q8_0, Q5_0,
-    Q5_1, Q5_K, Q6_K); a fused projection whose parts are all q4 or q8 weights, not all q4,
+    Q5_1, Q5_K, Q6_K, Q3_K, Q2_K and the IQ types); a fused projection whose parts are all q4 or q8 weights, not all q4,
     is one q8-family matrix of their own integers and scales, exactly the file's values (the
     native kernels only). One that mixes them with float parts keeps its dense weight, since a
     shared requantization would not be exact.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
-    dense: Hugging Face names of GGUF weights in a type the C kernels have no block decoder
-    for (Q2_K, Q3_K): a projection with any such part keeps its dense float weight for decode
-    rows too (the torch path), rather than being requantized to int8.
     Float weights (safetensors, F16/BF16/F32 tensors) are requantized to int8 per 32.
     lm_head_screen: "int4" (the native kernels): the lm_head, unless the file has it in 4 bits
     already, is requantized to 4 bits per 32 (requantize_int4) rather than kept as its file's
@@ -350,17 +347,13 @@ def quantize_for_decode(
             return NativeQ8Matmul(linear.weight, lib, int8)
         return Int8Matmul(linear.weight)
 
-    for (module, attr), parts in projections(model, q4.keys() | q8.keys() | dense).items():
-        if any(p in dense for p in parts):
-            continue
+    for (module, attr), parts in projections(model, q4.keys() | q8.keys()).items():
         in_file = [p in q8 for p in parts]
         if lib is not None and any(in_file) and not all(p in q4 or p in q8 for p in parts):
             continue  # see q8
         linear = getattr(module, attr)
         setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts)))
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
-    if any(p in dense for p in lm_head_parts):
-        lm_head_parts = []  # requantized: its top candidates are made exact anyway
     head = model.lm_head
     if lm_head_screen not in ("auto", "int4", "int8"):
         raise ValueError(f"lm_head_screen must be auto, int4 or int8, got {lm_head_screen!r}")

@@ -33,16 +33,9 @@ from engine_core.weights.gguf_q4 import Q4_TYPES, Q4Weight, unpack_q4
 from engine_core.weights.gguf_q8 import Q8_TYPES, Q8Weight, unpack_q8
 
 Q = GGMLQuantizationType
-SUPPORTED_TYPES = {
-    Q.F32, Q.F16, Q.BF16,
-    Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-    Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
-}
-# types whose decode matmuls the C kernels take from the file's own blocks (gguf_q4.py,
-# gguf_q8.py), or (float) requantize to int8 as decode_quant.py describes; the others (Q2_K,
-# Q3_K, and the IQ types below 4 bits, whose weights are grid entries) decode on the torch path
-NATIVE_DECODE_TYPES = {Q.F32, Q.F16, Q.BF16, *Q4_TYPES, *Q8_TYPES}
+# the quantized types' matmuls take the file's own integers and scales in the C kernels
+# (gguf_q4.py, gguf_q8.py); float tensors are requantized to int8 as decode_quant.py describes
+SUPPORTED_TYPES = {Q.F32, Q.F16, Q.BF16, *Q4_TYPES, *Q8_TYPES}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -256,8 +249,8 @@ class GGUFFile:
             yield from self._unpacked(t, config)
 
     def q8_weights(self, config: ModelConfig) -> Iterator[tuple[str, Q8Weight]]:
-        """Yield (Hugging Face name, q8-family weight) for every Q8_0, Q5_0, Q5_1, Q5_K and
-        Q6_K matrix but the embedding (looked up, not multiplied), rows in the same order as
+        """Yield (Hugging Face name, q8-family weight) for every matrix in a q8-family type
+        (gguf_q8.Q8_TYPES) but the embedding (looked up, not multiplied), rows in the same order as
         `weights` gives them."""
         for t in self._block_tensors(Q8_TYPES):
             yield from self._unpacked(t, config)

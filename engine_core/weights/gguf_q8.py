@@ -1,19 +1,33 @@
 """GGUF tensors whose weights are a small integer times a scale, plus a constant, per group
 of 32 or 16 along K: the C kernels' q8 family (kernels/csrc/cpu_kernels.h).
 
-    type   group  w                            q            from the block header
-    Q8_0   32     d * q                        -127..127    d
-    Q5_0   32     d * q                        -16..15      d
-    Q5_1   32     d * q + m                    0..31        d, m
-    Q5_K   32     (d * sc) * q - dmin * mn     0..31        d, dmin, 6-bit (sc, mn) pairs
-    Q6_K   16     (d * sc) * q                 -32..31      d, int8 sc per 16
-    IQ4_NL 32     d * q                        -127..113    d (q: a 16-value table's entry)
-    IQ4_XS 32     (d * (sc - 32)) * q          -127..113    d, 6-bit sc per 32
+    type    group  w                            q            from the block header
+    Q8_0    32     d * q                        -127..127    d
+    Q5_0    32     d * q                        -16..15      d
+    Q5_1    32     d * q + m                    0..31        d, m
+    Q5_K    32     (d * sc) * q - dmin * mn     0..31        d, dmin, 6-bit (sc, mn) pairs
+    Q6_K    16     (d * sc) * q                 -32..31      d, int8 sc per 16
+    Q3_K    16     (d * (sc - 32)) * q          -4..3        d, 6-bit sc per 16
+    Q2_K    16     (d * sc) * q - dmin * mn     0..3         d, dmin, 4-bit (sc, mn) per 16
+    IQ4_NL  32     d * q                        -127..113    d (q: a 16-value table's entry)
+    IQ4_XS  32     (d * (sc - 32)) * q          -127..113    d, 6-bit sc per 32
+    IQ3_XXS 32     (d * (0.5 + sc) * 0.5) * q   +-4..62      d, 4-bit sc per 32
+    IQ3_S   32     (d * (1 + 2 sc)) * q         +-1..15      d, 4-bit sc per 32
+    IQ2_XXS 32     (d * (0.5 + sc) * 0.25) * q  +-8..43      d, 4-bit sc per 32
+    IQ2_XS  16     (d * (0.5 + sc) * 0.25) * q  +-8..43      d, 4-bit sc per 16
+    IQ2_S   16     (d * (0.5 + sc) * 0.25) * q  +-8..43      d, 4-bit sc per 16
+    IQ1_S   32     (d * (2 sc + 1) / 8) * q     +-1, 7, 9    d, 3-bit sc per 32
+
+The IQ types' q is a grid entry times a sign (gguf's grid tables and sign bits, applied by its
+dequantizer): their scales multiply a signed grid value once, so the product is one rounding,
+as here. IQ1_S adds +-1/8 to each grid value in {-1, 0, 1} before its scale; eight times
+that is an integer, and a scale divided by 8 is exact, so it joins the family too.
 
 Each is kept as q (int8), d and c per group (c = the constant, absent where it is 0), so
 w = q * d + c with the product rounded first: the same float32 operations as gguf's own
 dequantizers, bit for bit. The scales come from the block headers (for Q5_K through gguf's own
-`Q4_K.get_scale_min`); the integers are recovered from gguf's own `gguf.quants.dequantize`, as
+`Q4_K.get_scale_min`; Q3_K's 6-bit scales are packed across 12 bytes, unpacked as gguf's
+`Q3_K` does); the integers are recovered from gguf's own `gguf.quants.dequantize`, as
 round((w - c) / d), and checked to give w back exactly, so no bit layout is re-derived here.
 """
 
@@ -30,7 +44,8 @@ from gguf.quants import Q4_K, dequantize
 from engine_core.weights.gguf_q4 import Q4Weight
 
 Q = GGMLQuantizationType
-Q8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+Q8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS,
+            Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S)
 GROUP_SIZE = 32
 
 
@@ -110,7 +125,46 @@ def _scales(blocks: np.ndarray, qtype: GGMLQuantizationType):
     if qtype == Q.Q6_K:  # [ql: 128][qh: 64][sc: 16 x i8][d]
         sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [B, 16]
         return _f16(blocks, 208) * sc, None
+    if qtype == Q.Q3_K:  # [hmask: 32][qs: 64][12 bytes of 6-bit sc][d]
+        low = blocks[:, 96:104]  # sc 0..7 in the low nibbles, 8..15 in the high ones
+        low = np.concatenate([low & 0x0F, low >> 4], axis=1)  # [B, 16]
+        high = blocks[:, 104:108]  # sc i's top 2 bits: byte i % 4, bits 2 * (i // 4)
+        high = np.concatenate([(high >> s) & 3 for s in (0, 2, 4, 6)], axis=1)
+        sc = (low | (high << 4)).astype(np.int8) - np.int8(32)
+        return _f16(blocks, 108) * sc.astype(np.float32), None
+    if qtype == Q.Q2_K:  # [16 bytes of 4-bit (sc, mn)][qs: 64][d][dmin]
+        sc, mn = blocks[:, :16] & 0x0F, blocks[:, :16] >> 4
+        return (_f16(blocks, 80) * sc.astype(np.float32),
+                -(_f16(blocks, 82) * mn.astype(np.float32)))
+    if qtype in _IQ_SCALES:
+        return _iq_scales(blocks, qtype), None
     raise ValueError(f"GGUF type {qtype.name} is not in the q8 family ({Q8_TYPES})")
+
+
+# IQ type -> (where its sub-block scales are: "u32" the top 4 bits of each group's second or
+# only 32-bit word from this byte, "nibbles" 4 bits each from this byte, "iq1" bits 12..14 of
+# 16-bit words from this byte; that offset), as gguf's dequantizers read them
+_IQ_SCALES = {Q.IQ2_XXS: ("u32", 2), Q.IQ3_XXS: ("u32", 66), Q.IQ2_XS: ("nibbles", 66),
+              Q.IQ2_S: ("nibbles", 74), Q.IQ3_S: ("nibbles", 106), Q.IQ1_S: ("iq1", 34)}
+
+
+def _iq_scales(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """d per group of an IQ type's blocks, float32 as gguf computes it: [B, groups]."""
+    where, at = _IQ_SCALES[qtype]
+    d, n = _f16(blocks, 0), blocks.shape[0]
+    if where == "u32":  # IQ2_XXS: a (grid, signs + scale) word pair per 32; IQ3_XXS: a word
+        words = blocks[:, at:at + 32 if qtype == Q.IQ3_XXS else at + 64].copy().view(np.uint32)
+        sc = (words.reshape(n, 8, -1)[..., -1] >> 28).astype(np.float32)
+        return d * (np.float32(0.5) + sc) * np.float32(0.5 if qtype == Q.IQ3_XXS else 0.25)
+    if where == "nibbles":
+        raw = blocks[:, at:at + (4 if qtype == Q.IQ3_S else 8)]
+        sc = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(n, -1).astype(np.float32)
+        if qtype == Q.IQ3_S:
+            return d * (np.float32(1) + np.float32(2) * sc)
+        return d * (np.float32(0.5) + sc) * np.float32(0.25)
+    qh = blocks[:, at:at + 16].copy().view(np.uint16)  # IQ1_S: [B, 8]
+    dl = d * (2 * ((qh >> 12) & 7) + 1).astype(np.float32)
+    return dl * np.float32(0.125)  # q = 8 * (grid value +- 1/8)
 
 
 def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType) -> Q8Weight:
