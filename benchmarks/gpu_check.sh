@@ -14,6 +14,7 @@
 #                     the speed)
 #   kv-transfer       a 2,048-token prompt's KV over cuda_ipc and grpc, back to back and
 #                     layer by layer
+#   handoff-ops       the host time of each step of cuda_ipc's tail after the last layer
 # Each step's full output goes to OUT_DIR/<step>.log and its tail to the terminal; a failing
 # step is reported and the others still run. The exit status is 1 if any step failed.
 set -uo pipefail
@@ -46,6 +47,7 @@ step bench-engine python -m pdserve bench-engine --device cuda --model "$out/smo
   --out "$out/bench_engine"
 step kv-transfer python benchmarks/bench_kv_transfer.py --device cuda --kinds cuda_ipc grpc \
   --dtypes bfloat16 --prompt-tokens 2048 --runs 5 --compute-ms 2
+step handoff-ops python benchmarks/bench_handoff_ops.py --device cuda
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed: ${failed[*]}"
