@@ -19,7 +19,9 @@ Abort stay on gRPC: neither is on the critical path, and Abort must reach the re
 thread while a session's connection waits for a reply.
 
 The commit runs on the connection's thread, never on the gRPC event loop, so a long check
-delays only its own sender. Where the socket cannot be reached (no shared /dev/shm, a receiver
+delays only its own sender. A receiver serves at most MAX_CONNECTIONS connections at once (a
+thread each); one more is refused with RESOURCE_EXHAUSTED in place of the hello's answer, and
+that sender's session keeps its control on gRPC (one_sided.py). Where the socket cannot be reached (no shared /dev/shm, a receiver
 without one), connect() logs why and the control stays on gRPC. The socket file is 0600, like
 the shm pool: both workers run as one user. A file left by a killed receiver is unlinked by the
 next server started on the host (connecting to it is refused).
@@ -50,17 +52,22 @@ log = logging.getLogger("pdserve.kv_transfer")
 SOCKET_PREFIX = "pdserve-kvctl"
 MAX_MESSAGE_BYTES = 1 << 16  # a Commit of 1,000 layers is ~5 KB
 MAX_IDLE_CONNECTIONS = 8  # a sender keeps at most this many connections open between sessions
+MAX_CONNECTIONS = 256  # a receiver serves at most this many at once, a thread each
+REFUSE_WAIT_S = 1.0  # how long a refused connection's hello is waited for
 
 
 class LocalControlServer:
     """Answers LayerDone and Commit for `receiver` on a Unix socket in `directory`."""
 
-    def __init__(self, receiver: KVReceiver, directory: str = DEFAULT_DIR) -> None:
+    def __init__(self, receiver: KVReceiver, directory: str = DEFAULT_DIR,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.receiver = receiver
         self.directory = directory
+        self.max_connections = max_connections
         self.path = os.path.join(directory, f"{SOCKET_PREFIX}-{os.getpid()}-"
                                             f"{receiver.instance_id}.sock")
         self.num_connections = 0  # accepted so far
+        self.num_refused = 0  # connections turned away: max_connections were open
         self.num_requests = 0  # answered, all connections together
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._connections: set[socket.socket] = set()
@@ -135,10 +142,35 @@ class LocalControlServer:
                 if self._closed:
                     conn.close()
                     return
-                self._connections.add(conn)
-                self.num_connections += 1
+                full = len(self._connections) >= self.max_connections
+                if full:
+                    self.num_refused += 1
+                else:
+                    self._connections.add(conn)
+                    self.num_connections += 1
+            if full:  # answered on a thread of its own, which ends within REFUSE_WAIT_S
+                threading.Thread(target=self._refuse, args=(conn,), daemon=True,
+                                 name="kv-local-control-refuse").start()
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="kv-local-control-conn").start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Answer a connection over the bound: its hello gets RESOURCE_EXHAUSTED, then it is
+        closed (closed first, the sender's hello would fail to send, as if the receiver were
+        gone)."""
+        if self.num_refused == 1 or self.num_refused % 1000 == 0:
+            log.warning("kv control socket: %d connections are open, the most it serves; "
+                        "refused %d so far (their senders use gRPC)", self.max_connections,
+                        self.num_refused)
+        reply = pb.LocalControlReply(error=pb.LocalControlError(
+            code="RESOURCE_EXHAUSTED", message=f"{self.max_connections} connections are "
+                                               f"open, the most this receiver serves"))
+        with contextlib.suppress(OSError):
+            conn.settimeout(REFUSE_WAIT_S)
+            if conn.recv(MAX_MESSAGE_BYTES):
+                conn.send(reply.SerializeToString())
+        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         """One sender connection: each request answered in turn until it closes."""
@@ -280,8 +312,12 @@ class LocalControlClient:
             raise TransferError(f"UNAVAILABLE: cannot connect to {self.path}: {e}",
                                 "UNAVAILABLE") from None
         channel = LocalChannel(sock)
-        channel.send(pb.LocalControlRequest(hello=True))
-        instance = channel.reply("receiver_instance", self._timeout_s).receiver_instance
+        try:
+            channel.send(pb.LocalControlRequest(hello=True))
+            instance = channel.reply("receiver_instance", self._timeout_s).receiver_instance
+        except TransferError:  # RESOURCE_EXHAUSTED: the receiver's connections are full
+            channel.close()
+            raise
         if instance != self.receiver_instance:
             channel.close()
             raise TransferError(f"FAILED_PRECONDITION: {self.path} is receiver {instance}, "

@@ -97,9 +97,10 @@ class OneSidedSendSession(SendSession):
         return crc32
 
     def _send_layer_done(self, request: pb.LayerDoneRequest) -> grpc.Future | None:
-        if self._local is None:
+        channel = self._local_channel()
+        if channel is None:
             return self._stub.LayerDone.future(request, timeout=self._options.rpc_timeout_s)
-        self._local_channel().send(pb.LocalControlRequest(layer_done=request))
+        channel.send(pb.LocalControlRequest(layer_done=request))
         return None
 
     def _harvest(self, in_flight: deque, wait: bool) -> None:
@@ -108,25 +109,31 @@ class OneSidedSendSession(SendSession):
         while in_flight and (wait or self._is_answered(in_flight[0][1])):
             sent, call = in_flight.popleft()
             # grpc.RpcError or TransferError if the receiver refused the layer
-            reply = (call.result() if call is not None else self._local_channel().reply(
+            reply = (call.result() if call is not None else self._channel.reply(
                 "layer_done", self._options.rpc_timeout_s).layer_done)
             self._lease_deadline = sent + reply.remaining_ms / 1000
             wait = False
 
     def _is_answered(self, call: grpc.Future | None) -> bool:
-        return call.done() if call is not None else self._local_channel().has_reply()
+        return call.done() if call is not None else self._channel.has_reply()
 
     def _commit_rpc(self, request: pb.CommitRequest) -> pb.CommitResponse:
-        if self._local is None:
-            return super()._commit_rpc(request)
         channel = self._local_channel()
+        if channel is None:
+            return super()._commit_rpc(request)
         channel.send(pb.LocalControlRequest(commit=request))
         return channel.reply("commit", self._options.commit_timeout_s).commit
 
-    def _local_channel(self) -> LocalChannel:
-        if self._channel is None:
-            assert self._local is not None
-            self._channel = self._local.take()
+    def _local_channel(self) -> LocalChannel | None:
+        """The session's connection to the receiver's socket, taken at its first message;
+        None: the control is on gRPC (no socket, or the receiver's connections are full)."""
+        if self._channel is None and self._local is not None:
+            try:
+                self._channel = self._local.take()
+            except TransferError as e:
+                if e.code != "RESOURCE_EXHAUSTED":
+                    raise
+                self._local = None  # this session only: the next one tries again
         return self._channel
 
     def _finish(self) -> None:

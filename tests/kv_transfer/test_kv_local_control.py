@@ -4,6 +4,7 @@ the lease, and a sender that cannot reach it keeps its control on gRPC."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -110,6 +111,31 @@ def test_concurrent_sessions_each_hold_a_connection_and_their_replies_never_cros
         session.commit(timeout=10)
         assert _claimed_bits_equal(rig, lease, src_kv, src_ids)
         assert rig.local.num_connections == 4
+
+
+def test_a_full_socket_refuses_one_more_sender_whose_control_stays_on_grpc(make_rig):
+    """At max_connections the receiver answers one more connection's hello with
+    RESOURCE_EXHAUSTED: that session sends its LayerDones and Commit over gRPC and commits,
+    and the next session is back on the socket."""
+    rig = make_rig("shm", LAYOUT, servicer_cls=CountingServicer,
+                   local_control_cls=functools.partial(LocalControlServer, max_connections=2))
+    with connect("shm", rig.target, LAYOUT) as conn:
+        assert conn.control == "unix"  # the hello's connection, kept idle: 1 of 2
+        transfers = [_send_all(rig, conn, num_blocks=3) for _ in range(3)]
+        assert wait_until(lambda: all(  # each session has taken its connection, or not
+            rig.receiver.num_layers_checked(lease.lease_id) == LAYOUT.num_layers - 1
+            for lease, *_ in transfers))
+        for _, session, *_ in transfers:
+            session.commit(timeout=10)
+        for lease, _, src_kv, src_ids in transfers:
+            assert _claimed_bits_equal(rig, lease, src_kv, src_ids)
+        assert (rig.local.num_connections, rig.local.num_refused) == (2, 1)
+        grpc_calls = ["LayerDone"] * (LAYOUT.num_layers - 1) + ["Commit"]
+        assert rig.server.servicer.calls == grpc_calls  # the refused session's, alone
+        lease, session, src_kv, src_ids = _send_all(rig, conn)
+        session.commit(timeout=10)
+        assert _claimed_bits_equal(rig, lease, src_kv, src_ids)
+        assert rig.server.servicer.calls == grpc_calls  # an idle connection again
 
 
 def test_errors_come_back_with_the_status_names_of_the_rpcs(make_rig):
