@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from engine_core.kv_cache.layout import KVLayout
+from kv_transfer import wire
 from kv_transfer.blocks import block_rows
 from kv_transfer.checksum import checksum_blocks_as, checksum_kind
 from kv_transfer.cuda_ipc_transport import CudaIpcHandle, export_handle
@@ -124,8 +125,10 @@ class KVReceiver:
         self._reaper.start()
 
     def handshake(self, sender_layout: KVLayout, requested: str, sender_host: str,
-                  sender_device: str) -> HandshakeResult:
-        mismatches = sender_layout.mismatch(self.layout)
+                  sender_device: str,
+                  sender_protocol: int = wire.PROTOCOL_VERSION) -> HandshakeResult:
+        mismatches = (wire.protocol_mismatch(sender_protocol, wire.PROTOCOL_VERSION)
+                      + sender_layout.mismatch(self.layout))
         if mismatches:
             raise LayoutMismatchError(mismatches)
         kind = select_transport(requested, sender_host, self.host_id, sender_device,

@@ -60,7 +60,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         try:
             result = self.receiver.handshake(
                 wire.layout_from_proto(request.layout), wire.kind_from_proto(request.transport),
-                request.sender_host_id, request.sender_device)
+                request.sender_host_id, request.sender_device, request.protocol_version)
         except Exception as e:
             await _abort_with(context, e)
         r = self.receiver
@@ -68,7 +68,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             transport=wire.kind_to_proto(result.kind), receiver_host_id=r.host_id,
             receiver_device=r.device, num_blocks=r.num_blocks,
             layout_fingerprint=r.layout.fingerprint(), max_chunk_bytes=r.max_chunk_bytes,
-            receiver_instance=r.instance_id)
+            receiver_instance=r.instance_id, protocol_version=wire.PROTOCOL_VERSION)
         if result.shm_pool is not None:
             pool = result.shm_pool
             reply.shm.CopyFrom(pb.ShmPool(path=pool.path, size_bytes=pool.size_bytes,

@@ -206,7 +206,11 @@ def connect(kind: str, target: str, layout: KVLayout, *, device: str = "cpu",
     try:
         reply = pb_grpc.KVTransferStub(channel).Handshake(pb.HandshakeRequest(
             layout=wire.layout_to_proto(layout), transport=wire.kind_to_proto(kind),
-            sender_host_id=me, sender_device=str(device)), timeout=options.rpc_timeout_s)
+            sender_host_id=me, sender_device=str(device),
+            protocol_version=wire.PROTOCOL_VERSION), timeout=options.rpc_timeout_s)
+        # a receiver older than the field cannot refuse a newer sender: the sender does
+        if mismatch := wire.protocol_mismatch(wire.PROTOCOL_VERSION, reply.protocol_version):
+            raise LayoutMismatchError(mismatch)
         if reply.layout_fingerprint != layout.fingerprint():  # a field the proto lacks
             raise LayoutMismatchError([f"fingerprint: {layout.fingerprint()!r} != "
                                        f"{reply.layout_fingerprint!r}"])

@@ -10,6 +10,25 @@ from protos.pdserve.internal import kv_transfer_pb2 as pb
 if TYPE_CHECKING:
     from kv_transfer.receiver import CommitResult
 
+# The handoff's protocol version: what a transfer's bytes, checksums and control messages
+# mean. A change that a peer of the previous version would misread bumps it (the checksum's
+# change from CRC-32 to XXH3 and a device sum was one, before this field existed: a mixed pair
+# then failed every transfer's verification, DATA_LOSS). Both ends send theirs in the handshake
+# and refuse another, naming both, so a pool upgraded apart from the other fails at connect
+# with that message instead. A peer that sends none (0) predates the field and speaks 1.
+PROTOCOL_VERSION = 1
+
+
+def protocol_mismatch(sender: int, receiver: int) -> list[str]:
+    """The handshake's complaint (LayoutMismatchError's form) when the two versions differ,
+    each 0 read as 1; [] when they agree."""
+    sender, receiver = sender or 1, receiver or 1
+    if sender == receiver:
+        return []
+    return [f"kv protocol version: {sender} != {receiver} (run both pools at one pdserve "
+            f"release)"]
+
+
 KINDS = ("grpc", "shm", "cuda_ipc")  # the transports, in no particular order
 _KIND_TO_PROTO = {
     "auto": pb.TRANSPORT_KIND_AUTO,

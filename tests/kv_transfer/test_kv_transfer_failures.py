@@ -17,12 +17,14 @@ from kv_helpers import LAYOUTS, same_bits, wait_until
 
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import (
+    KVTransferServicer,
     LayoutMismatchError,
     LeaseEndedError,
     LeaseState,
     TransferError,
     TransportRefusedError,
     connect,
+    wire,
 )
 from kv_transfer.checksum import checksum_blocks_as
 from protos.pdserve.internal import kv_transfer_pb2 as pb
@@ -181,6 +183,43 @@ def test_layout_mismatch_is_refused_naming_every_field(make_rig):
         connect("grpc", rig.target, theirs)
     assert err.value.mismatches == ["dtype: 'bfloat16' != 'float32'", "num_layers: 30 != 3",
                                     "head_dim: 64 != 32"]
+
+
+class NewerReceiver(KVTransferServicer):
+    """A receiver of the next protocol version, as far as its handshake tells."""
+
+    async def Handshake(self, request, context):
+        reply = await super().Handshake(request, context)
+        reply.protocol_version = wire.PROTOCOL_VERSION + 1
+        return reply
+
+
+def test_another_protocol_version_is_refused_at_the_handshake_either_way(make_rig):
+    """A pool upgraded apart from the other fails at connect, FAILED_PRECONDITION naming
+    both versions, not at every transfer's verification; a build older than the field (it
+    sends 0) speaks version 1."""
+    rig = make_rig("grpc", LAYOUTS[0])
+    stub = pb_grpc.KVTransferStub(grpc.insecure_channel(rig.target))
+    request = pb.HandshakeRequest(layout=wire.layout_to_proto(rig.layout),
+                                  transport=pb.TRANSPORT_KIND_GRPC, sender_host_id="h",
+                                  sender_device="cpu")
+    for version in (0, wire.PROTOCOL_VERSION):  # an older build's, and this one's
+        request.protocol_version = version
+        assert stub.Handshake(request, timeout=10).protocol_version == wire.PROTOCOL_VERSION
+    request.protocol_version = wire.PROTOCOL_VERSION + 1  # a newer sender
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Handshake(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (f"kv protocol version: {wire.PROTOCOL_VERSION + 1} != {wire.PROTOCOL_VERSION}"
+            in err.value.details())
+
+    newer = make_rig("grpc", LAYOUTS[0], servicer_cls=NewerReceiver)
+    with pytest.raises(LayoutMismatchError) as refused:
+        connect("grpc", newer.target, newer.layout)
+    assert refused.value.mismatches == [
+        f"kv protocol version: {wire.PROTOCOL_VERSION} != {wire.PROTOCOL_VERSION + 1} "
+        f"(run both pools at one pdserve release)"]
+    assert newer.table.leases() == [] and rig.table.leases() == []
 
 
 def test_explicit_shm_across_hosts_is_refused_and_auto_uses_grpc(make_rig, monkeypatch):

@@ -35,19 +35,21 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("layout", "transport", "sender_host_id", "sender_device")
+    __slots__ = ("layout", "transport", "sender_host_id", "sender_device", "protocol_version")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SENDER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     transport: TransportKind
     sender_host_id: str
     sender_device: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., sender_host_id: _Optional[str] = ..., sender_device: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., sender_host_id: _Optional[str] = ..., sender_device: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("transport", "receiver_host_id", "receiver_device", "num_blocks", "layout_fingerprint", "max_chunk_bytes", "shm", "cuda_ipc", "receiver_instance", "local_control_path")
+    __slots__ = ("transport", "receiver_host_id", "receiver_device", "num_blocks", "layout_fingerprint", "max_chunk_bytes", "shm", "cuda_ipc", "receiver_instance", "local_control_path", "protocol_version")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class HandshakeResponse(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CONTROL_PATH_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     transport: TransportKind
     receiver_host_id: str
     receiver_device: str
@@ -68,7 +71,8 @@ class HandshakeResponse(_message.Message):
     cuda_ipc: CudaIpcHandle
     receiver_instance: str
     local_control_path: str
-    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., receiver_host_id: _Optional[str] = ..., receiver_device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., receiver_instance: _Optional[str] = ..., local_control_path: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., receiver_host_id: _Optional[str] = ..., receiver_device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., receiver_instance: _Optional[str] = ..., local_control_path: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class ShmPool(_message.Message):
     __slots__ = ("path", "size_bytes", "st_dev", "st_ino")
