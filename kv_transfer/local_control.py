@@ -21,10 +21,11 @@ thread while a session's connection waits for a reply.
 The commit runs on the connection's thread, never on the gRPC event loop, so a long check
 delays only its own sender. A receiver serves at most MAX_CONNECTIONS connections at once (a
 thread each); one more is refused with RESOURCE_EXHAUSTED in place of the hello's answer, and
-that sender's session keeps its control on gRPC (one_sided.py). Where the socket cannot be reached (no shared /dev/shm, a receiver
-without one), connect() logs why and the control stays on gRPC. The socket file is 0600, like
-the shm pool: both workers run as one user. A file left by a killed receiver is unlinked by the
-next server started on the host (connecting to it is refused).
+that sender's session keeps its control on gRPC (one_sided.py). Where the socket cannot be
+reached (no shared /dev/shm, a receiver without one), connect() logs why and the control stays
+on gRPC. The socket file is 0600, like the shm pool: both workers run as one user. A file left
+by a killed receiver is unlinked by the next server started on the host (connecting to it is
+refused).
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ different paths, decided by position (decodes come first in every step, see atte
 A token takes the same path whatever else shares its step, so batched output equals
 one-at-a-time output. Weights come from the GGUF's own blocks where the file has them: 4-bit
 (Q4_0, Q4_1, Q4_K) or the q8 family (every other type: int8 integers with the file's scales,
-see gguf_q8.py); any other matrix (safetensors models) is requantized to int8
-per 32. With int8 activations (the default) the lm_head (a tied Q8_0 embedding in both pulled
-models) is requantized to 4 bits per 32 (lm_head_screen): it only picks candidates, see below. The matmul
-modules live in decode_matmuls.py.
+see gguf_q8.py); any other matrix (safetensors models) is requantized to int8 per 32. With
+int8 activations (the default) the lm_head (a tied Q8_0 embedding in both pulled models) is
+requantized to 4 bits per 32 (lm_head_screen): it only picks candidates, see below. The
+matmul modules live in decode_matmuls.py.
 
 Two implementations:
 - **Native** (`kernels/csrc/`, used when kernels.native.load() succeeds: a C
@@ -310,8 +310,8 @@ def quantize_for_decode(
     q4: Hugging Face-named 4-bit weights from the GGUF (see GGUFFile.q4_weights); a fused
     projection uses them when all of its parts are 4-bit.
     q8: Hugging Face-named q8-family weights from the GGUF (GGUFFile.q8_weights: Q8_0, Q5_0,
-    Q5_1, Q5_K, Q6_K, Q3_K, Q2_K and the IQ types); a fused projection whose parts are all q4 or q8 weights, not all q4,
-    is one q8-family matrix of their own integers and scales, exactly the file's values (the
+    Q5_1, Q5_K, Q6_K, Q3_K, Q2_K and the IQ types); a fused projection whose parts are all
+    q4 or q8 weights, not all q4, is one q8-family matrix of their own integers and scales, exactly the file's values (the
     native kernels only). One that mixes them with float parts keeps its dense weight, since a
     shared requantization would not be exact.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).

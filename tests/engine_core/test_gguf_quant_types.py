@@ -223,9 +223,9 @@ def test_k_quants_and_iq_types_decode_in_c(qtype, tmp_path):
                          ids=lambda q: q.name)
 def test_low_bit_types_on_the_cpu_defaults(qtype, tmp_path):
     """The types below 4 bits (most of a Q3_K_M, Q2_K, IQ3_XXS or IQ2_XXS file) on the
-    defaults users get: bf16, int8 decode activations where the CPU has VNNI. Every projection and the layers' one C call take
-    the file's integers, and each projection's decode rows stay within int8 activations'
-    error of the dense weight's product."""
+    defaults users get: bf16, int8 decode activations where the CPU has VNNI. Every
+    projection and the layers' one C call take the file's integers, and each projection's
+    decode rows stay within int8 activations' error of the dense weight's product."""
     from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ8Matmul
     from kernels import native
 
