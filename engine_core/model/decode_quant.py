@@ -311,9 +311,9 @@ def quantize_for_decode(
     projection uses them when all of its parts are 4-bit.
     q8: Hugging Face-named q8-family weights from the GGUF (GGUFFile.q8_weights: Q8_0, Q5_0,
     Q5_1, Q5_K, Q6_K, Q3_K, Q2_K and the IQ types); a fused projection whose parts are all
-    q4 or q8 weights, not all q4, is one q8-family matrix of their own integers and scales, exactly the file's values (the
-    native kernels only). One that mixes them with float parts keeps its dense weight, since a
-    shared requantization would not be exact.
+    q4 or q8 weights, not all q4, is one q8-family matrix of their own integers and scales,
+    exactly the file's values (the native kernels only). One that mixes them with float parts
+    keeps its dense weight, since a shared requantization would not be exact.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
     Float weights (safetensors, F16/BF16/F32 tensors) are requantized to int8 per 32.
     lm_head_screen: "int4" (the native kernels): the lm_head, unless the file has it in 4 bits
