@@ -133,7 +133,7 @@ class OneSidedSendSession(SendSession):
             except TransferError as e:
                 if e.code != "RESOURCE_EXHAUSTED":
                     raise
-                self._local = None  # this session only: the next one tries again
+                self._local = None  # this transfer only: the next one tries the socket again
         return self._channel
 
     def _finish(self) -> None:
