@@ -13,7 +13,9 @@ from engine_core.model.rope import inv_frequencies, served_positions
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# the gated MLP's act(gate, up): silu(gate) * up, gelu_tanh(gate) * up, or GPT-OSS's clamped
+# SwiGLU (feed_forward.GLUS)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -69,11 +71,17 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2-style bias on q/k/v projections
+    o_bias: bool = False  # a bias on the attention's output projection (GPT-OSS)
+    # a learned logit per query head beside every softmax's scores, with no value (GPT-OSS)
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     architecture: str = "llama"  # a name in model/architectures.py
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before rope
-    hidden_act: str = "silu"  # the gated MLP's activation
+    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    # swiglu_oai's: gate * sigmoid(alpha * gate) * (up + 1), gate and up clamped by limit
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # keys a token attends to: the last sliding_window positions (itself included) on the
     # layers that slide, all of them elsewhere; None: every layer is global
     sliding_window: int | None = None
@@ -112,6 +120,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] | None = None
+    router_bias: bool = False  # the router's logits have a bias (GPT-OSS)
+    expert_bias: bool = False  # each expert's gate, up and down projections have biases
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -250,11 +260,16 @@ class ModelConfig:
                                                      scaling or None),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch.qkv_bias if bias is None else bool(bias),
+            o_bias=arch.o_bias,
+            attention_sinks=arch.attention_sinks,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch.name,
             qk_norm=arch.qk_norm,
-            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or arch.activation,
+            hidden_act=((cfg.get("hidden_act") or cfg.get("hidden_activation"))
+                        if arch.activation_from_config else None) or arch.activation,
+            swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
+            swiglu_limit=float(cfg.get("swiglu_limit") or 7.0),
             sliding_window=window,
             sliding_layers=sliding if window else None,
             local_rope_theta=local_theta,
@@ -291,7 +306,8 @@ def _hf_experts(cfg: dict[str, Any], arch: architectures.Architecture,
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", arch.moe_norm_topk)),
                 shared_expert_intermediate_size=int(
                     cfg.get("shared_expert_intermediate_size") or 0),
-                moe_layers=None if all(layers) else layers)
+                moe_layers=None if all(layers) else layers,
+                router_bias=arch.moe_biases, expert_bias=arch.moe_biases)
 
 
 @dataclass(frozen=True)

@@ -133,12 +133,14 @@ def _gather_bytes(kv_layer: torch.Tensor, max_len: int) -> int:
 
 
 def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, attn_mask: torch.Tensor,
-           scale: float, enable_gqa: bool = False,
-           softcap: float | None = None) -> torch.Tensor:
-    """SDPA over [..., heads, rows, D] with a boolean mask; with a soft cap (Gemma 2: each
-    scaled score becomes softcap * tanh(score / softcap) before the mask and softmax), which
-    SDPA cannot apply, the same math written out in float32."""
-    if softcap is None:
+           scale: float, enable_gqa: bool = False, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over [..., heads, rows, D] with a boolean mask. With a soft cap (Gemma 2: each
+    scaled score becomes softcap * tanh(score / softcap) before the mask and softmax) or
+    sinks (GPT-OSS: a logit per query head that joins each softmax's denominator and has no
+    value; shaped to broadcast against the scores' [..., heads, rows, 1]), which SDPA cannot
+    apply, the same math written out in float32."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, key, value, attn_mask=attn_mask, scale=scale,
                                               enable_gqa=enable_gqa)
     if enable_gqa:  # query head h reads KV head h // group, as SDPA's enable_gqa does
@@ -146,9 +148,14 @@ def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, attn_mask
         key = key.repeat_interleave(group, dim=-3)
         value = value.repeat_interleave(group, dim=-3)
     scores = (q.float() @ key.float().transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ value.float()).to(q.dtype)
+    if sinks is None:
+        return (scores.softmax(dim=-1) @ value.float()).to(q.dtype)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ value.float()).to(q.dtype)
 
 
 def paged_decode_attention_torch(
@@ -160,6 +167,7 @@ def paged_decode_attention_torch(
     step_cache: dict | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch path of `kernels.paged_decode_attention` (see `_decode` for the method).
 
@@ -176,12 +184,12 @@ def paged_decode_attention_torch(
             step_cache["decode_chunks"] = chunks
     if len(chunks) == 1:
         return _decode(query, kv_layer, block_tables, context_lens, scale, step_cache, 0, window,
-                       softcap)
+                       softcap, sinks)
     out = torch.empty_like(query)  # [num_seqs, num_q_heads, head_dim]
     for start, end in chunks:
         out[start:end] = _decode(
             query[start:end], kv_layer, block_tables[start:end], context_lens[start:end], scale,
-            step_cache, start, window, softcap,
+            step_cache, start, window, softcap, sinks,
         )
     return out
 
@@ -196,6 +204,7 @@ def _decode(
     group_start: int = 0,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of a group of sequences, batch invariant: a sequence's output is bit
     for bit the same whatever else shares the step (continuous batching must not change a
@@ -222,12 +231,14 @@ def _decode(
         if step_cache is not None:
             step_cache[key] = plan
     q = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, H, group, D]
+    if sinks is not None:  # query head h * group + g is row g of KV head h
+        sinks = sinks.reshape(num_kv_heads, group, 1)
     out = q if len(plan) == 1 else torch.empty_like(q)
     for padded, index, tables, lens, mask in plan:
         key, value = gather_kv(kv_layer, tables, lens, padded, step_cache,
                                ("decode_rows", group_start, padded))  # [s, H, L, D] each
         part = attend(q if index is None else q[index], key, value, attn_mask=mask,
-                      scale=scale, softcap=softcap)
+                      scale=scale, softcap=softcap, sinks=sinks)
         if index is None:
             out = part
         else:
@@ -266,6 +277,7 @@ def paged_prefill_attention_torch(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch path of `kernels.paged_prefill_attention` (see `_prefill` for the method)."""
     check_prefill_args(query, kv_layer, block_tables, query_start_loc, seq_lens, scale)
@@ -275,7 +287,7 @@ def paged_prefill_attention_torch(
     chunks = sequence_chunks(num_seqs, _gather_bytes(kv_layer, int(seq_lens.max())))
     if len(chunks) == 1:
         return _prefill(query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window,
-                        softcap)
+                        softcap, sinks)
     out = torch.empty_like(query)  # [num_tokens, num_q_heads, head_dim]
     token_starts = query_start_loc.tolist()  # a chunk's tokens are contiguous in query
     for start, end in chunks:
@@ -289,6 +301,7 @@ def paged_prefill_attention_torch(
             scale,
             window,
             softcap,
+            sinks,
         )
     return out
 
@@ -302,6 +315,7 @@ def _prefill(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill attention of a group of sequences with one gather and one SDPA.
 
@@ -328,7 +342,7 @@ def _prefill(
     q = q.transpose(1, 2)  # [S, num_q_heads, max_q_len, D]
 
     is_gqa = num_q_heads != kv_layer.shape[3]
-    if window is None and softcap is None and not bool(prefix_lens.any()):
+    if window is None and softcap is None and sinks is None and not bool(prefix_lens.any()):
         out = F.scaled_dot_product_attention(
             q, key, value, is_causal=True, scale=scale, enable_gqa=is_gqa
         )
@@ -339,7 +353,7 @@ def _prefill(
         if window is not None:
             mask &= key_positions > query_positions[:, :, None] - window
         out = attend(q, key, value, attn_mask=mask[:, None], scale=scale, enable_gqa=is_gqa,
-                     softcap=softcap)
+                     softcap=softcap, sinks=None if sinks is None else sinks[:, None, None])
     out = out.transpose(1, 2)  # [S, max_q_len, num_q_heads, D]
     if num_seqs == 1:
         return out[0].contiguous()  # [T, num_q_heads, D]

@@ -11,6 +11,8 @@ table (positions may span several cache blocks per tile, so any BLOCK_SIZE works
 
 with an online softmax (running max m, running sum l, fp32 accumulator). A sliding window
 starts the walk at position context_len - window (NO_WINDOW reaches back past position 0).
+Attention sinks (GPT-OSS) start the softmax at m = sink, l = 1: a term exp(sink) in the
+denominator with nothing added to the output.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def _paged_decode_kernel(
     kv_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    sinks_ptr,
     scale,
     window,
     softcap,
@@ -66,6 +69,7 @@ def _paged_decode_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -91,6 +95,10 @@ def _paged_decode_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS:  # each head's sink starts split 0's softmax: a term exp(sink) with no value
+        sink = tl.load(sinks_ptr + q_heads, mask=mask_g, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq * stride_table_seq
     lo = tl.maximum(context_len - window, 0)  # the first position in the window
@@ -179,6 +187,7 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     max_context_len: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -188,7 +197,8 @@ def paged_decode_attention_triton(
     A window starts the walk at the context's last `window` positions. `num_splits`: chunks
     each context is split into, one program each (None: `num_context_splits` of the shapes,
     device and `max_context_len`, a host-side bound on context_lens, or None; 1: no split, no
-    scratch, no combine)."""
+    scratch, no combine). `sinks`: [num_q_heads] float32 (GPT-OSS), folded into split 0's
+    softmax, so the combine counts each once."""
     check_decode_args(query, kv_layer, block_tables, context_lens, scale)
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
@@ -215,6 +225,7 @@ def paged_decode_attention_triton(
         kv_layer,
         block_tables,
         context_lens,
+        context_lens if sinks is None else sinks,
         float(scale),
         NO_WINDOW if window is None else int(window),
         float(softcap or 0.0),
@@ -234,6 +245,7 @@ def paged_decode_attention_triton(
         COMPUTE_DTYPE=tile_dtype,
         DOT_PRECISION=precision,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
            if v is not None},
     )

@@ -57,6 +57,7 @@ def paged_decode_attention(
     *,
     max_context_len: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached K/V (its own K/V included).
 
@@ -69,16 +70,18 @@ def paged_decode_attention(
     max_context_len: a host-side bound on context_lens (None: unknown), with which the Triton
     kernel splits short contexts less (kernels/decode_split.py); a bound, so a CUDA graph may
     be captured with a larger one than its replays see. softcap: each scaled score becomes
-    softcap * tanh(score / softcap) before the softmax (Gemma 2; None: no cap).
+    softcap * tanh(score / softcap) before the softmax (Gemma 2; None: no cap). sinks:
+    [num_q_heads] float32 logits, each head's attention sink (GPT-OSS): exp(sink) joins the
+    softmax's denominator, with no value (None: no sinks).
     """
     if select_backend(query.device) == "triton":
         from kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(query, kv_layer, block_tables, context_lens, scale,
                                              window, max_context_len=max_context_len,
-                                             softcap=softcap)
+                                             softcap=softcap, sinks=sinks)
     return cpu_attention.paged_decode_attention_torch(
-        query, kv_layer, block_tables, context_lens, scale, step_cache, window, softcap
+        query, kv_layer, block_tables, context_lens, scale, step_cache, window, softcap, sinks
     )
 
 
@@ -93,6 +96,7 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens over a cached prefix (all K/V already stored).
 
@@ -103,16 +107,16 @@ def paged_prefill_attention(
     seq_lens[s] - q_len + i and attends to positions 0..that position, or with a `window`
     to the last `window` of them (position - window < key position <= position). Returns
     [num_tokens, num_q_heads, head_dim] in query's dtype. max_query_len: the longest q_len,
-    known on the host (None: the Triton path reads it from the device, a sync). softcap: as in
-    `paged_decode_attention`.
+    known on the host (None: the Triton path reads it from the device, a sync). softcap and
+    sinks: as in `paged_decode_attention`.
     """
     if select_backend(query.device) == "triton":
         from kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window,
-            max_query_len=max_query_len, softcap=softcap,
+            max_query_len=max_query_len, softcap=softcap, sinks=sinks,
         )
     return cpu_attention.paged_prefill_attention_torch(
-        query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window, softcap
+        query, kv_layer, block_tables, query_start_loc, seq_lens, scale, window, softcap, sinks
     )

@@ -65,14 +65,15 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_q4_matmul": ([_p, _i64, _i64, _p, _p, _p, _i64, _p, _int], _int),
     "pd_q8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int),
     "pd_row_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _p,
-                          _int, _f32, _p, _i64, _int, _i64, _f32], _int),
+                          _int, _f32, _p, _i64, _int, _i64, _f32, _p], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
     "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _p,
                           _i64,
                           _int, _p, _p, _i64, _p, _int, _f32, _i64, _p, _p, _int], _int),
-    "pd_moe_experts": ([_p, _i64, _i64, _p, _p, _int, _i64, _int, _p, _p, _p, _p, _int], _int),
+    "pd_moe_experts": ([_p, _i64, _i64, _p, _p, _int, _i64, _int, _f32, _f32, _p, _p, _p, _p,
+                        _int], _int),
 }
 VNNI_SIGNATURES = {"pd_i8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int)}
 
@@ -242,6 +243,7 @@ def row_attention(
     table_of_row: torch.Tensor | None = None,  # [S] int32: each row's block table
     window: int | None = None,  # a sliding window: each row's last `window` positions
     softcap: float | None = None,  # scores capped to softcap * tanh(s / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [Hq] float32 contiguous: attention sinks (GPT-OSS)
 ) -> torch.Tensor:  # [S, Hq * D] float32
     """Rotary embedding, K/V store and attention of S query rows in one call, each over its
     own context (see pd_row_attention in csrc/attention.c): decode rows, a token and its
@@ -257,10 +259,12 @@ def row_attention(
             or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
             or (table_of_row is not None and (table_of_row.dtype != torch.int32
                                               or not table_of_row.is_contiguous()))
-            or head_dim % 8 or head_dim > 256 or num_heads % num_kv_heads):
+            or head_dim % 8 or head_dim > 256 or num_heads % num_kv_heads
+            or (sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
+                                       or tuple(sinks.shape) != (num_heads,)))):
         raise ValueError("row_attention: float32/int64/int32 contiguous inputs, a float32 or "
                          "bfloat16 cache, head_dim a multiple of 8 up to 256, query heads a "
-                         "multiple of KV heads")
+                         "multiple of KV heads, sinks float32 [num_heads]")
     if max_len <= 0:  # the caller did not know it
         max_len = int(context_lens.max())
     out = torch.empty((num_rows, num_heads * head_dim), dtype=torch.float32)
@@ -270,7 +274,8 @@ def row_attention(
         block_tables.data_ptr(), block_tables.stride(0),
         None if table_of_row is None else table_of_row.data_ptr(), context_lens.data_ptr(),
         kv_layer.shape[2], scale,
-        out.data_ptr(), max_len, torch.get_num_threads(), window or 0, softcap or 0.0))
+        out.data_ptr(), max_len, torch.get_num_threads(), window or 0, softcap or 0.0,
+        None if sinks is None else sinks.data_ptr()))
     return out
 
 
@@ -313,7 +318,7 @@ def moe_experts(
     gate_up,  # ctypes array of Matrix, one per expert: [2 * intermediate, H]
     down,  # ctypes array of Matrix, one per expert: [H, intermediate]
     intermediate: int,
-    gelu: bool,
+    act: tuple[int, float, float],  # the activation (ACT_*), its alpha and limit: Activation
     counts: torch.Tensor,  # [experts] int64: pairs per expert
     rows: torch.Tensor,  # [pairs] int64: each pair's row, grouped by expert
     weights: torch.Tensor,  # [pairs] float32: each pair's routing weight
@@ -322,7 +327,7 @@ def moe_experts(
     """The routed experts on decode rows in one call (pd_moe_experts)."""
     check(lib.pd_moe_experts(
         x.data_ptr(), x.shape[0], x.shape[1], ctypes.addressof(gate_up), ctypes.addressof(down),
-        len(gate_up), intermediate, int(gelu), counts.data_ptr(), rows.data_ptr(),
+        len(gate_up), intermediate, *act, counts.data_ptr(), rows.data_ptr(),
         weights.data_ptr(), out.data_ptr(), torch.get_num_threads()))
     return out
 

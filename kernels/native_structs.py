@@ -30,18 +30,21 @@ class Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", Matrix), ("o", Matrix),
                 ("gate_up", Matrix), ("down", Matrix), ("window", ctypes.c_int64),
                 ("q_norm", _p), ("k_norm", _p), ("attn_out_norm", _p), ("mlp_out_norm", _p),
-                ("gelu", ctypes.c_int32), ("local_rope", ctypes.c_int32),
-                ("softcap", ctypes.c_float), ("moe", _p)]
+                ("act", ctypes.c_int32), ("local_rope", ctypes.c_int32),
+                ("softcap", ctypes.c_float), ("act_alpha", ctypes.c_float),
+                ("act_limit", ctypes.c_float), ("sinks", _p), ("moe", _p)]
 
 
 class Moe(ctypes.Structure):
-    """pd_moe: a mixture of experts' MLP (a float32 router, the experts' Matrix arrays, an
-    optional shared expert and its float32 gate vector), pointed to by a Layer's `moe`."""
+    """pd_moe: a mixture of experts' MLP (a float32 router and its optional bias, the experts'
+    Matrix arrays, an optional shared expert and its float32 gate vector), pointed to by a
+    Layer's `moe`."""
 
     _fields_ = [("router", _p), ("num_experts", ctypes.c_int32), ("top_k", ctypes.c_int32),
                 ("norm_topk", ctypes.c_int32), ("reserved", ctypes.c_int32), ("width", _i64),
                 ("gate_up", _p), ("down", _p), ("shared_width", _i64),
-                ("shared_gate_up", Matrix), ("shared_down", Matrix), ("shared_gate", _p)]
+                ("shared_gate_up", Matrix), ("shared_down", Matrix), ("shared_gate", _p),
+                ("router_bias", _p)]
 
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {"pd_matrix": Matrix, "pd_layer": Layer,

@@ -30,6 +30,7 @@ def _paged_prefill_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     scale,
     window,
     softcap,
@@ -55,6 +56,7 @@ def _paged_prefill_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -86,6 +88,9 @@ def _paged_prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:  # the head's sink starts the softmax: a term exp(sink) with no value (GPT-OSS)
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq * stride_table_seq
     kv_end = tl.minimum(seq_len, prefix_len + m_start + BLOCK_M)  # last visible position + 1
@@ -144,13 +149,14 @@ def paged_prefill_attention_triton(
     *,
     max_query_len: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
     """Triton path of `kernels.paged_prefill_attention`; `block_m`/`block_n` are the tiles.
 
     The grid is sized by max(q_len): `max_query_len` where the caller knows it on the host,
-    else read from the device (one sync per call).
+    else read from the device (one sync per call). `sinks`: [num_q_heads] float32 (GPT-OSS).
     """
     check_prefill_args(query, kv_layer, block_tables, query_start_loc, seq_lens, scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -170,6 +176,7 @@ def paged_prefill_attention_triton(
         block_tables,
         query_start_loc,
         seq_lens,
+        seq_lens if sinks is None else sinks,
         float(scale),
         NO_WINDOW if window is None else int(window),
         float(softcap or 0.0),
@@ -186,5 +193,6 @@ def paged_prefill_attention_triton(
         COMPUTE_DTYPE=tile_dtype,
         DOT_PRECISION=precision,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
     )
     return out

@@ -43,9 +43,12 @@ def attention_ref(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence in fp32 (with a window: over the last `window`
-    positions up to the query's own; with a soft cap, scores softcap * tanh(s / softcap)).
+    positions up to the query's own; with a soft cap, scores softcap * tanh(s / softcap);
+    with sinks, [num_q_heads] logits, each head's softmax over its scores and its sink, whose
+    probability is dropped: GPT-OSS's attention sinks).
 
     query: [q_len, num_q_heads, head_dim]; key, value: [kv_len, num_kv_heads, head_dim];
     query_positions: [q_len] absolute positions; query i attends to keys 0..query_positions[i].
@@ -62,7 +65,11 @@ def attention_ref(
     if window is not None:
         allowed &= kv_positions[None, :] > query_positions[:, None] - window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(*scores.shape[:2], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, v)  # [q_len, num_q_heads, head_dim]
     return out.to(query.dtype)
 
@@ -75,6 +82,7 @@ def paged_decode_attention_ref(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its context_lens[s] cached tokens."""
     out = torch.empty_like(query)
@@ -83,7 +91,7 @@ def paged_decode_attention_ref(
         key, value = gather_seq_kv_ref(kv_layer, block_tables[s], context_len)
         position = torch.tensor([context_len - 1])
         out[s] = attention_ref(query[s : s + 1], key, value, position, scale, window,
-                               softcap)[0]
+                               softcap, sinks)[0]
     return out
 
 
@@ -96,6 +104,7 @@ def paged_prefill_attention_ref(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal prefill over a cached prefix (see kernels.paged_prefill_attention)."""
     out = torch.empty_like(query)
@@ -105,5 +114,5 @@ def paged_prefill_attention_ref(
         key, value = gather_seq_kv_ref(kv_layer, block_tables[s], seq_len)
         positions = torch.arange(seq_len - (end - start), seq_len)
         out[start:end] = attention_ref(query[start:end], key, value, positions, scale, window,
-                                       softcap)
+                                       softcap, sinks)
     return out

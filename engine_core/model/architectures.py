@@ -34,6 +34,11 @@ llama.cpp writes them as `granite.embedding_scale`, `.attention.scale`, `.residu
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
 ones, Qwen3-MoE Qwen3's. llama.cpp writes Mixtral as `llama` with an expert count.
+
+GPT-OSS is Qwen2's layer with routed experts and four additions: a learned attention sink per
+head (the softmax of every query head has exp(sink) beside its scores, with no value), biases
+on o_proj, the router and the experts, and a clamped SwiGLU,
+gate * sigmoid(1.702 gate) * (up + 1) with gate <= 7 and |up| <= 7.
 """
 
 from __future__ import annotations
@@ -77,6 +82,18 @@ class Architecture:
     # weights are renormalized to sum to 1, where the config does not say (`norm_topk_prob`)
     # and in a GGUF (llama.cpp fixes it per architecture)
     moe_norm_topk: bool = True
+    # GPT-OSS: attention sinks (a learned logit per head in each softmax), a bias on o_proj,
+    # on the router and on every expert's projections, and its own clamped SwiGLU whatever
+    # the config's hidden_act says; its checkpoint holds each layer's experts as 3-D tensors,
+    # gate and up interleaved (feed_forward.split_fused_experts)
+    attention_sinks: bool = False
+    o_bias: bool = False
+    moe_biases: bool = False
+    activation_from_config: bool = True
+    fused_experts: bool = False
+    # YaRN's ramp between whole dimensions (transformers' `truncate`, llama.cpp's only way);
+    # GPT-OSS was trained without the rounding, which its GGUF does not record
+    yarn_truncate: bool = True
 
 
 # Gemma's four norms per layer, as llama.cpp names them
@@ -120,6 +137,20 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  sliding_window=True, moe_norm_topk=False),
     Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qk_norm=True,
                  sliding_window=True),
+    # GPT-OSS: every other layer windowed (its config's layer_types; a GGUF's fixed pattern
+    # starts windowed), YaRN rope, 4 of 32 or 128 experts per token
+    Architecture("gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), qkv_bias=True,
+                 sliding_window=True, activation="swiglu_oai", global_every=2,
+                 attention_sinks=True, o_bias=True, moe_biases=True,
+                 activation_from_config=False, fused_experts=True, yarn_truncate=False,
+                 gguf_layer_names=(
+                     ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+                     ("attn_sinks.weight", "self_attn.sinks"),
+                     ("attn_output.bias", "self_attn.o_proj.bias"),
+                     ("ffn_gate_inp.bias", "mlp.gate.bias"),
+                     ("ffn_gate_exps.bias", "mlp.experts.{}.gate_proj.bias"),
+                     ("ffn_up_exps.bias", "mlp.experts.{}.up_proj.bias"),
+                     ("ffn_down_exps.bias", "mlp.experts.{}.down_proj.bias"))),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 

@@ -76,18 +76,20 @@ def paged_attention(
     skip_decodes: int = 0,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """skip_decodes: the step's decode rows were done elsewhere (the native CPU kernel) and
     q/k/v are its prefill rows only; 0 or meta.num_decode_tokens.
     window: each token attends to the last `window` positions, itself included (None: all).
-    softcap: scores capped to softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    softcap: scores capped to softcap * tanh(score / softcap) before the softmax (Gemma 2).
+    sinks: [num_heads] float32, each head's sink logit in its softmax (GPT-OSS; None: none)."""
     if skip_decodes:
         cache = meta.kernel_cache.setdefault("prefill_rows", {})
         kernels.store_kv(k, v, kv_layer, meta.slot_mapping[skip_decodes:], cache)
         return kernels.paged_prefill_attention(
             q, kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
             meta.prefill_seq_lens, scale, window, max_query_len=meta.prefill_max_query_len,
-            softcap=softcap,
+            softcap=softcap, sinks=sinks,
         )
     kernels.store_kv(k, v, kv_layer, meta.slot_mapping, meta.kernel_cache)
     nd = meta.num_decode_tokens
@@ -95,18 +97,18 @@ def paged_attention(
         return kernels.paged_decode_attention(
             q, kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
             meta.kernel_cache, window, max_context_len=meta.decode_max_len or None,
-            softcap=softcap,
+            softcap=softcap, sinks=sinks,
         )
     prefill_out = kernels.paged_prefill_attention(
         q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
         meta.prefill_seq_lens, scale, window, max_query_len=meta.prefill_max_query_len,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )
     if nd == 0:
         return prefill_out
     decode_out = kernels.paged_decode_attention(
         q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
         meta.kernel_cache, window, max_context_len=meta.decode_max_len or None,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )
     return torch.cat([decode_out, prefill_out], dim=0)

@@ -4,6 +4,8 @@ the requantizations that give a float weight one of those forms."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -12,6 +14,8 @@ from engine_core.weights.gguf_q8 import Q8Weight
 from kernels import native
 
 ACT_DTYPE = torch.bfloat16
+# config.ACTIVATIONS as the C kernels number them (cpu_kernels.h's ACT_*)
+ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "swiglu_oai": 2}
 
 
 class Int4Matmul(nn.Module):
@@ -118,6 +122,18 @@ class NativeQ8Matmul(_NativeMatmul):
         self._weights = (self.qs.data_ptr(), self.d.data_ptr(),
                          None if self.c is None else self.c.data_ptr())
 
+
+def c_matrices(linears: list[nn.Module]) -> ctypes.Array:
+    """The C kernels' Matrix array of projections whose decode rows multiply in them (each a
+    DecodeQuantLinear of a _NativeMatmul): their biases as float32 copies the matmuls keep
+    alive, or NULL."""
+    out = []
+    for linear in linears:
+        bias = linear.dense.bias
+        if bias is not None:
+            linear.quant.bias32 = bias = bias.detach().float().contiguous()
+        out.append(linear.quant.matrix(bias))
+    return (native.Matrix * len(out))(*out)
 
 
 def requantize_int8(weight: torch.Tensor, d: torch.Tensor | None = None) -> Q8Weight:

@@ -56,11 +56,13 @@ import torch
 from torch import nn
 
 from engine_core.model.decode_matmuls import (  # noqa: F401 (the matmuls' names, kept here)
+    ACT_CODES,
     ACT_DTYPE,
     Int4Matmul,
     Int8Matmul,
     NativeQ4Matmul,
     NativeQ8Matmul,
+    c_matrices,
     requantize_int4,
     requantize_int8,
 )
@@ -168,16 +170,20 @@ class NativeDecodeLayers:
         def norm(module) -> int | None:  # a norm's float32 weight (offset included at load)
             return None if module is None else f32(module.weight).data_ptr()
 
+        def ptr(t: torch.Tensor | None) -> int | None:  # a float32 copy's address, or NULL
+            return None if t is None else f32(t).data_ptr()
+
         def moe(mlp: SparseMoE) -> native.Moe:  # the router and the shared gate in float32
             _, gate_up, down, _ = mlp.native
             shared = mlp.shared_expert
             return native.Moe(
-                f32(mlp.gate.weight).data_ptr(), len(mlp.experts), mlp.top_k,
+                ptr(mlp.gate.weight), len(mlp.experts), mlp.top_k,
                 int(mlp.norm_topk), 0, mlp.experts[0].intermediate, ctypes.addressof(gate_up),
                 ctypes.addressof(down), shared.intermediate if shared else 0,
                 matrix(shared.gate_up_proj) if shared else native.Matrix(),
                 matrix(shared.down_proj) if shared else native.Matrix(),
-                f32(mlp.shared_expert_gate.weight.reshape(-1)).data_ptr() if shared else None)
+                ptr(mlp.shared_expert_gate.weight.reshape(-1)) if shared else None,
+                ptr(mlp.gate.bias))
 
         layers = []
         self._moes = []  # the Moe structs the layers point to
@@ -199,8 +205,8 @@ class NativeDecodeLayers:
                 attn.window or 0, norm(attn.q_norm), norm(attn.k_norm),
                 norm(layer.post_attention_layernorm) if sandwich else None,
                 norm(layer.post_feedforward_layernorm) if sandwich else None,
-                int(cfg.hidden_act == "gelu_pytorch_tanh"),
-                int(attn.other_rope), cfg.attn_softcap or 0.0,
+                ACT_CODES[cfg.hidden_act], int(attn.other_rope), cfg.attn_softcap or 0.0,
+                cfg.swiglu_alpha, cfg.swiglu_limit, ptr(attn.sinks),
                 ctypes.addressof(self._moes[-1]) if experts else None))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = f32(model.norm.weight)
@@ -209,11 +215,11 @@ class NativeDecodeLayers:
     def applies(model: DecoderForCausalLM) -> bool:
         """Whether pd_decode_layers computes this model: Llama's layer (with or without q/k/v
         bias, q/k norm, a window per layer, routed experts with or without a shared one in
-        place of the MLP) or Gemma 3's (GeGLU, sandwich norms, a rope per kind of layer),
-        with every matmul quantized and attention in C on every layer; not Granite's scaled
-        residual branches."""
+        place of the MLP) or Gemma 3's (GeGLU, sandwich norms, a rope per kind of layer) or
+        GPT-OSS's (sinks, biases, its SwiGLU), with every matmul quantized and attention in C
+        on every layer; not Granite's scaled residual branches."""
         cfg = model.config
-        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.residual_multiplier != 1.0:
+        if cfg.residual_multiplier != 1.0:
             return False  # Granite's scaled branches: layer by layer
 
         def in_c(m: nn.Module, a: str) -> bool:
@@ -370,11 +376,10 @@ def quantize_for_decode(
         moe = layer.mlp
         if isinstance(moe, SparseMoE) and all(
                 in_c_kernels(m) for e in moe.experts for m in (e.gate_up_proj, e.down_proj)):
-            moe.native = (lib, (native.Matrix * len(moe.experts))(
-                *(e.gate_up_proj.quant.matrix(None) for e in moe.experts)),
-                (native.Matrix * len(moe.experts))(
-                *(e.down_proj.quant.matrix(None) for e in moe.experts)),
-                model.config.hidden_act == "gelu_pytorch_tanh")
+            cfg = model.config
+            moe.native = (lib, c_matrices([e.gate_up_proj for e in moe.experts]),
+                          c_matrices([e.down_proj for e in moe.experts]),
+                          (ACT_CODES[cfg.hidden_act], cfg.swiglu_alpha, cfg.swiglu_limit))
     # the layers in one C call need its attention: use_native_kernels (load_model) set it
     decode_layers = NativeDecodeLayers(model, lib) if NativeDecodeLayers.applies(model) else None
     matrices = [m for layer in model.layers

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.config import ModelConfig
+from engine_core.model import architectures
 from engine_core.model.attention import AttentionMetadata, paged_attention
-from engine_core.model.feed_forward import MLP, SparseMoE, moe_name
+from engine_core.model.feed_forward import MLP, SparseMoE, moe_name, split_fused_experts
 from engine_core.model.forward_context import current, use
 from engine_core.model.rope import (
     apply_rope,
@@ -74,10 +75,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.window = cfg.layer_window(layer)  # None: attends to every earlier position
         self.softcap = cfg.attn_softcap  # Gemma 2's cap on the attention scores; None: none
+        # GPT-OSS: each query head's sink logit joins its softmax's denominator; None: none
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
         # rotates with the model's other rope rows (DecoderForCausalLM.other_rope): Gemma 3's
         # local layers (their own base), SmolLM3's NoPE layers (no rotation)
         self.other_rope = ((cfg.local_rope_theta is not None and self.window is not None)
@@ -98,9 +101,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._norm_qk(qkv)
         nd = meta.num_decode_tokens
+        # float32 for the kernels (the parameter follows the model's dtype)
+        sinks = None if self.sinks is None else self.sinks.float().contiguous()
         if self.native is None or not kv_layer.is_contiguous():
             return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta,
-                                               nd if meta.decodes_done else 0))
+                                               nd if meta.decodes_done else 0, sinks))
         # rope, K/V store and attention in C (kernels/native.py), in float32 over a float32 or
         # bfloat16 cache: each row over its own context, decode rows and prefill rows alike
         # (one call for each kind). Rows here are the prefill rows only when decodes_done.
@@ -111,13 +116,13 @@ class Attention(nn.Module):
             parts.append(native.row_attention(
                 self.native, rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
                 meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
-                meta.decode_max_len, window=self.window, softcap=self.softcap,
+                meta.decode_max_len, window=self.window, softcap=self.softcap, sinks=sinks,
             ))
         if first < rows.shape[0]:
             parts.append(native.row_attention(
                 self.native, rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
                 meta.prefill_block_tables, meta.prefill_row_lens, self.num_heads, self.scale,
-                meta.prefill_max_len, meta.prefill_row_tables, self.window, self.softcap,
+                meta.prefill_max_len, meta.prefill_row_tables, self.window, self.softcap, sinks,
             ))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.to(qkv.dtype))
@@ -130,7 +135,8 @@ class Attention(nn.Module):
         k = self.k_norm(k.reshape(n * self.num_kv_heads, self.head_dim).contiguous())
         return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v], dim=-1)
 
-    def _attention(self, qkv, cos_sin, kv_layer, meta, skip_decodes: int) -> torch.Tensor:
+    def _attention(self, qkv, cos_sin, kv_layer, meta, skip_decodes: int,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
         """The torch path over rows skip_decodes.. of the step (all of them, or its prefills)."""
         n = qkv.shape[0]
         half = self.head_dim // 2
@@ -142,7 +148,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes, self.window,
-                              self.softcap)
+                              self.softcap, sinks)
         return out.reshape(n, self.q_size)  # [n, heads * head_dim]
 
 
@@ -306,6 +312,8 @@ class DecoderForCausalLM(nn.Module):
         parts_of = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),  # a checkpoint's fused matrix
                     "gate_up_proj": ("gate_proj", "up_proj")}  # (Phi-3) counts as its parts
         loaded: set[str] = set()
+        if architectures.BY_NAME[cfg.architecture].fused_experts:  # GPT-OSS: one per expert
+            weights = split_fused_experts(weights)
         for name, w in itertools.chain(((n, None) for n in absent), weights):
             name = moe_name(name.removeprefix("model."))
             if "rotary_emb" in name:
@@ -347,9 +355,11 @@ class DecoderForCausalLM(nn.Module):
         # per layer: 2 norms, q, k, v, o (+ q, k, v biases) (+ q, k norms) (+ Gemma's pre-
         # and post-feedforward norms); the MLP's gate, up, down, or the experts': a router,
         # gate, up and down per expert (+ a shared expert's three and its gate)
+        # (+ o's bias and the sinks) (+ the router's bias and each expert's three biases)
         per_layer = (6 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
-                     + (2 if cfg.sandwich_norms else 0))
-        moe = 1 + 3 * cfg.num_experts + (4 if cfg.shared_expert_intermediate_size else 0)
+                     + (2 if cfg.sandwich_norms else 0) + cfg.o_bias + cfg.attention_sinks)
+        moe = (1 + cfg.router_bias + 3 * cfg.num_experts * (2 if cfg.expert_bias else 1)
+               + (4 if cfg.shared_expert_intermediate_size else 0))
         expected = (sum(per_layer + (moe if cfg.layer_is_moe(i) else 3)
                         for i in range(cfg.num_layers))
                     + 2 + (0 if cfg.tie_word_embeddings else 1))

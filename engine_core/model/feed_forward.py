@@ -1,10 +1,12 @@
 """The decoder's feed-forward blocks: the gated MLP, and routed experts in its place for the
-mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), with the checkpoint names of Mixtral's.
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS), with the checkpoint names of
+Mixtral's and GPT-OSS's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -14,25 +16,39 @@ from engine_core.config import ModelConfig
 from engine_core.model.forward_context import current, use
 from kernels import native
 
-ACTIVATIONS = {  # config.ACTIVATIONS names the same set
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float,
+               limit: float) -> torch.Tensor:
+    """GPT-OSS's gated unit: gate * sigmoid(alpha * gate) * (up + 1), gate clamped to at most
+    `limit` and up to [-limit, limit]."""
+    gate = gate.clamp(max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up.clamp(-limit, limit) + 1)
+
+
+def glu(cfg: ModelConfig):
+    """The config's act(gate, up) (config.ACTIVATIONS)."""
+    if cfg.hidden_act == "swiglu_oai":
+        alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        return lambda gate, up: swiglu_oai(gate, up, alpha, limit)
+    if cfg.hidden_act == "gelu_pytorch_tanh":
+        return lambda gate, up: F.gelu(gate, approximate="tanh") * up
+    return lambda gate, up: F.silu(gate) * up
 
 
 class MLP(nn.Module):
-    """The gated MLP, `width` wide (default: the config's intermediate_size)."""
+    """The gated MLP, `width` wide (default: the config's intermediate_size), with biases on
+    its projections where `bias` (GPT-OSS's experts)."""
 
-    def __init__(self, cfg: ModelConfig, width: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, width: int | None = None, bias: bool = False) -> None:
         super().__init__()
         self.intermediate = width or cfg.intermediate_size
-        self.act = ACTIVATIONS[cfg.hidden_act]
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
+        self.glu = glu(cfg)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.glu(gate, up))
 
 
 class SparseMoE(nn.Module):
@@ -50,13 +66,13 @@ class SparseMoE(nn.Module):
     where every layer is in C, pd_decode_layers computes the whole MLP of the decode rows
     (router included) and this forward sees prefill rows only."""
 
-    native = None  # (lib, gate_up Matrix array, down Matrix array, gelu): see decode_quant
+    native = None  # (lib, gate_up Matrix array, down Matrix array, act): see decode_quant
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size, cfg.expert_bias)
                                      for _ in range(cfg.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -113,10 +129,10 @@ class SparseMoE(nn.Module):
 
     def _native_rows(self, x: torch.Tensor, chosen: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:  # [nq, hidden] float32
-        lib, gate_up, down, gelu = self.native
+        lib, gate_up, down, act = self.native
         counts, rows, pair_weights = self._grouped(chosen, weights)
         xf = x.float().contiguous()
-        return native.moe_experts(lib, xf, gate_up, down, self.experts[0].intermediate, gelu,
+        return native.moe_experts(lib, xf, gate_up, down, self.experts[0].intermediate, act,
                                   counts, rows.contiguous(), pair_weights.float().contiguous(),
                                   torch.zeros_like(xf))
 
@@ -127,10 +143,63 @@ _MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 def moe_name(name: str) -> str:
     """A checkpoint's weight name with Mixtral's `block_sparse_moe.experts.E.w1` written as
-    `mlp.experts.E.gate_proj` (w3: up_proj, w2: down_proj) and its router as `mlp.gate`."""
+    `mlp.experts.E.gate_proj` (w3: up_proj, w2: down_proj) and its router as `mlp.gate` (and
+    GPT-OSS's `mlp.router`)."""
+    if ".mlp.router." in name:
+        return name.replace(".mlp.router.", ".mlp.gate.")
     if ".block_sparse_moe." not in name:
         return name
     parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
     if len(parts) >= 2 and parts[-2] in _MIXTRAL_EXPERT_NAMES and "experts" in parts:
         parts[-2] = _MIXTRAL_EXPERT_NAMES[parts[-2]]
     return ".".join(parts)
+
+
+def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPT-OSS's checkpoint tensors with each layer's experts as one matrix per expert, in the
+    per-expert names the rest of the decoder uses (`mlp.experts.E.gate_proj.weight`, ...):
+
+        mlp.experts.gate_up_proj       [E, hidden, 2 * width], gate and up columns interleaved
+        mlp.experts.gate_up_proj_bias  [E, 2 * width], likewise
+        mlp.experts.down_proj          [E, width, hidden];  down_proj_bias [E, hidden]
+
+    The released checkpoints hold gate_up_proj and down_proj in MXFP4 (`*_blocks` of packed
+    4-bit values, `*_scales` of their power-of-two exponents): transformers' dequantizer
+    expands each pair to the float tensor above once both have been read."""
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    for name, w in weights:
+        base, _, kind = name.rpartition("_")
+        if kind in ("blocks", "scales") and base.endswith(("experts.gate_up_proj",
+                                                           "experts.down_proj")):
+            pair = packed.setdefault(base, {})
+            pair[kind] = w
+            if len(pair) < 2:
+                continue
+            del packed[base]
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            name, w = base, convert_moe_packed_tensors(pair["blocks"], pair["scales"],
+                                                       dtype=torch.float32)
+        if not name.endswith(_FUSED):
+            yield name, w
+            continue
+        stem, _, kind = name.rpartition(".")
+        for e in range(w.shape[0]):
+            at = f"{stem}.{e}."
+            if kind == "gate_up_proj":  # [hidden, 2 * width] -> two [width, hidden]
+                yield at + "gate_proj.weight", w[e, :, 0::2].t()
+                yield at + "up_proj.weight", w[e, :, 1::2].t()
+            elif kind == "gate_up_proj_bias":
+                yield at + "gate_proj.bias", w[e, 0::2]
+                yield at + "up_proj.bias", w[e, 1::2]
+            elif kind == "down_proj":  # [width, hidden] -> [hidden, width]
+                yield at + "down_proj.weight", w[e].t()
+            else:
+                yield at + "down_proj.bias", w[e]
+    if packed:
+        raise ValueError(f"MXFP4 experts without both blocks and scales: {sorted(packed)}")
+
+
+_FUSED = tuple(f"mlp.experts.{k}" for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                             "down_proj_bias"))

@@ -38,6 +38,8 @@ def model_config(f: GGUFFile) -> ModelConfig:
         }
         if scaling_type == "yarn":
             scaling.update(_yarn_fields(f, a))
+            if not f.architecture.yarn_truncate:
+                scaling["truncate"] = False
     # a head's width: the file's key length, else the attention output's input width over
     # the heads (the rope's dimension count is narrower under partial rotary: refused)
     out_proj = next((t for t in f.reader.tensors if t.name == "blk.0.attn_output.weight"),
@@ -113,6 +115,8 @@ def model_config(f: GGUFFile) -> ModelConfig:
         residual_multiplier=float(f.field(f"{a}.residual_scale") or 1.0),
         logits_scaling=float(f.field(f"{a}.logit_scale") or 1.0),
         hidden_act=arch.activation,
+        o_bias=arch.o_bias,
+        attention_sinks=arch.attention_sinks,
         **experts,
     )
 
@@ -176,4 +180,6 @@ def _experts(f: GGUFFile, a: str, names: set[str], num_layers: int) -> dict[str,
                                 else bool(norm)),
                 shared_expert_intermediate_size=int(
                     f.field(f"{a}.expert_shared_feed_forward_length") or 0),
-                moe_layers=None if all(layers) else layers)
+                moe_layers=None if all(layers) else layers,
+                router_bias="blk.0.ffn_gate_inp.bias" in names,
+                expert_bias="blk.0.ffn_gate_exps.bias" in names)

@@ -17,11 +17,14 @@ of 32 or 16 along K: the C kernels' q8 family (kernels/csrc/cpu_kernels.h).
     IQ2_XS  16     (d * (0.5 + sc) * 0.25) * q  +-8..43      d, 4-bit sc per 16
     IQ2_S   16     (d * (0.5 + sc) * 0.25) * q  +-8..43      d, 4-bit sc per 16
     IQ1_S   32     (d * (2 sc + 1) / 8) * q     +-1, 7, 9    d, 3-bit sc per 32
+    MXFP4   32     (2^e / 2) * q                -12..12      e, an 8-bit exponent (E8M0)
 
 The IQ types' q is a grid entry times a sign (gguf's grid tables and sign bits, applied by its
 dequantizer): their scales multiply a signed grid value once, so the product is one rounding,
 as here. IQ1_S adds +-1/8 to each grid value in {-1, 0, 1} before its scale; eight times
-that is an integer, and a scale divided by 8 is exact, so it joins the family too.
+that is an integer, and a scale divided by 8 is exact, so it joins the family too. MXFP4
+(GPT-OSS's experts) holds FP4 values, which doubled are the integers above, and a power of two
+per 32 that gguf's `MXFP4.e8m0_to_fp32_half` halves.
 
 Each is kept as q (int8), d and c per group (c = the constant, absent where it is 0), so
 w = q * d + c with the product rounded first: the same float32 operations as gguf's own
@@ -39,13 +42,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import Q4_K, dequantize
+from gguf.quants import MXFP4, Q4_K, dequantize
 
 from engine_core.weights.gguf_q4 import Q4Weight
 
 Q = GGMLQuantizationType
 Q8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS,
-            Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S)
+            Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.MXFP4)
 GROUP_SIZE = 32
 
 
@@ -138,6 +141,8 @@ def _scales(blocks: np.ndarray, qtype: GGMLQuantizationType):
                 -(_f16(blocks, 82) * mn.astype(np.float32)))
     if qtype in _IQ_SCALES:
         return _iq_scales(blocks, qtype), None
+    if qtype == Q.MXFP4:  # [e: u8][qs: 16 bytes of nibbles]
+        return MXFP4.e8m0_to_fp32_half(blocks[:, :1].copy()), None
     raise ValueError(f"GGUF type {qtype.name} is not in the q8 family ({Q8_TYPES})")
 
 

@@ -101,12 +101,15 @@ static inline __attribute__((always_inline)) void head_scores(
 }
 
 /* scores := e^(scores - max), returns their sum (8 lanes, a fixed tree, the tail in order).
- * softcap > 0 first caps each score to softcap * tanh(score / softcap) (Gemma 2). */
-static inline float softmax_numerators(float *scores, int64_t len, float softcap) {
+ * softcap > 0 first caps each score to softcap * tanh(score / softcap) (Gemma 2). A finite
+ * sink (GPT-OSS's attention sink; -INFINITY: none) joins the max and adds e^(sink - max) to
+ * the sum, a softmax term with no value. */
+static inline float softmax_numerators(float *scores, int64_t len, float softcap, float sink) {
     if (softcap > 0)
         for (int64_t j = 0; j < len; j++) scores[j] = softcap * tanhf(scores[j] / softcap);
     float mx = scores[0];
     for (int64_t j = 1; j < len; j++) mx = scores[j] > mx ? scores[j] : mx;
+    if (sink > mx) mx = sink;
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
     int64_t j = 0;
@@ -122,14 +125,15 @@ static inline float softmax_numerators(float *scores, int64_t len, float softcap
         scores[j] = p;
         sum += p;
     }
+    if (sink > -INFINITY) sum += expf(sink - mx);
     return sum;
 }
 
 /* out = softmax(scores) @ V for one head; scores is overwritten with the probabilities. */
 static inline __attribute__((always_inline)) void head_output(
         float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
-        int D, float *out, float softcap, const int bf16) {
-    const float sum = softmax_numerators(scores, len, softcap);
+        int D, float *out, float softcap, float sink, const int bf16) {
+    const float sum = softmax_numerators(scores, len, softcap, sink);
     __m256 acc[32]; /* D <= 256 (Gemma 3's head_dim; the group kernels take 64 and 128) */
     const int nv = D / 8;
     for (int i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
@@ -196,7 +200,7 @@ static inline __attribute__((always_inline)) void prefetch_row_l2(const void *kv
 static inline __attribute__((always_inline)) void group_attention(
         const float *q, const void *kv, const int64_t *keys, int64_t len, int64_t head,
         int64_t value, float scale, float *scores, int64_t score_stride, float *out,
-        float softcap, const int D, const int G, const int bf16) {
+        float softcap, const float *sinks, const int D, const int G, const int bf16) {
     /* the first keys at once, then each key ahead as above; a key's value row is asked for
      * as its key is used, so the value pass finds it near. 30 layers x 32 rows at ctx 192 over
      * a 1,400-block cache on 2 MiB pages: 7.3 ms with one prefetch 32 keys ahead and none for
@@ -239,7 +243,8 @@ static inline __attribute__((always_inline)) void group_attention(
     float inv[8];
 #pragma GCC unroll 8
     for (int h = 0; h < G; h++)
-        inv[h] = 1.0f / softmax_numerators(scores + h * score_stride, len, softcap);
+        inv[h] = 1.0f / softmax_numerators(scores + h * score_stride, len, softcap,
+                                           sinks != 0 ? sinks[h] : -INFINITY);
     /* the output in slices of CH <= 8 vectors of D, at most 16 accumulators (G x CH) at
      * once: a slice's pass over the keys reads its part of each value row, so every value is
      * still loaded once, and every output element sums p * v in key order whatever the
@@ -281,18 +286,19 @@ static inline __attribute__((always_inline)) void group_attention(
     if (D == D_ && G == G_) {                                                              \
         if (bf16)                                                                          \
             group_attention(q, kv, keys, len, head, value, scale, scores, stride, out,     \
-                            softcap, D_, G_, 1);                                           \
+                            softcap, sinks, D_, G_, 1);                                    \
         else                                                                               \
             group_attention(q, kv, keys, len, head, value, scale, scores, stride, out,     \
-                            softcap, D_, G_, 0);                                           \
+                            softcap, sinks, D_, G_, 0);                                    \
         return 1;                                                                          \
     }
 
 static int group_kernel(const float *q, const void *kv, const int64_t *keys, int64_t len,
                         int64_t head, int64_t value, float scale, float *scores,
-                        int64_t stride, float *out, float softcap, int D, int G, int bf16) {
+                        int64_t stride, float *out, float softcap, const float *sinks, int D,
+                        int G, int bf16) {
     GROUP_ATTENTION(64, 1) GROUP_ATTENTION(64, 2) GROUP_ATTENTION(64, 3)
-    GROUP_ATTENTION(64, 4) GROUP_ATTENTION(128, 1) GROUP_ATTENTION(128, 2)
+    GROUP_ATTENTION(64, 4) GROUP_ATTENTION(64, 8) GROUP_ATTENTION(128, 1) GROUP_ATTENTION(128, 2)
     GROUP_ATTENTION(128, 4) GROUP_ATTENTION(256, 1) GROUP_ATTENTION(256, 2)
     GROUP_ATTENTION(256, 4)
     return 0;
@@ -304,7 +310,8 @@ static inline __attribute__((always_inline)) int row_attention(
         float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin, void *kv,
         const int64_t *slots, const int32_t *tables, int64_t table_stride,
         const int32_t *table_of_row, const int32_t *lens, int bs, float scale, float *out,
-        int64_t max_len, int threads, int64_t window, float softcap, const int bf16) {
+        int64_t max_len, int threads, int64_t window, float softcap, const float *sinks,
+        const int bf16) {
     const int64_t row_stride = (int64_t)(Hq + 2 * Hkv) * D, token_stride = (int64_t)Hkv * D;
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * row_stride;
@@ -351,12 +358,13 @@ static inline __attribute__((always_inline)) int row_attention(
             const int64_t *seen = keys + first, len = lens[s] - first;
 #ifdef __AVX512F__
             if (group_kernel(q, kv, seen, len, h * D, value, scale, scores, max_len, o, softcap,
-                             D, group, bf16))
+                             sinks != 0 ? sinks + h * group : 0, D, group, bf16))
                 continue;
 #endif
             for (int i = 0; i < group; i++) {
                 head_scores(q + i * D, kv, seen, len, h * D, D, scale, scores, bf16);
-                head_output(scores, kv, seen, len, value, D, o + i * D, softcap, bf16);
+                head_output(scores, kv, seen, len, value, D, o + i * D, softcap,
+                            sinks != 0 ? sinks[h * group + i] : -INFINITY, bf16);
             }
         }
         free(keys);
@@ -369,17 +377,18 @@ static inline __attribute__((always_inline)) int row_attention(
  * max_len >= every lens[s]. D % 8 == 0, D <= 256. window > 0: each row attends to the last
  * `window` positions of its context (a sliding window), 0: to all of them. softcap > 0: each
  * scaled score is capped to softcap * tanh(score / softcap) before the softmax (Gemma 2).
- * Returns 0, or -1 when out of memory. */
+ * sinks [Hq] (GPT-OSS; NULL: none): query head h's softmax has the term e^sinks[h] beside its
+ * scores, with no value. Returns 0, or -1 when out of memory. */
 int pd_row_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin,
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
                         int bs, float scale, float *out, int64_t max_len, int threads,
-                        int64_t window, float softcap) {
+                        int64_t window, float softcap, const float *sinks) {
     if (kv_bf16)
         return row_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
                              table_of_row, lens, bs, scale, out, max_len, threads, window,
-                             softcap, 1);
+                             softcap, sinks, 1);
     return row_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
                          table_of_row, lens, bs, scale, out, max_len, threads, window, softcap,
-                         0);
+                         sinks, 0);
 }

@@ -124,7 +124,17 @@ typedef struct {
     int64_t shared_width; /* the shared expert's intermediate size; 0: none */
     pd_matrix shared_gate_up, shared_down;
     const float *shared_gate; /* [hidden] float32 */
+    const float *router_bias; /* [num_experts] float32 (GPT-OSS); NULL: none */
 } pd_moe;
+
+/* The gated MLP's activation (pd_layer.act): act(g) * u of its gate g and up u, with
+ *   ACT_SILU        silu(g) * u
+ *   ACT_GELU        gelu_tanh(g) * u (GeGLU)
+ *   ACT_SWIGLU_OAI  g' * sigmoid(alpha * g') * (u' + 1), g' = min(g, limit),
+ *                   u' = clamp(u, -limit, limit) (GPT-OSS) */
+#define ACT_SILU 0
+#define ACT_GELU 1
+#define ACT_SWIGLU_OAI 2
 
 typedef struct {
     const float *in_norm, *post_norm; /* [hidden] float32: before attention, before the MLP */
@@ -134,9 +144,11 @@ typedef struct {
     /* Gemma's sandwich: RMSNorm of the attention's and the MLP's outputs before they join the
      * residual stream, [hidden] float32; NULL: none */
     const float *attn_out_norm, *mlp_out_norm;
-    int32_t gelu;       /* the MLP's gate: 0 silu, 1 tanh-approximated GELU (GeGLU) */
+    int32_t act;        /* the MLP's activation: ACT_*, above */
     int32_t local_rope; /* 1: rotate with the call's cos_sin_local (Gemma's local layers) */
     float softcap;      /* attention scores capped by softcap * tanh(s / softcap); 0: none */
+    float act_alpha, act_limit; /* ACT_SWIGLU_OAI's */
+    const float *sinks; /* [Hq] attention sinks (pd_row_attention's); NULL: none */
     const pd_moe *moe;  /* routed experts instead of gate_up and down; NULL: the dense MLP */
 } pd_layer;
 
@@ -152,9 +164,10 @@ int pd_row_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float 
                         void *kv, int kv_bf16, const int64_t *slots, const int32_t *tables,
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
                         int bs, float scale, float *out, int64_t max_len, int threads,
-                        int64_t window, float softcap);
+                        int64_t window, float softcap, const float *sinks);
 int pd_moe_experts(const float *x, int64_t S, int64_t H, const pd_matrix *gate_up,
-                   const pd_matrix *down, int num_experts, int64_t I, int gelu,
+                   const pd_matrix *down, int num_experts, int64_t I, int act, float act_alpha,
+                   float act_limit,
                    const int64_t *counts, const int64_t *rows, const float *weights, float *out,
                    int threads);
 void pd_topk_row(const float *row, int64_t N, int k, int64_t *idx);

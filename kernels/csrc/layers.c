@@ -38,6 +38,7 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
  *
  * Gemma's layer: GeGLU (gelu) instead of silu, its local layers' own rope (local_rope), and
  * the sandwich norms: h += rmsnorm(a @ Wo) * attn_out_norm, and the MLP's output likewise.
+ * GPT-OSS's: attention sinks, biases on o and the experts, a router bias, its clamped SwiGLU.
  *
  * and at the end out = rmsnorm(h) * final_norm. The operations and their order are those of
  * the per-operation path (pd_add_rms_norm, pd_q4_matmul / pd_q8_matmul, pd_row_attention),
@@ -63,14 +64,16 @@ static int matmul(const float *x, int64_t M, const pd_matrix *w, float *y, int t
     return status;
 }
 
-/* act[r, :] = act(gu[r, :I]) * gu[r, I:], act silu(g) = g / (1 + e^-g) or (gelu) the
- * tanh-approximated GELU, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) with
- * tanh(z) = 1 - 2 / (e^2z + 1); rows split over the threads (32 rows of 1,536 take ~16 us on
+/* act[r, :] = act(gu[r, :I], gu[r, I:]) (cpu_kernels.h's ACT_*): silu(g) * u with
+ * silu(g) = g / (1 + e^-g); GeGLU's tanh-approximated GELU, 0.5 g (1 + tanh(sqrt(2/pi) (g +
+ * 0.044715 g^3))) * u with tanh(z) = 1 - 2 / (e^2z + 1); GPT-OSS's g / (1 + e^(-alpha g)) *
+ * (u + 1) of the clamped g and u. Rows split over the threads (32 rows of 1,536 take ~16 us on
  * one Zen 5 core, 30 times a step) */
-static inline __m256 gate256(__m256 g, const int gelu) {
+static inline __m256 gate256(__m256 g, const int act, const float alpha) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    if (!gelu) {
-        __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    if (act != ACT_GELU) {
+        const __m256 ag = act == ACT_SWIGLU_OAI ? _mm256_mul_ps(_mm256_set1_ps(alpha), g) : g;
+        __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), ag));
         return _mm256_div_ps(g, _mm256_add_ps(one, e));
     }
     const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
@@ -81,33 +84,48 @@ static inline __m256 gate256(__m256 g, const int gelu) {
     return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t));
 }
 
-static void gated_mul(const float *gu, int64_t M, int64_t I, float *act, int gelu,
-                      int threads) {
+/* act(g) * u of 8 lanes; ACT_SWIGLU_OAI clamps g from above and u both ways, and adds 1 to u */
+static inline __m256 glu256(__m256 g, __m256 u, const int act, const float alpha,
+                            const float limit) {
+    if (act == ACT_SWIGLU_OAI) {
+        const __m256 lim = _mm256_set1_ps(limit);
+        g = _mm256_min_ps(g, lim);
+        u = _mm256_add_ps(_mm256_max_ps(_mm256_min_ps(u, lim), _mm256_sub_ps(_mm256_setzero_ps(),
+                                                                             lim)),
+                          _mm256_set1_ps(1.0f));
+    }
+    return _mm256_mul_ps(gate256(g, act, alpha), u);
+}
+
+static void gated_mul(const float *gu, int64_t M, int64_t I, float *act_out, int act,
+                      float alpha, float limit, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
     for (int64_t r = 0; r < M; r++) {
         const float *g = gu + r * 2 * I, *u = g + I;
-        float *a = act + r * I;
+        float *a = act_out + r * I;
         int64_t i = 0;
         for (; i + 8 <= I; i += 8)
-            _mm256_storeu_ps(a + i, _mm256_mul_ps(gate256(_mm256_loadu_ps(g + i), gelu),
-                                                  _mm256_loadu_ps(u + i)));
+            _mm256_storeu_ps(a + i, glu256(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i), act,
+                                           alpha, limit));
         for (; i < I; i++) {
-            float tail[8] = {g[i]}, out[8];
-            _mm256_storeu_ps(out, gate256(_mm256_loadu_ps(tail), gelu));
-            a[i] = out[0] * u[i];
+            float gt[8] = {g[i]}, ut[8] = {u[i]}, out[8];
+            _mm256_storeu_ps(out, glu256(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut), act, alpha,
+                                         limit));
+            a[i] = out[0];
         }
     }
 }
 
 /* out [S, H] = a mixture of experts' MLP of x [S, H] (engine_core/model/feed_forward.py,
- * SparseMoE): each row's router probabilities softmax(x . router_e) in float32, its top_k
+ * SparseMoE): each row's router probabilities softmax(x . router_e (+ router_bias_e)) in
+ * float32, its top_k
  * experts (pd_topk_row: equal probabilities, the lower expert first) weighted by their
  * probabilities (renormalized over the chosen where norm_topk), the routed experts as
  * pd_moe_experts runs them (experts in order, each on its rows in row order), then the shared
  * expert's output times sigmoid(x . shared_gate) added. Returns 0, or -1 when out of memory
  * or a matmul failed. */
-static int moe_mlp(const float *x, int64_t S, int64_t H, const pd_moe *m, int gelu, float *out,
-                   int threads) {
+static int moe_mlp(const float *x, int64_t S, int64_t H, const pd_moe *m, const pd_layer *L,
+                   float *out, int threads) {
     const int E = m->num_experts, K = m->top_k;
     float *probs = malloc((size_t)(S * E) * sizeof(float));
     int64_t *chosen = malloc((size_t)(S * K) * sizeof(int64_t));
@@ -121,6 +139,7 @@ static int moe_mlp(const float *x, int64_t S, int64_t H, const pd_moe *m, int ge
         float *p = probs + s * E, top = -INFINITY, total = 0.0f;
         for (int e = 0; e < E; e++) {
             p[e] = dot(x + s * H, m->router + (int64_t)e * H, H);
+            if (m->router_bias != 0) p[e] += m->router_bias[e];
             if (p[e] > top) top = p[e];
         }
         for (int e = 0; e < E; e++) total += (p[e] = expf(p[e] - top));
@@ -145,8 +164,8 @@ static int moe_mlp(const float *x, int64_t S, int64_t H, const pd_moe *m, int ge
     }
     if (status == 0) {
         memset(out, 0, (size_t)(S * H) * sizeof(float));
-        status = pd_moe_experts(x, S, H, m->gate_up, m->down, E, m->width, gelu, counts, rows,
-                                weights, out, threads);
+        status = pd_moe_experts(x, S, H, m->gate_up, m->down, E, m->width, L->act, L->act_alpha,
+                                L->act_limit, counts, rows, weights, out, threads);
     }
     if (status == 0 && m->shared_width > 0) {
         const int64_t I = m->shared_width;
@@ -156,7 +175,7 @@ static int moe_mlp(const float *x, int64_t S, int64_t H, const pd_moe *m, int ge
         status = (gu == 0 || act == 0 || y == 0) ? -1 : 0;
         if (status == 0) {
             status |= matmul(x, S, &m->shared_gate_up, gu, threads);
-            gated_mul(gu, S, I, act, gelu, threads);
+            gated_mul(gu, S, I, act, L->act, L->act_alpha, L->act_limit, threads);
             status |= matmul(act, S, &m->shared_down, y, threads);
             for (int64_t s = 0; s < S && status == 0; s++) {
                 const float g = 1.0f / (1.0f + expf(-dot(x + s * H, m->shared_gate, H)));
@@ -210,15 +229,15 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
         status |= pd_row_attention(wide, S, Hq, Hkv, D, L->local_rope ? cos_sin_local : cos_sin,
                                       (char *)kv + (size_t)l * layer_stride * elem, kv_bf16,
                                       slots, tables, table_stride, 0, lens, bs, scale, att,
-                                      max_len, threads, L->window, L->softcap);
+                                      max_len, threads, L->window, L->softcap, L->sinks);
         status |= matmul(att, S, &L->o, tmp, threads);
         if (L->attn_out_norm != 0) pd_add_rms_norm(tmp, 0, L->attn_out_norm, eps, tmp, S, H);
         pd_add_rms_norm(h, tmp, L->post_norm, eps, x, S, H);
         if (L->moe != 0) {
-            status |= moe_mlp(x, S, H, L->moe, L->gelu, tmp, threads);
+            status |= moe_mlp(x, S, H, L->moe, L, tmp, threads);
         } else {
             status |= matmul(x, S, &L->gate_up, wide, threads);
-            gated_mul(wide, S, I, att, L->gelu, threads);
+            gated_mul(wide, S, I, att, L->act, L->act_alpha, L->act_limit, threads);
             status |= matmul(att, S, &L->down, tmp, threads);
         }
         if (L->mlp_out_norm != 0) pd_add_rms_norm(tmp, 0, L->mlp_out_norm, eps, tmp, S, H);
@@ -238,9 +257,9 @@ int pd_decode_layers(float *h, int64_t S, int64_t H, const pd_layer *layers, int
  * the per-operation path's operations (matmul, gated_mul, matmul), so every row is still batch
  * and thread invariant. Returns 0, or -1 when out of memory or a matmul failed. */
 int pd_moe_experts(const float *x, int64_t S, int64_t H, const pd_matrix *gate_up,
-                   const pd_matrix *down, int num_experts, int64_t I, int gelu,
-                   const int64_t *counts, const int64_t *rows, const float *weights, float *out,
-                   int threads) {
+                   const pd_matrix *down, int num_experts, int64_t I, int act, float act_alpha,
+                   float act_limit, const int64_t *counts, const int64_t *rows,
+                   const float *weights, float *out, int threads) {
     (void)S;
     int64_t most = 0;
     for (int e = 0; e < num_experts; e++)
@@ -248,9 +267,9 @@ int pd_moe_experts(const float *x, int64_t S, int64_t H, const pd_matrix *gate_u
     if (most == 0) return 0;
     float *xs = malloc((size_t)(most * H) * sizeof(float));
     float *gu = malloc((size_t)(most * 2 * I) * sizeof(float));
-    float *act = malloc((size_t)(most * I) * sizeof(float));
+    float *act_out = malloc((size_t)(most * I) * sizeof(float));
     float *y = malloc((size_t)(most * H) * sizeof(float));
-    int status = (xs == 0 || gu == 0 || act == 0 || y == 0) ? -1 : 0;
+    int status = (xs == 0 || gu == 0 || act_out == 0 || y == 0) ? -1 : 0;
     int64_t first = 0;
     for (int e = 0; e < num_experts && status == 0; e++) {
         const int64_t c = counts[e];
@@ -258,8 +277,8 @@ int pd_moe_experts(const float *x, int64_t S, int64_t H, const pd_matrix *gate_u
         for (int64_t j = 0; j < c; j++)
             memcpy(xs + j * H, x + rows[first + j] * H, (size_t)H * sizeof(float));
         status |= matmul(xs, c, gate_up + e, gu, threads);
-        gated_mul(gu, c, I, act, gelu, threads);
-        status |= matmul(act, c, down + e, y, threads);
+        gated_mul(gu, c, I, act_out, act, act_alpha, act_limit, threads);
+        status |= matmul(act_out, c, down + e, y, threads);
         for (int64_t j = 0; j < c; j++) {
             float *o = out + rows[first + j] * H;
             const float w = weights[first + j], *yj = y + j * H;
@@ -269,7 +288,7 @@ int pd_moe_experts(const float *x, int64_t S, int64_t H, const pd_matrix *gate_u
     }
     free(xs);
     free(gu);
-    free(act);
+    free(act_out);
     free(y);
     return status ? -1 : 0;
 }

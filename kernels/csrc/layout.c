@@ -22,14 +22,16 @@ static const field_layout LAYER_FIELDS[] = {
     FIELD(pd_layer, in_norm), FIELD(pd_layer, post_norm), FIELD(pd_layer, qkv),
     FIELD(pd_layer, o),       FIELD(pd_layer, gate_up),   FIELD(pd_layer, down),
     FIELD(pd_layer, window),  FIELD(pd_layer, q_norm),    FIELD(pd_layer, k_norm),
-    FIELD(pd_layer, attn_out_norm), FIELD(pd_layer, mlp_out_norm), FIELD(pd_layer, gelu),
-    FIELD(pd_layer, local_rope), FIELD(pd_layer, softcap), FIELD(pd_layer, moe),
+    FIELD(pd_layer, attn_out_norm), FIELD(pd_layer, mlp_out_norm), FIELD(pd_layer, act),
+    FIELD(pd_layer, local_rope), FIELD(pd_layer, softcap), FIELD(pd_layer, act_alpha),
+    FIELD(pd_layer, act_limit), FIELD(pd_layer, sinks), FIELD(pd_layer, moe),
 };
 static const field_layout MOE_FIELDS[] = {
     FIELD(pd_moe, router),       FIELD(pd_moe, num_experts),    FIELD(pd_moe, top_k),
     FIELD(pd_moe, norm_topk),    FIELD(pd_moe, reserved),       FIELD(pd_moe, width),
     FIELD(pd_moe, gate_up),      FIELD(pd_moe, down),           FIELD(pd_moe, shared_width),
     FIELD(pd_moe, shared_gate_up), FIELD(pd_moe, shared_down),  FIELD(pd_moe, shared_gate),
+    FIELD(pd_moe, router_bias),
 };
 
 #define COUNT(A) ((int)(sizeof(A) / sizeof((A)[0])))

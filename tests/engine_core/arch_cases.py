@@ -49,6 +49,14 @@ CASES = {
     "qwen3-moe": (transformers.Qwen3MoeConfig, {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": True, "mlp_only_layers": [0]}),
+    # GPT-OSS: windowed and global layers, 4 experts of which 2 per token, attention sinks,
+    # its YaRN (truncate off) stretching a 32-token original context 8 times
+    "gpt-oss": (transformers.GptOssConfig, {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 12,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                            "original_max_position_embeddings": 32}}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {}),
     "mistral-window": (transformers.MistralConfig, {"sliding_window": 12}),

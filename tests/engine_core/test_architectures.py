@@ -233,7 +233,7 @@ def test_one_call_c_decode_layers(case, tmp_path):
     assert [layer.softcap for layer in layers] == [cap] * len(windows)
     gemma3, gemma = case.startswith("gemma3"), case.startswith("gemma")
     assert all(bool(layer.q_norm) == (case == "qwen3" or gemma3) for layer in layers)
-    assert all(bool(layer.attn_out_norm) == bool(layer.mlp_out_norm) == layer.gelu == gemma
+    assert all(bool(layer.attn_out_norm) == bool(layer.mlp_out_norm) == (layer.act == 1) == gemma
                for layer in layers)
     nope = [not r for r in getattr(hf.config, "no_rope_layers", [1] * len(windows))]
     assert [layer.local_rope for layer in layers] == [int(gemma3 and w is not None or n)
@@ -296,7 +296,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
                                   "gemma3", "gemma2", "smollm3", "phi3", "mixtral",
-                                  "qwen2-moe", "qwen3-moe", "granite"])
+                                  "qwen2-moe", "qwen3-moe", "granite", "gpt-oss"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next
@@ -311,16 +311,19 @@ def test_cpu_defaults_run_every_architecture(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen2-yarn", "gemma2", "smollm3", "phi3", "qwen2-moe",
-                                  "qwen3-moe"])
+                                  "qwen3-moe", "gpt-oss"])
 def test_user_defaults_run_the_newer_architectures(case, tmp_path):
     """The configuration a user gets on this CPU: bfloat16 weights, quantized decode matmuls
     with int8 activations where the CPU has VNNI (LLMEngine's own choices, nothing forced):
-    prompt logits within bf16's reach of transformers' own bf16 run, and its first token."""
+    prompt logits within bf16's reach of transformers' own bf16 run (GPT-OSS: its float32 run),
+    and its first token."""
     config_cls, overrides = CASES[case]
     if case == "gemma2":  # its real caps: the test's 1.5 and 4 turn bf16 noise into errors
         overrides = {**overrides, "attn_logit_softcapping": 50.0,
                      "final_logit_softcapping": 30.0}
-    hf = tm.build_hf(config_cls, tmp_path, **overrides).to(torch.bfloat16)
+    hf = tm.build_hf(config_cls, tmp_path, **overrides)
+    if case != "gpt-oss":  # transformers' bf16 GPT-OSS takes its attention softmax in bf16,
+        hf = hf.to(torch.bfloat16)  # 28 % off its float32 logits here: float32 is the reference
     eng = tm.engine(tmp_path, dtype="bfloat16", quantize_decode=None)
     assert eng.dtype == torch.bfloat16 and eng.runner.quantization is not None
     prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]

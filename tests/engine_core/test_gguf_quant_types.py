@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
             head_dim=64, vocab_size=256)
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-         Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, *tm.IQ_TYPES]
+         Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, *tm.IQ_TYPES, Q.MXFP4]
 
 
 def test_supported_types_are_the_issue_list():
@@ -150,7 +150,7 @@ def raw_blocks(qtype, rows: int, cols: int, seed: int):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q5_1, Q.Q5_0, Q.Q8_0,
-                                   *tm.IQ_TYPES], ids=lambda q: q.name)
+                                   *tm.IQ_TYPES, Q.MXFP4], ids=lambda q: q.name)
 def test_q8_family_expands_to_gguf_dequantize_and_multiplies_in_c(qtype):
     """The q8 form of a tensor (gguf_q8.unpack_q8) expands to gguf's own dequantization bit
     for bit, and the C matmul of decode rows (float32 activations) equals that dequantized

@@ -14,7 +14,7 @@ from tests.engine_core import tiny_models as tm
 from tests.engine_core.arch_cases import CASES, check_against_hf
 
 
-@pytest.mark.parametrize("case", ["qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen2-moe", "mixtral", "gpt-oss"])
 def test_experts_decode_quantized_whatever_shares_the_step(case, tmp_path):
     """Each expert runs once per step on its tokens in row order, so the decode rows among
     them take its quantized matmuls and the prefill rows its dense ones: a request's tokens
@@ -99,12 +99,13 @@ def test_gguf_mixture_of_experts(case, arch, permute, tmp_path):
     assert tm.greedy(eng, [prompt], 4)[0][:2] == tm.hf_greedy(hf, prompt, 2)
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen2-moe", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss"])
 def test_experts_in_the_one_call_c_decode_layers(case, tmp_path):
     """Where the C kernels load, a mixture of experts' decode rows go through all layers in one
     C call too (pd_decode_layers with each MoE layer's pd_moe: the router, top-k and the
     weights in C, the routed experts, Qwen2-MoE's gated shared expert; Qwen3-MoE's dense first
-    layer as any MLP), giving the tokens the layer-by-layer path gives with the same weights."""
+    layer as any MLP; GPT-OSS's sinks, biases and clamped SwiGLU), giving the tokens the
+    layer-by-layer path gives with the same weights."""
     from engine_core.model.decode_quant import DecodeQuantization
     from kernels import native
 
@@ -123,6 +124,14 @@ def test_experts_in_the_one_call_c_decode_layers(case, tmp_path):
             assert (moe.num_experts, moe.top_k, moe.norm_topk) == (4, 2, case != "qwen2-moe")
             assert moe.gate_up == ctypes.addressof(layer.mlp.native[1])  # this layer's experts
             assert moe.shared_width == (64 if case == "qwen2-moe" else 0)
+            assert bool(moe.router_bias) == (case == "gpt-oss")
+            experts = native.Matrix * 4
+            assert all(bool(m.bias) == (case == "gpt-oss")
+                       for m in (*experts.from_address(moe.gate_up),
+                                 *experts.from_address(moe.down)))
+        oss = case == "gpt-oss"
+        assert bool(c_layer.sinks) == bool(c_layer.o.bias) == oss
+        assert (c_layer.act, c_layer.act_limit) == ((2, 7.0) if oss else (0, 7.0))
     prompts = tm.prompts(tm.SIZES["vocab_size"], [40, 9, 70])
     one_call = tm.greedy(eng, prompts, 24)  # the 70-token prompt prefills beside decodes
     for p, got in zip(prompts, one_call, strict=True):

@@ -122,3 +122,33 @@ def test_pdserve_up_on_the_triton_backend_over_grpc(tiny, triton_offline):
         check_word_completions(stack, PROMPTS, triton_offline, MAX_TOKENS)
     finally:
         assert stop_stack(stack) == 0
+
+
+ARCH_SCRIPT = """
+import json, sys
+from pathlib import Path
+from tests.engine_core import tiny_models as tm
+from tests.engine_core.arch_cases import CASES
+config_cls, overrides = CASES[sys.argv[1]]
+hf = tm.build_hf(config_cls, Path(sys.argv[2]), **overrides)
+eng = tm.engine(Path(sys.argv[2]), max_num_batched_tokens=16)
+prompts = tm.prompts(tm.SIZES["vocab_size"], [9, 40])
+print(json.dumps({"ours": tm.greedy(eng, prompts, 8),
+                  "transformers": [tm.hf_greedy(hf, p, 8) for p in prompts],
+                  "triton": "kernels.decode_attention" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize("case", ["gpt-oss"])
+def test_newer_architecture_on_the_triton_kernels(case, tmp_path):
+    """A tiny random GPT-OSS (windowed and global layers, attention sinks, experts) on the
+    Triton backend, each decode context split in 3 and the prompts chunked by 16: greedy equal
+    to transformers', so the sinks reach the kernels a card runs."""
+    out = subprocess.run(
+        [sys.executable, "-c", ARCH_SCRIPT, case, str(tmp_path)], cwd=ROOT,
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, **backend_env("triton"), "PDSERVE_DECODE_SPLITS": "3"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["triton"]
+    assert result["ours"] == result["transformers"]
