@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +14,18 @@ from engine_core.config import ModelConfig
 
 
 def load_hf_config(folder: Path) -> ModelConfig:
+    """config.json's ModelConfig, with the end-of-sequence ids of generation_config.json
+    added where the folder has one: transformers' generate stops at those, and chat models
+    list more there than in config.json (Llama 3 Instruct's <|eot_id|>, GPT-OSS's <|call|>)."""
     cfg = json.loads((folder / "config.json").read_text())
-    return ModelConfig.from_hf_config(cfg, name=cfg.get("_name_or_path") or folder.name)
+    config = ModelConfig.from_hf_config(cfg, name=cfg.get("_name_or_path") or folder.name)
+    generation = folder / "generation_config.json"
+    if not generation.exists():
+        return config
+    eos = json.loads(generation.read_text()).get("eos_token_id")
+    more = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    ids = tuple(dict.fromkeys([*config.eos_token_ids, *(int(i) for i in more)]))
+    return dataclasses.replace(config, eos_token_ids=ids)
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

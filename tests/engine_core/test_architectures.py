@@ -46,6 +46,22 @@ def test_config_fields_from_the_registry(tmp_path):
     assert load_hf_config(tmp_path / "llama3-rope").rope_scaling["rope_type"] == "llama3"
 
 
+def test_generation_config_adds_its_end_of_sequence_ids(tmp_path):
+    """A chat model's generation_config.json lists more end-of-sequence ids than its
+    config.json (Llama 3 Instruct's <|eot_id|>, GPT-OSS's <|call|>): both count, config.json's
+    first."""
+    import json
+
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    transformers.LlamaConfig(**{**tm.SIZES, "eos_token_id": 2}).save_pretrained(str(tmp_path))
+    assert load_hf_config(tmp_path).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 2, 9]}))
+    assert load_hf_config(tmp_path).eos_token_ids == (2, 5, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert load_hf_config(tmp_path).eos_token_ids == (2, 7)
+
+
 def test_gemma2_soft_caps_and_layer_pattern(tmp_path):
     """Gemma 2's caps are in play (the model without them answers otherwise), its layers
     alternate local and global from transformers 5's layer_types, from an older config's
