@@ -91,10 +91,12 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True,
-        tools: list[dict] | None = None,
+        tools: list[dict] | None = None, template_kwargs: dict | None = None,
     ) -> list[int]:
         """`tools`: OpenAI's tool list, for a template with a tool section
-        (`template_renders_tools`); messages may then carry tool_calls and tool results."""
+        (`template_renders_tools`); messages may then carry tool_calls and tool results.
+        `template_kwargs`: more variables for the template (vLLM's chat_template_kwargs:
+        Qwen3's enable_thinking, GPT-OSS's reasoning_effort)."""
         if not self.chat_template:
             raise NoChatTemplateError(
                 "this model has no chat template (a base model?); send a plain prompt to "
@@ -102,7 +104,7 @@ class Tokenizer:
         text = self.hf.apply_chat_template(
             messages, chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt, tokenize=False,
-            tools=tools or None,
+            tools=tools or None, **(template_kwargs or {}),
         )
         # the template already wrote every special token it wants
         return self.encode(text, add_special_tokens=False)

@@ -67,6 +67,15 @@ def add_chat_template_argument(p) -> None:
                         "model's own (a base model has none: chat requests get 400)")
 
 
+def add_reasoning_parser_argument(p) -> None:
+    """(also `pdserve up`'s, passed to the gateway; gateway/reasoning.py)"""
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                   help="chat completions return the model's reasoning apart, as "
+                        "reasoning_content: think, between <think> and </think> (Qwen3, "
+                        "DeepSeek-R1, SmolLM3); auto: think where the chat template writes "
+                        "<think>; none: every output whole, in content")
+
+
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `pdserve gateway`. The disaggregated mode finds its workers at static
     addresses (--prefill ADDR... --decode ADDR...) or in Redis (--redis-url)."""
@@ -85,6 +94,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_chat_template_argument(mode)
+    add_reasoning_parser_argument(mode)
     add_decode_activations_argument(mode)
     add_prefill_weights_argument(mode)
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

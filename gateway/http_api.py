@@ -13,6 +13,7 @@ the backend (service_infra/backend.py), whether it is streamed or not.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ from gateway import openai_responses as responses
 from gateway import tokenize_api
 from gateway.auth import APIKeys, bearer_token
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
+from gateway.reasoning import ReasoningSplit, resolve_parser
 from gateway.tool_stream import ToolStream
 from gateway.validation import UnknownModelError, ValidationError
 from service_infra.backend import (
@@ -103,10 +105,13 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
               registry: CollectorRegistry | None = None,
               on_reject: Callable[[str], None] = lambda reason: None,
               api_keys: APIKeys | None = None,
-              max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> FastAPI:
+              max_num_choices: int = DEFAULT_MAX_NUM_CHOICES,
+              reasoning_parser: str = "auto") -> FastAPI:
     """The OpenAI API; also /health, /internal/status and, given a registry, /metrics.
-    With API keys, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401 otherwise). A request may
-    ask for at most `max_num_choices` choices (n x prompts)."""
+    With API keys, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401
+    otherwise). A request may ask for at most `max_num_choices` choices (n x prompts).
+    `reasoning_parser`: auto, think or none (gateway/reasoning.py), resolved against the chat
+    template when a chat request comes."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     keys = api_keys or APIKeys()
 
@@ -147,7 +152,9 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, oai.parse_chat)
+        parser = resolve_parser(reasoning_parser, backend.tokenizer.chat_template)
+        return await generate(request, functools.partial(oai.parse_chat,
+                                                         reasoning_parser=parser))
 
     async def tokens(request: Request, handle) -> Response:
         try:
@@ -251,13 +258,21 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
     started: set[int] = set()
     latest: dict[int, GenerateChunk] = {}
     tool_streams: dict[int, ToolStream] = {}  # chats with tools: by choice index
+    splits: dict[int, ReasoningSplit] = {}  # chats with a reasoning parser: by choice index
     try:
         item: tuple[int, GenerateChunk] | None = first
         while item is not None:
             index, chunk = item
             latest[index] = chunk
             is_first = index not in started
-            text, finish_reason, calls = chunk.text_delta, chunk.finish_reason, None
+            text, finish_reason, calls, reasoning = (chunk.text_delta, chunk.finish_reason,
+                                                     None, "")
+            if req.reasoning:  # reasoning_content first, then the content
+                split = splits.setdefault(index, ReasoningSplit(req.reasoning_open))
+                reasoning, text = split.feed(text)
+                if chunk.is_last:
+                    more_reasoning, more_text = split.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
             if req.tool_choice is not None:  # content, and calls as they are generated
                 stream = tool_streams.setdefault(index, ToolStream(req.tool_choice))
                 text, calls = stream.feed(text)
@@ -270,11 +285,11 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
                 head, head_lp = _echo(backend, req, index, chunk.prompt_logprobs) \
                     if is_first else ("", None)
                 obj = responses.chunk_object(
-                    req, index, head + text if head + text or not calls else None,
-                    finish_reason,
+                    req, index, head + text if head + text or not (calls or reasoning)
+                    else None, finish_reason,
                     responses.join_logprobs(head_lp, responses.logprobs_json(req, backend,
                                                                              chunk.logprobs)),
-                    created, role=is_first, tool_calls=calls)
+                    created, role=is_first, tool_calls=calls, reasoning=reasoning)
                 if is_first and req.num_prompt_logprobs is not None:
                     obj["choices"][0]["prompt_logprobs"] = responses.prompt_logprobs_json(
                         req, backend, chunk.prompt_logprobs)

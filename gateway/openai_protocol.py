@@ -9,7 +9,9 @@ n x prompts is bounded by `max_num_choices`. logit_bias as OpenAI's ({"token id"
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens) are taken from the body, so the
 `openai` client passes them with `extra_body`. Structured outputs: OpenAI's response_format
 (json_object, json_schema) or vLLM's structured_outputs (json, regex, choice, grammar), one
-per request, compiled (off the event loop, cached) before anything runs.
+per request, compiled (off the event loop, cached) before anything runs. Chat requests take
+vLLM's chat_template_kwargs (more variables for the template, e.g. Qwen3's enable_thinking)
+and, with the server's reasoning parser, get their reasoning apart (gateway/reasoning.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
 from gateway.openai_structured import parse_structured
+from gateway.reasoning import opens_reasoning
 from gateway.tools import ToolChoice, encode_tool_chat, parse_tools
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
@@ -26,6 +29,7 @@ from gateway.validation import (
     check_lengths,
     check_model,
     check_structured,
+    check_template_kwargs,
     check_token_ids,
     encode_text,
     request_id,
@@ -58,6 +62,10 @@ class OpenAIRequest:
     num_prompt_logprobs: int | None = None
     # chat with tools (not tool_choice none): how the output becomes tool_calls
     tool_choice: ToolChoice | None = None
+    # chat with a reasoning parser (gateway/reasoning.py): the output's reasoning apart from
+    # its content; reasoning_open: the prompt already opened it (ends with <think>)
+    reasoning: bool = False
+    reasoning_open: bool = False
 
 
 def _check_type(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> None:
@@ -194,7 +202,9 @@ async def _one_prompt(prompt: Any, field: str, backend: Backend) -> tuple[list[i
 
 
 async def parse_chat(body: Any, backend: Backend,
-                     max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> OpenAIRequest:
+                     max_num_choices: int = DEFAULT_MAX_NUM_CHOICES,
+                     reasoning_parser: str | None = None) -> OpenAIRequest:
+    """reasoning_parser: the server's (reasoning.resolve_parser), "think" or None."""
     kwargs = _common(body, backend)
     await _structured(body, backend, kwargs)
     for name in ("functions", "prompt_logprobs"):
@@ -209,7 +219,8 @@ async def parse_chat(body: Any, backend: Backend,
         kwargs["structured"] = tool_constraint
         await check_structured(backend, tool_constraint, "tools")
     ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
-                                 "messages")
+                                 "messages",
+                                 check_template_kwargs(body.get("chat_template_kwargs")))
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -225,13 +236,17 @@ async def parse_chat(body: Any, backend: Backend,
     elif body.get("top_logprobs") is not None:
         raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true")
     try:
-        return replace(_finish(body, backend, [(ids, None)], kwargs, True, num_top, "messages",
-                               max_num_choices), tool_choice=tool_choice)
+        req = _finish(body, backend, [(ids, None)], kwargs, True, num_top, "messages",
+                      max_num_choices)
     except ValidationError as e:
         if e.field == "logprobs":  # the chat API calls the count top_logprobs
             raise ValidationError("top_logprobs", e.message.replace("logprobs", "top_logprobs",
                                                                     1)) from None
         raise
+    reasoning_open = reasoning_parser is not None and opens_reasoning(
+        backend.tokenizer.decode(ids[-8:], skip_special_tokens=False))
+    return replace(req, tool_choice=tool_choice, reasoning=reasoning_parser is not None,
+                   reasoning_open=reasoning_open)
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

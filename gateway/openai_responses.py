@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from gateway.openai_protocol import OpenAIRequest
+from gateway.reasoning import split as split_reasoning
 from gateway.tools import parse_output
 from service_infra.backend import Backend, GenerateChunk, Timing
 
@@ -128,14 +129,18 @@ def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateCh
         choice: dict[str, Any] = {"index": index, "finish_reason": last.finish_reason,
                                   "logprobs": lp}
         if req.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            reasoning, content = (split_reasoning(text, req.reasoning_open) if req.reasoning
+                                  else (None, text))
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if req.tool_choice is not None:
-                content, calls = parse_output(req.tool_choice, text)
+                content, calls = parse_output(req.tool_choice, content or "")
                 if calls:
-                    choice["message"] = {"role": "assistant", "content": content,
-                                         "tool_calls": calls}
+                    message |= {"content": content, "tool_calls": calls}
                     if last.finish_reason == "stop":
                         choice["finish_reason"] = "tool_calls"
+            choice["message"] = message
         else:
             choice["text"] = text
         choices.append(choice)
@@ -148,14 +153,18 @@ def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateCh
 def chunk_object(req: OpenAIRequest, index: int, delta: str | None, finish_reason: str | None,
                  logprobs: dict[str, Any] | None, created: int,
                  role: bool = False,
-                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 tool_calls: list[dict[str, Any]] | None = None,
+                 reasoning: str | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index`; `delta` None means an empty delta (the final
     chunk of a chat). `tool_calls`: OpenAI's tool_calls deltas, each with its call's index
-    (chat only; gateway/tool_stream.py)."""
+    (chat only; gateway/tool_stream.py). `reasoning`: a reasoning_content delta (chat with a
+    reasoning parser; gateway/reasoning.py)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
                               "logprobs": logprobs}
     if req.is_chat:
         d: dict[str, Any] = {"role": "assistant"} if role else {}
+        if reasoning:
+            d["reasoning_content"] = reasoning
         if delta is not None:
             d["content"] = delta
         if tool_calls:

@@ -31,6 +31,7 @@ from gateway import grpc_server
 from gateway.auth import APIKeys
 from gateway.http_api import build_app
 from gateway.metrics import GatewayMetrics, MeteredBackend
+from gateway.reasoning import resolve_parser
 from service_infra.backend import Backend, BackendUnavailable
 from service_infra.tls import TLSConfig, tls_from_args
 
@@ -53,6 +54,7 @@ class GatewayConfig:
     api_keys: APIKeys = field(default_factory=APIKeys)  # none: the public APIs are open
     tls: TLSConfig | None = None  # TLS on both public ports (service_infra/tls.py); None: plaintext
     max_num_choices: int = 64  # n x prompts of one OpenAI request; more is a 400
+    reasoning_parser: str = "auto"  # gateway/reasoning.py: auto, think or none
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -63,6 +65,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_choices < 1:
             raise ValueError(f"max_num_choices must be >= 1, got {self.max_num_choices}")
+        resolve_parser(self.reasoning_parser, None)  # ValueError for an unknown one
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -70,7 +73,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          grace_s=args.grace, shutdown_delay_s=args.shutdown_delay,
                          api_keys=APIKeys.from_sources(args.api_key, args.api_key_file),
                          tls=tls_from_args(args, is_public=True),
-                         max_num_choices=args.max_num_choices)
+                         max_num_choices=args.max_num_choices,
+                         reasoning_parser=args.reasoning_parser)
 
 
 def chat_template_of(args: argparse.Namespace) -> str | None:
@@ -217,7 +221,7 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
     await grpc.start()
     http = _HTTPServer(uvicorn.Config(
         build_app(backend, lambda: health_.is_serving, registry, metrics.reject,
-                  config.api_keys, config.max_num_choices),
+                  config.api_keys, config.max_num_choices, config.reasoning_parser),
         host=config.host,
         port=config.http_port, lifespan="off", access_log=False, log_level="warning",
         timeout_graceful_shutdown=max(1, round(config.grace_s)), **_https(config.tls)))

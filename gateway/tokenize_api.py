@@ -1,7 +1,8 @@
 """vLLM's /tokenize and /detokenize bodies and responses, over the served model's tokenizer.
 
     POST /tokenize    {"prompt": str, "add_special_tokens": true}
-                   or {"messages": [...], "add_generation_prompt": true}  (the chat template)
+                   or {"messages": [...], "add_generation_prompt": true,
+                       "chat_template_kwargs": {...}}  (the chat template)
                       (+ "return_token_strs": false)
                    -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"tokens": [int]} -> {"prompt": str}
@@ -20,6 +21,7 @@ from gateway.validation import (
     MAX_INLINE_TOKENIZE_CHARS,
     ValidationError,
     check_model,
+    check_template_kwargs,
     check_token_ids,
     encode_chat,
 )
@@ -48,7 +50,9 @@ async def tokenize(body: Any, backend: Backend) -> dict[str, Any]:
     tokenizer = backend.tokenizer
     if body.get("messages") is not None:
         ids = await encode_chat(backend, chat_messages(body["messages"]), "messages",
-                                _flag(body, "add_generation_prompt", True))
+                                _flag(body, "add_generation_prompt", True),
+                                template_kwargs=check_template_kwargs(
+                                    body.get("chat_template_kwargs")))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

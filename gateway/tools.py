@@ -187,12 +187,15 @@ def _calls_as_written(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def encode_tool_chat(backend: Backend, messages: list[dict[str, Any]],
-                           tools: list[dict[str, Any]], field: str) -> list[int]:
+                           tools: list[dict[str, Any]], field: str,
+                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The conversation's prompt: through the template's own tool section when it has one,
     else in the generic format."""
     if backend.tokenizer.template_renders_tools:
-        return await encode_chat(backend, messages, field, tools=tools)
-    return await encode_chat(backend, generic_messages(messages, tools), field)
+        return await encode_chat(backend, messages, field, tools=tools,
+                                 template_kwargs=template_kwargs)
+    return await encode_chat(backend, generic_messages(messages, tools), field,
+                             template_kwargs=template_kwargs)
 
 
 async def grpc_tool_chat(req: pb.GenerateRequest,

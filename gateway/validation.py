@@ -92,8 +92,10 @@ async def encode_text(backend: Backend, text: str, field: str) -> list[int]:
 
 async def encode_chat(backend: Backend, messages: Sequence[dict[str, Any]],
                       field: str, add_generation_prompt: bool = True,
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """`tools` go to a template with a tool section (gateway/tools.py renders the others)."""
+                      tools: list[dict[str, Any]] | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """`tools` go to a template with a tool section (gateway/tools.py renders the others);
+    `template_kwargs`: the request's chat_template_kwargs (check_template_kwargs)."""
     if not messages:
         raise ValidationError(field, f"{field} must contain at least 1 message, got 0")
     for i, m in enumerate(messages):
@@ -105,13 +107,35 @@ async def encode_chat(backend: Backend, messages: Sequence[dict[str, Any]],
     try:
         if not tools and sum(len(m["content"] or "") for m in messages) \
                 <= MAX_INLINE_TOKENIZE_CHARS:
-            return tokenizer.apply_chat_template(list(messages), add_generation_prompt)
+            return tokenizer.apply_chat_template(list(messages), add_generation_prompt,
+                                                 template_kwargs=template_kwargs)
         return await asyncio.to_thread(tokenizer.apply_chat_template, list(messages),
-                                       add_generation_prompt, tools)
+                                       add_generation_prompt, tools, template_kwargs)
     except NoChatTemplateError as e:
         raise ValidationError(field, f"{field}: {e}") from None
-    except (ValueError, jinja2.TemplateError) as e:  # the template refuses them
+    except (ValueError, TypeError, jinja2.TemplateError) as e:  # the template refuses them
         raise ValidationError(field, f"{field}: the chat template refused them: {e}") from None
+
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template",
+                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                       "truncation", "max_length", "return_tensors", "return_dict",
+                       "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def check_template_kwargs(value: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """vLLM's chat_template_kwargs: an object of more variables for the chat template ({}
+    for None), none of them apply_chat_template's own arguments."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValidationError(field, f"{field} must be an object, got {value!r:.100}")
+    taken = sorted(k for k in value if k in _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise ValidationError(field, f"{field} may not set {', '.join(taken)} (the request "
+                              f"sets them)")
+    return value
 
 
 async def check_structured(backend: Backend, so: StructuredOutput | None, field: str) -> None:

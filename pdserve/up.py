@@ -32,6 +32,7 @@ from gateway.cli import (
     add_canary_arguments,
     add_chat_template_argument,
     add_prefill_policy_arguments,
+    add_reasoning_parser_argument,
 )
 from pdserve.supervisor import Child, RestartPolicy, supervise
 from service_infra.worker_args import (
@@ -56,6 +57,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_chat_template_argument(p)  # passed to the gateway
+    add_reasoning_parser_argument(p)  # passed to the gateway
     add_decode_activations_argument(p)
     add_prefill_weights_argument(p)  # auto: chosen here, once for every worker's copy
     p.add_argument("--host", default="127.0.0.1", help="the gateway's interface")
@@ -227,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
             "--canary-idle-s", str(args.canary_idle_s),
             "--canary-timeout-s", str(args.canary_timeout_s),
             "--canary-failures", str(args.canary_failures),
-            "--max-num-choices", str(args.max_num_choices), *common,
+            "--max-num-choices", str(args.max_num_choices),
+            "--reasoning-parser", args.reasoning_parser, *common,
             *(["--chat-template", os.path.abspath(args.chat_template)]
               if args.chat_template else [])])
         line = gateway.wait_ready(deadline)

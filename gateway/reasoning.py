@@ -1,0 +1,105 @@
+"""A chat answer's reasoning apart from its content, as vLLM's reasoning parsers and DeepSeek's
+API return it: `message.reasoning_content` beside `message.content`, and streamed as
+`delta.reasoning_content` deltas before the content's.
+
+Parser "think": the model writes its reasoning between <think> and </think> (Qwen3, the
+DeepSeek-R1 distills, SmolLM3 in thinking mode, QwQ):
+
+    output                           reasoning_content   content
+    <think>R</think>\\n\\nC             R                   C
+    R</think>C   (the prompt ends     R                   C
+                  with <think>)
+    <think>R     (cut by max_tokens)  R                   null
+    C            (no <think> first)   null                C
+
+Leading whitespace before the first tag and after </think> is dropped. `pdserve gateway
+--reasoning-parser` picks it: auto (the default) uses "think" where the chat template writes
+<think> (a thinking model's template does), none leaves every output whole. Only chat
+completions are split; tool calls are parsed from the content.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("auto", "think", "none")
+
+
+def resolve_parser(setting: str, chat_template: str | None) -> str | None:
+    """The parser a server uses: "think" or None (none)."""
+    if setting not in PARSERS:
+        raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got "
+                         f"{setting!r}")
+    if setting == "auto":
+        return "think" if chat_template and OPEN in chat_template else None
+    return None if setting == "none" else setting
+
+
+def opens_reasoning(prompt_text: str) -> bool:
+    """Whether a rendered prompt leaves the model inside <think> (DeepSeek-R1's template and
+    Qwen3's thinking-only ones end the generation prompt with it)."""
+    return prompt_text.rstrip().endswith(OPEN)
+
+
+class ReasoningSplit:
+    """One choice's output text as it streams: `feed` each delta, then `finish`; each returns
+    (reasoning delta, content delta), "" where there is none. Text that may be the start of a
+    tag is held back until the next delta tells."""
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        # "start": before the first non-space text; "reasoning"; "content"
+        self.state = "reasoning" if in_reasoning else "start"
+        self.held = ""
+        self.saw_reasoning = in_reasoning
+        self._strip_content = in_reasoning  # whitespace after </think> is dropped
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        text, self.held = self.held + delta, ""
+        reasoning = ""
+        if self.state == "start":
+            stripped = text.lstrip()
+            if stripped.startswith(OPEN):
+                self.state, self.saw_reasoning = "reasoning", True
+                text = stripped[len(OPEN):]
+            elif OPEN.startswith(stripped):  # nothing yet, or part of the tag
+                self.held = text
+                return "", ""
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            end = text.find(CLOSE)
+            if end < 0:
+                keep = _partial_suffix(text, CLOSE)
+                self.held = text[len(text) - keep:]
+                return text[:len(text) - keep], ""
+            reasoning, text = text[:end], text[end + len(CLOSE):]
+            self.state, self._strip_content = "content", True
+        if self._strip_content:
+            text = text.lstrip()
+            self._strip_content = not text
+        return reasoning, text
+
+    def finish(self) -> tuple[str, str]:
+        """What is held back, as the text it turned out to be."""
+        text, self.held = self.held, ""
+        if self.state == "reasoning":
+            return text, ""
+        return "", text.lstrip() if self._strip_content else text
+
+
+def split(text: str, in_reasoning: bool = False) -> tuple[str | None, str | None]:
+    """(reasoning_content, content) of a finished output; None where there is none."""
+    parts = ReasoningSplit(in_reasoning)
+    reasoning, content = parts.feed(text)
+    more_reasoning, more_content = parts.finish()
+    reasoning, content = reasoning + more_reasoning, content + more_content
+    if not parts.saw_reasoning:
+        return None, content
+    return reasoning, content or None
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

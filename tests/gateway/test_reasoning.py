@@ -1,0 +1,186 @@
+"""A chat answer's reasoning apart from its content (gateway/reasoning.py): the split itself,
+streamed in any pieces, against a plain reference; and through a real `pdserve gateway
+--colocated` whose chat template writes <think> (so `auto` picks the think parser), with the
+real model's output held to a thinking shape by a regex (structured outputs), the `openai`
+client reading reasoning_content non-streamed and streamed, with tool calls parsed from the
+content, and chat_template_kwargs reaching the template."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx2 as httpx
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.reasoning import CLOSE, OPEN, ReasoningSplit, resolve_parser, split
+from tests.gateway.conftest import spawn_gateway, stop_gateway, wait_ready
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def reference(text: str, opened: bool) -> tuple[str | None, str | None]:
+    """The split, written plainly: reasoning from an opening tag (or the prompt's) to the
+    first closing one, the rest content; whitespace around the tags dropped."""
+    if not opened:
+        if not text.lstrip().startswith(OPEN):
+            return None, text
+        text = text.lstrip()[len(OPEN):]
+    reasoning, closed, content = text.partition(CLOSE)
+    if not closed:
+        return reasoning, None
+    return reasoning, content.lstrip() or None
+
+
+PIECES = [OPEN, CLOSE, "<", "</", "think", ">", "a", "b c", " ", "\n", "<thin", "k>"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=12), st.booleans(), st.data())
+def test_streamed_split_equals_the_reference_whatever_the_pieces(pieces, opened, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = ReasoningSplit(opened)
+    parts = [stream.feed(d) for d in deltas] + [stream.finish()]
+    reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+    want_reasoning, want_content = reference(text, opened)
+    assert split(text, opened) == (want_reasoning, want_content)
+    assert reasoning == (want_reasoning or "") and content == (want_content or "")
+
+
+def test_the_documented_cases_and_the_parser_choice():
+    assert split("<think>R</think>\n\nC") == ("R", "C")
+    assert split("R</think>C", in_reasoning=True) == ("R", "C")
+    assert split("<think>R") == ("R", None)
+    assert split("  C <think>") == (None, "  C <think>")
+    stream = ReasoningSplit()  # a tag split across deltas is held until it is whole
+    assert [stream.feed(d) for d in ("<th", "ink>Let me", " see</th", "ink>Yes")] == [
+        ("", ""), ("Let me", ""), (" see", ""), ("", "Yes")]
+    assert resolve_parser("auto", "{{ '<think>' }}") == "think"
+    assert resolve_parser("auto", "{{ messages }}") is None
+    assert resolve_parser("auto", None) is None
+    assert resolve_parser("none", "<think>") is None and resolve_parser("think", None) == "think"
+    with pytest.raises(ValueError, match="auto, think, none"):
+        resolve_parser("deepseek", None)
+
+
+# a Qwen3-like template: thinking unless enable_thinking is false (then an empty think block,
+# as Qwen3's); `open_thinking` ends the prompt inside <think>, as DeepSeek-R1's does
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif open_thinking %}<think>\n{% endif %}{% endif %}")
+THINKING = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
+
+
+@pytest.fixture(scope="module")
+def thinking_gateway(tmp_path_factory, model_path):
+    template = tmp_path_factory.mktemp("reasoning") / "template.jinja"
+    template.write_text(TEMPLATE)
+    proc, log = spawn_gateway("--chat-template", str(template))  # --reasoning-parser auto
+    gw = wait_ready(proc, log)
+    yield gw
+    assert stop_gateway(gw) == 0, gw.log.read_text()[-4000:]
+    gw.log.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def client(thinking_gateway):
+    with openai.OpenAI(base_url=f"{thinking_gateway.http_url}/v1", api_key="unused",
+                       timeout=180, max_retries=0) as c:
+        yield c
+
+
+def _chat(client, regex: str, stream: bool = False, **kw):
+    return client.chat.completions.create(**{
+        "model": MODEL, "messages": [{"role": "user", "content": "Is the sky blue? Think first."}],
+        "max_tokens": 80, "temperature": 0.0, "stream": stream, **kw,
+        "extra_body": {"structured_outputs": {"regex": regex}, **kw.get("extra_body", {})}})
+
+
+def test_reasoning_content_apart_streamed_and_not(client, thinking_gateway):
+    resp = _chat(client, THINKING, n=2, seed=1, temperature=1.0)
+    for choice in resp.choices:
+        whole = re.fullmatch(r"<think>(.*)</think>\n\n(.*)", _raw(choice.message), re.DOTALL)
+        assert whole is not None and choice.finish_reason == "stop"
+        assert choice.message.reasoning_content == whole.group(1)
+        assert choice.message.content == whole.group(2)
+    reasoning, content = {0: "", 1: ""}, {0: "", 1: ""}
+    for chunk in _chat(client, THINKING, stream=True, n=2, seed=1, temperature=1.0):
+        for c in chunk.choices:
+            assert not (getattr(c.delta, "reasoning_content", None) and c.delta.content)
+            reasoning[c.index] += getattr(c.delta, "reasoning_content", None) or ""
+            content[c.index] += c.delta.content or ""
+    for choice in resp.choices:  # the same seeds: the same texts, split alike
+        assert reasoning[choice.index] == choice.message.reasoning_content
+        assert content[choice.index] == choice.message.content
+    thinking_gateway.wait_idle()
+
+
+def _raw(message) -> str:
+    return f"{OPEN}{message.reasoning_content}{CLOSE}\n\n{message.content}"
+
+
+def test_an_answer_without_thinking_is_all_content(client):
+    resp = _chat(client, r"[A-Z][a-z ]{4,30}\.")
+    message = resp.choices[0].message
+    assert getattr(message, "reasoning_content", None) is None
+    assert re.fullmatch(r"[A-Z][a-z ]{4,30}\.", message.content)
+
+
+def test_a_prompt_that_opens_thinking_and_chat_template_kwargs(client, thinking_gateway):
+    """open_thinking (a chat_template_kwargs variable) ends the prompt inside <think>: the
+    output up to </think> is reasoning without an opening tag. enable_thinking false renders
+    Qwen3's empty think block, seen through /tokenize. Bad kwargs are a 400 naming the field."""
+    resp = _chat(client, r"[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\.",
+                 extra_body={"chat_template_kwargs": {"open_thinking": True}})
+    message = resp.choices[0].message
+    assert re.fullmatch(r"[a-z ]{4,30}", message.reasoning_content)
+    assert re.fullmatch(r"[A-Z][a-z ]{4,30}\.", message.content)
+    url = thinking_gateway.http_url
+    messages = [{"role": "user", "content": "hi"}]
+    for kwargs, has_block in (({"enable_thinking": False}, True), ({}, False)):
+        ids = httpx.post(f"{url}/tokenize", json={"messages": messages,
+                                                  "chat_template_kwargs": kwargs},
+                         timeout=30).json()["tokens"]
+        text = httpx.post(f"{url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+        assert (f"{OPEN}\n\n{CLOSE}" in text) == has_block
+    for bad, says in (([1], "chat_template_kwargs must be an object"),
+                      ({"add_generation_prompt": False},
+                       "chat_template_kwargs may not set add_generation_prompt")):
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "chat_template_kwargs": bad}, timeout=30)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "chat_template_kwargs"
+    thinking_gateway.wait_idle()
+
+
+def test_tool_calls_come_from_the_content_after_the_reasoning(client):
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    regex = r"<think>[a-z ]{4,20}</think>\n\n" + re.escape(call)
+    for stream in (False, True):
+        resp = _chat(client, regex, stream=stream, tools=[tool], tool_choice="auto")
+        if stream:
+            chunks = list(resp)
+            reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                                for c in chunks if c.choices)
+            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+            name = "".join(t.function.name or "" for t in calls)
+            arguments = "".join(t.function.arguments or "" for t in calls)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            message = resp.choices[0].message
+            reasoning, name = message.reasoning_content, message.tool_calls[0].function.name
+            arguments, finish = message.tool_calls[0].function.arguments, \
+                resp.choices[0].finish_reason
+        assert re.fullmatch(r"[a-z ]{4,20}", reasoning)
+        assert (name, json.loads(arguments), finish) == (
+            "get_weather", {"city": "Paris"}, "tool_calls")
