@@ -348,8 +348,14 @@ class LLMEngine:
             if req.times.first_token is None:
                 req.times.first_token = now
             state = self.text_states[req.req_id]
+            # a stop token (EOS, stop_token_ids) that ends the request is not text, as in vLLM:
+            # its id ends token_ids, its text (kept special tokens show it) is left out
+            last = req.num_output_tokens
+            if (req.status == RequestStatus.FINISHED_STOPPED and last
+                    and req.output_token_ids[-1] in req.stop_token_ids):
+                last -= 1
             # one token at a time, so a stop string ends the output where a plain decode would
-            for j in range(state.num_pushed, req.num_output_tokens):
+            for j in range(state.num_pushed, last):
                 state.num_pushed += 1
                 if state.push(req.output_token_ids[j : j + 1]):
                     if not req.is_finished:

@@ -27,9 +27,9 @@ from gateway import openai_protocol as oai
 from gateway import openai_responses as responses
 from gateway import tokenize_api
 from gateway.auth import APIKeys, bearer_token
+from gateway.chat_output import ChatStream
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
-from gateway.reasoning import ReasoningSplit, resolve_parser
-from gateway.tool_stream import ToolStream
+from gateway.reasoning import resolve_parser
 from gateway.validation import UnknownModelError, ValidationError
 from service_infra.backend import (
     Backend,
@@ -257,8 +257,7 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
     created = int(time.time())
     started: set[int] = set()
     latest: dict[int, GenerateChunk] = {}
-    tool_streams: dict[int, ToolStream] = {}  # chats with tools: by choice index
-    splits: dict[int, ReasoningSplit] = {}  # chats with a reasoning parser: by choice index
+    streams: dict[int, ChatStream] = {}  # chats: by choice index
     try:
         item: tuple[int, GenerateChunk] | None = first
         while item is not None:
@@ -267,18 +266,15 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
             is_first = index not in started
             text, finish_reason, calls, reasoning = (chunk.text_delta, chunk.finish_reason,
                                                      None, "")
-            if req.reasoning:  # reasoning_content first, then the content
-                split = splits.setdefault(index, ReasoningSplit(req.reasoning_open))
-                reasoning, text = split.feed(text)
+            if req.is_chat and (req.reasoning or req.tool_choice is not None):
+                # reasoning_content first, then the content and calls as they are generated
+                stream = streams.setdefault(index, ChatStream(req.reasoning, req.reasoning_open,
+                                                              req.tool_choice))
+                reasoning, text, calls = stream.feed(text)
                 if chunk.is_last:
-                    more_reasoning, more_text = split.finish()
-                    reasoning, text = reasoning + more_reasoning, text + more_text
-            if req.tool_choice is not None:  # content, and calls as they are generated
-                stream = tool_streams.setdefault(index, ToolStream(req.tool_choice))
-                text, calls = stream.feed(text)
-                if chunk.is_last:
-                    rest, last_calls = stream.finish()
-                    text, calls = text + rest, calls + last_calls
+                    more_reasoning, rest, last_calls = stream.finish()
+                    reasoning, text, calls = (reasoning + more_reasoning, text + rest,
+                                              calls + last_calls)
                     if stream.has_calls and finish_reason == "stop":
                         finish_reason = "tool_calls"
             if chunk.text_delta or chunk.logprobs or chunk.is_last or is_first:

@@ -62,9 +62,10 @@ class OpenAIRequest:
     num_prompt_logprobs: int | None = None
     # chat with tools (not tool_choice none): how the output becomes tool_calls
     tool_choice: ToolChoice | None = None
-    # chat with a reasoning parser (gateway/reasoning.py): the output's reasoning apart from
-    # its content; reasoning_open: the prompt already opened it (ends with <think>)
-    reasoning: bool = False
+    # chat with a reasoning parser ("think" or "harmony"; gateway/chat_output.py): the
+    # output's reasoning apart from its content; reasoning_open: the prompt already opened it
+    # (ends with <think>)
+    reasoning: str | None = None
     reasoning_open: bool = False
 
 
@@ -204,8 +205,11 @@ async def _one_prompt(prompt: Any, field: str, backend: Backend) -> tuple[list[i
 async def parse_chat(body: Any, backend: Backend,
                      max_num_choices: int = DEFAULT_MAX_NUM_CHOICES,
                      reasoning_parser: str | None = None) -> OpenAIRequest:
-    """reasoning_parser: the server's (reasoning.resolve_parser), "think" or None."""
+    """reasoning_parser: the server's (reasoning.resolve_parser), "think", "harmony" or None.
+    Harmony's structure is special tokens, which its requests' text keeps."""
     kwargs = _common(body, backend)
+    if reasoning_parser == "harmony":
+        kwargs["skip_special_tokens"] = False
     await _structured(body, backend, kwargs)
     for name in ("functions", "prompt_logprobs"):
         if body.get(name) is not None and body.get(name) is not False:
@@ -243,9 +247,9 @@ async def parse_chat(body: Any, backend: Backend,
             raise ValidationError("top_logprobs", e.message.replace("logprobs", "top_logprobs",
                                                                     1)) from None
         raise
-    reasoning_open = reasoning_parser is not None and opens_reasoning(
+    reasoning_open = reasoning_parser == "think" and opens_reasoning(
         backend.tokenizer.decode(ids[-8:], skip_special_tokens=False))
-    return replace(req, tool_choice=tool_choice, reasoning=reasoning_parser is not None,
+    return replace(req, tool_choice=tool_choice, reasoning=reasoning_parser,
                    reasoning_open=reasoning_open)
 
 

@@ -19,9 +19,8 @@ import dataclasses
 import time
 from typing import Any
 
+from gateway.chat_output import chat_message
 from gateway.openai_protocol import OpenAIRequest
-from gateway.reasoning import split as split_reasoning
-from gateway.tools import parse_output
 from service_infra.backend import Backend, GenerateChunk, Timing
 
 
@@ -129,18 +128,10 @@ def response_object(req: OpenAIRequest, texts: list[str], lasts: list[GenerateCh
         choice: dict[str, Any] = {"index": index, "finish_reason": last.finish_reason,
                                   "logprobs": lp}
         if req.is_chat:
-            reasoning, content = (split_reasoning(text, req.reasoning_open) if req.reasoning
-                                  else (None, text))
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if reasoning is not None:
-                message["reasoning_content"] = reasoning
-            if req.tool_choice is not None:
-                content, calls = parse_output(req.tool_choice, content or "")
-                if calls:
-                    message |= {"content": content, "tool_calls": calls}
-                    if last.finish_reason == "stop":
-                        choice["finish_reason"] = "tool_calls"
-            choice["message"] = message
+            choice["message"], has_calls = chat_message(text, req.reasoning, req.reasoning_open,
+                                                        req.tool_choice)
+            if has_calls and last.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         choices.append(choice)

@@ -14,22 +14,25 @@ DeepSeek-R1 distills, SmolLM3 in thinking mode, QwQ):
 
 Leading whitespace before the first tag and after </think> is dropped. `pdserve gateway
 --reasoning-parser` picks it: auto (the default) uses "think" where the chat template writes
-<think> (a thinking model's template does), none leaves every output whole. Only chat
-completions are split; tool calls are parsed from the content.
+<think> (a thinking model's template does) and "harmony" (GPT-OSS's channels:
+gateway/harmony.py) where it writes <|channel|>; none leaves every output whole. Only chat
+completions are split (gateway/chat_output.py).
 """
 
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("auto", "think", "none")
+PARSERS = ("auto", "think", "harmony", "none")
 
 
 def resolve_parser(setting: str, chat_template: str | None) -> str | None:
-    """The parser a server uses: "think" or None (none)."""
+    """The parser a server uses: "think", "harmony" (GPT-OSS: gateway/harmony.py) or None."""
     if setting not in PARSERS:
         raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got "
                          f"{setting!r}")
     if setting == "auto":
+        if chat_template and "<|channel|>" in chat_template:
+            return "harmony"
         return "think" if chat_template and OPEN in chat_template else None
     return None if setting == "none" else setting
 

@@ -156,6 +156,16 @@ def test_stop_strings_stop_tokens_and_logprobs(llm_fp32):
     out = llm_fp32.generate(PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.0,
                                                         stop_token_ids=[tok]))[0].outputs[0]
     assert out.token_ids == base_ids[: base_ids.index(tok) + 1] and out.stop_reason == tok
+    # the stop token's id ends token_ids, its text is not output (vLLM's way), whether or not
+    # special tokens are skipped; so is EOS's, which only kept special tokens would show
+    tokenizer = llm_fp32.tokenizer
+    assert out.text == tokenizer.decode(base_ids[: base_ids.index(tok)])
+    chat = llm_fp32.chat([[{"role": "user", "content": "Say hi."}]],
+                         SamplingParams(max_tokens=60, temperature=0.0,
+                                        skip_special_tokens=False))[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in tokenizer.eos_token_ids
+    assert chat.text == tokenizer.decode(chat.token_ids[:-1], skip_special_tokens=False)
+    assert "<|im_end|>" not in chat.text
     out = llm_fp32.generate(PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0,
                                                         logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 4

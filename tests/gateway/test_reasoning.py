@@ -64,7 +64,8 @@ def test_the_documented_cases_and_the_parser_choice():
     assert resolve_parser("auto", "{{ messages }}") is None
     assert resolve_parser("auto", None) is None
     assert resolve_parser("none", "<think>") is None and resolve_parser("think", None) == "think"
-    with pytest.raises(ValueError, match="auto, think, none"):
+    assert resolve_parser("auto", "<|start|>assistant<|channel|>final<think>") == "harmony"
+    with pytest.raises(ValueError, match="auto, think, harmony, none"):
         resolve_parser("deepseek", None)
 
 
@@ -184,3 +185,121 @@ def test_tool_calls_come_from_the_content_after_the_reasoning(client):
         assert re.fullmatch(r"[a-z ]{4,20}", reasoning)
         assert (name, json.loads(arguments), finish) == (
             "get_weather", {"city": "Paris"}, "tool_calls")
+
+
+# -- GPT-OSS's harmony channels (gateway/harmony.py) ------------------------------------------
+H_PIECES = ["<|channel|>analysis<|message|>", "<|channel|>final<|message|>",
+            "<|channel|>commentary<|message|>",
+            "<|channel|>commentary to=functions.f <|constrain|>json<|message|>",
+            " to=functions.g<|channel|>commentary json<|message|>",
+            "<|end|><|start|>assistant", "<|end|>", "<|call|>", "<|", "<|e", "a b", '{"x":1}',
+            "\n", "<"]
+
+
+def harmony_reference(text: str, tools: frozenset[str]):
+    """The harmony parse, written plainly over the whole text, message by message: a header
+    up to <|message|> (one cut short ends the output), a body up to an end token, then the
+    next message after <|start|>assistant, or content."""
+    if re.match(r"\s*(?:to=|<\|channel\|>)", text) is None:
+        return None, text, []
+    reasoning, content, calls = None, [], []
+    rest = text
+    while True:
+        head, sep, rest = rest.partition("<|message|>")
+        if not sep:
+            break
+        end = re.search(r"<\|(?:end|return|call)\|>", rest)
+        body, rest = (rest, "") if end is None else (rest[:end.start()], rest[end.end():])
+        to = re.search(r"to=functions\.([^\s<]+)", head)
+        if to and to.group(1) in tools:
+            calls.append((to.group(1), body))
+        elif re.search(r"<\|channel\|>\s*analysis", head):
+            reasoning = (reasoning or "") + body
+        else:
+            content.append(body)
+        if not rest.startswith("<|start|>assistant"):
+            content.append(rest)
+            break
+        rest = rest[len("<|start|>assistant"):]
+    return reasoning, "".join(content) or None, calls
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(H_PIECES), max_size=10), st.data())
+def test_harmony_streamed_equals_the_reference_whatever_the_pieces(pieces, data):
+    from gateway.harmony import HarmonyStream, parse
+
+    text = "".join(pieces)
+    tools = frozenset({"f"})
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = HarmonyStream(tools)
+    parts = [stream.feed(d) for d in deltas] + [stream.finish()]
+    reasoning, content, calls = parse(text, tools)
+    assert "".join(p[0] for p in parts) == (reasoning or "")
+    assert "".join(p[1] for p in parts) == (content or "")
+    streamed: dict[int, list[str]] = {}
+    for p in parts:
+        for delta in p[2]:
+            streamed.setdefault(delta["index"], []).append(delta["function"]["arguments"])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [(c["function"]["name"], "".join(streamed[i])) for i, c in enumerate(calls)]
+    want_reasoning, want_content, want_calls = harmony_reference(text, tools)
+    assert (reasoning, content) == (want_reasoning, want_content)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want_calls
+
+
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final"
+    "<|message|>{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>"
+    "{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+ANALYSIS = r"<\|channel\|>analysis<\|message\|>[a-z ]{4,20}<\|end\|><\|start\|>assistant"
+
+
+@pytest.fixture(scope="module")
+def harmony_client(tmp_path_factory, model_path):
+    """A gateway whose template writes harmony's <|channel|> (auto picks the harmony parser)."""
+    template = tmp_path_factory.mktemp("harmony") / "template.jinja"
+    template.write_text(HARMONY_TEMPLATE)
+    proc, log = spawn_gateway("--chat-template", str(template))
+    gw = wait_ready(proc, log)
+    with openai.OpenAI(base_url=f"{gw.http_url}/v1", api_key="unused", timeout=180,
+                       max_retries=0) as c:
+        yield c
+    assert stop_gateway(gw) == 0, gw.log.read_text()[-4000:]
+    gw.log.unlink(missing_ok=True)
+
+
+def test_harmony_channels_and_function_calls(harmony_client):
+    """GPT-OSS's format through a real gateway: the analysis channel is reasoning_content,
+    final the content, a commentary message to functions.get_weather a tool call; streamed
+    deltas join to the non-streamed message."""
+    final = ANALYSIS + r"<\|channel\|>final<\|message\|>[A-Z][a-z ]{4,30}\."
+    resp = _chat(harmony_client, final)
+    message = resp.choices[0].message
+    assert re.fullmatch(r"[a-z ]{4,20}", message.reasoning_content)
+    assert re.fullmatch(r"[A-Z][a-z ]{4,30}\.", message.content)
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in _chat(harmony_client, final, stream=True):
+        for key in streamed:
+            streamed[key] += getattr(chunk.choices[0].delta, key, None) or ""
+    assert streamed == {"reasoning_content": message.reasoning_content,
+                        "content": message.content}
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}
+    call = ANALYSIS + re.escape("<|channel|>commentary to=functions.get_weather "
+                                '<|constrain|>json<|message|>{"city": "Paris"}')
+    resp = _chat(harmony_client, call, tools=[tool])
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert re.fullmatch(r"[a-z ]{4,20}", choice.message.reasoning_content)
+    (got,) = choice.message.tool_calls
+    assert (got.function.name, json.loads(got.function.arguments)) == (
+        "get_weather", {"city": "Paris"})
+    chunks = list(_chat(harmony_client, call, stream=True, tools=[tool]))
+    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    assert json.loads("".join(t.function.arguments or "" for t in deltas)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
