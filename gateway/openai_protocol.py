@@ -223,8 +223,7 @@ async def parse_chat(body: Any, backend: Backend,
         kwargs["structured"] = tool_constraint
         await check_structured(backend, tool_constraint, "tools")
     ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
-                                 "messages",
-                                 check_template_kwargs(body.get("chat_template_kwargs")))
+                                 "messages", _template_kwargs(body))
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -251,6 +250,23 @@ async def parse_chat(body: Any, backend: Backend,
         backend.tokenizer.decode(ids[-8:], skip_special_tokens=False))
     return replace(req, tool_choice=tool_choice, reasoning=reasoning_parser,
                    reasoning_open=reasoning_open)
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs, with OpenAI's reasoning_effort passed to the template as the
+    variable of that name (GPT-OSS's template sets its reasoning level from it) unless the
+    kwargs set it."""
+    kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise ValidationError("reasoning_effort", f"reasoning_effort must be one of "
+                              f"{', '.join(REASONING_EFFORTS)}, got {effort!r:.40}")
+    return {"reasoning_effort": effort, **kwargs}
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

@@ -145,6 +145,9 @@ def test_a_prompt_that_opens_thinking_and_chat_template_kwargs(client, thinking_
     assert re.fullmatch(r"[A-Z][a-z ]{4,30}\.", message.content)
     url = thinking_gateway.http_url
     messages = [{"role": "user", "content": "hi"}]
+    effort = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "reasoning_effort": "extreme"}, timeout=30)
+    assert effort.status_code == 400 and effort.json()["error"]["param"] == "reasoning_effort"
     for kwargs, has_block in (({"enable_thinking": False}, True), ({}, False)):
         ids = httpx.post(f"{url}/tokenize", json={"messages": messages,
                                                   "chat_template_kwargs": kwargs},
@@ -249,8 +252,9 @@ def test_harmony_streamed_equals_the_reference_whatever_the_pieces(pieces, data)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want_calls
 
 
-HARMONY_TEMPLATE = (
-    "{% for m in messages %}{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final"
+HARMONY_TEMPLATE = (  # GPT-OSS's system line takes reasoning_effort
+    "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: "
+    "{{ reasoning_effort }}<|end|>{% endif %}{% for m in messages %}{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final"
     "<|message|>{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>"
     "{{ m.content }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
@@ -274,7 +278,7 @@ def harmony_client(tmp_path_factory, model_path):
 def test_harmony_channels_and_function_calls(harmony_client):
     """GPT-OSS's format through a real gateway: the analysis channel is reasoning_content,
     final the content, a commentary message to functions.get_weather a tool call; streamed
-    deltas join to the non-streamed message."""
+    deltas join to the non-streamed message; reasoning_effort reaches the template."""
     final = ANALYSIS + r"<\|channel\|>final<\|message\|>[A-Z][a-z ]{4,30}\."
     resp = _chat(harmony_client, final)
     message = resp.choices[0].message
@@ -286,6 +290,8 @@ def test_harmony_channels_and_function_calls(harmony_client):
             streamed[key] += getattr(chunk.choices[0].delta, key, None) or ""
     assert streamed == {"reasoning_content": message.reasoning_content,
                         "content": message.content}
+    effort = _chat(harmony_client, final, reasoning_effort="high")  # OpenAI's field
+    assert effort.usage.prompt_tokens > resp.usage.prompt_tokens  # the system line
     tool = {"type": "function", "function": {
         "name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}}}}
