@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
-from engine_core.weights.gguf_q8 import Q8Weight
+from engine_core.weights.gguf_q8 import NLWeight, Q8Weight
 from kernels import native
 
 ACT_DTYPE = torch.bfloat16
@@ -96,8 +96,9 @@ class NativeQ8Matmul(_NativeMatmul):
     in NativeQ4Matmul.
 
     `weight` is either a GGUF tensor's own integers and scales (a Q8Weight: any type of
-    gguf_q8.Q8_TYPES, or a fused projection of those and 4-bit parts), exactly the file's
-    values, or a float tensor, requantized to int8 with one scale per 32. A Q8_0 tensor (as
+    gguf_q8.Q8_TYPES, or a fused projection of those and 4-bit parts; an NLWeight: IQ4_NL,
+    IQ4_XS and MXFP4's 4-bit indices and table, kind 9), exactly the file's values, or a
+    float tensor, requantized to int8 with one scale per 32. A Q8_0 tensor (as
     the default model's embedding) is requantized exactly: its dense weight is d * q with |q|
     reaching 127 in every block, so amax / 127 gives d back and q follows; `d`, given, makes
     that exact for any tensor whose dense weight is d times an integer in -127..127 per group
@@ -105,14 +106,23 @@ class NativeQ8Matmul(_NativeMatmul):
     Plain attributes, as in NativeQ4Matmul.
     """
 
-    def __init__(self, weight: torch.Tensor | Q8Weight, lib, int8: bool = False,
+    def __init__(self, weight: torch.Tensor | Q8Weight | NLWeight, lib, int8: bool = False,
                  d: torch.Tensor | None = None) -> None:  # d: [N, K / 32] float32
         super().__init__()
-        if not isinstance(weight, Q8Weight):
+        if not isinstance(weight, Q8Weight | NLWeight):
             weight = requantize_int8(weight, d)
         self.n, self.k = weight.q.shape
         self.int8, self.kind = int8, weight.kind
-        if int8:
+        if isinstance(weight, NLWeight):  # q4's nibbles, `c` the table (kind 9)
+            self.c = weight.table.contiguous()
+            if int8:
+                self.qs, self.d, _ = native.pack_q4_int8(weight.q, weight.d,
+                                                        torch.zeros_like(weight.d))
+                self._fn = lambda x, m, k, *rest: lib.pd_i8_matmul(x, m, k, self.kind, *rest)
+            else:
+                self.qs, self.d = weight.packed_nibbles(), weight.d.float().contiguous()
+                self._fn = lambda x, m, k, *rest: lib.pd_q8_matmul(x, m, k, self.kind, *rest)
+        elif int8:
             self.qs, self.d, self.c = native.pack_q8_int8(weight.q, weight.d, weight.c)
             self._fn = lambda x, m, k, *rest: lib.pd_i8_matmul(x, m, k, self.kind, *rest)
         else:
@@ -121,6 +131,17 @@ class NativeQ8Matmul(_NativeMatmul):
             self._fn = lambda x, m, k, *rest: lib.pd_q8_matmul(x, m, k, self.kind, *rest)
         self._weights = (self.qs.data_ptr(), self.d.data_ptr(),
                          None if self.c is None else self.c.data_ptr())
+
+    def expanded(self) -> torch.Tensor:  # [N, K] float32
+        """The weight the float32-activation kernel multiplies, as it expands it."""
+        if self.int8:
+            raise ValueError("expanded: the int8 packing is tiled; build with int8=False")
+        if self.kind == 9:  # a group's byte j holds index j (low nibble) and j + 16 (high)
+            q = torch.cat([self.qs & 0x0F, self.qs >> 4], dim=-1).view(self.n, self.k)
+            return self.c[q.long()].float() * self.d.repeat_interleave(GROUP_SIZE, dim=1)
+        group = 16 if self.kind in (6, 7) else GROUP_SIZE
+        w = self.qs.float() * self.d.repeat_interleave(group, dim=1)
+        return w if self.c is None else w + self.c.repeat_interleave(group, dim=1)
 
 
 def c_matrices(linears: list[nn.Module]) -> ctypes.Array:

@@ -70,7 +70,7 @@ from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.feed_forward import SparseMoE
 from engine_core.model.forward_context import current
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
-from engine_core.weights.gguf_q8 import Q8Weight
+from engine_core.weights.gguf_q8 import Q8Weight, cat_blocks
 from kernels import native
 
 logger = logging.getLogger(__name__)
@@ -347,7 +347,7 @@ def quantize_for_decode(
             return NativeQ4Matmul(w, lib, int8) if lib is not None else Int4Matmul(w)
         if lib is not None and parts and all(p in q4 or p in q8 for p in parts):
             num_file_q8 += 1
-            w8 = Q8Weight.cat([q8[p] if p in q8 else Q8Weight.from_q4(q4[p]) for p in parts])
+            w8 = cat_blocks([q8[p] if p in q8 else Q8Weight.from_q4(q4[p]) for p in parts])
             return NativeQ8Matmul(w8, lib, int8)
         if lib is not None and linear.weight.shape[1] % GROUP_SIZE == 0:
             return NativeQ8Matmul(linear.weight, lib, int8)

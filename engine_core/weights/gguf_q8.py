@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import MXFP4, Q4_K, dequantize
+from gguf.quants import IQ4_NL, MXFP4, Q4_K, dequantize
 
 from engine_core.weights.gguf_q4 import Q4Weight
 
@@ -103,6 +103,45 @@ class Q8Weight:
         if any(p.c is not None for p in parts):
             c = torch.cat([torch.zeros_like(p.d) if p.c is None else p.c for p in parts])
         return Q8Weight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), c)
+
+
+# the types whose weights are a 4-bit index into a 16-entry table times d per 32: kept as
+# the indices (NLWeight, the C kernels' KIND_NL: half the bytes of int8), the table gguf's own
+NL_TABLES = {Q.IQ4_NL: IQ4_NL.kvalues, Q.IQ4_XS: IQ4_NL.kvalues, Q.MXFP4: MXFP4.kvalues}
+
+
+@dataclass
+class NLWeight:
+    """A [out_features, in_features] weight as 4-bit indices into `table` and d per 32 along
+    K: w = table[q] * d (the C kernels' kind 9). Its q8 form (`to_q8`) is table[q] as int8."""
+
+    q: torch.Tensor  # [N, K] uint8, 0..15
+    d: torch.Tensor  # [N, K / 32] float32
+    table: torch.Tensor  # [16] int8
+
+    kind = 9
+
+    def to_q8(self) -> Q8Weight:
+        return Q8Weight(self.table[self.q.long()], self.d, None)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        return self.to_q8().dequantize()
+
+    def permute_rows(self, index: torch.Tensor) -> NLWeight:
+        return NLWeight(self.q[index], self.d[index], self.table)
+
+    def packed_nibbles(self) -> torch.Tensor:  # [N, K // 32, 16] uint8, as a q4 group's
+        q = self.q.view(self.q.shape[0], -1, 2, 16)  # weight j and j + 16 share byte j
+        return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+
+
+def cat_blocks(parts: list[Q8Weight | NLWeight]) -> Q8Weight | NLWeight:
+    """Stack weights along the output dimension (a fused projection): one NLWeight where every
+    part is one over the same table, else the q8 form of them all."""
+    if all(isinstance(p, NLWeight) and torch.equal(p.table, parts[0].table) for p in parts):
+        return NLWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                        parts[0].table)
+    return Q8Weight.cat([p.to_q8() if isinstance(p, NLWeight) else p for p in parts])
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:  # [B, 1] float32
@@ -172,8 +211,10 @@ def _iq_scales(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return dl * np.float32(0.125)  # q = 8 * (grid value +- 1/8)
 
 
-def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType) -> Q8Weight:
-    """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them."""
+def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType) -> Q8Weight | NLWeight:
+    """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them.
+    A type of NL_TABLES comes back as its table's indices (NLWeight), found from the integers
+    (each the table entry it is; a table holding a value twice, MXFP4's 0, gives the first)."""
     rows = data.shape[0]
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = data.reshape(-1, type_size)  # [B, block bytes]
@@ -190,5 +231,12 @@ def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType) -> Q8Weight:
     if not np.array_equal(back, wg):
         raise ValueError(f"{qtype.name} tensor: its integers do not give gguf's weights back")
     per_row = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
+    if qtype in NL_TABLES:
+        table = np.array(NL_TABLES[qtype], dtype=np.int8)
+        found = q[..., None] == table  # a group whose d is 0 has any index (its q are 0)
+        index = np.argmax(found, axis=-1).astype(np.uint8)
+        if not (found.any(axis=-1) | (d[..., None] == 0)).all():
+            raise ValueError(f"{qtype.name} tensor: an integer not in its table")
+        return NLWeight(per_row(index), per_row(d), torch.from_numpy(table))
     return Q8Weight(per_row(q), per_row(d), None if c is None else per_row(c))
 

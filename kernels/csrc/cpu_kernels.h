@@ -100,6 +100,10 @@ static inline __m256 exp256(__m256 x) {
 #define KIND_Q8_MIN 5
 #define KIND_Q8_HALF 6
 #define KIND_Q8_HALF_MIN 7
+/* 9: q4's nibbles through a 16-entry table, w = table[q] * d per 32 (IQ4_NL, IQ4_XS, MXFP4:
+ * the GGUF's own 4-bit indices and table). qs as q4's [N, K/32, 16], d [N, K/32]; `c` points
+ * to the table (16 x i8), not to constants. pd_q8_matmul and pd_i8_matmul take it. */
+#define KIND_NL 9
 #define KIND_HALF(kind) ((kind) == KIND_Q8_HALF || (kind) == KIND_Q8_HALF_MIN)
 #define KIND_MIN(kind) ((kind) == KIND_Q8_MIN || (kind) == KIND_Q8_HALF_MIN)
 

@@ -12,6 +12,8 @@
  *   q8 weights: qs [N, K] i8, d [N, K/32] f32        w = q * d
  *               (the q8 family of cpu_kernels.h: d, and c [N, K/32] where the kind has
  *               one, or both per 16, [N, K/16]; w = q * d + c, the product rounded first)
+ *   nl weights: qs as q4's, d [N, K/32] f32, c: a 16-entry i8 table   w = table[q] * d
+ *               (KIND_NL, through pd_q8_matmul: IQ4_NL, IQ4_XS, MXFP4)
  *
  * y[r, n] is computed by one thread in a fixed order (8 or 16 float lanes over K, then one
  * horizontal sum), whatever the number of rows or threads: a row's result is the same bit
@@ -50,6 +52,20 @@ static inline __attribute__((always_inline)) void expand_q8(
         w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(dg[h]));
         if (KIND_MIN(kind)) w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(cg[h]));
     }
+}
+
+/* The 32 weights of an nl group (KIND_NL): table[nibble] * dg, in weight order. */
+static inline __attribute__((always_inline)) void expand_nl(
+        const uint8_t *qs, const int8_t *table, float dg, __m256 w[4]) {
+    const __m128i mask = _mm_set1_epi8(0x0F), t = _mm_loadu_si128((const __m128i *)table);
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i lo = _mm_shuffle_epi8(t, _mm_and_si128(b, mask));                 /* 0..15 */
+    const __m128i hi = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(b, 4), mask)); /* 16.. */
+    const __m256 d = _mm256_set1_ps(dg);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d);
 }
 
 /* acc[r] += x[r, group] . w for the rows of a tile; each row's operations are the same
@@ -99,6 +115,13 @@ static inline __attribute__((always_inline)) void tile512(
                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), d0, cg);
             w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                      _mm_and_si128(_mm_srli_epi16(b, 4), mask))), d0, cg);
+        } else if (kind == KIND_NL) { /* c is the table */
+            const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + g * 16));
+            const __m128i t = _mm_loadu_si128((const __m128i *)c);
+            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_shuffle_epi8(t, _mm_and_si128(b, mask)))), d0);
+            w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(
+                                   t, _mm_and_si128(_mm_srli_epi16(b, 4), mask)))), d0);
         } else {
             const __m128i *q = (const __m128i *)((const int8_t *)qs + g * GROUP);
             w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d0);
@@ -192,7 +215,10 @@ static inline __attribute__((always_inline)) void q8_tile(
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 w[4];
-        expand_q8(qs + g * GROUP, d + g * per, KIND_MIN(kind) ? c + g * per : 0, w, kind);
+        if (kind == KIND_NL) /* c is the table */
+            expand_nl((const uint8_t *)qs + g * 16, (const int8_t *)c, d[g], w);
+        else
+            expand_q8(qs + g * GROUP, d + g * per, KIND_MIN(kind) ? c + g * per : 0, w, kind);
         fma_rows(x + g * GROUP, K, rows, w, acc);
     }
 #pragma GCC unroll 8
@@ -205,10 +231,13 @@ static inline __attribute__((always_inline)) void q8_columns(
         const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, const float *c,
         int64_t n0, int64_t n1, float *y, int64_t N, const int kind) {
     const int64_t scales = K / GROUP * (KIND_HALF(kind) ? 2 : 1); /* d (and c) per column */
+    const int64_t column_bytes = kind == KIND_NL ? K / 2 : K; /* nl: q4's nibbles */
+    /* c: the kind's constants per column, or (nl) the one table */
 #define Q8_TILE(ROWS)                                                                      \
     for (int64_t n = n0; n < n1; n++)                                                      \
-        q8_tile(x + r * K, K, qs + n * K, d + n * scales, KIND_MIN(kind) ? c + n * scales : 0, \
-                y + r * N + n, N, ROWS, kind)
+        q8_tile(x + r * K, K, qs + n * column_bytes, d + n * scales,                       \
+                KIND_MIN(kind) ? c + n * scales : (kind == KIND_NL ? c : 0), y + r * N + n, \
+                N, ROWS, kind)
     int64_t r = 0;
 #if ROW_TILE > 8
     if (K * ROW_TILE * sizeof(float) <= L1_ROWS_BYTES)
@@ -226,6 +255,7 @@ static void q8_block(const float *x, int64_t M, int64_t K, int kind, const int8_
     case KIND_Q8: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8); break;
     case KIND_Q8_MIN: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_MIN); break;
     case KIND_Q8_HALF: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_HALF); break;
+    case KIND_NL: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_NL); break;
     default: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_HALF_MIN); break;
     }
 }
@@ -257,12 +287,12 @@ int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const 
     return 0;
 }
 
-/* y [M, N] = x [M, K] @ W.T, W in the q8 family (kind 8, 5, 6 or 7; see the top of the file
- * and cpu_kernels.h). K % 32 == 0. Returns 0, or -2 for a kind that is not one of them. */
+/* y [M, N] = x [M, K] @ W.T, W in the q8 family (kind 8, 5, 6 or 7) or nl (kind 9; see the
+ * top of the file and cpu_kernels.h). K % 32 == 0. Returns 0, or -2 for another kind. */
 int pd_q8_matmul(const float *x, int64_t M, int64_t K, int kind, const int8_t *qs,
                  const float *d, const float *c, int64_t N, float *y, int threads) {
     if (kind != KIND_Q8 && kind != KIND_Q8_MIN && kind != KIND_Q8_HALF &&
-        kind != KIND_Q8_HALF_MIN)
+        kind != KIND_Q8_HALF_MIN && kind != KIND_NL)
         return -2;
     const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)

@@ -20,6 +20,9 @@
  *       the rest of the q8 family (cpu_kernels.h) packs q the same way, and c as q4's d;
  *       a half kind has d (and c) [N/16, K/32, 2, 16]: k 0..15 of a group (m 0..3) take
  *       the first 16 columns' scales, k 16..31 (m 4..7) the second, each half its own dot
+ *   nl: w and d as q4's, the nibbles indices into a 16-entry i8 table (c points to it): in
+ *       the kernel each index becomes table + 128 (u8, one vpshufb), and the + 128 is taken
+ *       back as q8's
  * Columns past N are zero in the packing and not stored.
  *
  * y[r, n] = sum_g (d[n, g] * sx[r, g]) * dot_int(q[n, g], xq[r, g]) (+ c[n, g] * xsum[r, g]),
@@ -116,9 +119,14 @@ static inline __attribute__((always_inline)) void i8_tile(
         const float *c, float *y, int64_t N, __mmask16 cols, const uint8_t *next,
         const uint8_t *far, const int rows, const int kind) {
     const int64_t G = K / GROUP;
-    const int q4 = kind == KIND_Q4, half = KIND_HALF(kind), min = q4 || KIND_MIN(kind);
+    const int nl = kind == KIND_NL, q4 = kind == KIND_Q4 || nl; /* q4: nibbles */
+    const int half = KIND_HALF(kind), min = kind == KIND_Q4 || KIND_MIN(kind);
     const int64_t scales = half ? 2 * I8_COLS : I8_COLS; /* floats of d (and c) per group */
     const __m512i low = _mm512_set1_epi8(0x0F);
+    /* nl: the table + 128 in each 128-bit lane (vpshufb looks up within a lane) */
+    const __m512i table = nl ? _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(
+                                   (const __m128i *)c)), _mm512_set1_epi8((char)128))
+                             : _mm512_setzero_si512();
     const int64_t group_bytes = q4 ? 256 : 512;
     __m512 acc[I8_ROWS];
     __m512i ia[I8_ROWS];
@@ -142,6 +150,10 @@ static inline __attribute__((always_inline)) void i8_tile(
                 const __m512i b = _mm512_loadu_si512(wg + 64 * j);
                 wv[2 * j] = _mm512_and_si512(b, low);
                 wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+                if (nl) {
+                    wv[2 * j] = _mm512_shuffle_epi8(table, wv[2 * j]);
+                    wv[2 * j + 1] = _mm512_shuffle_epi8(table, wv[2 * j + 1]);
+                }
             }
         } else {
 #pragma GCC unroll 8
@@ -156,7 +168,8 @@ static inline __attribute__((always_inline)) void i8_tile(
             const int32_t *off = half ? (part ? xq->xoff_hi : xq->xoff_lo) : xq->xoff;
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++)
-                ia[r] = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(off[rg0 + r]);
+                ia[r] = kind == KIND_Q4 ? _mm512_setzero_si512()
+                                        : _mm512_set1_epi32(off[rg0 + r]);
 #pragma GCC unroll 8
             for (int m = m0; m < m0 + nm; m++)
 #pragma GCC unroll 8
@@ -186,13 +199,15 @@ static inline __attribute__((always_inline)) void i8_tile(
 static inline __attribute__((always_inline)) void i8_columns(
         const pd_xq *xq, int64_t M, int64_t K, int64_t t, const uint8_t *w, const float *d,
         const float *c, float *y, int64_t N, const int kind) {
-    const int q4 = kind == KIND_Q4, min = q4 || KIND_MIN(kind);
+    const int q4 = kind == KIND_Q4 || kind == KIND_NL, min = kind == KIND_Q4 || KIND_MIN(kind);
     const int64_t scales = KIND_HALF(kind) ? 2 * I8_COLS : I8_COLS;
     const int64_t G = K / GROUP, n0 = t * I8_COLS, tile_bytes = G * (q4 ? 256 : 512);
     const int64_t ncols = N - n0 < I8_COLS ? N - n0 : I8_COLS;
     const __mmask16 cols = (__mmask16)((1u << ncols) - 1);
     const uint8_t *wt = w + t * tile_bytes;
-    const float *dt = d + t * G * scales, *ct = min ? c + t * G * scales : 0;
+    /* c: the kind's constants of this tile, or (nl) the one table */
+    const float *dt = d + t * G * scales, *ct = min ? c + t * G * scales
+                                                    : (kind == KIND_NL ? c : 0);
     /* the next tile's weights and scales, fetched during the first row block */
     const uint8_t *next = n0 + I8_COLS < N ? wt + tile_bytes : 0;
     const uint8_t *far = n0 + FAR_TILES * I8_COLS < N ? wt + FAR_TILES * tile_bytes : 0;
@@ -214,6 +229,7 @@ static void i8_tiles(const pd_xq *xq, int64_t M, int64_t K, int64_t t, const uin
     case KIND_Q8: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q8); break;
     case KIND_Q8_MIN: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q8_MIN); break;
     case KIND_Q8_HALF: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q8_HALF); break;
+    case KIND_NL: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_NL); break;
     default: i8_columns(xq, M, K, t, w, d, c, y, N, KIND_Q8_HALF_MIN); break;
     }
 }
@@ -223,7 +239,7 @@ static void i8_tiles(const pd_xq *xq, int64_t M, int64_t K, int64_t t, const uin
 int pd_i8_matmul(const float *x, int64_t M, int64_t K, int kind, const uint8_t *w,
                  const float *d, const float *c, int64_t N, float *y, int threads) {
     if (kind != KIND_Q4 && kind != KIND_Q8 && kind != KIND_Q8_MIN && kind != KIND_Q8_HALF &&
-        kind != KIND_Q8_HALF_MIN)
+        kind != KIND_Q8_HALF_MIN && kind != KIND_NL)
         return -2;
     pd_xq xq;
     if (quantize_rows(x, M, K, &xq) != 0) {

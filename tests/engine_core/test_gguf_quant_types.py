@@ -168,7 +168,8 @@ def test_q8_family_expands_to_gguf_dequantize_and_multiplies_in_c(qtype):
                                 .reshape(40, 512))
     assert torch.equal(w.dequantize(), expected)
     half = {Q.Q6_K: 6, Q.Q3_K: 6, Q.IQ2_XS: 6, Q.IQ2_S: 6, Q.Q2_K: 7}  # scales per 16
-    assert w.kind == {**half, Q.Q5_K: 5, Q.Q5_1: 5}.get(qtype, 8)
+    nl = dict.fromkeys((Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4), 9)  # 4-bit indices into a table
+    assert w.kind == {**half, **nl, Q.Q5_K: 5, Q.Q5_1: 5}.get(qtype, 8)
     lib = native.load()
     if lib is None:
         pytest.skip("the C kernels do not load here")
@@ -208,12 +209,10 @@ def test_k_quants_and_iq_types_decode_in_c(qtype, tmp_path):
     eng = tm.engine(path, quantize_decode=True, decode_activations="float32")
     proj = eng.model.layers[0].mlp.down_proj
     assert isinstance(proj, DecodeQuantLinear) and isinstance(proj.quant, NativeQ8Matmul)
-    quant = proj.quant  # its weights are the file's: q * d (+ c) is the dense weight
-    group = 16 if quant.kind in (6, 7) else 32
-    back = quant.qs.float() * quant.d.repeat_interleave(group, dim=1)
-    if quant.c is not None:
-        back = back + quant.c.repeat_interleave(group, dim=1)
-    assert torch.equal(back, proj.dense.weight.float())
+    # its weights are the file's: q * d (+ c), or table[q] * d, is the dense weight
+    assert torch.equal(proj.quant.expanded(), proj.dense.weight.float())
+    # the 4-bit table types keep 4 bits a weight (kind 9), half the bytes of int8
+    assert (proj.quant.kind == 9) == (qtype in (Q.IQ4_NL, Q.IQ4_XS))
     assert eng.runner.quantization.decode_layers is not None
     prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
     assert tm.greedy(eng, prompts, 16) == tm.greedy(tm.engine(path), prompts, 16)

@@ -126,8 +126,8 @@ def test_gguf_gpt_oss_as_llama_cpp_writes_it(tmp_path):
 
 def test_gguf_mxfp4_experts_decode_from_the_files_values(tmp_path):
     """GPT-OSS's experts in MXFP4, as the released GGUFs hold them: each expert's decode rows
-    multiply the file's own 4-bit values and power-of-two scales in C (q8 family, kind 8),
-    exactly what gguf dequantizes; logits within 1e-3 of transformers holding the same
+    multiply the file's own 4-bit values and power-of-two scales in C (kind 9: 4-bit indices
+    into MXFP4's table), exactly what gguf dequantizes; logits within 1e-3 of transformers holding the same
     weights, greedy equal, and on the CPU defaults (bf16, int8 activations) the first tokens
     too."""
     from engine_core.model.decode_quant import NativeQ8Matmul
@@ -143,7 +143,7 @@ def test_gguf_mxfp4_experts_decode_from_the_files_values(tmp_path):
         for layer in eng.model.layers:
             for e in layer.mlp.experts:
                 quant = e.gate_up_proj.quant
-                assert isinstance(quant, NativeQ8Matmul) and quant.kind == 8
+                assert isinstance(quant, NativeQ8Matmul) and quant.kind == 9
         assert eng.runner.quantization.decode_layers is not None
     assert tm.relative_error(tm.prompt_logits(eng, prompt), tm.hf_logits(hf, prompt)) < 1e-3
     assert tm.greedy(eng, [prompt], 12)[0] == tm.hf_greedy(hf, prompt, 12)
