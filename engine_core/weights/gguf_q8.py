@@ -233,10 +233,14 @@ def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType) -> Q8Weight | NLWei
     per_row = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
     if qtype in NL_TABLES:
         table = np.array(NL_TABLES[qtype], dtype=np.int8)
-        found = q[..., None] == table  # a group whose d is 0 has any index (its q are 0)
-        index = np.argmax(found, axis=-1).astype(np.uint8)
-        if not (found.any(axis=-1) | (d[..., None] == 0)).all():
+        position = np.full(256, 16, dtype=np.uint8)  # integer + 128 -> its first index
+        position[table[::-1].astype(np.int16) + 128] = np.arange(15, -1, -1, dtype=np.uint8)
+        index = position[q.astype(np.int16) + 128]
+        # a group whose d is 0 holds q 0, which a table may lack: any index will do there
+        missing = (index == 16) & (d[..., None] != 0)
+        if missing.any():
             raise ValueError(f"{qtype.name} tensor: an integer not in its table")
+        index[index == 16] = 0
         return NLWeight(per_row(index), per_row(d), torch.from_numpy(table))
     return Q8Weight(per_row(q), per_row(d), None if c is None else per_row(c))
 
