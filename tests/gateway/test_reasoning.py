@@ -79,22 +79,32 @@ TEMPLATE = (
 THINKING = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
 
 
-@pytest.fixture(scope="module")
-def thinking_gateway(tmp_path_factory, model_path):
-    template = tmp_path_factory.mktemp("reasoning") / "template.jinja"
-    template.write_text(TEMPLATE)
-    proc, log = spawn_gateway("--chat-template", str(template))  # --reasoning-parser auto
+def template_gateway(tmp_path_factory, name: str, template: str):
+    """A real gateway serving the model with `template` (so --reasoning-parser auto picks by
+    it), stopped at the end."""
+    path = tmp_path_factory.mktemp(name) / "template.jinja"
+    path.write_text(template)
+    proc, log = spawn_gateway("--chat-template", str(path))
     gw = wait_ready(proc, log)
     yield gw
     assert stop_gateway(gw) == 0, gw.log.read_text()[-4000:]
     gw.log.unlink(missing_ok=True)
 
 
+def openai_client(gw):
+    with openai.OpenAI(base_url=f"{gw.http_url}/v1", api_key="unused", timeout=180,
+                       max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def thinking_gateway(tmp_path_factory, model_path):
+    yield from template_gateway(tmp_path_factory, "reasoning", TEMPLATE)
+
+
 @pytest.fixture(scope="module")
 def client(thinking_gateway):
-    with openai.OpenAI(base_url=f"{thinking_gateway.http_url}/v1", api_key="unused",
-                       timeout=180, max_retries=0) as c:
-        yield c
+    yield from openai_client(thinking_gateway)
 
 
 def _chat(client, regex: str, stream: bool = False, **kw):
@@ -264,15 +274,8 @@ ANALYSIS = r"<\|channel\|>analysis<\|message\|>[a-z ]{4,20}<\|end\|><\|start\|>a
 @pytest.fixture(scope="module")
 def harmony_client(tmp_path_factory, model_path):
     """A gateway whose template writes harmony's <|channel|> (auto picks the harmony parser)."""
-    template = tmp_path_factory.mktemp("harmony") / "template.jinja"
-    template.write_text(HARMONY_TEMPLATE)
-    proc, log = spawn_gateway("--chat-template", str(template))
-    gw = wait_ready(proc, log)
-    with openai.OpenAI(base_url=f"{gw.http_url}/v1", api_key="unused", timeout=180,
-                       max_retries=0) as c:
-        yield c
-    assert stop_gateway(gw) == 0, gw.log.read_text()[-4000:]
-    gw.log.unlink(missing_ok=True)
+    for gw in template_gateway(tmp_path_factory, "harmony", HARMONY_TEMPLATE):
+        yield from openai_client(gw)
 
 
 def test_harmony_channels_and_function_calls(harmony_client):

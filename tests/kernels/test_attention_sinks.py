@@ -78,43 +78,18 @@ def test_triton_sinks(window, triton_device: torch.device) -> None:
 @pytest.mark.parametrize("window", WINDOWS)
 def test_c_attention_sinks(window, isa: str) -> None:
     """pd_row_attention with sinks: prefill rows (through table_of_row) and decode rows, on
-    the per-head path (G 3, D 32) and the group kernels' (G 2, D 64; GPT-OSS's G 8, D 64)."""
-    from engine_core.model.rope import apply_rope, cos_sin_cache
-    from kernels.reference import store_kv_ref
+    the per-head path (G 3, D 32) and the group kernels' (G 2, D 64; GPT-OSS's G 8, D 64);
+    sinks of the wrong shape are refused."""
+    from tests.kernels.row_attention_check import check_row_attention
     from tests.native_kernels import require_native_kernels
 
     lib = require_native_kernels(isa)
-    for hq, hkv, d in ((6, 2, 32), (4, 2, 64), (8, 1, 64)):
-        sinks = sinks_for(hq)
-        inputs = make_prefill_inputs(*PREFILL_CASE, hq, hkv, d, 16, torch.float32, seed=4)
-        kv_layer = inputs.kv_layer.contiguous()
-        meta = inputs.metadata()
-        positions = meta.prefill_row_lens.long() - 1
-        tables = inputs.block_tables[meta.prefill_row_tables.long()]
-        slots = tables.long().gather(1, (positions // 16)[:, None])[:, 0] * 16 + positions % 16
-        qkv = torch.randn(len(positions), (hq + 2 * hkv) * d,
-                          generator=torch.Generator().manual_seed(4))
-        cos_sin = cos_sin_cache(d, 256, 10000.0, None)[positions]
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
-        cos, sin = cos_sin[:, None, :d // 2], cos_sin[:, None, d // 2:]
-        expected_cache = kv_layer.clone()
-        store_kv_ref(apply_rope(k.reshape(-1, hkv, d), cos, sin), v.reshape(-1, hkv, d),
-                     expected_cache, slots)
-        expected = paged_prefill_attention_ref(
-            apply_rope(q.reshape(-1, hq, d), cos, sin), expected_cache, inputs.block_tables,
-            inputs.query_start_loc, inputs.seq_lens, 0.2, window, None,
-            sinks).reshape(len(positions), -1)
-        out = native.row_attention(lib, qkv.clone(), cos_sin, kv_layer, slots,
-                                   inputs.block_tables, meta.prefill_row_lens, hq, 0.2,
-                                   meta.prefill_max_len, meta.prefill_row_tables, window,
-                                   sinks=sinks)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
-        last = (inputs.query_start_loc[1:] - 1).long()  # as decode rows, their own tables
-        alone = native.row_attention(lib, qkv[last].clone(), cos_sin[last], kv_layer.clone(),
-                                     slots[last], inputs.block_tables, inputs.seq_lens, hq, 0.2,
-                                     0, None, window, sinks=sinks)
-        torch.testing.assert_close(alone, expected[last], atol=1e-5, rtol=1e-4)
+    for heads in ((6, 2, 32), (4, 2, 64), (8, 1, 64)):
+        check_row_attention(lib, PREFILL_CASE, heads, window, sinks=sinks_for)
+    qkv = torch.zeros(1, 8 * 32)
     with pytest.raises(ValueError, match=r"sinks float32 \[num_heads\]"):
-        native.row_attention(lib, qkv[last].clone(), cos_sin[last], kv_layer.clone(),
-                             slots[last], inputs.block_tables, inputs.seq_lens, hq, 0.2, 0,
-                             sinks=sinks[:-1])
+        native.row_attention(lib, qkv, torch.zeros(1, 32), torch.zeros(4, 2, 16, 2, 32),
+                             torch.zeros(1, dtype=torch.int64),
+                             torch.zeros(1, 1, dtype=torch.int32),
+                             torch.ones(1, dtype=torch.int32), 4, 0.2, 0,
+                             sinks=sinks_for(3))

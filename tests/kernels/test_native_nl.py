@@ -9,8 +9,11 @@ import torch
 
 from engine_core.weights.gguf_q8 import NL_TABLES, NLWeight
 from kernels import native
-from tests.helpers import torch_threads
-from tests.kernels.test_native import NO_NATIVE_KERNELS, int8_reference_half
+from tests.kernels.test_native import (
+    NO_NATIVE_KERNELS,
+    assert_rows_invariant,
+    int8_reference_half,
+)
 from tests.native_kernels import require_native_kernels
 
 pytestmark = pytest.mark.skipif(NO_NATIVE_KERNELS is not None, reason=str(NO_NATIVE_KERNELS))
@@ -60,12 +63,5 @@ def test_nl_rows_are_batch_and_thread_invariant(lib, int8):
 
     if int8 and not native.has_int8(lib):
         pytest.skip("int8 activations are in the VNNI build only")
-    layer = NativeQ8Matmul(random_nl(200, 576, TABLES["MXFP4"], seed=7), lib, int8)
-    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(2))
-    with torch_threads(2):
-        batched = layer(x)
-    with torch_threads(1):
-        for i in (0, 9, 36):
-            assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1])
-        perm = torch.randperm(37, generator=torch.Generator().manual_seed(3))
-        assert torch.equal(layer(x[perm]), batched[perm])
+    assert_rows_invariant(NativeQ8Matmul(random_nl(200, 576, TABLES["MXFP4"], seed=7), lib,
+                                         int8), 576)
