@@ -215,10 +215,13 @@ class LLMEngine:
         req_id = req_id if req_id is not None else str(next(self._ids))
         req = Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens)
         if params.structured is not None:
-            req.matcher = self.grammar_compiler.matcher(params.structured)
+            after = params.structured.after_token
+            if after is not None and after >= vocab:
+                raise ValueError(f"structured after_token must be in [0, {vocab}), got {after}")
             # a continuation: the earlier attempt's output is already part of the grammar's text
             prior = ids[len(ids) - num_prior_output_tokens:] if num_prior_output_tokens else []
-            if prior and not req.matcher.consume_tokens(prior):
+            if not req.start_grammar(self.grammar_compiler.matcher(params.structured), after,
+                                     prior):
                 raise ValueError("the prompt's prior output tokens do not match the grammar "
                                  f"of structured: {req.matcher.get_error()}")
         return req, text

@@ -83,9 +83,14 @@ class Request:
         self.status = RequestStatus.WAITING
         self.times = RequestTimes()
         self.generator: torch.Generator | None = None
-        # SamplingParams.structured's llguidance matcher (set by the engine): it consumes
-        # every output token, so it always stands where the next token's mask starts
+        # SamplingParams.structured's llguidance matcher (set by the engine, start_grammar):
+        # it consumes every output token, so it always stands where the next token's mask
+        # starts. A grammar that starts after a token (StructuredOutput.after_token) waits
+        # in _pending_grammar until that token is appended; matcher is None until then.
         self.matcher = None
+        self._pending_grammar = None
+        self._after_token: int | None = None
+        self._grammar_from = 0  # output index of the grammar's first token
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
 
@@ -124,15 +129,33 @@ class Request:
         Only a request in its decode phase drafts, and only when its sampling needs nothing
         that depends on every earlier token of the step (penalties, min_tokens blocking,
         logprobs) or that the verifier does not apply (logit_bias); the drafts never run past
-        max_tokens. A structured output's drafts are checked against its grammar's masks.
+        max_tokens. A structured output's drafts are checked against its grammar's masks; one
+        that waits for its start token drafts nothing until it starts.
         """
         p = self.sampling_params
         if (k <= 0 or self.num_computed_tokens != self.num_tokens - 1
+                or self._pending_grammar is not None  # unmasked drafts could pass its start
                 or not self.output_token_ids or p.has_penalties
                 or p.logprobs is not None or p.logit_bias
                 or self.num_output_tokens < p.min_tokens):
             return 0
         return max(0, min(k, p.max_tokens - self.num_output_tokens - 1))
+
+    def start_grammar(self, matcher, after_token: int | None,
+                      prior: list[int] | None = None) -> bool:
+        """Give the request its grammar's matcher: active now, or (after_token) held until
+        that token is appended. `prior`: a continuation's earlier output (in its prompt),
+        replayed through it; False when the grammar rejects it."""
+        if after_token is None:
+            self.matcher = matcher
+        else:
+            self._pending_grammar, self._after_token = matcher, after_token
+            if prior and after_token in prior:  # it started in the earlier attempt
+                self.matcher, self._pending_grammar = matcher, None
+                prior = prior[prior.index(after_token) + 1:]
+        if self.matcher is None or not prior:
+            return True
+        return self.matcher.consume_tokens(prior)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -141,17 +164,25 @@ class Request:
             # a token outside the mask leaves the matcher in its error state (never here:
             # the sampler only draws allowed tokens, and EOS ends the request)
             self.matcher.consume_token(token_id)
+        elif self._pending_grammar is not None and token_id == self._after_token:
+            self.matcher, self._pending_grammar = self._pending_grammar, None
+            self._grammar_from = self.num_output_tokens
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past the first `num_output_tokens` (a stop string ended the
-        request among tokens one speculative step produced)."""
+        request among tokens one speculative step produced). A grammar that started among
+        the dropped tokens waits for its start token again."""
         drop = self.num_output_tokens - num_output_tokens
         if drop > 0:
             del self.output_token_ids[-drop:]
             del self.all_token_ids[-drop:]
             del self.output_logprobs[num_output_tokens:]
-            if self.matcher is not None:
-                self.matcher.rollback(drop)
+            if self.matcher is None:
+                return
+            consumed = self.num_output_tokens + drop - self._grammar_from
+            self.matcher.rollback(min(drop, consumed))
+            if self._after_token is not None and num_output_tokens < self._grammar_from:
+                self._pending_grammar, self.matcher = self.matcher, None
 
     def check_stop(self) -> RequestStatus | None:
         """Finish status after the latest token, or None to keep going (stop strings are

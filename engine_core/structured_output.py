@@ -14,6 +14,7 @@ mask of the next step is always the mask of the request's current state.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -43,10 +44,13 @@ MAX_CACHED_GRAMMARS = 256
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A constraint on the whole output. `kind` is one of KINDS; `spec` its text."""
+    """A constraint on the output. `kind` is one of KINDS; `spec` its text. `after_token`: the
+    grammar starts after this token (a reasoning model's </think>), the output before it
+    free; None: from the first token (Request holds the matcher back until then)."""
 
     kind: str
     spec: str = ""
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -57,6 +61,11 @@ class StructuredOutput:
         if len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"structured output spec must be at most {MAX_SPEC_CHARS} "
                              f"characters, got {len(self.spec)}")
+        if self.after_token is not None and (isinstance(self.after_token, bool)
+                                             or not isinstance(self.after_token, int)
+                                             or self.after_token < 0):
+            raise ValueError(f"structured output after_token must be a token id >= 0, got "
+                             f"{self.after_token!r}")
 
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form); raises ValueError for a spec that does not
@@ -107,6 +116,7 @@ class GrammarCompiler:
 
     def matcher(self, so: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `so`'s grammar; ValueError for a bad one."""
+        so = dataclasses.replace(so, after_token=None)  # one compile whatever starts it
         with self._lock:
             template = self._cache.get(so)
             if template is not None:

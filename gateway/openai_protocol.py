@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
 from gateway.openai_structured import parse_structured
-from gateway.reasoning import opens_reasoning
+from gateway.reasoning import PROMPT_TAIL, grammar_after_reasoning, opens_reasoning
 from gateway.tools import ToolChoice, encode_tool_chat, parse_tools
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
@@ -224,6 +224,9 @@ async def parse_chat(body: Any, backend: Backend,
         await check_structured(backend, tool_constraint, "tools")
     ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
                                  "messages", _template_kwargs(body))
+    if reasoning_parser == "think" and kwargs.get("structured") is not None:
+        kwargs["structured"] = grammar_after_reasoning(backend.tokenizer, ids,
+                                                       kwargs["structured"])
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -247,7 +250,7 @@ async def parse_chat(body: Any, backend: Backend,
                                                                     1)) from None
         raise
     reasoning_open = reasoning_parser == "think" and opens_reasoning(
-        backend.tokenizer.decode(ids[-8:], skip_special_tokens=False))
+        backend.tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False))
     return replace(req, tool_choice=tool_choice, reasoning=reasoning_parser,
                    reasoning_open=reasoning_open)
 

@@ -12,7 +12,8 @@ DeepSeek-R1 distills, SmolLM3 in thinking mode, QwQ):
     <think>R     (cut by max_tokens)  R                   null
     C            (no <think> first)   null                C
 
-Leading whitespace before the first tag and after </think> is dropped. `pdserve gateway
+Leading whitespace before the first tag and after </think> is dropped. A structured output
+of such a chat starts after </think> (grammar_after_reasoning). `pdserve gateway
 --reasoning-parser` picks it: auto (the default) uses "think" where the chat template writes
 <think> (a thinking model's template does) and "harmony" (GPT-OSS's channels:
 gateway/harmony.py) where it writes <|channel|>; none leaves every output whole. Only chat
@@ -21,7 +22,13 @@ completions are split (gateway/chat_output.py).
 
 from __future__ import annotations
 
+import dataclasses
+
+from engine_core.structured_output import StructuredOutput
+
 OPEN, CLOSE = "<think>", "</think>"
+# prompt tokens whose text tells whether the generation prompt opened or closed thinking
+PROMPT_TAIL = 8
 PARSERS = ("auto", "think", "harmony", "none")
 
 
@@ -35,6 +42,19 @@ def resolve_parser(setting: str, chat_template: str | None) -> str | None:
             return "harmony"
         return "think" if chat_template and OPEN in chat_template else None
     return None if setting == "none" else setting
+
+
+def grammar_after_reasoning(tokenizer, prompt_ids: list[int],
+                            so: StructuredOutput) -> StructuredOutput:
+    """A structured output of a thinking chat, started after </think> (as vLLM does with a
+    reasoning parser): the model reasons freely, the answer is constrained. Only where
+    </think> is one token, and not when the prompt already closed the block (Qwen3's
+    enable_thinking false); else the grammar holds from the first token, as before."""
+    close = tokenizer.encode(CLOSE, add_special_tokens=False)
+    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL:], skip_special_tokens=False)
+    if len(close) != 1 or CLOSE in tail:
+        return so
+    return dataclasses.replace(so, after_token=close[0])
 
 
 def opens_reasoning(prompt_text: str) -> bool:

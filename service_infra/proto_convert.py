@@ -38,13 +38,14 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParameters:
 
 
 def structured_to_proto(so: StructuredOutput) -> pb.StructuredOutput:
+    after = {} if so.after_token is None else {"after_token": so.after_token}
     if so.kind == "json":
-        return pb.StructuredOutput(json_schema=so.spec)
+        return pb.StructuredOutput(json_schema=so.spec, **after)
     if so.kind == "json_object":
-        return pb.StructuredOutput(json_object=True)
+        return pb.StructuredOutput(json_object=True, **after)
     if so.kind == "choice":
-        return pb.StructuredOutput(choice=pb.Choices(values=json.loads(so.spec)))
-    return pb.StructuredOutput(**{so.kind: so.spec})
+        return pb.StructuredOutput(choice=pb.Choices(values=json.loads(so.spec)), **after)
+    return pb.StructuredOutput(**{so.kind: so.spec}, **after)
 
 
 def structured_from_proto(m: pb.StructuredOutput) -> StructuredOutput | None:
@@ -52,13 +53,14 @@ def structured_from_proto(m: pb.StructuredOutput) -> StructuredOutput | None:
     kind = m.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not m.json_object):
         return None
+    after = m.after_token if m.HasField("after_token") else None
     if kind == "json_schema":
-        return StructuredOutput("json", m.json_schema)
+        return StructuredOutput("json", m.json_schema, after)
     if kind == "json_object":
-        return StructuredOutput("json_object")
+        return StructuredOutput("json_object", after_token=after)
     if kind == "choice":
-        return StructuredOutput("choice", json.dumps(list(m.choice.values)))
-    return StructuredOutput(kind, getattr(m, kind))
+        return StructuredOutput("choice", json.dumps(list(m.choice.values)), after)
+    return StructuredOutput(kind, getattr(m, kind), after)
 
 
 def sampling_from_proto(m: pb.SamplingParameters) -> SamplingParams:

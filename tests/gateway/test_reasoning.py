@@ -69,6 +69,37 @@ def test_the_documented_cases_and_the_parser_choice():
         resolve_parser("deepseek", None)
 
 
+def test_a_thinking_chats_grammar_starts_after_its_reasoning():
+    """With a tokenizer whose </think> is one token (as Qwen3's and DeepSeek-R1's are), a
+    structured output starts after it, unless the prompt already closed the block; where it
+    is several tokens (SmolLM2's), the grammar holds from the first token."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from engine_core.structured_output import StructuredOutput
+    from engine_core.tokenizer import Tokenizer
+    from gateway.reasoning import grammar_after_reasoning
+
+    words = ["<unk>", "hi", "assistant", "<", "/", "think", ">"]
+    rust = RustTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    rust.pre_tokenizer = Whitespace()
+    so = StructuredOutput("regex", "[0-9]+")
+    for single in (True, False):
+        hf = PreTrainedTokenizerFast(tokenizer_object=rust.__class__.from_str(rust.to_str()))
+        if single:
+            hf.add_tokens(["<think>", "</think>"])
+        tok = Tokenizer(hf)
+        close = tok.encode("</think>", add_special_tokens=False)
+        assert (len(close) == 1) == single
+        open_prompt = tok.encode("hi assistant", add_special_tokens=False)
+        closed_prompt = tok.encode("hi assistant <think> </think>", add_special_tokens=False)
+        after = grammar_after_reasoning(tok, open_prompt, so)
+        assert after == (StructuredOutput("regex", "[0-9]+", close[0]) if single else so)
+        assert grammar_after_reasoning(tok, closed_prompt, so) == so
+
+
 # a Qwen3-like template: thinking unless enable_thinking is false (then an empty think block,
 # as Qwen3's); `open_thinking` ends the prompt inside <think>, as DeepSeek-R1's does
 TEMPLATE = (
