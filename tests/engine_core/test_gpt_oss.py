@@ -127,9 +127,9 @@ def test_gguf_gpt_oss_as_llama_cpp_writes_it(tmp_path):
 def test_gguf_mxfp4_experts_decode_from_the_files_values(tmp_path):
     """GPT-OSS's experts in MXFP4, as the released GGUFs hold them: each expert's decode rows
     multiply the file's own 4-bit values and power-of-two scales in C (kind 9: 4-bit indices
-    into MXFP4's table), exactly what gguf dequantizes; logits within 1e-3 of transformers holding the same
-    weights, greedy equal, and on the CPU defaults (bf16, int8 activations) the first tokens
-    too."""
+    into MXFP4's table), exactly what gguf dequantizes; logits within 1e-3 of transformers
+    holding the same weights, greedy equal, and on the CPU defaults (bf16, int8 activations)
+    the first tokens too."""
     from engine_core.model.decode_quant import NativeQ8Matmul
     from kernels import native
 

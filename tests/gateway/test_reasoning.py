@@ -295,8 +295,9 @@ def test_harmony_streamed_equals_the_reference_whatever_the_pieces(pieces, data)
 
 HARMONY_TEMPLATE = (  # GPT-OSS's system line takes reasoning_effort
     "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: "
-    "{{ reasoning_effort }}<|end|>{% endif %}{% for m in messages %}{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final"
-    "<|message|>{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>"
+    "{{ reasoning_effort }}<|end|>{% endif %}{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>"
     "{{ m.content }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 ANALYSIS = r"<\|channel\|>analysis<\|message\|>[a-z ]{4,20}<\|end\|><\|start\|>assistant"
