@@ -110,8 +110,8 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
     """The OpenAI API; also /health, /internal/status and, given a registry, /metrics.
     With API keys, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401
     otherwise). A request may ask for at most `max_num_choices` choices (n x prompts).
-    `reasoning_parser`: auto, think or none (gateway/reasoning.py), resolved against the chat
-    template when a chat request comes."""
+    `reasoning_parser`: auto, think, harmony or none (gateway/reasoning.py), resolved against
+    the chat template when a chat request comes."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     keys = api_keys or APIKeys()
 

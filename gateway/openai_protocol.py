@@ -224,8 +224,11 @@ async def parse_chat(body: Any, backend: Backend,
         await check_structured(backend, tool_constraint, "tools")
     ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
                                  "messages", _template_kwargs(body))
+    # the generation prompt's text: whether it opened or closed the thinking block
+    tail = (backend.tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False)
+            if reasoning_parser == "think" else "")
     if reasoning_parser == "think" and kwargs.get("structured") is not None:
-        kwargs["structured"] = grammar_after_reasoning(backend.tokenizer, ids,
+        kwargs["structured"] = grammar_after_reasoning(backend.tokenizer, tail,
                                                        kwargs["structured"])
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -249,8 +252,7 @@ async def parse_chat(body: Any, backend: Backend,
             raise ValidationError("top_logprobs", e.message.replace("logprobs", "top_logprobs",
                                                                     1)) from None
         raise
-    reasoning_open = reasoning_parser == "think" and opens_reasoning(
-        backend.tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False))
+    reasoning_open = reasoning_parser == "think" and opens_reasoning(tail)
     return replace(req, tool_choice=tool_choice, reasoning=reasoning_parser,
                    reasoning_open=reasoning_open)
 

@@ -44,15 +44,15 @@ def resolve_parser(setting: str, chat_template: str | None) -> str | None:
     return None if setting == "none" else setting
 
 
-def grammar_after_reasoning(tokenizer, prompt_ids: list[int],
+def grammar_after_reasoning(tokenizer, prompt_tail: str,
                             so: StructuredOutput) -> StructuredOutput:
     """A structured output of a thinking chat, started after </think> (as vLLM does with a
     reasoning parser): the model reasons freely, the answer is constrained. Only where
     </think> is one token, and not when the prompt already closed the block (Qwen3's
-    enable_thinking false); else the grammar holds from the first token, as before."""
+    enable_thinking false); else the grammar holds from the first token, as before.
+    prompt_tail: the text of the prompt's last PROMPT_TAIL tokens, special ones kept."""
     close = tokenizer.encode(CLOSE, add_special_tokens=False)
-    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL:], skip_special_tokens=False)
-    if len(close) != 1 or CLOSE in tail:
+    if len(close) != 1 or CLOSE in prompt_tail:
         return so
     return dataclasses.replace(so, after_token=close[0])
 

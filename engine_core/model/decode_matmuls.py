@@ -144,17 +144,19 @@ class NativeQ8Matmul(_NativeMatmul):
         return w if self.c is None else w + self.c.repeat_interleave(group, dim=1)
 
 
-def c_matrices(linears: list[nn.Module]) -> ctypes.Array:
-    """The C kernels' Matrix array of projections whose decode rows multiply in them (each a
-    DecodeQuantLinear of a _NativeMatmul): their biases as float32 copies the matmuls keep
+def c_matrix(linear: nn.Module) -> native.Matrix:
+    """The C kernels' Matrix of a projection whose decode rows multiply in them (a
+    DecodeQuantLinear of a _NativeMatmul): its bias as a float32 copy the matmul keeps
     alive, or NULL."""
-    out = []
-    for linear in linears:
-        bias = linear.dense.bias
-        if bias is not None:
-            linear.quant.bias32 = bias = bias.detach().float().contiguous()
-        out.append(linear.quant.matrix(bias))
-    return (native.Matrix * len(out))(*out)
+    bias = linear.dense.bias
+    if bias is not None:
+        linear.quant.bias32 = bias = bias.detach().float().contiguous()
+    return linear.quant.matrix(bias)
+
+
+def c_matrices(linears: list[nn.Module]) -> ctypes.Array:
+    """c_matrix of each, as a ctypes array (a mixture of experts' gate_up or down)."""
+    return (native.Matrix * len(linears))(*map(c_matrix, linears))
 
 
 def requantize_int8(weight: torch.Tensor, d: torch.Tensor | None = None) -> Q8Weight:

@@ -63,6 +63,7 @@ from engine_core.model.decode_matmuls import (  # noqa: F401 (the matmuls' names
     NativeQ4Matmul,
     NativeQ8Matmul,
     c_matrices,
+    c_matrix,
     requantize_int4,
     requantize_int8,
 )
@@ -164,9 +165,6 @@ class NativeDecodeLayers:
             self._keep.append(t)
             return t
 
-        def matrix(linear: DecodeQuantLinear) -> native.Matrix:
-            return linear.quant.matrix(f32(linear.dense.bias))
-
         def norm(module) -> int | None:  # a norm's float32 weight (offset included at load)
             return None if module is None else f32(module.weight).data_ptr()
 
@@ -180,8 +178,8 @@ class NativeDecodeLayers:
                 ptr(mlp.gate.weight), len(mlp.experts), mlp.top_k,
                 int(mlp.norm_topk), 0, mlp.experts[0].intermediate, ctypes.addressof(gate_up),
                 ctypes.addressof(down), shared.intermediate if shared else 0,
-                matrix(shared.gate_up_proj) if shared else native.Matrix(),
-                matrix(shared.down_proj) if shared else native.Matrix(),
+                c_matrix(shared.gate_up_proj) if shared else native.Matrix(),
+                c_matrix(shared.down_proj) if shared else native.Matrix(),
                 ptr(mlp.shared_expert_gate.weight.reshape(-1)) if shared else None,
                 ptr(mlp.gate.bias))
 
@@ -199,9 +197,9 @@ class NativeDecodeLayers:
                 norm(layer.input_layernorm),
                 norm(layer.pre_feedforward_layernorm if sandwich
                      else layer.post_attention_layernorm),
-                matrix(attn.qkv_proj), matrix(attn.o_proj),
-                native.Matrix() if experts else matrix(mlp.gate_up_proj),
-                native.Matrix() if experts else matrix(mlp.down_proj),
+                c_matrix(attn.qkv_proj), c_matrix(attn.o_proj),
+                native.Matrix() if experts else c_matrix(mlp.gate_up_proj),
+                native.Matrix() if experts else c_matrix(mlp.down_proj),
                 attn.window or 0, norm(attn.q_norm), norm(attn.k_norm),
                 norm(layer.post_attention_layernorm) if sandwich else None,
                 norm(layer.post_feedforward_layernorm) if sandwich else None,

@@ -63,8 +63,14 @@ class Q4Weight:
                           for f in ("q", "d", "m", "offset")))
 
     def packed_nibbles(self) -> torch.Tensor:  # [N, K // 32, 16] uint8, the file's byte order
-        q = self.q.view(self.q.shape[0], -1, 2, 16)  # weight j and j + 16 share byte j
-        return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+        return pack_nibbles(self.q)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K // 32, 16] uint8: a group's byte j holds its weight j in
+    the low nibble and weight j + 16 in the high one (the Q4_0 blocks' order)."""
+    q = q.view(q.shape[0], -1, 2, 16)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
 
 
 def unpack_q4(data: np.ndarray, qtype: GGMLQuantizationType) -> Q4Weight:

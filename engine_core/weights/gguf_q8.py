@@ -44,7 +44,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import IQ4_NL, MXFP4, Q4_K, dequantize
 
-from engine_core.weights.gguf_q4 import Q4Weight
+from engine_core.weights.gguf_q4 import Q4Weight, pack_nibbles
 
 Q = GGMLQuantizationType
 Q8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS,
@@ -131,8 +131,7 @@ class NLWeight:
         return NLWeight(self.q[index], self.d[index], self.table)
 
     def packed_nibbles(self) -> torch.Tensor:  # [N, K // 32, 16] uint8, as a q4 group's
-        q = self.q.view(self.q.shape[0], -1, 2, 16)  # weight j and j + 16 share byte j
-        return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+        return pack_nibbles(self.q)
 
 
 def cat_blocks(parts: list[Q8Weight | NLWeight]) -> Q8Weight | NLWeight:

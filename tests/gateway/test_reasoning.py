@@ -95,9 +95,9 @@ def test_a_thinking_chats_grammar_starts_after_its_reasoning():
         assert (len(close) == 1) == single
         open_prompt = tok.encode("hi assistant", add_special_tokens=False)
         closed_prompt = tok.encode("hi assistant <think> </think>", add_special_tokens=False)
-        after = grammar_after_reasoning(tok, open_prompt, so)
+        after = grammar_after_reasoning(tok, tok.decode(open_prompt, False), so)
         assert after == (StructuredOutput("regex", "[0-9]+", close[0]) if single else so)
-        assert grammar_after_reasoning(tok, closed_prompt, so) == so
+        assert grammar_after_reasoning(tok, tok.decode(closed_prompt, False), so) == so
 
 
 # a Qwen3-like template: thinking unless enable_thinking is false (then an empty think block,
