@@ -16,6 +16,9 @@ A 2,048-token prompt's last layer in the default model's layout (bf16, 128 block
                (checksum_blocks_as), as commit() checks the last layer
     floors     on CUDA: a synchronize with nothing queued, the read-back of a ready scalar,
                the checksum of one block (a Triton launch with no work to speak of)
+    after peer on CUDA: recv sum again, each call right after another process (a context of
+               its own on the same card, as the other end of a one-card handoff) has run a
+               checksum of its own and synchronized: the card switching between contexts
 
 Each is called --calls times after a warm-up; the median and 90th percentile of the host's
 wall time per call are printed (each call ends with its result on the host, so the device's
@@ -26,6 +29,7 @@ check 0.68 ms (BENCHMARKS.md, ninth session): this says which of these steps tha
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -99,6 +103,44 @@ def steps(device: torch.device, prompt_tokens: int) -> dict[str, Callable[[], ob
     return out
 
 
+def _peer(conn, device: str, numel: int) -> None:
+    """The other process: on each message, one checksum of its own tensor, synchronized."""
+    kind = checksum_kind("cuda_ipc")
+    t = torch.randn(numel, device=device).to(torch.bfloat16)
+    while conn.recv():
+        checksum_tensor_as(kind, t)
+        conn.send(True)
+
+
+def after_peer(device: torch.device, prompt_tokens: int, calls: int) -> tuple[float, float]:
+    """(median, p90) microseconds of the receiver's checksum right after a peer process's
+    kernel on the same card (the handoff's two ends alternate so on one card)."""
+    layout = KVLayout("SmolLM2-135M-Instruct", "bfloat16", block_size=16, num_layers=1,
+                      num_kv_heads=3, head_dim=64)
+    n = -(-prompt_tokens // layout.block_size)
+    dst = torch.randn(layout.cache_shape(2 * n), device=device).to(layout.torch_dtype)
+    index = torch.randperm(2 * n, device=device)[:n]
+    kind = checksum_kind("cuda_ipc")
+    parent, child = mp.get_context("spawn").Pipe()
+    peer = mp.get_context("spawn").Process(
+        target=_peer, args=(child, str(device), n * layout.block_numel), daemon=True)
+    peer.start()
+    times = []
+    try:
+        for i in range(calls + max(3, calls // 10)):
+            parent.send(True)
+            parent.recv()
+            t0 = time.perf_counter()
+            checksum_blocks_as(kind, dst[0], index)
+            if i >= max(3, calls // 10):
+                times.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        parent.send(False)
+        peer.join(30)
+    times.sort()
+    return statistics.median(times), times[int(0.9 * (len(times) - 1))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -116,6 +158,9 @@ def main() -> int:
     for step, fn in steps(device, args.prompt_tokens).items():
         median, p90 = timed(fn, args.calls)
         print(f"{step:<16} {median:>8.1f} {p90:>8.1f}", flush=True)
+    if device.type == "cuda":
+        median, p90 = after_peer(device, args.prompt_tokens, args.calls)
+        print(f"{'after peer':<16} {median:>8.1f} {p90:>8.1f}", flush=True)
     return 0
 
 
