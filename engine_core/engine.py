@@ -162,10 +162,10 @@ class LLMEngine:
             return f"eager (no CUDA graphs on {self.device.type})"
         if enforce_eager:
             return "eager (enforce_eager)"
-        if self.model_config.num_experts:  # feed_forward.SparseMoE reads its experts' counts back
-            return "eager (mixture of experts: routing sizes each expert's batch on the host)"
         backend = attention_backend(self.device)
-        if backend != "triton":  # the torch path reads lengths back: not capturable
+        # the torch path reads lengths back, and routes a mixture of experts' rows from the
+        # host: not capturable (on triton, the experts are grouped matmuls: kernels/fused_moe)
+        if backend != "triton":
             return f"eager (attention backend {backend!r}: CUDA graphs need 'triton')"
         graphs = DecodeGraphRunner(self.runner, capture_sizes(max_num_seqs),
                                    self.max_model_len, use_cuda_graphs=True)

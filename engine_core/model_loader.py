@@ -13,6 +13,7 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.model.decode_quant import DecodeQuantization, projections, quantize_for_decode
 from engine_core.model.decoder import DecoderForCausalLM
+from engine_core.model.feed_forward import stack_experts
 from engine_core.model.native_cpu import use_native_kernels
 from engine_core.model_files import ModelSource
 from engine_core.weights.gguf_loader import GGUFFile
@@ -75,9 +76,12 @@ def load_model(
                        else iter_safetensors(source.path), absent=absent)
     model.init_rope(device)
     model.eval().requires_grad_(False)
-    lib = native.load() if attention_backend(device) == "native" else None
+    backend = attention_backend(device)
+    lib = native.load() if backend == "native" else None
     if lib is not None:
         use_native_kernels(model, lib)
+    if backend == "triton":  # routed experts as grouped matmuls (kernels/fused_moe.py)
+        stack_experts(model)
     quantization = None
     if quantize_decode:
         quantization = quantize_for_decode(model, q4, decode_activations, q8)

@@ -64,9 +64,16 @@ class SparseMoE(nn.Module):
     matrices are the C kernels' (`native`, set by decode_quant.quantize_for_decode), the
     decode rows' experts run in one C call per layer instead (pd_moe_experts), float32; and
     where every layer is in C, pd_decode_layers computes the whole MLP of the decode rows
-    (router included) and this forward sees prefill rows only."""
+    (router included) and this forward sees prefill rows only.
+
+    On the Triton backend (a GPU) every row's experts run as two grouped matmuls over the
+    experts' stacked weights instead (`stack_experts`, kernels/fused_moe.py): no host sync,
+    so a decode step's CUDA graph holds the experts too."""
 
     native = None  # (lib, gate_up Matrix array, down Matrix array, act): see decode_quant
+    # (w_gate_up [E, 2 * width, hidden], its bias or None, w_down [E, hidden, width], its
+    # bias or None): set by stack_experts, for kernels.fused_moe
+    stacked = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -86,7 +93,11 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         ctx = current()
         nq = min(ctx.num_quant_rows, x.shape[0])
-        if self.native is not None and nq:  # decode rows in C, the rest below
+        if self.stacked is not None:
+            from kernels.fused_moe import fused_experts  # imports triton: that backend only
+
+            out = fused_experts(x, *self.stacked, chosen, weights, self.experts[0].glu)
+        elif self.native is not None and nq:  # decode rows in C, the rest below
             out = self._native_rows(x[:nq], chosen[:nq], weights[:nq]).to(x.dtype)
             if nq < x.shape[0]:
                 with use(dataclasses.replace(ctx, num_quant_rows=0)):
@@ -98,6 +109,22 @@ class SparseMoE(nn.Module):
             gate = torch.sigmoid(self.shared_expert_gate(x.to(self.gate.weight.dtype)))
             out = out + gate.to(x.dtype) * self.shared_expert(x)
         return out
+
+    def stack_experts(self) -> None:
+        """Each of the experts' weights and biases as one stacked tensor (`stacked`); the
+        experts' own parameters become views of it, so nothing is held twice."""
+        stacked = []
+        for proj, attr in (("gate_up_proj", "weight"), ("gate_up_proj", "bias"),
+                           ("down_proj", "weight"), ("down_proj", "bias")):
+            parts = [getattr(getattr(e, proj), attr) for e in self.experts]
+            if parts[0] is None:
+                stacked.append(None)
+                continue
+            whole = torch.stack([p.detach() for p in parts])
+            for e, view in zip(self.experts, whole, strict=True):
+                setattr(getattr(e, proj), attr, nn.Parameter(view, requires_grad=False))
+            stacked.append(whole)
+        self.stacked = tuple(stacked)
 
     def _grouped(self, chosen: torch.Tensor, weights: torch.Tensor):
         """The (row, expert) pairs grouped by expert, rows ascending within each group: pairs
@@ -135,6 +162,15 @@ class SparseMoE(nn.Module):
         return native.moe_experts(lib, xf, gate_up, down, self.experts[0].intermediate, act,
                                   counts, rows.contiguous(), pair_weights.float().contiguous(),
                                   torch.zeros_like(xf))
+
+
+def stack_experts(model: nn.Module) -> int:
+    """Every SparseMoE of `model` on the grouped-matmul path (SparseMoE.stack_experts);
+    returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for moe in layers:
+        moe.stack_experts()
+    return len(layers)
 
 
 # Mixtral's checkpoint names for its experts, as the rest of the decoder names them (Qwen's)

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from engine_core.decode_graphs import (
     DecodeGraphRunner,
@@ -214,18 +215,26 @@ print(json.dumps({
     "logits_diff": max((g - w).abs().max().item() for g, w in zip(got_logits, want_logits)),
     "same_kv_written": torch.equal(got_kv != initial, want_kv != initial),
     "kv_diff": (got_kv - want_kv).abs().max().item(),
-    "triton": "kernels.decode_attention" in sys.modules, "combines": len(combines)}))
+    "triton": "kernels.decode_attention" in sys.modules, "combines": len(combines),
+    "fused_moe": "kernels.fused_moe" in sys.modules}))
 """
 
 
+# a one-layer mixture of experts: 4 experts, 2 per token (the padding rows route too)
+MOE = {"config_cls": transformers.Qwen3MoeConfig, "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "norm_topk_prob": True}
+
+
 @pytest.mark.slow
-def test_padded_decode_steps_on_the_triton_kernels(tmp_path):
+@pytest.mark.parametrize("model", ["llama", "qwen3-moe"])
+def test_padded_decode_steps_on_the_triton_kernels(tmp_path, model):
     """The kernels a CUDA graph captures, through the Triton interpreter in a fresh process
     (it must be on before triton's first import; the C kernels off): one small case, on a
     one-layer model (the interpreter's cost is per kernel call). Each context is split in 3,
     as a card splits a small batch's (kernels/decode_split.py): the padding rows' one-position
-    contexts leave two splits empty."""
-    tiny = write_tiny_llama(tmp_path, num_hidden_layers=1)
+    contexts leave two splits empty. The mixture of experts runs its grouped expert matmuls
+    (kernels/fused_moe.py), where the padding rows' pairs join the real rows' programs."""
+    tiny = write_tiny_llama(tmp_path, num_hidden_layers=1, **(MOE if model != "llama" else {}))
     env = {**os.environ, "PDSERVE_NATIVE": "0", "PDSERVE_ATTN_BACKEND": "triton",
            "TRITON_INTERPRET": "1", "PDSERVE_DECODE_SPLITS": "3"}
     out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(tiny)], cwd=ROOT,
@@ -233,6 +242,7 @@ def test_padded_decode_steps_on_the_triton_kernels(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["triton"] and result["combines"] > 0
+    assert result["fused_moe"] == (model != "llama")
     assert result["buckets"] == [[3, 4], [1, 1]]
     assert result["ids_equal"]
     assert result["same_kv_written"]

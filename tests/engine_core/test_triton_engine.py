@@ -135,20 +135,23 @@ eng = tm.engine(Path(sys.argv[2]), max_num_batched_tokens=16)
 prompts = tm.prompts(tm.SIZES["vocab_size"], [9, 40])
 print(json.dumps({"ours": tm.greedy(eng, prompts, 8),
                   "transformers": [tm.hf_greedy(hf, p, 8) for p in prompts],
-                  "triton": "kernels.decode_attention" in sys.modules}))
+                  "triton": "kernels.decode_attention" in sys.modules,
+                  "fused_moe": "kernels.fused_moe" in sys.modules}))
 """
 
 
-@pytest.mark.parametrize("case", ["gpt-oss"])
+@pytest.mark.parametrize("case", ["gpt-oss", "qwen3-moe"])
 def test_newer_architecture_on_the_triton_kernels(case, tmp_path):
-    """A tiny random GPT-OSS (windowed and global layers, attention sinks, experts) on the
-    Triton backend, each decode context split in 3 and the prompts chunked by 16: greedy equal
-    to transformers', so the sinks reach the kernels a card runs."""
+    """Tiny random models on the Triton backend, each decode context split in 3 and the
+    prompts chunked by 16: greedy equal to transformers'. GPT-OSS (windowed and global
+    layers, attention sinks, biased experts), so the sinks reach the kernels a card runs;
+    both mixtures of experts through the grouped expert matmuls (kernels/fused_moe.py),
+    Qwen3-MoE's first layer a dense MLP beside them."""
     out = subprocess.run(
         [sys.executable, "-c", ARCH_SCRIPT, case, str(tmp_path)], cwd=ROOT,
         capture_output=True, text=True, timeout=600,
         env={**os.environ, **backend_env("triton"), "PDSERVE_DECODE_SPLITS": "3"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["triton"]
+    assert result["triton"] and result["fused_moe"]
     assert result["ours"] == result["transformers"]

@@ -1,9 +1,11 @@
 """CUDA graphs for decode steps (engine_core/decode_graphs.py) on the card: captured at
-start, replayed by decode-only steps, equal to the eager engine. Skipped without CUDA."""
+start, replayed by decode-only steps, equal to the eager engine, for a dense model and a
+mixture of experts. Skipped without CUDA."""
 
 from __future__ import annotations
 
 import pytest
+import transformers
 
 from engine_core.decode_graphs import capture_sizes
 from engine_core.llm import LLM
@@ -27,9 +29,16 @@ def _check_device(monkeypatch):
     monkeypatch.setenv("PDSERVE_CHECK_DEVICE", "1")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+# a mixture of experts (4 experts, 2 per token, the first layer dense): its experts run as
+# grouped matmuls (kernels/fused_moe.py), inside the graphs
+MOE = {"config_cls": transformers.Qwen3MoeConfig, "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [0]}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3-moe"])
+def tiny(request, tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp(request.param),
+                            **(MOE if request.param != "llama" else {}))
 
 
 def greedy(llm: LLM) -> list[list[int]]:
