@@ -58,8 +58,8 @@ def reference(x, w_gate_up, b_gate_up, w_down, b_down, chosen, weights, act) -> 
     (40, 6, 3, False, "silu", True),
     (600, 4, 2, True, "silu", False),  # 1,200 pairs: programs of 64
 ])
-def test_fused_experts_equal_each_pair_alone(triton_device, n, num_experts, top_k, bias, act,
-                                             skew):
+def test_triton_fused_experts_equal_each_pair_alone(triton_device, n, num_experts, top_k,
+                                                    bias, act, skew):
     hidden, width = 40, 24  # neither a multiple of the tiles: every mask is in play
     weights_ = experts(num_experts, hidden, width, bias, triton_device, torch.float32, n)
     x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(1)).to(triton_device)
@@ -72,7 +72,7 @@ def test_fused_experts_equal_each_pair_alone(triton_device, n, num_experts, top_
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_experts_in_half_precision(triton_device, dtype):
+def test_triton_fused_experts_in_half_precision(triton_device, dtype):
     """The GPU's defaults: tiles in the weights' dtype, float32 accumulation, the
     intermediate in x's dtype (as the per-expert modules round it)."""
     n, num_experts, hidden, width = 33, 8, 64, 32
@@ -87,7 +87,7 @@ def test_fused_experts_in_half_precision(triton_device, dtype):
     assert err < 2e-2, err
 
 
-def test_no_rows_give_no_output(triton_device):
+def test_triton_fused_experts_of_no_rows_give_no_output(triton_device):
     weights_ = experts(4, 16, 16, False, triton_device, torch.float32, 0)
     x = torch.zeros(0, 16, device=triton_device)
     chosen = torch.zeros(0, 2, dtype=torch.long, device=triton_device)
