@@ -62,6 +62,12 @@ class ChatStream:
         return bool(self.harmony is not None and self.harmony.calls) or bool(
             self.tools is not None and self.tools.has_calls)
 
+    def calls(self) -> list[dict[str, Any]]:
+        """The calls made so far, whole (OpenAI tool_calls entries)."""
+        if self.harmony is not None and self.harmony.calls:
+            return self.harmony.calls
+        return self.tools.sent_calls() if self.tools is not None else []
+
     def feed(self, delta: str) -> tuple[str, str, list[dict[str, Any]]]:
         return self._route(*self._split(delta, last=False), last=False)
 

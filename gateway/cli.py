@@ -127,6 +127,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     p.add_argument("--gateway", default="127.0.0.1:50051", help="the gateway's gRPC HOST:PORT")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    p.add_argument("--chat-template-kwargs", default="", metavar="JSON",
+                   help="with --chat: more variables for the chat template, a JSON object "
+                        "(e.g. '{\"enable_thinking\": false}' for Qwen3)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -1,4 +1,5 @@
-"""`pdserve generate`: a gRPC client of the public API that prints the generated text."""
+"""`pdserve generate`: a gRPC client of the public API that prints the generated text (a
+thinking model's reasoning, which a chat's responses carry apart, goes to stderr)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     req = pb.GenerateRequest(model=args.model, sampling=sampling)
     if args.chat:
         req.chat.messages.add(role="user", content=args.prompt)
+        req.chat.chat_template_kwargs_json = args.chat_template_kwargs
     else:
         req.text = args.prompt
     return req
@@ -45,6 +47,7 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout,
     with _channel(args) as channel:
         stub = pb_grpc.GenerationStub(channel)
         texts: list[str] = []
+        reasoning: list[str] = []
         final = pb.GenerateResponse()
         try:
             key = args.api_key or os.environ.get("PDSERVE_API_KEY")
@@ -52,7 +55,12 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout,
             for msg in stub.Generate(build_request(args), timeout=args.timeout,
                                      metadata=metadata):
                 texts.append(msg.text)
+                reasoning.append(msg.reasoning)
                 if args.stream:
+                    err.write(msg.reasoning)
+                    if msg.text and any(reasoning) and not any(texts[:-1]):
+                        err.write("\n")  # the reasoning ends where the answer starts
+                    err.flush()
                     out.write(msg.text)
                     out.flush()
                 final = msg
@@ -61,6 +69,8 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout,
                 out.write("\n")
             print(f"pdserve: error: {e.code().name}: {e.details()}", file=err)
             return 1
+    if any(reasoning) and not args.stream:
+        print("".join(reasoning), file=err)
     out.write(("" if args.stream else "".join(texts)) + "\n")
     if args.timing:
         t, u = final.timing, final.usage

@@ -29,8 +29,8 @@ from grpc_reflection.v1alpha import reflection
 from gateway import validation
 from gateway.auth import APIKeys, key_from_metadata
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams, check_num_choices, fan_out
-from gateway.tool_stream import ToolStream
-from gateway.tools import ToolChoice, grpc_tool_chat, tool_calls_to_proto
+from gateway.grpc_chat import render, split_output
+from gateway.reasoning import resolve_parser
 from gateway.validation import ValidationError
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import (
@@ -63,11 +63,14 @@ class GenerationServicer:
     def __init__(self, backend: Backend,
                  on_reject: Callable[[str], None] = lambda reason: None,
                  api_keys: APIKeys | None = None,
-                 max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> None:
+                 max_num_choices: int = DEFAULT_MAX_NUM_CHOICES,
+                 reasoning_parser: str = "auto") -> None:
         self.on_reject = on_reject  # counts requests refused before the backend saw them
         self.backend = backend
         self.api_keys = api_keys or APIKeys()
         self.max_num_choices = max_num_choices  # GenerateRequest.n at most
+        # chats' reasoning apart from content (gateway/reasoning.py): auto, think, harmony, none
+        self.reasoning_parser = reasoning_parser
         self._samples: dict[str, ChoiceStreams] = {}  # request id with n > 1 -> its samples
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -94,8 +97,11 @@ class GenerationServicer:
             req = parse(pb.GenerateRequest, raw)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            req, tool_choice = await grpc_tool_chat(req, self.backend)
-            inp = await validation.from_proto(req, self.backend, deadline)
+            is_chat = req.WhichOneof("prompt") == "chat"
+            req, chat_output = await render(req, self.backend, resolve_parser(
+                self.reasoning_parser, self.backend.tokenizer.chat_template))
+            inp = await validation.from_proto(req, self.backend, deadline,
+                                              "chat" if is_chat else None)
         except ValidationError as e:
             self.on_reject("invalid_argument")
             await _invalid(context, e)
@@ -107,7 +113,7 @@ class GenerationServicer:
             await _invalid(context, e)
         try:
             async with contextlib.aclosing(self._responses(inp, n)) as responses:
-                async for msg in _with_tool_calls(responses, tool_choice):
+                async for msg in split_output(responses, chat_output):
                     yield msg
         except DuplicateRequestError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
@@ -158,31 +164,6 @@ class GenerationServicer:
         m = self.backend.model
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=m.name, max_model_len=m.max_model_len, vocab_size=m.vocab_size)])
-
-
-async def _with_tool_calls(responses: AsyncIterator[pb.GenerateResponse],
-                           tool_choice: ToolChoice | None) -> AsyncIterator[pb.GenerateResponse]:
-    """A chat with tools: each sample's content held back where a call may start, its calls
-    streamed as tool_call_deltas while they are generated and put whole into its last
-    message (gateway/tool_stream.py)."""
-    streams: dict[int, ToolStream] = {}
-    async for msg in responses:
-        if tool_choice is not None:
-            stream = streams.setdefault(msg.index, ToolStream(tool_choice))
-            msg.text, deltas = stream.feed(msg.text)
-            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                rest, last = stream.finish()
-                msg.text += rest
-                deltas += last
-                if stream.has_calls:
-                    msg.tool_calls.extend(tool_calls_to_proto(stream.sent_calls()))
-                    if msg.finish_reason == pb.FINISH_REASON_STOP:
-                        msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
-            msg.tool_call_deltas.extend(
-                pb.ToolCallDelta(index=d["index"], id=d.get("id", ""),
-                                 name=d["function"].get("name", ""),
-                                 arguments=d["function"]["arguments"]) for d in deltas)
-        yield msg
 
 
 async def _abort_past_deadline(context: grpc.aio.ServicerContext, e: DeadlineExceeded) -> None:
@@ -303,12 +284,14 @@ def create_server(backend: Backend, address: str, health_servicer: health.aio.He
                   on_reject: Callable[[str], None] = lambda reason: None,
                   api_keys: APIKeys | None = None,
                   tls: TLSConfig | None = None,
-                  max_num_choices: int = DEFAULT_MAX_NUM_CHOICES) -> tuple[grpc.aio.Server, int]:
+                  max_num_choices: int = DEFAULT_MAX_NUM_CHOICES,
+                  reasoning_parser: str = "auto") -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with Generation, health checking and reflection, bound to address
     (host:port; port 0 picks a free one). Returns (server, bound port); not started yet."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers(
-        (GenerationServicer(backend, on_reject, api_keys, max_num_choices).handler(),))
+        (GenerationServicer(backend, on_reject, api_keys, max_num_choices,
+                            reasoning_parser).handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

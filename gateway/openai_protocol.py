@@ -29,11 +29,11 @@ from gateway.validation import (
     check_lengths,
     check_model,
     check_structured,
-    check_template_kwargs,
     check_token_ids,
     encode_text,
     request_id,
     sampling_params,
+    template_kwargs,
 )
 from service_infra.backend import Backend, GenerateInput
 
@@ -223,7 +223,8 @@ async def parse_chat(body: Any, backend: Backend,
         kwargs["structured"] = tool_constraint
         await check_structured(backend, tool_constraint, "tools")
     ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
-                                 "messages", _template_kwargs(body))
+                                 "messages", template_kwargs(body.get("chat_template_kwargs"),
+                                                             body.get("reasoning_effort")))
     # the generation prompt's text: whether it opened or closed the thinking block
     tail = (backend.tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False)
             if reasoning_parser == "think" else "")
@@ -255,23 +256,6 @@ async def parse_chat(body: Any, backend: Backend,
     reasoning_open = reasoning_parser == "think" and opens_reasoning(tail)
     return replace(req, tool_choice=tool_choice, reasoning=reasoning_parser,
                    reasoning_open=reasoning_open)
-
-
-REASONING_EFFORTS = ("minimal", "low", "medium", "high")
-
-
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    """chat_template_kwargs, with OpenAI's reasoning_effort passed to the template as the
-    variable of that name (GPT-OSS's template sets its reasoning level from it) unless the
-    kwargs set it."""
-    kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
-    effort = body.get("reasoning_effort")
-    if effort is None:
-        return kwargs
-    if effort not in REASONING_EFFORTS:
-        raise ValidationError("reasoning_effort", f"reasoning_effort must be one of "
-                              f"{', '.join(REASONING_EFFORTS)}, got {effort!r:.40}")
-    return {"reasoning_effort": effort, **kwargs}
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

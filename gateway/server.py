@@ -217,7 +217,7 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
     grpc, grpc_port = grpc_server.create_server(backend, f"{config.host}:{config.grpc_port}",
                                                 health_.servicer, metrics.reject,
                                                 config.api_keys, config.tls,
-                                                config.max_num_choices)
+                                                config.max_num_choices, config.reasoning_parser)
     await grpc.start()
     http = _HTTPServer(uvicorn.Config(
         build_app(backend, lambda: health_.is_serving, registry, metrics.reject,

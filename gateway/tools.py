@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_core.structured_output import StructuredOutput
-from gateway.structured import compile_error
 from gateway.tool_stream import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -44,7 +43,6 @@ from gateway.tool_stream import (
 from gateway.validation import ValidationError, encode_chat
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend
-from service_infra.proto_convert import structured_to_proto
 
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE),
                     re.DOTALL)
@@ -196,55 +194,6 @@ async def encode_tool_chat(backend: Backend, messages: list[dict[str, Any]],
                                  template_kwargs=template_kwargs)
     return await encode_chat(backend, generic_messages(messages, tools), field,
                              template_kwargs=template_kwargs)
-
-
-async def grpc_tool_chat(req: pb.GenerateRequest,
-                         backend: Backend) -> tuple[pb.GenerateRequest, ToolChoice | None]:
-    """A gRPC chat with tools as the request the rest of the path knows: the prompt rendered
-    here (token ids), and required / named enforced in `sampling.structured`; with the
-    ToolChoice that parses the output. Other requests come back as they are."""
-    if req.WhichOneof("prompt") != "chat":
-        return req, None
-    chat = req.chat
-    has_calls = any(m.tool_calls or m.tool_call_id for m in chat.messages)
-    if not (chat.tools_json or chat.tool_choice_json or has_calls):
-        return req, None
-    body: dict[str, Any] = {}
-    for name, text in (("tools", chat.tools_json), ("tool_choice", chat.tool_choice_json)):
-        if text:
-            try:
-                body[name] = json.loads(text)
-            except ValueError:
-                raise ValidationError(f"chat.{name}_json", f"chat.{name}_json must be JSON, "
-                                      f"got {text!r:.100}") from None
-    if chat.HasField("parallel_tool_calls"):
-        body["parallel_tool_calls"] = chat.parallel_tool_calls
-    try:
-        tools, choice, constraint = parse_tools(body)
-    except ValidationError as e:
-        raise ValidationError(f"chat.{e.field}", e.message) from None
-    if constraint is not None:
-        if req.sampling.HasField("structured"):
-            raise ValidationError("chat.tool_choice_json", "tool_choice required or a named "
-                                  "function constrains the output: sampling.structured must "
-                                  "be unset")
-        error = await compile_error(backend, constraint)
-        if error is not None:
-            raise ValidationError("chat.tools_json", f"chat.tools_json: the parameters are "
-                                  f"{error}")
-    messages = [{"role": m.role, "content": m.content,
-                 **({"tool_calls": [{"id": c.id, "type": "function", "function": {
-                     "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]}
-                    if m.tool_calls else {}),
-                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})}
-                for m in chat.messages]
-    ids = await encode_tool_chat(backend, messages, tools, "chat.messages")
-    out = pb.GenerateRequest()
-    out.CopyFrom(req)
-    out.token_ids.ids[:] = ids  # replaces the chat (one of the prompt oneof)
-    if constraint is not None:
-        out.sampling.structured.CopyFrom(structured_to_proto(constraint))
-    return out, choice
 
 
 def tool_calls_to_proto(calls: list[dict[str, Any]]) -> list[pb.ToolCall]:

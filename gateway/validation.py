@@ -138,6 +138,23 @@ def check_template_kwargs(value: Any, field: str = "chat_template_kwargs") -> di
     return value
 
 
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def template_kwargs(kwargs: Any, effort: Any, kwargs_field: str = "chat_template_kwargs",
+                    effort_field: str = "reasoning_effort") -> dict[str, Any]:
+    """chat_template_kwargs, with OpenAI's reasoning_effort (None: unset) passed to the
+    template as the variable of that name (GPT-OSS's template sets its reasoning level from
+    it) unless the kwargs set it."""
+    kwargs = check_template_kwargs(kwargs, kwargs_field)
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise ValidationError(effort_field, f"{effort_field} must be one of "
+                              f"{', '.join(REASONING_EFFORTS)}, got {effort!r:.40}")
+    return {"reasoning_effort": effort, **kwargs}
+
+
 async def check_structured(backend: Backend, so: StructuredOutput | None, field: str) -> None:
     """The grammar compiles (off the event loop, cached), else a ValidationError on `field`."""
     if so is not None:
@@ -182,8 +199,10 @@ def check_lengths(backend: Backend, num_prompt_tokens: int, params: SamplingPara
 
 # -- gRPC ------------------------------------------------------------------------------------
 async def from_proto(req: pb.GenerateRequest, backend: Backend,
-                     deadline: float | None = None) -> GenerateInput:
-    """A gRPC GenerateRequest as a GenerateInput (raises ValidationError)."""
+                     deadline: float | None = None, field: str | None = None) -> GenerateInput:
+    """A gRPC GenerateRequest as a GenerateInput (raises ValidationError). A chat comes
+    rendered to token ids (gateway/grpc_chat.py); `field`: the prompt's name in errors, where
+    it was not the token ids (a rendered chat)."""
     arrival = time.monotonic()
     check_model(req.model, backend)
     req_id = request_id(req.request_id)
@@ -197,13 +216,10 @@ async def from_proto(req: pb.GenerateRequest, backend: Backend,
         if not ids:
             raise ValidationError("token_ids", "token_ids must contain at least 1 token, got 0")
         check_token_ids(ids, "token_ids.ids", backend.model.vocab_size)
-    elif kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        ids = await encode_chat(backend, messages, "chat.messages")
     else:
         raise ValidationError("prompt", "prompt must be set: one of text, token_ids or chat")
     params = sampling_params("sampling.", **proto_sampling_kwargs(req.sampling))
-    check_lengths(backend, len(ids), params, kind or "prompt", "sampling.")
+    check_lengths(backend, len(ids), params, field or kind or "prompt", "sampling.")
     await check_structured(backend, params.structured, "sampling.structured")
     return GenerateInput(req_id, ids, params, text, deadline, arrival)
 

@@ -86,3 +86,45 @@ def gateway(request, model_path):
     yield gw
     assert stop_gateway(gw) == 0, gw.log.read_text()[-4000:]
     gw.log.unlink(missing_ok=True)
+
+
+# -- gateways serving the real model with a thinking template (--reasoning-parser auto picks by
+# what the template writes), shared by the HTTP and gRPC reasoning tests ----------------------
+# a Qwen3-like template: thinking unless enable_thinking is false (then an empty think block,
+# as Qwen3's); `open_thinking` ends the prompt inside <think>, as DeepSeek-R1's does
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif open_thinking %}<think>\n{% endif %}{% endif %}")
+HARMONY_TEMPLATE = (  # GPT-OSS's system line takes reasoning_effort
+    "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: "
+    "{{ reasoning_effort }}<|end|>{% endif %}{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>"
+    "{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def template_gateway(tmp_path_factory, name: str, template: str):
+    """A real gateway serving the model with `template` (so --reasoning-parser auto picks by
+    it), stopped at the end."""
+    path = tmp_path_factory.mktemp(name) / "template.jinja"
+    path.write_text(template)
+    proc, log = spawn_gateway("--chat-template", str(path))
+    gw = wait_ready(proc, log)
+    yield gw
+    assert stop_gateway(gw) == 0, gw.log.read_text()[-4000:]
+    gw.log.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="package")
+def thinking_gateway(tmp_path_factory, model_path):
+    """Its template writes <think>: the think parser."""
+    yield from template_gateway(tmp_path_factory, "reasoning", TEMPLATE)
+
+
+@pytest.fixture(scope="package")
+def harmony_gateway(tmp_path_factory, model_path):
+    """Its template writes harmony's <|channel|> (GPT-OSS's): the harmony parser."""
+    yield from template_gateway(tmp_path_factory, "harmony", HARMONY_TEMPLATE)

@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.reasoning import CLOSE, OPEN, ReasoningSplit, resolve_parser, split
-from tests.gateway.conftest import spawn_gateway, stop_gateway, wait_ready
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -100,37 +99,13 @@ def test_a_thinking_chats_grammar_starts_after_its_reasoning():
         assert grammar_after_reasoning(tok, tok.decode(closed_prompt, False), so) == so
 
 
-# a Qwen3-like template: thinking unless enable_thinking is false (then an empty think block,
-# as Qwen3's); `open_thinking` ends the prompt inside <think>, as DeepSeek-R1's does
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% elif open_thinking %}<think>\n{% endif %}{% endif %}")
 THINKING = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
-
-
-def template_gateway(tmp_path_factory, name: str, template: str):
-    """A real gateway serving the model with `template` (so --reasoning-parser auto picks by
-    it), stopped at the end."""
-    path = tmp_path_factory.mktemp(name) / "template.jinja"
-    path.write_text(template)
-    proc, log = spawn_gateway("--chat-template", str(path))
-    gw = wait_ready(proc, log)
-    yield gw
-    assert stop_gateway(gw) == 0, gw.log.read_text()[-4000:]
-    gw.log.unlink(missing_ok=True)
 
 
 def openai_client(gw):
     with openai.OpenAI(base_url=f"{gw.http_url}/v1", api_key="unused", timeout=180,
                        max_retries=0) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def thinking_gateway(tmp_path_factory, model_path):
-    yield from template_gateway(tmp_path_factory, "reasoning", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -293,21 +268,12 @@ def test_harmony_streamed_equals_the_reference_whatever_the_pieces(pieces, data)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want_calls
 
 
-HARMONY_TEMPLATE = (  # GPT-OSS's system line takes reasoning_effort
-    "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: "
-    "{{ reasoning_effort }}<|end|>{% endif %}{% for m in messages %}"
-    "{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
-    "{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>"
-    "{{ m.content }}<|end|>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 ANALYSIS = r"<\|channel\|>analysis<\|message\|>[a-z ]{4,20}<\|end\|><\|start\|>assistant"
 
 
 @pytest.fixture(scope="module")
-def harmony_client(tmp_path_factory, model_path):
-    """A gateway whose template writes harmony's <|channel|> (auto picks the harmony parser)."""
-    for gw in template_gateway(tmp_path_factory, "harmony", HARMONY_TEMPLATE):
-        yield from openai_client(gw)
+def harmony_client(harmony_gateway):
+    yield from openai_client(harmony_gateway)
 
 
 def test_harmony_channels_and_function_calls(harmony_client):
