@@ -67,6 +67,14 @@ def add_chat_template_argument(p) -> None:
                         "model's own (a base model has none: chat requests get 400)")
 
 
+def add_served_model_name_argument(p) -> None:
+    """(also `pdserve up`'s, passed to the gateway)"""
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the names clients may pass as `model` (vLLM's flag); the first is "
+                        "what responses, /v1/models and the metrics' model_name say "
+                        "(default: the model's own name)")
+
+
 def add_reasoning_parser_argument(p) -> None:
     """(also `pdserve up`'s, passed to the gateway; gateway/reasoning.py)"""
     p.add_argument("--reasoning-parser", default="auto",
@@ -98,6 +106,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_chat_template_argument(mode)
     add_reasoning_parser_argument(mode)
+    add_served_model_name_argument(mode)
     add_decode_activations_argument(mode)
     add_prefill_weights_argument(mode)
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

@@ -163,7 +163,8 @@ class GenerationServicer:
         await self._authorize(context)
         m = self.backend.model
         return pb.ListModelsResponse(models=[pb.ModelInfo(
-            id=m.name, max_model_len=m.max_model_len, vocab_size=m.vocab_size)])
+            id=name, max_model_len=m.max_model_len, vocab_size=m.vocab_size)
+            for name in m.served_names])
 
 
 async def _abort_past_deadline(context: grpc.aio.ServicerContext, e: DeadlineExceeded) -> None:

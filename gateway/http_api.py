@@ -178,9 +178,10 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         m = backend.model
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                             "owned_by": "pdserve",
-                                            "max_model_len": m.max_model_len}]}
+                                            "max_model_len": m.max_model_len}
+                                           for name in m.served_names]}
 
     @app.get("/health")
     @app.get("/health/ready")

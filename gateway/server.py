@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import ssl
@@ -55,6 +56,8 @@ class GatewayConfig:
     tls: TLSConfig | None = None  # TLS on both public ports (service_infra/tls.py); None: plaintext
     max_num_choices: int = 64  # n x prompts of one OpenAI request; more is a 400
     reasoning_parser: str = "auto"  # gateway/reasoning.py: auto, think or none
+    # what clients may pass as `model`, the first in responses (empty: the model's own name)
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -66,6 +69,10 @@ class GatewayConfig:
         if self.max_num_choices < 1:
             raise ValueError(f"max_num_choices must be >= 1, got {self.max_num_choices}")
         resolve_parser(self.reasoning_parser, None)  # ValueError for an unknown one
+        if any(not name for name in self.served_model_names) \
+                or len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError(f"served model names must be distinct and not empty, got "
+                             f"{list(self.served_model_names)}")
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -74,7 +81,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          api_keys=APIKeys.from_sources(args.api_key, args.api_key_file),
                          tls=tls_from_args(args, is_public=True),
                          max_num_choices=args.max_num_choices,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         served_model_names=tuple(args.served_model_name))
 
 
 def chat_template_of(args: argparse.Namespace) -> str | None:
@@ -211,6 +219,9 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
 
     registry = CollectorRegistry()
     inner = await make_backend()
+    if config.served_model_names:  # the backend's model, under the names clients use
+        first, *more = config.served_model_names
+        inner.model = dataclasses.replace(inner.model, name=first, aliases=tuple(more))
     metrics = GatewayMetrics(registry, inner.model.name, inner.model.max_model_len)
     backend = MeteredBackend(inner, metrics, registry)
     health_ = _Health()

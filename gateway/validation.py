@@ -50,10 +50,11 @@ class UnknownModelError(ValidationError):
 
 # -- pieces shared by both APIs ------------------------------------------------------------
 def check_model(model: str | None, backend: Backend) -> None:
-    if model and model != backend.model.name:
+    names = backend.model.served_names
+    if model and model not in names:
         raise UnknownModelError(
             "model", f"model {model!r} is not served here; the served model is "
-            f"{backend.model.name!r}")
+            + " or ".join(repr(n) for n in names))
 
 
 def request_id(client_id: str | None, prefix: str = "req-") -> str:

@@ -33,6 +33,7 @@ from gateway.cli import (
     add_chat_template_argument,
     add_prefill_policy_arguments,
     add_reasoning_parser_argument,
+    add_served_model_name_argument,
 )
 from pdserve.supervisor import Child, RestartPolicy, supervise
 from service_infra.worker_args import (
@@ -58,6 +59,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_chat_template_argument(p)  # passed to the gateway
     add_reasoning_parser_argument(p)  # passed to the gateway
+    add_served_model_name_argument(p)  # passed to the gateway
     add_decode_activations_argument(p)
     add_prefill_weights_argument(p)  # auto: chosen here, once for every worker's copy
     p.add_argument("--host", default="127.0.0.1", help="the gateway's interface")
@@ -231,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
             "--canary-failures", str(args.canary_failures),
             "--max-num-choices", str(args.max_num_choices),
             "--reasoning-parser", args.reasoning_parser, *common,
+            *(["--served-model-name", *args.served_model_name]
+              if args.served_model_name else []),
             *(["--chat-template", os.path.abspath(args.chat_template)]
               if args.chat_template else [])])
         line = gateway.wait_ready(deadline)

@@ -57,9 +57,14 @@ class DeadlineExceeded(TimeoutError):
 
 @dataclass(frozen=True)
 class ModelInfo:
-    name: str  # what clients pass as `model`
+    name: str  # what clients pass as `model`, and what responses say
     max_model_len: int  # prompt + generated tokens of one request, at most
     vocab_size: int  # token ids must be smaller
+    aliases: tuple[str, ...] = ()  # other names clients may pass (--served-model-name)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from tests.structured_schemas import ASK, MAX_TOKENS, SCHEMAS, TOOL_SCHEMAS, TOO
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
+ALIAS = "smol"  # a second --served-model-name
 PROMPT = "The capital of France is"
 FORCED = 1000
 N = 6
@@ -32,7 +33,7 @@ N = 6
 @pytest.fixture(scope="module")
 def stack(stack_factory):
     start, stop = stack_factory
-    s = start("--transport", "shm")
+    s = start("--transport", "shm", "--served-model-name", MODEL, ALIAS)
     yield s
     stop(s)
 
@@ -42,6 +43,21 @@ def client(stack):
     with openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", timeout=120,
                        max_retries=0) as c:
         yield c
+
+
+def test_served_model_names_reach_the_gateway(stack, client, ref):
+    """`pdserve up --served-model-name MODEL smol`: both listed and accepted, the first in
+    responses; any other name is refused naming both."""
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    listed = stack.generation().ListModels(pb.ListModelsRequest()).models
+    assert [m.id for m in listed] == [MODEL, ALIAS]
+    resp = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert resp.model == MODEL
+    assert resp.choices[0].text == ref.generate([PROMPT], SamplingParams(
+        max_tokens=4, temperature=0.0))[0].outputs[0].text
+    with pytest.raises(openai.NotFoundError, match="'smol'"):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=1)
+    stack.wait_idle()
 
 
 def test_logit_bias_forces_a_token_on_both_workers(stack, client, ref):
