@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API on FastAPI, over a Backend.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
+    POST /v1/responses (OpenAI's Responses API over the chat path: gateway/responses_api.py)
     POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; gateway/tokenize_api.py)
     GET  /v1/models   GET /health (= /health/ready)   GET /health/live   GET /internal/status (counts and free KV blocks)
     GET  /metrics (Prometheus; gateway/metrics.py)
@@ -25,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from gateway import openai_protocol as oai
 from gateway import openai_responses as responses
-from gateway import tokenize_api
+from gateway import responses_api, tokenize_api
 from gateway.auth import APIKeys, bearer_token
 from gateway.chat_output import ChatStream
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
@@ -124,21 +125,27 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
                          "<key>'", kind="invalid_api_key")
         return await call_next(request)
 
-    async def generate(request: Request, parse: Parser) -> Response:
+    async def generate(request: Request, parse: Parser, collect=None, sse=None) -> Response:
+        """parse -> an OpenAIRequest (or, with collect and sse, a request holding one as
+        `chat`); its choices run, then collect(request, gen) answers, or sse(request, gen,
+        first chunk, chunks) streams."""
         try:
             req = await parse(await _read_json(request), backend, max_num_choices)
         except ValidationError as e:
             on_reject("invalid_argument")
             return _backend_error(e)
-        gen = _Generation(backend, req, request)
+        chat = req if collect is None else req.chat
+        collect = collect or functools.partial(_collect, backend)
+        sse = sse or functools.partial(_sse, backend)
+        gen = _Generation(backend, chat, request)
         try:
-            if req.stream:
+            if chat.stream:
                 chunks = gen.chunks()
                 first = await anext(chunks)  # errors before the first token get a status
-                return StreamingResponse(_sse(backend, req, gen, first, chunks),
+                return StreamingResponse(sse(req, gen, first, chunks),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            return await _collect(backend, req, gen)
+            return await collect(req, gen)
         except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
             gen.close()
             return _backend_error(e)
@@ -162,6 +169,13 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
         except ValidationError as e:
             on_reject("invalid_argument")
             return _backend_error(e)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        parser = resolve_parser(reasoning_parser, backend.tokenizer.chat_template)
+        return await generate(request, functools.partial(responses_api.parse,
+                                                         reasoning_parser=parser),
+                              _collect_response, _response_events)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -238,6 +252,30 @@ async def _collect(backend: Backend, req: oai.OpenAIRequest, gen: _Generation) -
             choice["prompt_logprobs"] = responses.prompt_logprobs_json(req, backend,
                                                                        prompt_lps.get(i))
     return JSONResponse(obj)
+
+
+async def _collect_response(rr: responses_api.ResponsesRequest,
+                            gen: _Generation) -> Response:
+    try:
+        return JSONResponse(await responses_api.collect(rr, gen.chunks()))
+    finally:
+        gen.close()
+
+
+async def _response_events(rr: responses_api.ResponsesRequest, gen: _Generation,
+                           first: tuple[int, GenerateChunk],
+                           chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
+    """The Responses API's events; an error after the first token is an `error` event."""
+    try:
+        async for text in responses_api.events(rr, first, chunks, responses_api.event_text):
+            yield text
+    except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
+        body = json.loads(_backend_error(e).body)["error"]
+        yield responses_api.event_text("error", {
+            "type": "error", "code": body["code"] or body["type"], "message": body["message"],
+            "param": body["param"], "sequence_number": 0})
+    finally:
+        gen.close()
 
 
 def _echo(backend: Backend, req: oai.OpenAIRequest, index: int,

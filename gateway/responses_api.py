@@ -1,0 +1,415 @@
+"""OpenAI's Responses API (POST /v1/responses) over the chat path: a request becomes the chat
+completion it means, validated and run as one (gateway/openai_protocol.py), and its output
+becomes the Responses API's output items, whole or as a stream of typed events.
+
+    request                               chat completion
+    input (a string, or items)            messages: role messages ("developer" = system),
+                                          function_call -> an assistant's tool_calls,
+                                          function_call_output -> a tool message
+    instructions                          a system message first
+    tools [{type: function, name, ...}]   tools [{type: function, function: {name, ...}}]
+    tool_choice {type: function, name}    tool_choice {type: function, function: {name}}
+    text.format (json_schema, ...)        response_format
+    reasoning.effort                      reasoning_effort
+    max_output_tokens                     max_completion_tokens
+
+    output items, in the order generated: a reasoning item (the reasoning parser's,
+    gateway/reasoning.py), a message with one output_text part (the content), a function_call
+    per tool call. Status "incomplete" (incomplete_details.reason "max_output_tokens") for an
+    output cut by the length limit.
+
+Nothing is stored: `store` is accepted and answered false, and previous_response_id,
+conversation, background and stored prompts are refused (400 naming the field). Only function
+tools run here; logprobs are not in the output (top_logprobs is refused).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway import openai_protocol as oai
+from gateway.chat_output import ChatStream, chat_message
+from gateway.validation import ValidationError
+from service_infra.backend import Backend, GenerateChunk
+
+# copied as they are into the chat completion (the sampling fields both APIs share, and
+# vLLM's extras)
+_SHARED = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_k",
+           "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+           "logit_bias", "min_tokens", "ignore_eos", "chat_template_kwargs", "structured_outputs",
+           "user")
+_REFUSED = {
+    "previous_response_id": "this server stores no responses: send the whole conversation "
+                            "as input",
+    "conversation": "this server stores no conversations: send the whole conversation as input",
+    "prompt": "this server stores no prompts",
+    "background": "background responses are not supported",
+    "top_logprobs": "logprobs are not supported in /v1/responses: use /v1/chat/completions",
+}
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# chat field names in errors -> this API's
+_FIELDS = ((re.compile(r"\bmessages\b"), "input"),
+           (re.compile(r"\bmax_completion_tokens\b|\bmax_tokens\b"), "max_output_tokens"),
+           (re.compile(r"\bresponse_format\b"), "text.format"),
+           (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
+           (re.compile(r"\b(tools\[\d+\]|tool_choice)\.function\b"), r"\1"))
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    chat: oai.OpenAIRequest
+    body: dict[str, Any]  # what the response echoes (instructions, tools, metadata, ...)
+    id: str
+    created_at: int
+
+
+def _renamed(e: ValidationError) -> ValidationError:
+    field, message = e.field, e.message
+    for pattern, name in _FIELDS:
+        field, message = pattern.sub(name, field), pattern.sub(name, message)
+    return type(e)(field, message)  # (UnknownModelError stays a 404)
+
+
+def _text(content: Any, field: str, kinds: tuple[str, ...]) -> str:
+    """A message's content: a string, or parts of the given types joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValidationError(field, f"{field} must be a string or a list of parts, got "
+                              f"{content!r:.100}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise ValidationError(f"{field}[{j}]", f"{field}[{j}] must be a text part "
+                                  f"({', '.join(kinds)}), got {part!r:.100}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation as chat messages (instructions first)."""
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ValidationError("instructions", "instructions must be a string")
+    out = [{"role": "system", "content": instructions}] if instructions else []
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise ValidationError("input", "input must be a string or a non-empty list of items")
+    for i, item in enumerate(items):
+        field = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ValidationError(field, f"{field} must be an object, got {item!r:.100}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise ValidationError(f"{field}.role", f"{field}.role must be one of "
+                                      f"{', '.join(_ROLES)}, got {role!r:.40}")
+            parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+            out.append({"role": _ROLES[role],
+                        "content": _text(item.get("content"), f"{field}.content", parts)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not all(isinstance(v, str) for v in (call["id"], item.get("name"),
+                                                    item.get("arguments"))):
+                raise ValidationError(field, f"{field}: a function_call needs call_id, name "
+                                      "and arguments, each a string")
+            if out and out[-1]["role"] == "assistant" and not out[-1]["content"]:
+                out[-1].setdefault("tool_calls", []).append(call)  # parallel calls: one turn
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"),
+                                                                          str):
+                raise ValidationError(field, f"{field}: a function_call_output needs call_id "
+                                      "and output, each a string")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": item["output"]})
+        elif kind != "reasoning":  # earlier reasoning is not sent back to the model
+            raise ValidationError(f"{field}.type", f"{field}.type {kind!r:.40} is not "
+                                  "supported: message, function_call, function_call_output "
+                                  "or reasoning")
+    return out
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """tools and tool_choice in the chat completion's form."""
+    chat: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ValidationError("tools", "tools must be a list")
+        chat["tools"] = []
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                raise ValidationError(f"tools[{i}].type", f"tools[{i}]: only function tools "
+                                      f"run here, got {tool!r:.100}")
+            chat["tools"].append({"type": "function", "function": {
+                k: tool[k] for k in ("name", "description", "parameters") if k in tool}})
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    return chat
+
+
+def _format(body: dict[str, Any]) -> dict[str, Any]:
+    """text.format as the chat completion's response_format."""
+    text = body.get("text")
+    if text is None:
+        return {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                            "json_schema"):
+        raise ValidationError("text.format", "text.format must be an object of type text, "
+                              f"json_object or json_schema, got {fmt!r:.100}")
+    if fmt["type"] == "text":
+        return {}
+    if fmt["type"] == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    return {"response_format": {"type": "json_schema", "json_schema": {
+        k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}}
+
+
+async def parse(body: Any, backend: Backend, max_num_choices: int,
+                reasoning_parser: str | None) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise ValidationError("body", "the request body must be a JSON object")
+    for name, why in _REFUSED.items():
+        if body.get(name) not in (None, False, 0):
+            raise ValidationError(name, f"{name}: {why}")
+    chat = {k: body[k] for k in _SHARED if k in body}
+    chat["messages"] = _messages(body)
+    chat.update(_tools(body))
+    chat.update(_format(body))
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise ValidationError("reasoning", "reasoning must be an object")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
+    try:
+        req = await oai.parse_chat(chat, backend, max_num_choices, reasoning_parser)
+    except ValidationError as e:
+        raise _renamed(e) from None
+    return ResponsesRequest(req, body, "resp_" + uuid.uuid4().hex, int(time.time()))
+
+
+# -- output ------------------------------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def _usage(last: GenerateChunk) -> dict[str, Any]:
+    return {"input_tokens": last.num_prompt_tokens,
+            "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
+            "output_tokens": last.num_output_tokens, "output_tokens_details": {
+                "reasoning_tokens": 0},  # not counted apart: the parser splits text
+            "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+
+
+def response_json(rr: ResponsesRequest, output: list[dict[str, Any]],
+                  last: GenerateChunk | None) -> dict[str, Any]:
+    """The response object: in progress (no last chunk yet), completed or incomplete."""
+    body = rr.body
+    status = "in_progress" if last is None else (
+        "incomplete" if last.finish_reason == "length" else "completed")
+    return {
+        "id": rr.id, "object": "response", "created_at": rr.created_at, "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "error": None, "incomplete_details": {"reason": "max_output_tokens"}
+        if status == "incomplete" else None,
+        "instructions": body.get("instructions"), "max_output_tokens":
+        body.get("max_output_tokens"), "model": rr.chat.model, "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "reasoning": body.get("reasoning"), "metadata": body.get("metadata") or {},
+        "store": False, "background": False, "previous_response_id": None,
+        "truncation": "disabled", "user": body.get("user"),
+        "usage": None if last is None else _usage(last),
+    }
+
+
+def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A finished chat message (chat_output.chat_message) as output items."""
+    items = []
+    if message.get("reasoning_content"):
+        items.append(_reasoning_item(_id("rs_"), message["reasoning_content"], "completed"))
+    if message.get("content"):
+        items.append(_message_item(_id("msg_"), message["content"], "completed"))
+    for call in message.get("tool_calls") or []:
+        items.append(_call_item(_id("fc_"), call["id"], call["function"]["name"],
+                                call["function"]["arguments"], "completed"))
+    return items or [_message_item(_id("msg_"), "", "completed")]  # nothing: an empty answer
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [] if text is None else [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str,
+               status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+async def collect(rr: ResponsesRequest, chunks: AsyncIterator[tuple[int, GenerateChunk]]
+                  ) -> dict[str, Any]:
+    texts, last = [], None
+    async for _, chunk in chunks:
+        texts.append(chunk.text_delta)
+        last = chunk
+    message, _ = chat_message("".join(texts), rr.chat.reasoning, rr.chat.reasoning_open,
+                              rr.chat.tool_choice)
+    return response_json(rr, output_items(message), last)
+
+
+class _Events:
+    """The stream's events, numbered, with the output items they open and close."""
+
+    def __init__(self, rr: ResponsesRequest, event: Callable[[str, dict[str, Any]], str]) -> None:
+        self.rr, self._event, self.seq = rr, event, 0
+        self.output: list[dict[str, Any]] = []  # finished items
+        self.open: dict[str, Any] | None = None  # the item being generated
+        self.kind = ""  # its kind: "reasoning", "message" or a call's index as text
+
+    def emit(self, kind: str, **fields: Any) -> str:
+        self.seq += 1
+        return self._event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.open["id"], "output_index": len(self.output)}
+
+    def start(self, kind: str, item: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.open, self.kind = item, kind
+        out.append(self.emit("response.output_item.added", output_index=len(self.output),
+                             item=item))
+        if item["type"] == "message":
+            item["content"].append(_text_part(""))
+            out.append(self.emit("response.content_part.added", **self._where(),
+                                 content_index=0, part=_text_part("")))
+        elif item["type"] == "reasoning":
+            item["content"].append({"type": "reasoning_text", "text": ""})
+            out.append(self.emit("response.content_part.added", **self._where(),
+                                 content_index=0, part={"type": "reasoning_text", "text": ""}))
+        return out
+
+    def delta(self, delta: str) -> str:
+        item = self.open
+        if item["type"] == "function_call":
+            item["arguments"] += delta
+            return self.emit("response.function_call_arguments.delta", **self._where(),
+                             delta=delta)
+        item["content"][0]["text"] += delta
+        if item["type"] == "message":
+            return self.emit("response.output_text.delta", **self._where(), content_index=0,
+                             delta=delta, logprobs=[])
+        return self.emit("response.reasoning_text.delta", **self._where(), content_index=0,
+                         delta=delta)
+
+    def close(self) -> list[str]:
+        item, out = self.open, []
+        if item is None:
+            return out
+        if item["type"] == "function_call":
+            out.append(self.emit("response.function_call_arguments.done", **self._where(),
+                                 name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            done = "response.output_text.done" if item["type"] == "message" \
+                else "response.reasoning_text.done"
+            extra = {"logprobs": []} if item["type"] == "message" else {}
+            out.append(self.emit(done, **self._where(), content_index=0, text=part["text"],
+                                 **extra))
+            out.append(self.emit("response.content_part.done", **self._where(),
+                                 content_index=0, part=part))
+        item["status"] = "completed"
+        out.append(self.emit("response.output_item.done", output_index=len(self.output),
+                             item=item))
+        self.output.append(item)
+        self.open, self.kind = None, ""
+        return out
+
+
+async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
+                 chunks: AsyncIterator[tuple[int, GenerateChunk]],
+                 event: Callable[[str, dict[str, Any]], str]) -> AsyncIterator[str]:
+    """The stream: response.created and .in_progress, each output item's added, deltas and
+    done events as the text is generated, then response.completed (or .incomplete)."""
+    ev = _Events(rr, event)
+    yield ev.emit("response.created", response=response_json(rr, [], None))
+    yield ev.emit("response.in_progress", response=response_json(rr, [], None))
+    stream = ChatStream(rr.chat.reasoning, rr.chat.reasoning_open, rr.chat.tool_choice)
+    item: tuple[int, GenerateChunk] | None = first
+    last = None
+    while item is not None:
+        _, chunk = item
+        reasoning, content, calls = stream.feed(chunk.text_delta)
+        if chunk.is_last:
+            more, rest, last_calls = stream.finish()
+            reasoning, content, calls = reasoning + more, content + rest, calls + last_calls
+            last = chunk
+        for out in _pieces(ev, reasoning, content, calls):
+            yield out
+        item = await anext(chunks, None)
+    if not ev.output and ev.open is None:  # nothing generated: an empty message
+        for out in ev.start("message", _message_item(_id("msg_"), None, "in_progress")):
+            yield out
+    for out in ev.close():
+        yield out
+    done = "response.incomplete" if last is not None and last.finish_reason == "length" \
+        else "response.completed"
+    yield ev.emit(done, response=response_json(rr, ev.output, last))
+
+
+def _pieces(ev: _Events, reasoning: str, content: str,
+            calls: list[dict[str, Any]]) -> list[str]:
+    """The events of one chunk's reasoning, content and tool call deltas, in that order."""
+    out = []
+    if reasoning:
+        if ev.kind != "reasoning":
+            out += ev.start("reasoning", _reasoning_item(_id("rs_"), None, "in_progress"))
+        out.append(ev.delta(reasoning))
+    if content:
+        if ev.kind != "message":
+            out += ev.start("message", _message_item(_id("msg_"), None, "in_progress"))
+        out.append(ev.delta(content))
+    for call in calls:
+        kind = f"call {call['index']}"
+        if ev.kind != kind:  # a call's first piece: its id and name
+            out += ev.start(kind, _call_item(_id("fc_"), call["id"], call["function"]["name"],
+                                             "", "in_progress"))
+        if call["function"]["arguments"]:
+            out.append(ev.delta(call["function"]["arguments"]))
+    return out
+
+
+def event_text(kind: str, obj: dict[str, Any]) -> str:
+    """One server-sent event: its type on the `event:` line, the object as its data."""
+    return f"event: {kind}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n"
