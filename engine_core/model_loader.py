@@ -72,7 +72,7 @@ def load_model(
     model = model.to(dtype)
     model.tie_weights()  # to_empty gives each module its own tensor; share them again
     absent = {p for parts in blocks_only.values() for p in parts}
-    model.load_weights(gguf.weights(config, skip=absent) if gguf is not None
+    model.load_weights(gguf.weights(config, skip=absent, blocks=q8) if gguf is not None
                        else iter_safetensors(source.path), absent=absent)
     model.init_rope(device)
     model.eval().requires_grad_(False)

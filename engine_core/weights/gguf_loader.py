@@ -142,11 +142,28 @@ class _LazyBlocks(Mapping):
         by_name = {t.name: t for t in tensors}
         self._tensor_of = {name: t.name for t in tensors
                            for name in hf_names(t, gguf.architecture)}  # HF -> GGUF name
+        self._gguf_names = set(by_name)
         self._unpack = functools.lru_cache(maxsize=3)(
             lambda gguf_name: dict(gguf._unpacked(by_name[gguf_name], config)))
+        # weights unpacked ahead, from a dequantization the dense load made anyway (prime)
+        self._primed: dict[str, Q4Weight | Q8Weight] = {}
+
+    def holds(self, gguf_name: str) -> bool:
+        """Whether this family unpacks GGUF tensor `gguf_name`."""
+        return gguf_name in self._gguf_names
+
+    def prime(self, weights: list[tuple[str, Q4Weight | Q8Weight]]) -> None:
+        """Keep these unpacked weights for their first access."""
+        self._primed.update(weights)
 
     def __getitem__(self, name: str):
+        primed = self._primed.pop(name, None)
+        if primed is not None:
+            return primed
         return self._unpack(self._tensor_of[name])[name]
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's would unpack the tensor)
+        return name in self._tensor_of
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensor_of)
@@ -210,11 +227,16 @@ class GGUFFile:
                 for t in self.reader.tensors if t.name not in ROPE_TENSORS
                 for name in hf_names(t, self.architecture)}
 
-    def weights(self, config: ModelConfig,
-                skip: Set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, config: ModelConfig, skip: Set[str] = frozenset(),
+                blocks: _LazyBlocks | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, float32 tensor) for every tensor in the file but those
-        whose names are all in `skip` (never read nor dequantized)."""
+        whose names are all in `skip` (never read nor dequantized). `blocks`: the q8 family's
+        weights (block_weights), primed with each of its tensors unpacked from the
+        dequantization made here, so that none is dequantized twice (the IQ types' grid
+        lookups are most of a load)."""
         permute = self.architecture.gguf_permutes_qk
+        holds = set() if blocks is None else {t.name for t in self.reader.tensors
+                                              if blocks.holds(t.name)}
         for t in self.reader.tensors:
             if t.name in ROPE_TENSORS:  # in the config (rope_freq_factors, rope_scaling)
                 continue
@@ -228,7 +250,10 @@ class GGUFFile:
                 )
             # GGUF lists dims innermost-first; numpy wants them outermost-first
             shape = tuple(int(d) for d in reversed(t.shape))
-            w = torch.from_numpy(dequantized(t.data, qtype)).reshape(shape)
+            array = dequantized(t.data, qtype)
+            if t.name in holds:
+                blocks.prime(self._unpacked(t, config, dense=array))
+            w = torch.from_numpy(array).reshape(shape)
             names = hf_names(t, self.architecture)
             if len(names) > 1:  # stacked experts
                 yield from zip(names, w, strict=True)
@@ -269,11 +294,13 @@ class GGUFFile:
                 if GGMLQuantizationType(t.tensor_type) in types and t.name not in ROPE_TENSORS
                 and not (types is Q8_TYPES and t.name == "token_embd.weight")]
 
-    def _unpacked(self, t, config: ModelConfig) -> list[tuple[str, Q4Weight | Q8Weight]]:
-        """One tensor's blocks as (Hugging Face name, weight): one, or one per expert."""
+    def _unpacked(self, t, config: ModelConfig,
+                  dense: np.ndarray | None = None) -> list[tuple[str, Q4Weight | Q8Weight]]:
+        """One tensor's blocks as (Hugging Face name, weight): one, or one per expert.
+        dense: a q8-family tensor's dequantization, where the caller made it already."""
         qtype = GGMLQuantizationType(t.tensor_type)
-        unpack = unpack_q4 if qtype in Q4_TYPES else unpack_q8
-        w = unpack(t.data.reshape(-1, t.data.shape[-1]), qtype)
+        rows = t.data.reshape(-1, t.data.shape[-1])
+        w = unpack_q4(rows, qtype) if qtype in Q4_TYPES else unpack_q8(rows, qtype, dense)
         names = hf_names(t, self.architecture)
         if len(names) > 1:  # stacked experts: each its rows
             return list(_per_expert(names, w))

@@ -210,14 +210,18 @@ def _iq_scales(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return dl * np.float32(0.125)  # q = 8 * (grid value +- 1/8)
 
 
-def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType) -> Q8Weight | NLWeight:
-    """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them.
-    A type of NL_TABLES comes back as its table's indices (NLWeight), found from the integers
-    (each the table entry it is; a table holding a value twice, MXFP4's 0, gives the first)."""
+def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType,
+              dense: np.ndarray | None = None) -> Q8Weight | NLWeight:
+    """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them;
+    dense: gguf's dequantization of them where the caller has it already (float32, any
+    shape), else it is computed here. A type of NL_TABLES comes back as its table's indices
+    (NLWeight), found from the integers (each the table entry it is; a table holding a value
+    twice, MXFP4's 0, gives the first)."""
     rows = data.shape[0]
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = data.reshape(-1, type_size)  # [B, block bytes]
-    w = dequantize(data, qtype).astype(np.float32).reshape(blocks.shape[0], block_size)
+    w = (dequantize(data, qtype) if dense is None else dense).astype(np.float32, copy=False) \
+        .reshape(blocks.shape[0], block_size)
     d, c = _scales(blocks, qtype)  # [B, groups]
     group = block_size // d.shape[1]
     wg = w.reshape(blocks.shape[0], d.shape[1], group)  # [B, groups, group]

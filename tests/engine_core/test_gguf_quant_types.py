@@ -245,3 +245,32 @@ def test_low_bit_types_on_the_cpu_defaults(qtype, tmp_path):
     prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
     for tokens in tm.greedy(eng, prompts, 16):
         assert len(tokens) == 16
+
+
+@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.IQ2_XXS], ids=lambda q: q.name)
+def test_the_decode_integers_reuse_the_dense_loads_dequantization(qtype, tmp_path,
+                                                                  monkeypatch):
+    """With a dense copy (prefill_weights dense), each q8-family tensor is dequantized once:
+    its integers come from the dequantization the dense load made (the IQ types' grid lookups
+    are most of a load). Without one (quantized), the unpack dequantizes the blocks itself."""
+    from engine_core.weights import gguf_q8
+    from kernels import native
+
+    if native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    unpacks = []
+    real = gguf_q8.dequantize
+    monkeypatch.setattr(gguf_q8, "dequantize",
+                        lambda data, q: unpacks.append(q) or real(data, q))
+    _, path = gguf_model(tmp_path, qtype)
+    eng = tm.engine(path, quantize_decode=True, decode_activations="float32",
+                    prefill_weights="dense")
+    assert unpacks == []
+    for proj in (eng.model.layers[0].self_attn.qkv_proj, eng.model.layers[1].mlp.down_proj):
+        assert torch.equal(proj.quant.expanded(), proj.dense.weight.float())
+    prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
+    want = tm.greedy(eng, prompts, 8)
+    blocks_only = tm.engine(path, quantize_decode=True, decode_activations="float32",
+                            prefill_weights="quantized")
+    assert unpacks and set(unpacks) == {qtype}
+    assert tm.greedy(blocks_only, prompts, 8) == want
