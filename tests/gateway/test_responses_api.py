@@ -122,6 +122,29 @@ def test_function_calls_and_their_results(client, gateway):
     gateway.wait_idle()
 
 
+AUTO = (r'Let me check\. <tool_call>\{"name": "get_weather", "arguments": \{"city": '
+        r'"Paris", "unit": "celsius"\}\}</tool_call>')
+
+
+def test_auto_text_then_a_call_streamed_and_not(client, gateway):
+    """tool_choice auto (the model held to text then a call by a regex): a message item, then
+    a function_call item, in the stream too."""
+    kwargs = dict(model=MODEL, input=ASK[0]["content"], tools=FUNCTIONS, max_output_tokens=80,
+                  temperature=0.0, extra_body={"structured_outputs": {"regex": AUTO}})
+    resp = client.responses.create(**kwargs)
+    assert [i.type for i in resp.output] == ["message", "function_call"]
+    assert resp.output_text.strip() == "Let me check."
+    assert (resp.output[1].name, json.loads(resp.output[1].arguments)) == (
+        "get_weather", {"city": "Paris", "unit": "celsius"})
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert [i.type for i in final.output] == ["message", "function_call"]
+    assert final.output_text.strip() == resp.output_text.strip()  # (as the chat API's: the
+    # streamed content keeps the space before the call, the whole one is stripped)
+    assert final.output[1].arguments == resp.output[1].arguments
+    gateway.wait_idle()
+
+
 THINKING = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
 
 
