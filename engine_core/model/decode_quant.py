@@ -70,12 +70,15 @@ from engine_core.model.decode_matmuls import (  # noqa: F401 (the matmuls' names
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.feed_forward import SparseMoE
 from engine_core.model.forward_context import current
+from engine_core.weights.allocator import return_freed_memory
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 from engine_core.weights.gguf_q8 import Q8Weight, cat_blocks
 from kernels import native
 
 logger = logging.getLogger(__name__)
 REFINE_TOP_K = 64  # decode logits recomputed in float32 per row (see DecodeQuantLMHead)
+# projections built between two returns of freed heap memory (weights/allocator.py)
+TRIM_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -351,12 +354,15 @@ def quantize_for_decode(
             return NativeQ8Matmul(linear.weight, lib, int8)
         return Int8Matmul(linear.weight)
 
-    for (module, attr), parts in projections(model, q4.keys() | q8.keys()).items():
+    for i, ((module, attr), parts) in enumerate(
+            projections(model, q4.keys() | q8.keys()).items()):
         in_file = [p in q8 for p in parts]
         if lib is not None and any(in_file) and not all(p in q4 or p in q8 for p in parts):
             continue  # see q8
         linear = getattr(module, attr)
         setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts)))
+        if i % TRIM_EVERY == TRIM_EVERY - 1:  # the parts' freed buffers back to the OS
+            return_freed_memory()
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
     head = model.lm_head
     if lm_head_screen not in ("auto", "int4", "int8"):

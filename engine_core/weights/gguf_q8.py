@@ -210,29 +210,45 @@ def _iq_scales(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return dl * np.float32(0.125)  # q = 8 * (grid value +- 1/8)
 
 
-def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType,
-              dense: np.ndarray | None = None) -> Q8Weight | NLWeight:
-    """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them;
-    dense: gguf's dequantization of them where the caller has it already (float32, any
-    shape), else it is computed here. A type of NL_TABLES comes back as its table's indices
-    (NLWeight), found from the integers (each the table entry it is; a table holding a value
-    twice, MXFP4's 0, gives the first)."""
-    rows = data.shape[0]
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = data.reshape(-1, type_size)  # [B, block bytes]
-    w = (dequantize(data, qtype) if dense is None else dense).astype(np.float32, copy=False) \
-        .reshape(blocks.shape[0], block_size)
-    d, c = _scales(blocks, qtype)  # [B, groups]
-    group = block_size // d.shape[1]
-    wg = w.reshape(blocks.shape[0], d.shape[1], group)  # [B, groups, group]
-    shifted = wg if c is None else wg - c[..., None]
+# blocks whose integers are recovered at once: each step's float32 temporaries stay near
+# 64 MB, whatever the tensor (an output head of 128k rows is hundreds of millions of weights)
+UNPACK_CHUNK_ELEMENTS = 1 << 24
+
+
+def _integers(w: np.ndarray, d: np.ndarray, c: np.ndarray | None,
+              qtype: GGMLQuantizationType) -> np.ndarray:
+    """The int8 q of weights w [B, groups, group] = q * d (+ c), checked to give w back."""
+    shifted = w if c is None else w - c[..., None]
     safe_d = np.where(d == 0, np.float32(1), d)[..., None]
     q = np.where(d[..., None] == 0, 0, np.rint(shifted / safe_d)).astype(np.int8)
     back = q.astype(np.float32) * d[..., None]
     if c is not None:
-        back = back + c[..., None]
-    if not np.array_equal(back, wg):
+        back += c[..., None]
+    if not np.array_equal(back, w):
         raise ValueError(f"{qtype.name} tensor: its integers do not give gguf's weights back")
+    return q
+
+
+def unpack_q8(data: np.ndarray, qtype: GGMLQuantizationType,
+              dense: np.ndarray | None = None) -> Q8Weight | NLWeight:
+    """data: the tensor's raw bytes, [rows, bytes_per_row] uint8, as GGUFReader gives them;
+    dense: gguf's dequantization of them where the caller has it already (float32, any
+    shape), else it is computed here, a chunk of blocks at a time. A type of NL_TABLES comes
+    back as its table's indices (NLWeight), found from the integers (each the table entry it
+    is; a table holding a value twice, MXFP4's 0, gives the first)."""
+    rows = data.shape[0]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = data.reshape(-1, type_size)  # [B, block bytes]
+    d, c = _scales(blocks, qtype)  # [B, groups]
+    num_blocks, groups = d.shape
+    flat = None if dense is None else dense.reshape(num_blocks, block_size)
+    q = np.empty((num_blocks, groups, block_size // groups), dtype=np.int8)
+    step = max(1, UNPACK_CHUNK_ELEMENTS // block_size)
+    for at in range(0, num_blocks, step):
+        part = slice(at, at + step)
+        w = dequantize(blocks[part], qtype) if flat is None else flat[part]
+        q[part] = _integers(w.astype(np.float32, copy=False).reshape(q[part].shape), d[part],
+                            None if c is None else c[part], qtype)
     per_row = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
     if qtype in NL_TABLES:
         table = np.array(NL_TABLES[qtype], dtype=np.int8)

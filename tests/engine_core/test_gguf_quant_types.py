@@ -252,12 +252,14 @@ def test_the_decode_integers_reuse_the_dense_loads_dequantization(qtype, tmp_pat
                                                                   monkeypatch):
     """With a dense copy (prefill_weights dense), each q8-family tensor is dequantized once:
     its integers come from the dequantization the dense load made (the IQ types' grid lookups
-    are most of a load). Without one (quantized), the unpack dequantizes the blocks itself."""
+    are most of a load). Without one (quantized), the unpack dequantizes the blocks itself.
+    Both recover the integers a few blocks at a time (bounded temporaries)."""
     from engine_core.weights import gguf_q8
     from kernels import native
 
     if native.load() is None:
         pytest.skip("the C kernels do not load here")
+    monkeypatch.setattr(gguf_q8, "UNPACK_CHUNK_ELEMENTS", 3 * 256)  # several chunks a tensor
     unpacks = []
     real = gguf_q8.dequantize
     monkeypatch.setattr(gguf_q8, "dequantize",
