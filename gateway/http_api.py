@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from gateway import openai_protocol as oai
 from gateway import openai_responses as responses
-from gateway import responses_api, tokenize_api
+from gateway import responses_api, responses_stream, tokenize_api
 from gateway.auth import APIKeys, bearer_token
 from gateway.chat_output import ChatStream
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
@@ -267,11 +267,12 @@ async def _response_events(rr: responses_api.ResponsesRequest, gen: _Generation,
                            chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
     """The Responses API's events; an error after the first token is an `error` event."""
     try:
-        async for text in responses_api.events(rr, first, chunks, responses_api.event_text):
+        async for text in responses_stream.events(rr, first, chunks,
+                                                  responses_stream.event_text):
             yield text
     except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
         body = json.loads(_backend_error(e).body)["error"]
-        yield responses_api.event_text("error", {
+        yield responses_stream.event_text("error", {
             "type": "error", "code": body["code"] or body["type"], "message": body["message"],
             "param": body["param"], "sequence_number": 0})
     finally:

@@ -16,7 +16,7 @@ becomes the Responses API's output items, whole or as a stream of typed events.
     output items, in the order generated: a reasoning item (the reasoning parser's,
     gateway/reasoning.py), a message with one output_text part (the content), a function_call
     per tool call. Status "incomplete" (incomplete_details.reason "max_output_tokens") for an
-    output cut by the length limit.
+    output cut by the length limit. Streamed: gateway/responses_stream.py.
 
 Nothing is stored: `store` is accepted and answered false, and previous_response_id,
 conversation, background and stored prompts are refused (400 naming the field). Only function
@@ -25,16 +25,15 @@ tools run here; logprobs are not in the output (top_logprobs is refused).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from gateway import openai_protocol as oai
-from gateway.chat_output import ChatStream, chat_message
+from gateway.chat_output import chat_message
 from gateway.validation import ValidationError
 from service_infra.backend import Backend, GenerateChunk
 
@@ -209,7 +208,7 @@ async def parse(body: Any, backend: Backend, max_num_choices: int,
 
 
 # -- output ------------------------------------------------------------------------------------
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
@@ -249,30 +248,30 @@ def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
     """A finished chat message (chat_output.chat_message) as output items."""
     items = []
     if message.get("reasoning_content"):
-        items.append(_reasoning_item(_id("rs_"), message["reasoning_content"], "completed"))
+        items.append(reasoning_item(new_id("rs_"), message["reasoning_content"], "completed"))
     if message.get("content"):
-        items.append(_message_item(_id("msg_"), message["content"], "completed"))
+        items.append(message_item(new_id("msg_"), message["content"], "completed"))
     for call in message.get("tool_calls") or []:
-        items.append(_call_item(_id("fc_"), call["id"], call["function"]["name"],
+        items.append(call_item(new_id("fc_"), call["id"], call["function"]["name"],
                                 call["function"]["arguments"], "completed"))
-    return items or [_message_item(_id("msg_"), "", "completed")]  # nothing: an empty answer
+    return items or [message_item(new_id("msg_"), "", "completed")]  # nothing: an empty answer
 
 
-def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
             "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-            "content": [] if text is None else [_text_part(text)]}
+            "content": [] if text is None else [text_part(text)]}
 
 
-def _text_part(text: str) -> dict[str, Any]:
+def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str,
+def call_item(item_id: str, call_id: str, name: str, arguments: str,
                status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
@@ -287,129 +286,3 @@ async def collect(rr: ResponsesRequest, chunks: AsyncIterator[tuple[int, Generat
     message, _ = chat_message("".join(texts), rr.chat.reasoning, rr.chat.reasoning_open,
                               rr.chat.tool_choice)
     return response_json(rr, output_items(message), last)
-
-
-class _Events:
-    """The stream's events, numbered, with the output items they open and close."""
-
-    def __init__(self, rr: ResponsesRequest, event: Callable[[str, dict[str, Any]], str]) -> None:
-        self.rr, self._event, self.seq = rr, event, 0
-        self.output: list[dict[str, Any]] = []  # finished items
-        self.open: dict[str, Any] | None = None  # the item being generated
-        self.kind = ""  # its kind: "reasoning", "message" or a call's index as text
-
-    def emit(self, kind: str, **fields: Any) -> str:
-        self.seq += 1
-        return self._event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
-
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self.open["id"], "output_index": len(self.output)}
-
-    def start(self, kind: str, item: dict[str, Any]) -> list[str]:
-        out = self.close()
-        self.open, self.kind = item, kind
-        out.append(self.emit("response.output_item.added", output_index=len(self.output),
-                             item=item))
-        if item["type"] == "message":
-            item["content"].append(_text_part(""))
-            out.append(self.emit("response.content_part.added", **self._where(),
-                                 content_index=0, part=_text_part("")))
-        elif item["type"] == "reasoning":
-            item["content"].append({"type": "reasoning_text", "text": ""})
-            out.append(self.emit("response.content_part.added", **self._where(),
-                                 content_index=0, part={"type": "reasoning_text", "text": ""}))
-        return out
-
-    def delta(self, delta: str) -> str:
-        item = self.open
-        if item["type"] == "function_call":
-            item["arguments"] += delta
-            return self.emit("response.function_call_arguments.delta", **self._where(),
-                             delta=delta)
-        item["content"][0]["text"] += delta
-        if item["type"] == "message":
-            return self.emit("response.output_text.delta", **self._where(), content_index=0,
-                             delta=delta, logprobs=[])
-        return self.emit("response.reasoning_text.delta", **self._where(), content_index=0,
-                         delta=delta)
-
-    def close(self) -> list[str]:
-        item, out = self.open, []
-        if item is None:
-            return out
-        if item["type"] == "function_call":
-            out.append(self.emit("response.function_call_arguments.done", **self._where(),
-                                 name=item["name"], arguments=item["arguments"]))
-        else:
-            part = item["content"][0]
-            done = "response.output_text.done" if item["type"] == "message" \
-                else "response.reasoning_text.done"
-            extra = {"logprobs": []} if item["type"] == "message" else {}
-            out.append(self.emit(done, **self._where(), content_index=0, text=part["text"],
-                                 **extra))
-            out.append(self.emit("response.content_part.done", **self._where(),
-                                 content_index=0, part=part))
-        item["status"] = "completed"
-        out.append(self.emit("response.output_item.done", output_index=len(self.output),
-                             item=item))
-        self.output.append(item)
-        self.open, self.kind = None, ""
-        return out
-
-
-async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
-                 chunks: AsyncIterator[tuple[int, GenerateChunk]],
-                 event: Callable[[str, dict[str, Any]], str]) -> AsyncIterator[str]:
-    """The stream: response.created and .in_progress, each output item's added, deltas and
-    done events as the text is generated, then response.completed (or .incomplete)."""
-    ev = _Events(rr, event)
-    yield ev.emit("response.created", response=response_json(rr, [], None))
-    yield ev.emit("response.in_progress", response=response_json(rr, [], None))
-    stream = ChatStream(rr.chat.reasoning, rr.chat.reasoning_open, rr.chat.tool_choice)
-    item: tuple[int, GenerateChunk] | None = first
-    last = None
-    while item is not None:
-        _, chunk = item
-        reasoning, content, calls = stream.feed(chunk.text_delta)
-        if chunk.is_last:
-            more, rest, last_calls = stream.finish()
-            reasoning, content, calls = reasoning + more, content + rest, calls + last_calls
-            last = chunk
-        for out in _pieces(ev, reasoning, content, calls):
-            yield out
-        item = await anext(chunks, None)
-    if not ev.output and ev.open is None:  # nothing generated: an empty message
-        for out in ev.start("message", _message_item(_id("msg_"), None, "in_progress")):
-            yield out
-    for out in ev.close():
-        yield out
-    done = "response.incomplete" if last is not None and last.finish_reason == "length" \
-        else "response.completed"
-    yield ev.emit(done, response=response_json(rr, ev.output, last))
-
-
-def _pieces(ev: _Events, reasoning: str, content: str,
-            calls: list[dict[str, Any]]) -> list[str]:
-    """The events of one chunk's reasoning, content and tool call deltas, in that order."""
-    out = []
-    if reasoning:
-        if ev.kind != "reasoning":
-            out += ev.start("reasoning", _reasoning_item(_id("rs_"), None, "in_progress"))
-        out.append(ev.delta(reasoning))
-    if content:
-        if ev.kind != "message":
-            out += ev.start("message", _message_item(_id("msg_"), None, "in_progress"))
-        out.append(ev.delta(content))
-    for call in calls:
-        kind = f"call {call['index']}"
-        if ev.kind != kind:  # a call's first piece: its id and name
-            out += ev.start(kind, _call_item(_id("fc_"), call["id"], call["function"]["name"],
-                                             "", "in_progress"))
-        if call["function"]["arguments"]:
-            out.append(ev.delta(call["function"]["arguments"]))
-    return out
-
-
-def event_text(kind: str, obj: dict[str, Any]) -> str:
-    """One server-sent event: its type on the `event:` line, the object as its data."""
-    return f"event: {kind}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n"
