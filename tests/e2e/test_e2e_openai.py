@@ -53,8 +53,7 @@ def test_served_model_names_reach_the_gateway(stack, client, ref):
     assert [m.id for m in listed] == [MODEL, ALIAS]
     resp = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=4, temperature=0)
     assert resp.model == MODEL
-    assert resp.choices[0].text == ref.generate([PROMPT], SamplingParams(
-        max_tokens=4, temperature=0.0))[0].outputs[0].text
+    assert resp.choices[0].text == ref.generate(PROMPT, 4).outputs[0].text
     with pytest.raises(openai.NotFoundError, match="'smol'"):
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=1)
     stack.wait_idle()
