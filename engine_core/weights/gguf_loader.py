@@ -233,10 +233,13 @@ class GGUFFile:
         whose names are all in `skip` (never read nor dequantized). `blocks`: the q8 family's
         weights (block_weights), primed with each of its tensors unpacked from the
         dequantization made here, so that none is dequantized twice (the IQ types' grid
-        lookups are most of a load)."""
+        lookups are most of a load). Not the output head: with int8 activations the decode
+        path requantizes it from the dense copy instead (decode_quant's int4 screen), and a
+        Llama 3 head is half a billion weights."""
         permute = self.architecture.gguf_permutes_qk
-        holds = set() if blocks is None else {t.name for t in self.reader.tensors
-                                              if blocks.holds(t.name)}
+        holds = set() if blocks is None else {
+            t.name for t in self.reader.tensors if blocks.holds(t.name)
+            and "lm_head.weight" not in hf_names(t, self.architecture)}
         for t in self.reader.tensors:
             if t.name in ROPE_TENSORS:  # in the config (rope_freq_factors, rope_scaling)
                 continue

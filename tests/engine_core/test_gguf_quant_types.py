@@ -250,29 +250,33 @@ def test_low_bit_types_on_the_cpu_defaults(qtype, tmp_path):
 @pytest.mark.parametrize("qtype", [Q.Q3_K, Q.IQ2_XXS], ids=lambda q: q.name)
 def test_the_decode_integers_reuse_the_dense_loads_dequantization(qtype, tmp_path,
                                                                   monkeypatch):
-    """With a dense copy (prefill_weights dense), each q8-family tensor is dequantized once:
+    """With a dense copy (prefill_weights dense), each q8-family matrix is dequantized once:
     its integers come from the dequantization the dense load made (the IQ types' grid lookups
-    are most of a load). Without one (quantized), the unpack dequantizes the blocks itself.
-    Both recover the integers a few blocks at a time (bounded temporaries)."""
+    are most of a load); only the output head, which the int8 path requantizes from the dense
+    copy instead, unpacks its own when asked for. Without a dense copy (quantized) every
+    tensor unpacks its own. Both recover the integers a few blocks at a time."""
     from engine_core.weights import gguf_q8
     from kernels import native
 
     if native.load() is None:
         pytest.skip("the C kernels do not load here")
     monkeypatch.setattr(gguf_q8, "UNPACK_CHUNK_ELEMENTS", 3 * 256)  # several chunks a tensor
-    unpacks = []
-    real = gguf_q8.dequantize
-    monkeypatch.setattr(gguf_q8, "dequantize",
-                        lambda data, q: unpacks.append(q) or real(data, q))
+    own = []  # the shapes of the tensors unpacked from their own blocks
+    real = gguf_loader.unpack_q8
+    monkeypatch.setattr(gguf_loader, "unpack_q8", lambda data, q, dense=None: (
+        own.append(data.shape) if dense is None else None) or real(data, q, dense))
     _, path = gguf_model(tmp_path, qtype)
     eng = tm.engine(path, quantize_decode=True, decode_activations="float32",
                     prefill_weights="dense")
-    assert unpacks == []
+    (out,) = [t for t in GGUFFile(path).reader.tensors if t.name == "output.weight"]
+    head = out.data.reshape(-1, out.data.shape[-1]).shape
+    assert own == [head]  # float32 activations: the head from the file's integers
     for proj in (eng.model.layers[0].self_attn.qkv_proj, eng.model.layers[1].mlp.down_proj):
         assert torch.equal(proj.quant.expanded(), proj.dense.weight.float())
     prompts = tm.prompts(WIDE["vocab_size"], [9, 40])
     want = tm.greedy(eng, prompts, 8)
+    own.clear()
     blocks_only = tm.engine(path, quantize_decode=True, decode_activations="float32",
                             prefill_weights="quantized")
-    assert unpacks and set(unpacks) == {qtype}
+    assert len(own) > 2 * 4  # every layer's matrices
     assert tm.greedy(blocks_only, prompts, 8) == want
