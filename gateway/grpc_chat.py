@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.chat_output import ChatStream
-from gateway.reasoning import PROMPT_TAIL, grammar_after_reasoning, opens_reasoning
+from gateway.reasoning import thinking_prompt
 from gateway.structured import compile_error
 from gateway.tools import ToolChoice, encode_tool_chat, parse_tools, tool_calls_to_proto
-from gateway.validation import ValidationError, template_kwargs
+from gateway.validation import ValidationError, structured_of, template_kwargs
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend
-from service_infra.proto_convert import structured_from_proto, structured_to_proto
+from service_infra.proto_convert import structured_to_proto
 
 
 @dataclass(frozen=True)
@@ -93,18 +93,11 @@ async def render(req: pb.GenerateRequest, backend: Backend,
     if parser == "harmony":  # its channels are special tokens
         out.sampling.skip_special_tokens = False
     reasoning_open = False
-    if parser == "think":  # the generation prompt's text: did it open or close the block?
-        tail = backend.tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False)
-        reasoning_open = opens_reasoning(tail)
-        if out.sampling.HasField("structured"):
-            try:
-                so = structured_from_proto(out.sampling.structured)
-            except ValueError as e:
-                raise ValidationError("sampling.structured", f"sampling.structured: {e}") \
-                    from None
-            if so is not None:
-                out.sampling.structured.CopyFrom(structured_to_proto(
-                    grammar_after_reasoning(backend.tokenizer, tail, so)))
+    if parser == "think":  # did the generation prompt open or close the block?
+        reasoning_open, so = thinking_prompt(backend.tokenizer, ids,
+                                             structured_of(out.sampling))
+        if so is not None:
+            out.sampling.structured.CopyFrom(structured_to_proto(so))
     if parser is None and choice is None:
         return out, None
     return out, ChatOutput(parser, reasoning_open, choice)

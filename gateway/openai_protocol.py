@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
 from gateway.openai_structured import parse_structured
-from gateway.reasoning import PROMPT_TAIL, grammar_after_reasoning, opens_reasoning
+from gateway.reasoning import thinking_prompt
 from gateway.tools import ToolChoice, encode_tool_chat, parse_tools
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
@@ -225,12 +225,12 @@ async def parse_chat(body: Any, backend: Backend,
     ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
                                  "messages", template_kwargs(body.get("chat_template_kwargs"),
                                                              body.get("reasoning_effort")))
-    # the generation prompt's text: whether it opened or closed the thinking block
-    tail = (backend.tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False)
-            if reasoning_parser == "think" else "")
-    if reasoning_parser == "think" and kwargs.get("structured") is not None:
-        kwargs["structured"] = grammar_after_reasoning(backend.tokenizer, tail,
-                                                       kwargs["structured"])
+    reasoning_open = False
+    if reasoning_parser == "think":  # did the generation prompt open or close the block?
+        reasoning_open, structured = thinking_prompt(backend.tokenizer, ids,
+                                                     kwargs.get("structured"))
+        if structured is not None:
+            kwargs["structured"] = structured
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -253,7 +253,6 @@ async def parse_chat(body: Any, backend: Backend,
             raise ValidationError("top_logprobs", e.message.replace("logprobs", "top_logprobs",
                                                                     1)) from None
         raise
-    reasoning_open = reasoning_parser == "think" and opens_reasoning(tail)
     return replace(req, tool_choice=tool_choice, reasoning=reasoning_parser,
                    reasoning_open=reasoning_open)
 

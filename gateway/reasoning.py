@@ -63,6 +63,15 @@ def opens_reasoning(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(OPEN)
 
 
+def thinking_prompt(tokenizer, ids: list[int], so: StructuredOutput | None
+                    ) -> tuple[bool, StructuredOutput | None]:
+    """For a think-parser chat whose prompt is `ids`: (whether the prompt left the model
+    inside <think>, its structured output started after the reasoning where it can be)."""
+    tail = tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False)
+    return opens_reasoning(tail), None if so is None else grammar_after_reasoning(tokenizer,
+                                                                                  tail, so)
+
+
 class ReasoningSplit:
     """One choice's output text as it streams: `feed` each delta, then `finish`; each returns
     (reasoning delta, content delta), "" where there is none. Text that may be the start of a

@@ -241,11 +241,12 @@ def proto_sampling_kwargs(s: pb.SamplingParameters) -> dict[str, Any]:
         ignore_eos=s.ignore_eos, logprobs=opt("logprobs", None),
         skip_special_tokens=opt("skip_special_tokens", True), logit_bias=dict(s.logit_bias),
         prompt_logprobs=opt("prompt_logprobs", None),
-        structured=_structured_from_proto(s),
+        structured=structured_of(s),
     )
 
 
-def _structured_from_proto(s: pb.SamplingParameters) -> StructuredOutput | None:
+def structured_of(s: pb.SamplingParameters) -> StructuredOutput | None:
+    """s.structured as a StructuredOutput (None: unset), or a ValidationError naming it."""
     try:
         return structured_from_proto(s.structured)
     except ValueError as e:

@@ -164,13 +164,11 @@ class SparseMoE(nn.Module):
                                   torch.zeros_like(xf))
 
 
-def stack_experts(model: nn.Module) -> int:
-    """Every SparseMoE of `model` on the grouped-matmul path (SparseMoE.stack_experts);
-    returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    for moe in layers:
-        moe.stack_experts()
-    return len(layers)
+def stack_experts(model: nn.Module) -> None:
+    """Every SparseMoE of `model` on the grouped-matmul path (SparseMoE.stack_experts)."""
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.stack_experts()
 
 
 # Mixtral's checkpoint names for its experts, as the rest of the decoder names them (Qwen's)

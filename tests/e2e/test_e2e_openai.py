@@ -59,6 +59,24 @@ def test_served_model_names_reach_the_gateway(stack, client, ref):
     stack.wait_idle()
 
 
+def test_the_responses_api_through_both_pools(stack, client):
+    """The CPU defaults (bf16, int8 decode activations) behind /v1/responses: the same greedy
+    output as the chat completion of the same conversation, whole and streamed."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=N,
+                                          temperature=0)
+    resp = client.responses.create(model=MODEL, input=messages, max_output_tokens=N,
+                                   temperature=0)
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    events = list(client.responses.create(model=MODEL, input=messages, max_output_tokens=N,
+                                          temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        == resp.output_text
+    assert events[-1].response.status == resp.status
+    stack.wait_idle()
+
+
 def test_logit_bias_forces_a_token_on_both_workers(stack, client, ref):
     """Every token, the first (prefill worker) and the rest (decode worker), is FORCED."""
     msgs = run(stack.generation(), pb.GenerateRequest(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import httpx2 as httpx
+import openai
 import pytest
 
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
@@ -104,6 +105,13 @@ HARMONY_TEMPLATE = (  # GPT-OSS's system line takes reasoning_effort
     "{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>"
     "{{ m.content }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def openai_client(gw: Gateway):
+    """The official client on gw's HTTP API (a generator: a fixture yields from it)."""
+    with openai.OpenAI(base_url=f"{gw.http_url}/v1", api_key="unused", timeout=180,
+                       max_retries=0) as c:
+        yield c
 
 
 def template_gateway(tmp_path_factory, name: str, template: str):

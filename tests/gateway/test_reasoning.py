@@ -11,12 +11,12 @@ import json
 import re
 
 import httpx2 as httpx
-import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.reasoning import CLOSE, OPEN, ReasoningSplit, resolve_parser, split
+from tests.gateway.conftest import openai_client
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -100,12 +100,6 @@ def test_a_thinking_chats_grammar_starts_after_its_reasoning():
 
 
 THINKING = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
-
-
-def openai_client(gw):
-    with openai.OpenAI(base_url=f"{gw.http_url}/v1", api_key="unused", timeout=180,
-                       max_retries=0) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

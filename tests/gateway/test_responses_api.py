@@ -11,9 +11,9 @@ import re
 
 import httpx2 as httpx
 import jsonschema
-import openai
 import pytest
 
+from tests.gateway.conftest import openai_client
 from tests.structured_schemas import ASK, SCHEMAS, TOOL_SCHEMAS, TOOLS
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -24,9 +24,7 @@ FUNCTIONS = [{"type": "function", **t["function"]} for t in TOOLS]  # this API's
 
 @pytest.fixture(scope="module")
 def client(gateway):
-    with openai.OpenAI(base_url=f"{gateway.http_url}/v1", api_key="unused", timeout=180,
-                       max_retries=0) as c:
-        yield c
+    yield from openai_client(gateway)
 
 
 def chat(gw, messages, **body) -> dict:
@@ -150,8 +148,7 @@ THINKING = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
 
 def test_reasoning_items_from_a_thinking_template(thinking_gateway):
     """The reasoning item first, then the message; streamed as reasoning_text deltas."""
-    with openai.OpenAI(base_url=f"{thinking_gateway.http_url}/v1", api_key="unused",
-                       timeout=180, max_retries=0) as c:
+    for c in openai_client(thinking_gateway):
         kwargs = dict(model=MODEL, input="Is the sky blue?", max_output_tokens=80,
                       temperature=0.0, extra_body={"structured_outputs": {"regex": THINKING}})
         resp = c.responses.create(**kwargs)
@@ -172,8 +169,7 @@ def test_reasoning_items_from_a_thinking_template(thinking_gateway):
 def test_gpt_oss_channels_and_reasoning_effort(harmony_gateway):
     regex = (r"<\|channel\|>analysis<\|message\|>[a-z ]{4,20}<\|end\|><\|start\|>assistant"
              r"<\|channel\|>final<\|message\|>[A-Z][a-z ]{4,30}\.")
-    with openai.OpenAI(base_url=f"{harmony_gateway.http_url}/v1", api_key="unused",
-                       timeout=180, max_retries=0) as c:
+    for c in openai_client(harmony_gateway):
         kwargs = dict(model=MODEL, input="Is the sky blue?", max_output_tokens=80,
                       temperature=0.0, extra_body={"structured_outputs": {"regex": regex}})
         resp = c.responses.create(**kwargs)
