@@ -9,10 +9,8 @@ block."""
 
 from __future__ import annotations
 
-import re
 import time
 
-import grpc
 import pytest
 
 from protos.pdserve.internal import workers_pb2 as wpb
@@ -20,7 +18,7 @@ from protos.pdserve.v1 import generate_pb2 as pb
 from tests.e2e.stack import (
     CONV,
     LONG,
-    STARTUP_TIMEOUT_S,
+    ExtraGateway,
     N,
     Stack,
     check_timing,
@@ -30,11 +28,10 @@ from tests.e2e.stack import (
     out_text,
     run,
 )
-from tests.helpers import log_tail, spawn_pdserve, stop_process, wait_for_output, wait_until
+from tests.helpers import log_tail, spawn_pdserve, wait_until
 
 pytestmark = pytest.mark.slow
 
-GATEWAY_READY = re.compile(r"pdserve gateway: gRPC (\S+)\s+HTTP (\S+)")
 REFRESH_WAIT_S = 2.5  # the gateway rereads the workers' Status every second
 
 
@@ -44,27 +41,6 @@ def stack(stack_factory) -> Stack:
     s = start("--transport", "shm", "--prefill-policy", "auto")
     yield s
     stop(s)
-
-
-class Gateway:
-    """Another gateway over the stack's workers, with its own flags."""
-
-    def __init__(self, stack: Stack, *flags: str) -> None:
-        self.proc, self.log = spawn_pdserve(
-            "gateway", "--prefill", *stack.prefill, "--decode", *stack.decode, "--port", "0",
-            "--http-port", "0", "--transport", "shm", "--canary-idle-s", "0", *flags,
-            name="gateway-policy")  # no synthetic traffic: see stack.py
-        m = wait_for_output(self.proc, self.log, GATEWAY_READY, STARTUP_TIMEOUT_S, "gateway")
-        self.grpc_addr, self.http_url = m.group(1), m.group(2)
-        self.channel = grpc.insecure_channel(self.grpc_addr)
-        from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
-
-        self.stub = pb_grpc.GenerationStub(self.channel)
-
-    def stop(self) -> None:
-        self.channel.close()
-        assert stop_process(self.proc) == 0, log_tail(self.log)
-        assert "Traceback" not in log_tail(self.log, 10**6)
 
 
 def chat(conv: list[dict[str, str]], max_tokens: int = N) -> pb.GenerateRequest:
@@ -117,7 +93,7 @@ def test_short_follow_up_whose_history_the_decode_worker_caches_is_prefilled_the
 def test_auto_keeps_a_prompt_over_the_local_bound_remote_and_always_remote_forces_it(stack,
                                                                                      ref):
     expected = ref.generate(LONG, N)
-    bounded = Gateway(stack, "--prefill-policy", "auto", "--local-prefill-max-tokens", "8")
+    bounded = ExtraGateway(stack, "--prefill-policy", "auto", "--local-prefill-max-tokens", "8")
     try:
         msgs = run(bounded.stub, pb.GenerateRequest(text=LONG, sampling=greedy(N)))
         assert out_ids(msgs) == expected.outputs[0].token_ids
@@ -125,7 +101,7 @@ def test_auto_keeps_a_prompt_over_the_local_bound_remote_and_always_remote_force
         assert (t.prefill_where, t.prefill_reason) == ("remote", "max_local_tokens")
     finally:
         bounded.stop()
-    remote = Gateway(stack, "--prefill-policy", "always-remote")
+    remote = ExtraGateway(stack, "--prefill-policy", "always-remote")
     try:
         num_transfers = transfers(stack)
         msgs = run(remote.stub, chat(CONV, 4))
@@ -138,7 +114,7 @@ def test_auto_keeps_a_prompt_over_the_local_bound_remote_and_always_remote_force
 
 def test_always_local_prefills_a_cold_prompt_on_the_decode_worker_and_frees_on_cancel(stack,
                                                                                      ref):
-    local = Gateway(stack, "--prefill-policy", "always-local")
+    local = ExtraGateway(stack, "--prefill-policy", "always-local")
     try:
         prompt = LONG + " then"  # not cached anywhere yet
         expected = ref.generate(prompt, N)
