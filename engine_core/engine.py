@@ -215,9 +215,10 @@ class LLMEngine:
         req_id = req_id if req_id is not None else str(next(self._ids))
         req = Request(req_id, ids, params, self.eos_token_ids, num_prior_output_tokens)
         if params.structured is not None:
-            after = params.structured.after_token
-            if after is not None and after >= vocab:
-                raise ValueError(f"structured after_token must be in [0, {vocab}), got {after}")
+            after = params.structured.after_tokens
+            if any(t >= vocab for t in after):
+                raise ValueError(f"structured after_tokens must be in [0, {vocab}), got "
+                                 f"{list(after)}")
             # a continuation: the earlier attempt's output is already part of the grammar's text
             prior = ids[len(ids) - num_prior_output_tokens:] if num_prior_output_tokens else []
             if not req.start_grammar(self.grammar_compiler.matcher(params.structured), after,

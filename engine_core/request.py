@@ -85,11 +85,12 @@ class Request:
         self.generator: torch.Generator | None = None
         # SamplingParams.structured's llguidance matcher (set by the engine, start_grammar):
         # it consumes every output token, so it always stands where the next token's mask
-        # starts. A grammar that starts after a token (StructuredOutput.after_token) waits
-        # in _pending_grammar until that token is appended; matcher is None until then.
+        # starts. A grammar that starts after a run of tokens (StructuredOutput.after_tokens)
+        # waits in _pending_grammar until a token completes that run; matcher is None until
+        # then.
         self.matcher = None
         self._pending_grammar = None
-        self._after_token: int | None = None
+        self._after_tokens: tuple[int, ...] = ()
         self._grammar_from = 0  # output index of the grammar's first token
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
@@ -141,18 +142,19 @@ class Request:
             return 0
         return max(0, min(k, p.max_tokens - self.num_output_tokens - 1))
 
-    def start_grammar(self, matcher, after_token: int | None,
+    def start_grammar(self, matcher, after_tokens: tuple[int, ...] = (),
                       prior: list[int] | None = None) -> bool:
-        """Give the request its grammar's matcher: active now, or (after_token) held until
-        that token is appended. `prior`: a continuation's earlier output (in its prompt),
-        replayed through it; False when the grammar rejects it."""
-        if after_token is None:
+        """Give the request its grammar's matcher: active now, or (after_tokens) held until
+        a token completes that run. `prior`: a continuation's earlier output (in its
+        prompt), replayed through it; False when the grammar rejects it."""
+        if not after_tokens:
             self.matcher = matcher
         else:
-            self._pending_grammar, self._after_token = matcher, after_token
-            if prior and after_token in prior:  # it started in the earlier attempt
+            self._pending_grammar, self._after_tokens = matcher, after_tokens
+            start = _end_of_run(prior or [], after_tokens)
+            if start is not None:  # it started in the earlier attempt
                 self.matcher, self._pending_grammar = matcher, None
-                prior = prior[prior.index(after_token) + 1:]
+                prior = prior[start:]
         if self.matcher is None or not prior:
             return True
         return self.matcher.consume_tokens(prior)
@@ -164,7 +166,8 @@ class Request:
             # a token outside the mask leaves the matcher in its error state (never here:
             # the sampler only draws allowed tokens, and EOS ends the request)
             self.matcher.consume_token(token_id)
-        elif self._pending_grammar is not None and token_id == self._after_token:
+        elif (self._pending_grammar is not None and token_id == self._after_tokens[-1]
+              and tuple(self.all_token_ids[-len(self._after_tokens):]) == self._after_tokens):
             self.matcher, self._pending_grammar = self._pending_grammar, None
             self._grammar_from = self.num_output_tokens
 
@@ -181,7 +184,7 @@ class Request:
                 return
             consumed = self.num_output_tokens + drop - self._grammar_from
             self.matcher.rollback(min(drop, consumed))
-            if self._after_token is not None and num_output_tokens < self._grammar_from:
+            if self._after_tokens and num_output_tokens < self._grammar_from:
                 self._pending_grammar, self.matcher = self.matcher, None
 
     def check_stop(self) -> RequestStatus | None:
@@ -195,3 +198,12 @@ class Request:
         if self.num_output_tokens >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _end_of_run(tokens: list[int], run: tuple[int, ...]) -> int | None:
+    """The index just past the first occurrence of `run` in `tokens`; None if absent."""
+    n = len(run)
+    for end in range(n, len(tokens) + 1):
+        if tuple(tokens[end - n:end]) == run:
+            return end
+    return None

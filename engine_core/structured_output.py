@@ -40,17 +40,19 @@ MAX_SPEC_CHARS = 256 * 1024
 # model can otherwise fill with newlines until max_tokens cuts the value
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CACHED_GRAMMARS = 256
+MAX_AFTER_TOKENS = 16  # the longest run of tokens a grammar may wait for
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A constraint on the output. `kind` is one of KINDS; `spec` its text. `after_token`: the
-    grammar starts after this token (a reasoning model's </think>), the output before it
-    free; None: from the first token (Request holds the matcher back until then)."""
+    """A constraint on the output. `kind` is one of KINDS; `spec` its text. `after_tokens`:
+    the grammar starts after the output first holds these tokens in a row (a reasoning
+    model's </think>, GPT-OSS's final-channel header), the output before them free; empty:
+    from the first token (Request holds the matcher back until then)."""
 
     kind: str
     spec: str = ""
-    after_token: int | None = None
+    after_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -61,11 +63,10 @@ class StructuredOutput:
         if len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"structured output spec must be at most {MAX_SPEC_CHARS} "
                              f"characters, got {len(self.spec)}")
-        if self.after_token is not None and (isinstance(self.after_token, bool)
-                                             or not isinstance(self.after_token, int)
-                                             or self.after_token < 0):
-            raise ValueError(f"structured output after_token must be a token id >= 0, got "
-                             f"{self.after_token!r}")
+        if (not isinstance(self.after_tokens, tuple) or len(self.after_tokens) > MAX_AFTER_TOKENS
+                or not all(type(t) is int and t >= 0 for t in self.after_tokens)):
+            raise ValueError(f"structured output after_tokens must be a tuple of at most "
+                             f"{MAX_AFTER_TOKENS} token ids >= 0, got {self.after_tokens!r:.80}")
 
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form); raises ValueError for a spec that does not
@@ -116,7 +117,7 @@ class GrammarCompiler:
 
     def matcher(self, so: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `so`'s grammar; ValueError for a bad one."""
-        so = dataclasses.replace(so, after_token=None)  # one compile whatever starts it
+        so = dataclasses.replace(so, after_tokens=())  # one compile whatever starts it
         with self._lock:
             template = self._cache.get(so)
             if template is not None:

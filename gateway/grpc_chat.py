@@ -5,7 +5,8 @@ as it streams (gateway/chat_output.py).
     render   ChatMessages -> token ids (the chat template, through the tool section or the
              generic tool format; chat_template_kwargs_json and reasoning_effort as template
              variables); tool_choice required / named -> sampling.structured; a thinking
-             chat's grammar starts after </think>; harmony keeps special tokens
+             chat's grammar starts after </think>, a GPT-OSS chat's response format after its
+             final channel's header; harmony keeps special tokens
     output   each sample's text -> GenerateResponse.reasoning, .text (the content),
              .tool_call_deltas as generated, .tool_calls whole in its last message
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.chat_output import ChatStream
-from gateway.reasoning import thinking_prompt
+from gateway.reasoning import chat_prompt
 from gateway.structured import compile_error
 from gateway.tools import ToolChoice, encode_tool_chat, parse_tools, tool_calls_to_proto
 from gateway.validation import ValidationError, structured_of, template_kwargs
@@ -92,12 +93,11 @@ async def render(req: pb.GenerateRequest, backend: Backend,
         out.sampling.structured.CopyFrom(structured_to_proto(constraint))
     if parser == "harmony":  # its channels are special tokens
         out.sampling.skip_special_tokens = False
-    reasoning_open = False
-    if parser == "think":  # did the generation prompt open or close the block?
-        reasoning_open, so = thinking_prompt(backend.tokenizer, ids,
-                                             structured_of(out.sampling))
-        if so is not None:
-            out.sampling.structured.CopyFrom(structured_to_proto(so))
+    # did the generation prompt open <think>? where does the grammar start?
+    reasoning_open, so = chat_prompt(backend.tokenizer, parser, ids, structured_of(out.sampling),
+                                     constraint is not None)
+    if so is not None:
+        out.sampling.structured.CopyFrom(structured_to_proto(so))
     if parser is None and choice is None:
         return out, None
     return out, ChatOutput(parser, reasoning_open, choice)

@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
 from gateway.openai_structured import parse_structured
-from gateway.reasoning import thinking_prompt
+from gateway.reasoning import chat_prompt
 from gateway.tools import ToolChoice, encode_tool_chat, parse_tools
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
@@ -225,12 +225,12 @@ async def parse_chat(body: Any, backend: Backend,
     ids = await encode_tool_chat(backend, chat_messages(body.get("messages")), tools,
                                  "messages", template_kwargs(body.get("chat_template_kwargs"),
                                                              body.get("reasoning_effort")))
-    reasoning_open = False
-    if reasoning_parser == "think":  # did the generation prompt open or close the block?
-        reasoning_open, structured = thinking_prompt(backend.tokenizer, ids,
-                                                     kwargs.get("structured"))
-        if structured is not None:
-            kwargs["structured"] = structured
+    # did the generation prompt open <think>? where does the grammar start?
+    reasoning_open, structured = chat_prompt(backend.tokenizer, reasoning_parser, ids,
+                                             kwargs.get("structured"),
+                                             tool_constraint is not None)
+    if structured is not None:
+        kwargs["structured"] = structured
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")

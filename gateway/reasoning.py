@@ -13,7 +13,8 @@ DeepSeek-R1 distills, SmolLM3 in thinking mode, QwQ):
     C            (no <think> first)   null                C
 
 Leading whitespace before the first tag and after </think> is dropped. A structured output
-of such a chat starts after </think> (grammar_after_reasoning). `pdserve gateway
+of such a chat starts after </think> (grammar_after_reasoning); a GPT-OSS chat's response
+format after its final channel's header (grammar_after_analysis). `pdserve gateway
 --reasoning-parser` picks it: auto (the default) uses "think" where the chat template writes
 <think> (a thinking model's template does) and "harmony" (GPT-OSS's channels:
 gateway/harmony.py) where it writes <|channel|>; none leaves every output whole. Only chat
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine_core.structured_output import StructuredOutput
+from engine_core.structured_output import MAX_AFTER_TOKENS, StructuredOutput
+from gateway.harmony import CHANNEL, MESSAGE
 
 OPEN, CLOSE = "<think>", "</think>"
+FINAL_HEADER = CHANNEL + "final" + MESSAGE  # harmony's final channel, whose text is the answer
 # prompt tokens whose text tells whether the generation prompt opened or closed thinking
 PROMPT_TAIL = 8
 PARSERS = ("auto", "think", "harmony", "none")
@@ -54,7 +57,23 @@ def grammar_after_reasoning(tokenizer, prompt_tail: str,
     close = tokenizer.encode(CLOSE, add_special_tokens=False)
     if len(close) != 1 or CLOSE in prompt_tail:
         return so
-    return dataclasses.replace(so, after_token=close[0])
+    return dataclasses.replace(so, after_tokens=(close[0],))
+
+
+def grammar_after_analysis(tokenizer, ids: list[int],
+                           so: StructuredOutput) -> StructuredOutput:
+    """A response format of a GPT-OSS chat, held to its final channel's text: the grammar
+    starts after the header <|channel|>final<|message|> (where vLLM's GPT-OSS reasoning
+    parser ends the reasoning), the analysis before it free. Only where <|channel|> and
+    <|message|> are special tokens (GPT-OSS's tokenizer), and not when the prompt already
+    opened the final channel (`ids`, the prompt, ends with the header); else the grammar holds
+    from the first token."""
+    header = tokenizer.encode(FINAL_HEADER, add_special_tokens=False)
+    singles = all(len(tokenizer.encode(t, add_special_tokens=False)) == 1
+                  for t in (CHANNEL, MESSAGE))
+    if not singles or ids[-len(header):] == header or len(header) > MAX_AFTER_TOKENS:
+        return so
+    return dataclasses.replace(so, after_tokens=tuple(header))
 
 
 def opens_reasoning(prompt_text: str) -> bool:
@@ -63,10 +82,18 @@ def opens_reasoning(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(OPEN)
 
 
-def thinking_prompt(tokenizer, ids: list[int], so: StructuredOutput | None
-                    ) -> tuple[bool, StructuredOutput | None]:
-    """For a think-parser chat whose prompt is `ids`: (whether the prompt left the model
-    inside <think>, its structured output started after the reasoning where it can be)."""
+def chat_prompt(tokenizer, parser: str | None, ids: list[int], so: StructuredOutput | None,
+                from_tools: bool) -> tuple[bool, StructuredOutput | None]:
+    """For a chat whose prompt is `ids`, under the server's reasoning `parser`: (whether the
+    prompt left the model inside <think>, its structured output started after the reasoning
+    where it can be). `from_tools`: the constraint is a required or named tool's, which a
+    harmony chat keeps over its whole output (its calls are the grammar's text, not
+    commentary-channel messages)."""
+    if parser == "harmony":
+        return False, so if so is None or from_tools else grammar_after_analysis(tokenizer,
+                                                                                 ids, so)
+    if parser != "think":
+        return False, so
     tail = tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False)
     return opens_reasoning(tail), None if so is None else grammar_after_reasoning(tokenizer,
                                                                                   tail, so)

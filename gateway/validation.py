@@ -191,6 +191,9 @@ def check_lengths(backend: Backend, num_prompt_tokens: int, params: SamplingPara
     check_token_ids(params.stop_token_ids, field_prefix + "stop_token_ids",
                     backend.model.vocab_size)
     vocab_size = backend.model.vocab_size
+    if params.structured is not None:
+        check_token_ids(params.structured.after_tokens,
+                        field_prefix + "structured.after_tokens", vocab_size)
     for token_id, _ in params.logit_bias:
         if token_id >= vocab_size:
             raise ValidationError(field_prefix + "logit_bias",

@@ -38,7 +38,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParameters:
 
 
 def structured_to_proto(so: StructuredOutput) -> pb.StructuredOutput:
-    after = {} if so.after_token is None else {"after_token": so.after_token}
+    after = {"after_tokens": so.after_tokens}
     if so.kind == "json":
         return pb.StructuredOutput(json_schema=so.spec, **after)
     if so.kind == "json_object":
@@ -53,11 +53,11 @@ def structured_from_proto(m: pb.StructuredOutput) -> StructuredOutput | None:
     kind = m.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not m.json_object):
         return None
-    after = m.after_token if m.HasField("after_token") else None
+    after = tuple(m.after_tokens)
     if kind == "json_schema":
         return StructuredOutput("json", m.json_schema, after)
     if kind == "json_object":
-        return StructuredOutput("json_object", after_token=after)
+        return StructuredOutput("json_object", after_tokens=after)
     if kind == "choice":
         return StructuredOutput("choice", json.dumps(list(m.choice.values)), after)
     return StructuredOutput(kind, getattr(m, kind), after)

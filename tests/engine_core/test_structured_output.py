@@ -185,36 +185,44 @@ def _run(llm, prompt, params, **kw):
     return llm._run([llm.engine.add_request(prompt, params, **kw)], False)[0].outputs[0]
 
 
-def test_a_grammar_that_starts_after_a_token(llm):
-    """StructuredOutput.after_token (a reasoning model's </think>): the output is free up to
-    that token, as the unconstrained one, then held to the grammar; a continuation whose
-    earlier output holds the token starts under the grammar; a token that never comes leaves
-    the output free; a grammar started among dropped tokens waits for its token again."""
+def test_a_grammar_that_starts_after_a_run_of_tokens(llm):
+    """StructuredOutput.after_tokens (a reasoning model's </think>, GPT-OSS's final-channel
+    header): the output is free up to the end of that run, as the unconstrained one, then held
+    to the grammar; its first token alone starts nothing; a continuation whose earlier output
+    holds the run starts under the grammar; a run that never comes leaves the output free; a
+    grammar started among dropped tokens waits for its run again."""
     engine = llm.engine
     prompt = _chat_ids(llm, [{"role": "user", "content": "What is the capital of France?"}])
     free = _run(llm, prompt, SamplingParams(max_tokens=12, temperature=0.0))
-    start = free.token_ids[2]  # the token the grammar starts after
-    digits = StructuredOutput("regex", r"[0-9]{3}", after_token=start)
-    out = _run(llm, prompt, SamplingParams(max_tokens=20, temperature=0.0,
-                                              structured=digits))
-    head = free.token_ids[: free.token_ids.index(start) + 1]
-    assert out.token_ids[: len(head)] == head and out.finish_reason == "stop"
-    assert re.fullmatch(r"[0-9]{3}", llm.tokenizer.decode(out.token_ids[len(head):]))
-    # a continuation: its prompt ends with the earlier attempt's output, the token among it
-    cont = _run(llm, prompt + head, SamplingParams(max_tokens=20, temperature=0.0,
-                                                      structured=digits),
-                num_prior_output_tokens=len(head))
-    assert re.fullmatch(r"[0-9]{3}", cont.text)
-    never = StructuredOutput("regex", r"[0-9]{3}", after_token=llm.tokenizer.vocab_size - 1)
-    assert _run(llm, prompt, SamplingParams(max_tokens=12, temperature=0.0,
-                                               structured=never)).token_ids == free.token_ids
-    with pytest.raises(ValueError, match="after_token must be in"):
+    for start, n in ((2, 1), (1, 3)):  # a run of one token, and of three
+        run, head = free.token_ids[start:start + n], free.token_ids[:start + n]
+        assert all(free.token_ids[i:i + n] != run for i in range(start))  # its first time
+        digits = StructuredOutput("regex", r"[0-9]{3}", after_tokens=tuple(run))
+        out = _run(llm, prompt, SamplingParams(max_tokens=20, temperature=0.0,
+                                                  structured=digits))
+        assert out.token_ids[:len(head)] == head and out.finish_reason == "stop"
+        assert re.fullmatch(r"[0-9]{3}", llm.tokenizer.decode(out.token_ids[len(head):]))
+        # a continuation: its prompt ends with the earlier attempt's output, the run among it
+        cont = _run(llm, prompt + head, SamplingParams(max_tokens=20, temperature=0.0,
+                                                          structured=digits),
+                    num_prior_output_tokens=len(head))
+        assert re.fullmatch(r"[0-9]{3}", cont.text)
+    # a run whose first token comes, but not the rest after it
+    (first, *_), never_after = free.token_ids[1:], llm.tokenizer.vocab_size - 1
+    for never in ((never_after,), (first, never_after)):
+        so = StructuredOutput("regex", r"[0-9]{3}", after_tokens=never)
+        assert _run(llm, prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                   structured=so)).token_ids == free.token_ids
+    with pytest.raises(ValueError, match="after_tokens must be in"):
         engine.add_request(prompt, SamplingParams(structured=StructuredOutput(
-            "regex", "a", after_token=10**7)))
+            "regex", "a", after_tokens=(3, 10**7))))
     from engine_core.request import Request
 
+    run = tuple(free.token_ids[1:3])
+    digits = StructuredOutput("regex", r"[0-9]{3}", after_tokens=run)
+    head = free.token_ids[:3]
     req = Request("r", prompt, SamplingParams(max_tokens=20, structured=digits))
-    assert req.start_grammar(engine.grammar_compiler.matcher(digits), start)
+    assert req.start_grammar(engine.grammar_compiler.matcher(digits), run)
     req.append_output_token(head[0])
     req.num_computed_tokens = req.num_tokens - 1  # in its decode phase
     assert req.max_drafts(4) == 0  # waiting for its start: no unmasked drafts
@@ -222,23 +230,24 @@ def test_a_grammar_that_starts_after_a_token(llm):
         req.append_output_token(t)
     req.num_computed_tokens = req.num_tokens - 1
     assert req.matcher is not None and req.max_drafts(4) == 4
-    req.truncate_output(len(head) - 1)  # the start token dropped: the grammar waits again
+    req.truncate_output(len(head) - 1)  # the run's last token dropped: the grammar waits
     assert req.matcher is None
-    req.append_output_token(start)
+    req.append_output_token(run[-1])
     assert req.matcher.consume_tokens(llm.tokenizer.encode("123", add_special_tokens=False))
     assert req.matcher.is_accepting()
 
 
 def test_structured_outputs_cross_the_wire_whole():
-    """Every kind, with and without after_token, through the proto every hop sends."""
+    """Every kind, with and without after_tokens, through the proto every hop sends."""
     from service_infra.proto_convert import structured_from_proto, structured_to_proto
 
-    for after in (None, 0, 151668):
+    for after in ((), (0,), (200005, 17196, 200008)):
         for so in (StructuredOutput("json", '{"type": "object"}', after),
-                   StructuredOutput("json_object", after_token=after),
+                   StructuredOutput("json_object", after_tokens=after),
                    StructuredOutput("regex", "[0-9]+", after),
                    StructuredOutput("choice", json.dumps(["a", "b"]), after),
                    StructuredOutput("grammar", 'start: "x"', after)):
             assert structured_from_proto(structured_to_proto(so)) == so
-    with pytest.raises(ValueError, match="after_token must be a token id"):
-        StructuredOutput("regex", "a", after_token=-1)
+    for bad in ((-1,), [3], (True,), tuple(range(17))):
+        with pytest.raises(ValueError, match="after_tokens must be a tuple of at most 16"):
+            StructuredOutput("regex", "a", after_tokens=bad)

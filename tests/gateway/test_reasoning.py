@@ -95,8 +95,47 @@ def test_a_thinking_chats_grammar_starts_after_its_reasoning():
         open_prompt = tok.encode("hi assistant", add_special_tokens=False)
         closed_prompt = tok.encode("hi assistant <think> </think>", add_special_tokens=False)
         after = grammar_after_reasoning(tok, tok.decode(open_prompt, False), so)
-        assert after == (StructuredOutput("regex", "[0-9]+", close[0]) if single else so)
+        assert after == (StructuredOutput("regex", "[0-9]+", (close[0],)) if single else so)
         assert grammar_after_reasoning(tok, tok.decode(closed_prompt, False), so) == so
+
+
+def test_a_gpt_oss_response_format_starts_after_the_final_header():
+    """With a tokenizer whose <|channel|> and <|message|> are special tokens (GPT-OSS's), a
+    response format starts after <|channel|>final<|message|>: the analysis channel is free; a
+    required tool's constraint holds the whole output; so does a prompt that opened the final
+    channel, and a tokenizer that spells those markers in pieces (SmolLM2's)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from engine_core.structured_output import StructuredOutput
+    from engine_core.tokenizer import Tokenizer
+    from gateway.reasoning import chat_prompt
+
+    words = ["<unk>", "hi", "assistant", "final", "analysis", "<", "|", "channel", "message",
+             ">"]
+    rust = RustTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    rust.pre_tokenizer = Whitespace()
+    so = StructuredOutput("json_object")
+    for special in (True, False):
+        hf = PreTrainedTokenizerFast(tokenizer_object=rust.__class__.from_str(rust.to_str()))
+        if special:
+            hf.add_special_tokens({"additional_special_tokens": [
+                "<|start|>", "<|channel|>", "<|message|>", "<|end|>"]})
+        tok = Tokenizer(hf)
+        header = tok.encode("<|channel|>final<|message|>", add_special_tokens=False)
+        assert (len(header) == 3) == special
+        prompt = tok.encode("<|start|>hi<|end|><|start|>assistant", add_special_tokens=False)
+        opened = tok.encode("<|start|>assistant<|channel|>final<|message|>",
+                            add_special_tokens=False)
+        assert chat_prompt(tok, "harmony", prompt, so, False) == (
+            False, StructuredOutput("json_object", after_tokens=tuple(header)) if special
+            else so)
+        assert chat_prompt(tok, "harmony", prompt, so, True) == (False, so)
+        assert chat_prompt(tok, "harmony", opened, so, False) == (False, so)
+        assert chat_prompt(tok, "harmony", prompt, None, False) == (False, None)
+        assert chat_prompt(tok, None, prompt, so, False) == (False, so)
 
 
 THINKING = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."

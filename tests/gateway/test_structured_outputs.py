@@ -117,7 +117,9 @@ def test_grpc_structured_field(gateway):
         for bad in (pb.StructuredOutput(regex="(unclosed"),
                     pb.StructuredOutput(json_schema="{not json"),
                     pb.StructuredOutput(grammar="start: missing_rule"),
-                    pb.StructuredOutput(choice=pb.Choices())):
+                    pb.StructuredOutput(choice=pb.Choices()),
+                    pb.StructuredOutput(regex="a", after_tokens=range(17)),  # at most 16
+                    pb.StructuredOutput(regex="a", after_tokens=[5, 10**7])):  # the vocabulary
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(pb.GenerateRequest(text="x", sampling=pb.SamplingParameters(
                     max_tokens=2, structured=bad)), timeout=60))

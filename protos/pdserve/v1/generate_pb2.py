@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/pdserve/v1/generate.proto\x12\npdserve.v1\"\xe0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x06 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\t\n\x01n\x18\x07 \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xde\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x03 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\t\x12\x18\n\x10reasoning_effort\x18\x06 \x01(\tB\x16\n\x14_parallel_tool_calls\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb0\x05\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.pdserve.v1.SamplingParameters.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x07\x88\x01\x01\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xc3\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0b\x61\x66ter_token\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_after_token\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x9e\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12(\n\ntool_calls\x18\n \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x33\n\x10tool_call_deltas\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\x12\x11\n\treasoning\x18\x0c \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb0\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x15\n\rprefill_where\x18\x07 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x08 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/pdserve/v1/generate.proto\x12\npdserve.v1\"\xe0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x06 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\t\n\x01n\x18\x07 \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xde\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x03 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\t\x12\x18\n\x10reasoning_effort\x18\x06 \x01(\tB\x16\n\x14_parallel_tool_calls\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb0\x05\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.pdserve.v1.SamplingParameters.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x07\x88\x01\x01\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xc2\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x14\n\x0c\x61\x66ter_tokens\x18\x07 \x03(\rB\x0c\n\nconstraintJ\x04\x08\x06\x10\x07R\x0b\x61\x66ter_token\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x9e\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12(\n\ntool_calls\x18\n \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x33\n\x10tool_call_deltas\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\x12\x11\n\treasoning\x18\x0c \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb0\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x15\n\rprefill_where\x18\x07 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x08 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2726
-  _globals['_FINISHREASON']._serialized_end=2876
+  _globals['_FINISHREASON']._serialized_start=2725
+  _globals['_FINISHREASON']._serialized_end=2875
   _globals['_GENERATEREQUEST']._serialized_start=49
   _globals['_GENERATEREQUEST']._serialized_end=273
   _globals['_TOKENIDS']._serialized_start=275
@@ -50,31 +50,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=1203
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=1251
   _globals['_STRUCTUREDOUTPUT']._serialized_start=1384
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1579
-  _globals['_CHOICES']._serialized_start=1581
-  _globals['_CHOICES']._serialized_end=1606
-  _globals['_GENERATERESPONSE']._serialized_start=1609
-  _globals['_GENERATERESPONSE']._serialized_end=2023
-  _globals['_TOOLCALLDELTA']._serialized_start=2025
-  _globals['_TOOLCALLDELTA']._serialized_end=2100
-  _globals['_TOKENLOGPROB']._serialized_start=2102
-  _globals['_TOKENLOGPROB']._serialized_end=2188
-  _globals['_TOPLOGPROB']._serialized_start=2190
-  _globals['_TOPLOGPROB']._serialized_end=2237
-  _globals['_USAGE']._serialized_start=2239
-  _globals['_USAGE']._serialized_end=2326
-  _globals['_TIMING']._serialized_start=2329
-  _globals['_TIMING']._serialized_end=2505
-  _globals['_ABORTREQUEST']._serialized_start=2507
-  _globals['_ABORTREQUEST']._serialized_end=2541
-  _globals['_ABORTRESPONSE']._serialized_start=2543
-  _globals['_ABORTRESPONSE']._serialized_end=2573
-  _globals['_LISTMODELSREQUEST']._serialized_start=2575
-  _globals['_LISTMODELSREQUEST']._serialized_end=2594
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2596
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2655
-  _globals['_MODELINFO']._serialized_start=2657
-  _globals['_MODELINFO']._serialized_end=2723
-  _globals['_GENERATION']._serialized_start=2879
-  _globals['_GENERATION']._serialized_end=3103
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1578
+  _globals['_CHOICES']._serialized_start=1580
+  _globals['_CHOICES']._serialized_end=1605
+  _globals['_GENERATERESPONSE']._serialized_start=1608
+  _globals['_GENERATERESPONSE']._serialized_end=2022
+  _globals['_TOOLCALLDELTA']._serialized_start=2024
+  _globals['_TOOLCALLDELTA']._serialized_end=2099
+  _globals['_TOKENLOGPROB']._serialized_start=2101
+  _globals['_TOKENLOGPROB']._serialized_end=2187
+  _globals['_TOPLOGPROB']._serialized_start=2189
+  _globals['_TOPLOGPROB']._serialized_end=2236
+  _globals['_USAGE']._serialized_start=2238
+  _globals['_USAGE']._serialized_end=2325
+  _globals['_TIMING']._serialized_start=2328
+  _globals['_TIMING']._serialized_end=2504
+  _globals['_ABORTREQUEST']._serialized_start=2506
+  _globals['_ABORTREQUEST']._serialized_end=2540
+  _globals['_ABORTRESPONSE']._serialized_start=2542
+  _globals['_ABORTRESPONSE']._serialized_end=2572
+  _globals['_LISTMODELSREQUEST']._serialized_start=2574
+  _globals['_LISTMODELSREQUEST']._serialized_end=2593
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2595
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2654
+  _globals['_MODELINFO']._serialized_start=2656
+  _globals['_MODELINFO']._serialized_end=2722
+  _globals['_GENERATION']._serialized_start=2878
+  _globals['_GENERATION']._serialized_end=3102
 # @@protoc_insertion_point(module_scope)
