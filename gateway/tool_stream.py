@@ -1,7 +1,8 @@
 """Tool calls streamed as OpenAI `tool_calls` deltas, parsed from a choice's text as it grows.
 
-    text before a call  -> content, as it comes (a suffix that may begin `<tool_call>` is
-                           held back until it is known not to)
+    text before a call  -> content, as it comes (a suffix that may begin `<tool_call>`, and
+                           trailing whitespace, are held back until it is known not to; the
+                           whitespace before a call is dropped)
     a call's name done  -> {"index": k, "id": "call_...", "type": "function",
                             "function": {"name": ..., "arguments": ""}}
     its arguments grow  -> {"index": k, "function": {"arguments": <the new characters>}}
@@ -187,11 +188,13 @@ class ToolStream:
                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
 
     def _content(self) -> str:
+        """Content up to the first call, less its trailing whitespace (held back until more
+        content follows: a call drops it, as parse_output does)."""
         if self.tc.mode != "auto":
             return ""
         start = self.text.find(TOOL_CALL_OPEN)
         if start >= 0:
-            end = max(start, self.num_sent)
+            end = start
         else:  # hold back a suffix that may begin the tag
             end = len(self.text)
             for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text) - self.num_sent), 0,
@@ -199,6 +202,7 @@ class ToolStream:
                 if TOOL_CALL_OPEN.startswith(self.text[-k:]):
                     end = len(self.text) - k
                     break
+        end = max(len(self.text[:end].rstrip()), self.num_sent)
         out = self.text[self.num_sent:end]
         self.num_sent = end
         return out

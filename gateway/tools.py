@@ -230,7 +230,7 @@ def parse_output(tc: ToolChoice, text: str) -> tuple[str | None, list[dict[str, 
             calls.append(_call(value["name"], "{}" if args is None else args))
     if not calls:
         return text, []
-    head = text[: text.index(TOOL_CALL_OPEN)].strip()
+    head = text[: text.index(TOOL_CALL_OPEN)].rstrip()  # as streamed (tool_stream.py)
     return head or None, calls[: None if tc.parallel else 1]
 
 
