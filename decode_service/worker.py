@@ -24,7 +24,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from decode_service.prefix_record import PrefixRecord
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.block_hash import hash_full_blocks
 from engine_core.outputs import RequestOutput
@@ -32,6 +31,7 @@ from engine_core.sampling_params import SamplingParams
 from kv_transfer import Lease, LeaseError, LeaseState, LeaseTable, UnknownLeaseError
 from service_infra.backend import GenerateChunk, GenerateInput
 from service_infra.colocated import ColocatedBackend
+from service_infra.prefix_record import PrefixRecord
 
 logger = logging.getLogger(__name__)
 READY_POLL_S = 0.002
@@ -68,7 +68,7 @@ class DecodeWorker(ColocatedBackend):
 
     def _held(self, prompt_token_ids: list[int]) -> None:
         """The prompt's full blocks are in this worker's prefix cache now: record them for
-        the gateways' routing (decode_service/prefix_record.py)."""
+        the gateways' routing (service_infra/prefix_record.py)."""
         bs = self.engine.layout.block_size
         hashes = hash_full_blocks(prompt_token_ids[:MAX_RECORDED_BLOCKS * bs], bs)
         if not hashes:

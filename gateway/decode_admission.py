@@ -13,8 +13,7 @@ import time
 
 import grpc
 
-from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.routing import MAX_ROUTING_BLOCKS, leading_overlap, rank_decode
+from gateway.routing import rank_decode
 from gateway.worker_calls import WorkerCalls
 from gateway.worker_pools import REFRESH_S, Worker
 from protos.pdserve.internal import workers_pb2 as pb
@@ -29,16 +28,7 @@ class DecodeAdmission(WorkerCalls):
         """The decode workers to ask, best first: overlaps from Redis when discovery has it
         (one round trip, bounded; unknown when it fails), else from the workers' Status."""
         live = [w for w in self.decode if w.is_healthy] or list(self.decode)
-        overlap = None
-        hashes = (hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size],
-                                   self.block_size) if len(live) > 1 else [])
-        query = getattr(self.discovery, "prefix_overlap", None)
-        if hashes and query is not None:
-            held = await query([w.worker_id for w in live], hashes)
-            if held is not None:
-                overlap = [held.get(w.worker_id, 0) for w in live]
-        elif hashes:
-            overlap = [leading_overlap(hashes, w.prefix_hashes) for w in live]
+        overlap = await self._overlaps(prompt, live) if len(live) > 1 else None
         # in_flight is read after the await: other requests' picks meanwhile are counted
         order = rank_decode([w.in_flight for w in live],
                             [w.status.num_free_blocks if w.status else 0 for w in live], overlap)

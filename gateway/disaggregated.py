@@ -222,7 +222,7 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
         num_local = 0  # prompt tokens of this local prefill until its first token
         try:
             decision = (FORK_DECISION if reservation is None
-                        else self._place(inp, decode, reservation))
+                        else await self._place(inp, decode, reservation))
             t_prefill_call = time.monotonic()
             if reservation is None:
                 pre = None

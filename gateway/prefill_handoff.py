@@ -12,8 +12,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.routing import MAX_ROUTING_BLOCKS, pick_prefill
+from gateway.routing import pick_prefill
 from gateway.worker_calls import WorkerCalls, WorkerLost
 from gateway.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
@@ -30,8 +29,8 @@ class PrefillHandoff(WorkerCalls):
                             decode: Worker | None = None) -> Worker:
         """gateway/routing.py's choice among the workers not in `full` (their queues refused
         this request) and, while others are left, not paired badly with `decode` (the canary
-        saw that pair fail: gateway/canary.py); overlaps from discovery when it knows them
-        (one round trip, bounded; unknown when it fails: queue depth alone)."""
+        saw that pair fail: gateway/canary.py); overlaps from Redis or the workers' Status
+        (WorkerCalls._overlaps; unknown when Redis fails: queue depth alone)."""
         live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
         if decode is not None:
             bad = self.canary_monitor.state.bad_pairs
@@ -42,18 +41,15 @@ class PrefillHandoff(WorkerCalls):
         if not live:
             raise Overloaded(f"the queue of every prefill worker is full ({len(full)} "
                              f"refused the request: their --max-waiting)")
-        overlap = None
-        query = getattr(self.discovery, "prefix_overlap", None)
-        if query is not None and len(live) > 1:
-            hashes = hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size],
-                                      self.block_size)
-            held = await query([w.worker_id for w in live], hashes) if hashes else None
-            if held is not None:
-                overlap = [held.get(w.worker_id, 0) for w in live]
+        overlap = await self._overlaps(prompt, live) if len(live) > 1 else None
+        return live[self._pick_of(prompt, live, overlap)]
+
+    def _pick_of(self, prompt: list[int], live: Sequence[Worker],
+                 overlap: Sequence[int] | None) -> int:
+        """gateway/routing.py's pick_prefill among `live` (in_flight read now: other
+        requests' picks during an await are counted)."""
         key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker
-        # in_flight is read after the await: other requests' picks meanwhile are counted
-        return live[pick_prefill([w.in_flight for w in live], overlap, key,
-                                 self.prefix_queue_weight)]
+        return pick_prefill([w.in_flight for w in live], overlap, key, self.prefix_queue_weight)
 
     async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
                        res: pb.ReserveResponse) -> pb.PrefillResponse:

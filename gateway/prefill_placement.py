@@ -7,6 +7,7 @@ and learn the remote path's fixed cost from finished requests. Part of Disaggreg
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from gateway.prefill_policy import PrefillCosts, PrefillDecision, PrefillPolicy, decide
 from gateway.worker_pools import Worker
@@ -17,7 +18,8 @@ HANDOFF_EWMA_WEIGHT = 0.2  # of the newest remote request in the measured handof
 
 
 class PrefillPlacement:
-    """Mixed into DisaggregatedBackend: its prefill pool and block_size."""
+    """Mixed into DisaggregatedBackend: its prefill pool, block_size, _overlaps (worker_calls.py)
+    and _pick_of (prefill_handoff.py)."""
 
     def _init_placement(self, policy: PrefillPolicy) -> None:
         self.prefill_policy = policy
@@ -27,30 +29,42 @@ class PrefillPlacement:
         # learnt from finished remote requests; 0 until the first
         self.handoff_s = 0.0
 
-    def _place(self, inp: GenerateInput, decode: Worker,
-               reservation: pb.ReserveResponse) -> PrefillDecision:
+    async def _place(self, inp: GenerateInput, decode: Worker,
+                     reservation: pb.ReserveResponse) -> PrefillDecision:
         if inp.params.prompt_logprobs is not None:  # only a prefill worker computes them
             decision = PrefillDecision("remote", "prompt_logprobs")
         else:
-            decision = decide(self._costs(inp, decode, reservation), self.prefill_policy)
+            costs = await self._costs(inp, decode, reservation)
+            decision = replace(decide(costs, self.prefill_policy),
+                               num_local_tokens=costs.num_local_tokens,
+                               num_remote_tokens=costs.num_remote_tokens)
         self.num_prefill_decisions[decision.where, decision.reason] += 1
         self.last_prefill_decision = decision
         return decision
 
-    def _costs(self, inp: GenerateInput, decode: Worker,
-               reservation: pb.ReserveResponse) -> PrefillCosts:
-        n_prompt = len(inp.prompt_token_ids)
+    async def _costs(self, inp: GenerateInput, decode: Worker,
+                     reservation: pb.ReserveResponse) -> PrefillCosts:
+        prompt = inp.prompt_token_ids
+        n_prompt = len(prompt)
         n_local = n_prompt - reservation.num_cached_tokens
-        prefill = self._likely_prefill()
+        # the prefill worker routing would pick, and the prefix it caches: it computes the
+        # rest (at least the last token, whose logits give the first one). It lacks what the
+        # decode worker computed itself (replies' KV, local prefills), so a chat's history
+        # hit there is often far shorter. Where that is unknown (Redis unreachable), assume
+        # it caches what the decode worker does.
+        live = [w for w in self.prefill if w.is_healthy]
+        overlap = await self._overlaps(prompt, live) if live else None
+        pick = self._pick_of(prompt, live, overlap) if live else None
+        prefill = live[pick] if pick is not None else None
+        n_remote = (n_local if overlap is None or pick is None
+                    else max(1, n_prompt - overlap[pick] * self.block_size))
         ds = decode.status
         ps = prefill.status if prefill is not None else None
         measured = [w.status.prefill_tokens_per_s for w in self.prefill
                     if w.status is not None and w.status.prefill_tokens_per_s > 0]
         return PrefillCosts(
             num_local_tokens=n_local,
-            # the prefill worker that served this conversation's earlier turns caches what
-            # the decode worker caches (the KV it sent there): assume the same hit
-            num_remote_tokens=n_local,
+            num_remote_tokens=n_remote,
             num_transfer_tokens=n_local,
             prefill_queue_tokens=prefill.num_tokens_in_flight if prefill is not None else 0,
             prefill_tokens_per_s=(ps.prefill_tokens_per_s if ps and ps.prefill_tokens_per_s

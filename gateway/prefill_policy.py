@@ -80,10 +80,15 @@ class PrefillDecision:
     reason: str  # one of REASONS
     local_cost_s: float | None = None  # the model's estimates (None: not computed)
     remote_cost_s: float | None = None
+    # what either side would compute (PrefillCosts'; None: not gathered)
+    num_local_tokens: int | None = None
+    num_remote_tokens: int | None = None
 
     def as_dict(self) -> dict:
         return {"where": self.where, "reason": self.reason,
-                "local_cost_s": self.local_cost_s, "remote_cost_s": self.remote_cost_s}
+                "local_cost_s": self.local_cost_s, "remote_cost_s": self.remote_cost_s,
+                "num_local_tokens": self.num_local_tokens,
+                "num_remote_tokens": self.num_remote_tokens}
 
 
 def estimate(costs: PrefillCosts, chunk_tokens: int) -> tuple[float, float] | None:

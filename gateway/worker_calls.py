@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 
 import grpc
 
+from engine_core.kv_cache.block_hash import hash_full_blocks
+from gateway.routing import MAX_ROUTING_BLOCKS, leading_overlap
 from gateway.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput
@@ -25,7 +28,21 @@ class WorkerLost(Exception):
 
 
 class WorkerCalls:
-    """Helpers of the disaggregated backend's parts (mixed into DisaggregatedBackend)."""
+    """Helpers of the disaggregated backend's parts (mixed into DisaggregatedBackend: its
+    discovery and block_size)."""
+
+    async def _overlaps(self, prompt: list[int], workers: Sequence[Worker]) -> list[int] | None:
+        """How many of the prompt's leading full blocks (up to MAX_ROUTING_BLOCKS) each worker
+        caches: from Redis when discovery has it (one round trip, bounded; None when it
+        fails), else from the workers' Status."""
+        hashes = hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size], self.block_size)
+        if not hashes:
+            return [0] * len(workers)
+        query = getattr(self.discovery, "prefix_overlap", None)
+        if query is None:
+            return [leading_overlap(hashes, w.prefix_hashes) for w in workers]
+        held = await query([w.worker_id for w in workers], hashes)
+        return None if held is None else [held.get(w.worker_id, 0) for w in workers]
 
     @staticmethod
     async def _abort_on(decode: Worker, req_id: str) -> None:

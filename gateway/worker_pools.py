@@ -43,7 +43,7 @@ class Worker:
     worker_id: str = ""  # as discovery names it ("" for static addresses)
     epoch: int = 0  # discovery's restart epoch: another one at this address is a new process
     num_slow_status: int = 0  # Status calls in a row that timed out
-    prefix_hashes: frozenset[int] = frozenset()  # decode workers' Status: prefix blocks held
+    prefix_hashes: frozenset[int] = frozenset()  # its Status: the prefix blocks it holds
 
 
 class WorkerPools:

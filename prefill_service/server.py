@@ -18,6 +18,7 @@ from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
+from service_infra.prefix_record import PrefixRecord
 from service_infra.tls import tls_from_args
 from service_infra.worker_args import engine_kwargs
 from service_infra.worker_registration import (
@@ -44,16 +45,21 @@ async def _serve(args: argparse.Namespace) -> None:
     start_metrics(registry, "prefill", args)
     backend = ColocatedBackend(engine, max_waiting=args.max_waiting)
     registration = worker_registration(redis_config, args, "prefill", engine)
-    on_prefilled = None
-    if registration is not None:
-        block_size = engine.layout.block_size
+    # a prompt's full blocks stay in this worker's prefix cache: the gateways route by them
+    # and count them in a remote prefill's cost, read from Redis where there is one, else
+    # from Status
+    prefix = None if registration is not None else PrefixRecord(max(1, engine.num_kv_blocks))
+    block_size = engine.layout.block_size
 
-        def on_prefilled(prompt_token_ids: list[int]) -> None:
-            # its full blocks stay in this worker's prefix cache: tell the gateways
-            registration.publish_prefix(hash_full_blocks(prompt_token_ids, block_size))
+    def on_prefilled(prompt_token_ids: list[int]) -> None:
+        hashes = hash_full_blocks(prompt_token_ids, block_size)
+        if registration is not None:
+            registration.publish_prefix(hashes)
+        else:
+            prefix.add(hashes)
 
     transfer_metrics = KVTransferMetrics(registry, engine.source.name)
-    servicer = PrefillServicer(engine, backend, transfer_metrics, on_prefilled, tls)
+    servicer = PrefillServicer(engine, backend, transfer_metrics, on_prefilled, tls, prefix)
 
     async def on_bound(port: int) -> None:  # the `prefill` label of kv_transport_info
         transfer_metrics.set_prefill(

@@ -39,6 +39,7 @@ from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics
+from service_infra.prefix_record import PrefixRecord
 from service_infra.proto_convert import (
     logprob_to_proto,
     prompt_logprobs_to_proto,
@@ -60,10 +61,12 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, engine: PrefillEngine, backend: ColocatedBackend,
                  metrics: KVTransferMetrics,
                  on_prefilled: Callable[[list[int]], None] | None = None,
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None, prefix: PrefixRecord | None = None) -> None:
+        """prefix: the prefix blocks Status lists (None: published elsewhere, or none)."""
         self.engine = engine
         self.backend = backend
         self.on_prefilled = on_prefilled  # on the request path: must not block or raise
+        self.prefix = prefix
         self.metrics = metrics
         self.tls = tls  # mutual TLS to the decode workers' KV transfer service
         self._connections: dict[tuple[str, str], Connection] = {}
@@ -172,7 +175,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             prefill_tokens_per_s=self.engine.stats.prefill_tokens_per_s,
             decode_step_s=self.engine.stats.decode_step_s,
             kv_transfer_bytes_per_s=self.kv_transfer_bytes_per_s,
-            kv_bytes_per_token=self.engine.layout.bytes_per_token)
+            kv_bytes_per_token=self.engine.layout.bytes_per_token,
+            prefix_block_hashes=self.prefix.hashes() if self.prefix is not None else ())
 
     def _measure_transfer(self, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:

@@ -1,6 +1,6 @@
 """Decode routing: the order decode workers are asked to reserve a prompt (gateway/routing.py's
 rank_decode, with exact orders), the leading overlap of chain hashes, the record of prefix
-blocks a decode worker publishes (decode_service/prefix_record.py), and the gateway's order
+blocks a decode worker publishes (service_infra/prefix_record.py), and the gateway's order
 over a real Redis where one decode worker published a prompt's blocks."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from decode_service.prefix_record import PrefixRecord
 from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.disaggregated import DisaggregatedBackend
 from gateway.redis_discovery import RedisDiscovery
 from gateway.routing import DECODE_QUEUE_WEIGHT_BLOCKS, leading_overlap, rank_decode
+from service_infra.prefix_record import PrefixRecord
 from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 

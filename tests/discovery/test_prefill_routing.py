@@ -99,3 +99,49 @@ def test_the_gateway_routes_to_the_worker_that_published_the_prefix(redis_server
         await backend.close()
 
     asyncio.run(scenario())
+
+
+def test_without_redis_prefill_workers_status_routes_and_prices_a_remote_prefill():
+    """Static discovery: prefill workers list their prefix blocks in Status, as decode workers
+    do. The prompt goes to the one that holds it, and the remote side of the prefill cost
+    counts only what that worker lacks: a chat whose history the decode worker holds (its
+    replies' KV, computed there) is dearer to prefill remotely than its local rest."""
+    from engine_core.sampling_params import SamplingParams
+    from gateway.discovery import StaticDiscovery
+    from protos.pdserve.internal import workers_pb2 as wpb
+    from service_infra.backend import GenerateInput
+
+    history = list(range(1000, 1000 + 5 * BLOCK_SIZE + 3))  # the first turn's prompt
+    prompt = history + list(range(50, 50 + 3 * BLOCK_SIZE))  # its reply and a follow-up
+
+    async def scenario() -> None:
+        backend = DisaggregatedBackend(StaticDiscovery(["p0:1", "p1:1"], ["d0:1"]),
+                                       tokenizer=None)
+        backend.block_size = BLOCK_SIZE
+        await backend._discover()
+        (decode,) = backend.decode
+        for w in backend.prefill + backend.decode:
+            w.is_healthy = True
+            w.status = wpb.WorkerStatus(prefill_tokens_per_s=1000.0, kv_bytes_per_token=100,
+                                        kv_transfer_bytes_per_s=1e9)
+        key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))
+        holder = backend.prefill[1 - pick_prefill([0, 0], None, key)]
+        inp = GenerateInput("r", prompt, SamplingParams())
+        # the decode worker holds all 8 full blocks; nobody lists the history yet
+        res = wpb.ReserveResponse(num_cached_tokens=8 * BLOCK_SIZE)
+        costs = await backend._costs(inp, decode, res)
+        assert (costs.num_local_tokens, costs.num_remote_tokens) == (3, len(prompt))
+        holder.prefix_hashes = frozenset(hash_full_blocks(history, BLOCK_SIZE))
+        assert await backend._pick_prefill(prompt) is holder
+        costs = await backend._costs(inp, decode, res)
+        assert (costs.num_local_tokens, costs.num_remote_tokens) == (3, len(prompt) - 80)
+        decision = await backend._place(inp, decode, res)
+        assert decision.as_dict()["num_remote_tokens"] == len(prompt) - 80
+        assert decision.where == "local" and decision.local_cost_s < decision.remote_cost_s
+        # a prompt the prefill worker holds whole still computes its last token there
+        holder.prefix_hashes = frozenset(hash_full_blocks(prompt, BLOCK_SIZE))
+        whole = GenerateInput("w", prompt[:8 * BLOCK_SIZE], SamplingParams())
+        assert (await backend._costs(whole, decode, res)).num_remote_tokens == 1
+        await backend.close()
+
+    asyncio.run(scenario())

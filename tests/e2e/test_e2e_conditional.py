@@ -13,9 +13,11 @@ import time
 
 import pytest
 
+from engine_core.kv_cache.block_hash import hash_full_blocks
 from protos.pdserve.internal import workers_pb2 as wpb
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.e2e.stack import (
+    BLOCK_SIZE,
     CONV,
     LONG,
     ExtraGateway,
@@ -59,6 +61,7 @@ def test_short_follow_up_whose_history_the_decode_worker_caches_is_prefilled_the
     first = run(stack.generation(), chat(CONV))
     expected = ref_chats.chat(CONV, N)
     assert out_ids(first) == expected.outputs[0].token_ids
+    first_ids = expected.prompt_token_ids
     t1 = first[-1].timing
     assert (t1.prefill_where, t1.prefill_reason) == ("remote", "unmeasured")
     check_timing(t1)
@@ -81,6 +84,14 @@ def test_short_follow_up_whose_history_the_decode_worker_caches_is_prefilled_the
     gw = stack.gateway_status()["prefill_placement"]
     assert gw["policy"] == "auto" and gw["last"]["where"] == "local"
     assert gw["last"]["local_cost_s"] < gw["last"]["remote_cost_s"]
+    # the remote side was priced by what the prefill worker lists in its Status: turn 1's
+    # prompt blocks, not the reply the decode worker computed
+    n_first, n_second = len(first_ids), len(expected.prompt_token_ids)
+    assert (gw["last"]["num_local_tokens"], gw["last"]["num_remote_tokens"]) == (
+        n_second - cached, n_second - n_first // BLOCK_SIZE * BLOCK_SIZE)
+    prefill_status = stack.status_all()[stack.prefill[0]]
+    assert set(hash_full_blocks(first_ids, BLOCK_SIZE)) <= set(
+        prefill_status.prefix_block_hashes)
     counts = {(d["where"], d["reason"]): d["count"] for d in gw["decisions"]}
     assert counts[("local", "cheaper_local")] >= 1 and counts[("remote", "unmeasured")] >= 1
     url = f"{stack.http_url}/metrics"

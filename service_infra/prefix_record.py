@@ -1,14 +1,17 @@
-"""The prefix blocks a decode worker has been given recently, for routing: a multi-turn chat
-returns to the worker that holds its history (gateway/decode_admission.py).
+"""The prefix blocks a worker holds recently, for routing: a multi-turn chat returns to the
+decode worker that holds its history (gateway/decode_admission.py), a prompt goes to the
+prefill worker that caches its prefix, and a remote prefill's cost counts only what that
+worker lacks (gateway/prefill_placement.py).
 
     add(hashes)   the full blocks of a prompt whose KV is now in this worker's prefix cache
-                  (claimed from a transfer, or prefilled here)
+                  (claimed from a transfer or prefilled, on a decode worker; prefilled, on a
+                  prefill worker)
     hashes()      what is published in Status (gateways without Redis read it there);
                   with Redis the worker publishes the same hashes to its registration
 
-Bounded like the Redis set of a prefill worker: at most `capacity` hashes (the pool's
-blocks), newest kept, each for ttl_s. A hash may outlive its block (evicted by LRU): it is a
-routing hint, and a miss only costs the prefill the hint promised to save.
+Bounded like a worker's Redis set: at most `capacity` hashes (the pool's blocks), newest
+kept, each for ttl_s. A hash may outlive its block (evicted by LRU): it is a routing hint,
+and a miss only costs the prefill the hint promised to save.
 """
 
 from __future__ import annotations
