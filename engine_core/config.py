@@ -99,6 +99,9 @@ class ModelConfig:
     # q and k rows reordered at load (rope.partial_rotary_order); None: the whole head
     rotary_dim: int | None = None
     sandwich_norms: bool = False
+    # OLMo 2 (see architectures.py): post-norms only; q and k normed over all heads at once
+    post_norms: bool = False
+    qk_norm_whole: bool = False
     embedding_scale: float | None = None
     norm_weight_offset: float = 0.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
@@ -276,6 +279,8 @@ class ModelConfig:
             rope_layers=rope_layers,
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sandwich_norms=arch.sandwich_norms,
+            post_norms=arch.post_norms,
+            qk_norm_whole=arch.qk_norm_whole,
             embedding_scale=(cfg["hidden_size"] ** 0.5 if arch.embedding_scale
                              else cfg.get("embedding_multiplier")),  # (Granite's)
             norm_weight_offset=arch.norm_weight_offset,

@@ -31,6 +31,11 @@ join the residual stream (`residual_multiplier`) and divides the logits (`logits
 llama.cpp writes them as `granite.embedding_scale`, `.attention.scale`, `.residual_scale` and
 `.logit_scale`.
 
+OLMo 2 norms only the attention's and the MLP's outputs, before each joins the residual
+stream (no norm before either), and its q and k norms span all heads at once; OLMo 3 is OLMo
+2 with windowed layers (`layer_types`), whose rope keeps the base without the config's
+scaling. llama.cpp writes OLMo 2 without reordering Q and K.
+
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
 ones, Qwen3-MoE Qwen3's. llama.cpp writes Mixtral as `llama` with an expert count.
@@ -63,6 +68,11 @@ class Architecture:
     # Gemma: four norms per layer (input, post-attention, pre- and post-feedforward), the
     # attention and MLP outputs normed before they join the residual stream
     sandwich_norms: bool = False
+    # OLMo 2: no norm before the attention or the MLP; their outputs are normed before they
+    # join the residual stream (post_attention_layernorm, post_feedforward_layernorm)
+    post_norms: bool = False
+    # OLMo 2: q and k RMS-normed over all their heads at once, not head by head
+    qk_norm_whole: bool = False
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
     # Gemma's HF RMSNorm scales by (1 + weight); its GGUF norms already hold the + 1
     norm_weight_offset: float = 0.0
@@ -101,6 +111,10 @@ _GEMMA_GGUF_NAMES = (("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
                      ("post_attention_norm.weight", "post_attention_layernorm.weight"),
                      ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"))
 
+# OLMo 2's two norms per layer, as llama.cpp names them (it writes no attn_norm or ffn_norm)
+_OLMO2_GGUF_NAMES = (("post_attention_norm.weight", "post_attention_layernorm.weight"),
+                     ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"))
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("llama", ("LlamaForCausalLM",), ("llama",), gguf_permutes_qk=True),
     # llama.cpp writes Mistral checkpoints as "llama"; "mistral" is the HF folder's name
@@ -127,6 +141,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), sliding_window=True,
                  gguf_layer_names=(("attn_qkv.weight", "self_attn.qkv_proj.weight"),
                                    ("ffn_up.weight", "mlp.gate_up_proj.weight"))),
+    # OLMo 2: norms after the attention and the MLP only, q and k normed over all heads at
+    # once; OLMo 3 adds windowed layers (its config's layer_types), whose rope is unscaled
+    Architecture("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), qk_norm=True, qk_norm_whole=True,
+                 post_norms=True, gguf_layer_names=_OLMO2_GGUF_NAMES),
+    Architecture("olmo3", ("Olmo3ForCausalLM",), ("olmo3",), qk_norm=True, qk_norm_whole=True,
+                 post_norms=True, sliding_window=True, local_rope_theta=500000.0),
     # Granite (3.x dense): Llama with four multipliers from its config (embeddings,
     # attention scale, residual branches, logits)
     Architecture("granite", ("GraniteForCausalLM",), ("granite",), gguf_permutes_qk=True),

@@ -85,9 +85,13 @@ class Attention(nn.Module):
         # local layers (their own base), SmolLM3's NoPE layers (no rotation)
         self.other_rope = ((cfg.local_rope_theta is not None and self.window is not None)
                            or not cfg.layer_rotates(layer))
-        # Qwen3: every q and k head RMS-normalised over head_dim before rope
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3: every q and k head RMS-normalised over head_dim before rope; OLMo 2: q and k
+        # each over all their heads at once
+        self.qk_norm_whole = cfg.qk_norm_whole
+        q_width, k_width = (self.q_size, self.kv_size) if cfg.qk_norm_whole \
+            else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.native = None  # the C kernels' library, set by native_cpu.use_native_kernels
 
     def forward(
@@ -130,6 +134,9 @@ class Attention(nn.Module):
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:  # [n, q_size + 2 * kv_size]
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            return torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v],
+                             dim=-1)
         # [n * heads, head_dim], contiguous for the C norm (one KV head's reshape is a view)
         q = self.q_norm(q.reshape(n * self.num_heads, self.head_dim).contiguous())
         k = self.k_norm(k.reshape(n * self.num_kv_heads, self.head_dim).contiguous())
@@ -154,15 +161,19 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Llama's layer (pre-norms), or with cfg.sandwich_norms Gemma's: the attention and MLP
-    outputs are normed again before they join the residual stream.
+    outputs are normed again before they join the residual stream; or with cfg.post_norms
+    OLMo 2's: only those two norms.
 
         llama:  r += attn(in_norm(r));            r += mlp(post_attn_norm(r))
         gemma:  r += post_attn_norm(attn(in_norm(r)));  r += post_ffw_norm(mlp(pre_ffw_norm(r)))
+        olmo2:  r += post_attn_norm(attn(r));     r += post_ffw_norm(mlp(r))
     """
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = cfg.post_norms
+        if not self.post_norms:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.layer_is_moe(layer) else MLP(cfg)
@@ -170,11 +181,16 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.sandwich or self.post_norms:
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, cos_sin, kv_layer, meta):
         """(this layer's output, the residual stream before it); the stream is None for the
         first layer, whose input x is the embedding."""
+        if self.post_norms:  # the stream itself enters the attention and the MLP
+            h = x if residual is None else x + residual
+            h = h + self.post_attention_layernorm(self.self_attn(h, cos_sin, kv_layer, meta))
+            return self.post_feedforward_layernorm(self.mlp(h)), h
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:

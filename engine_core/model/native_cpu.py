@@ -38,8 +38,10 @@ def use_native_kernels(model: DecoderForCausalLM, lib: ctypes.CDLL) -> bool:
         layer.self_attn.native = lib
         if is_float32 and layer.self_attn.q_norm is not None:  # as pd_decode_layers does
             layer.self_attn.q_norm.native = layer.self_attn.k_norm.native = lib
-        if is_float32:
-            layer.input_layernorm.native = layer.post_attention_layernorm.native = lib
+        if is_float32:  # (OLMo 2's layers have no input norm)
+            for norm in (getattr(layer, "input_layernorm", None), layer.post_attention_layernorm):
+                if norm is not None:
+                    norm.native = lib
     if is_float32:
         model.norm.native = lib
     return True

@@ -63,6 +63,10 @@ def model_config(f: GGUFFile) -> ModelConfig:
     # a window the file states applies whatever the architecture's name: llama.cpp writes
     # a Mistral GGUF as `llama`, whose HF configs have no window
     window = f.field(f"{a}.attention.sliding_window")
+    if window is not None and arch.post_norms:  # OLMo 3's windowed layers: which ones?
+        raise ValueError(f"{f.path.name}: an OLMo GGUF with a sliding window (OLMo 3) is not "
+                         "supported: its pattern of windowed layers is not in the file; serve "
+                         "the Hugging Face folder")
     sliding = None
     if window is not None and arch.global_every:
         every = arch.global_every
@@ -110,6 +114,8 @@ def model_config(f: GGUFFile) -> ModelConfig:
                      if arch.nope_every else None),
         rotary_dim=rotary_dim,
         sandwich_norms=arch.sandwich_norms,
+        post_norms=arch.post_norms,
+        qk_norm_whole=arch.qk_norm_whole,
         embedding_scale=(hidden**0.5 if arch.embedding_scale
                          else f.field(f"{a}.embedding_scale")),  # (Granite's)
         residual_multiplier=float(f.field(f"{a}.residual_scale") or 1.0),

@@ -39,6 +39,15 @@ CASES = {
     "granite": (transformers.GraniteConfig, {
         "embedding_multiplier": 2.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5,
         "logits_scaling": 3.0}),
+    # OLMo 2: norms after the attention and the MLP only, q and k normed across heads;
+    # OLMo 3 adds windowed layers whose rope stays unscaled where the global layers' is YaRN
+    "olmo2": (transformers.Olmo2Config, {}),
+    "olmo3": (transformers.Olmo3Config, {
+        "num_hidden_layers": 3, "sliding_window": 12, "max_position_embeddings": 128,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {**YARN_ROPE, "rope_theta": 5000.0},
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": 5000.0}}}),
     # mixtures of experts: 4 experts, 2 per token; Mixtral's as wide as intermediate_size,
     # Qwen2-MoE's with a gated shared expert, Qwen3-MoE's first layer a dense MLP
     "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2,

@@ -284,7 +284,7 @@ def test_windowed_model_through_the_kv_handoff(case, tmp_path):
 
 
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-              "gemma2": "gemma2", "smollm3": "smollm3", "phi3": "phi3"}
+              "gemma2": "gemma2", "smollm3": "smollm3", "phi3": "phi3", "olmo2": "olmo2"}
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
@@ -312,7 +312,8 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
                                   "gemma3", "gemma2", "smollm3", "phi3", "mixtral",
-                                  "qwen2-moe", "qwen3-moe", "granite", "gpt-oss"])
+                                  "qwen2-moe", "qwen3-moe", "granite", "gpt-oss", "olmo2",
+                                  "olmo3"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next
@@ -327,7 +328,7 @@ def test_cpu_defaults_run_every_architecture(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen2-yarn", "gemma2", "smollm3", "phi3", "qwen2-moe",
-                                  "qwen3-moe", "gpt-oss"])
+                                  "qwen3-moe", "gpt-oss", "olmo2", "olmo3"])
 def test_user_defaults_run_the_newer_architectures(case, tmp_path):
     """The configuration a user gets on this CPU: bfloat16 weights, quantized decode matmuls
     with int8 activations where the CPU has VNNI (LLMEngine's own choices, nothing forced):
@@ -364,3 +365,30 @@ def test_gguf_granite_with_its_multipliers(tmp_path):
     assert (cfg.embedding_scale, cfg.attention_scale, cfg.residual_multiplier,
             cfg.logits_scaling) == pytest.approx((2.0, 0.2, 0.5, 3.0))
     check_against_hf(hf, tmp_path / "m.gguf")
+
+
+def test_olmo_configs_and_an_olmo3_gguf_refused(tmp_path):
+    """OLMo 2 and 3 from their configs: post-norms, q and k normed across heads, OLMo 3's
+    windowed layers with their own (unscaled) rope; an OLMo GGUF that states a window (OLMo
+    3's, whose pattern of windowed layers llama.cpp's file does not hold) is refused."""
+    from engine_core.weights.gguf_loader import GGUFFile
+    from engine_core.weights.safetensors_loader import load_hf_config
+
+    for case in ("olmo2", "olmo3"):
+        config_cls, overrides = CASES[case]
+        hf = tm.build_hf(config_cls, tmp_path / case, **overrides)
+        cfg = load_hf_config(tmp_path / case)
+        assert (cfg.post_norms, cfg.qk_norm_whole, cfg.qk_norm) == (True, True, True)
+    assert [cfg.layer_window(i) for i in range(3)] == [12, None, 12]
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling["rope_type"]) == (
+        5000.0, 5000.0, "yarn")
+    # the case tells them apart: the same weights with YaRN on every layer answer otherwise
+    yarn = overrides["rope_parameters"]["full_attention"]
+    everywhere = tm.build_hf(config_cls, tmp_path / "yarn", **{**overrides, "rope_parameters": {
+        "full_attention": yarn, "sliding_attention": yarn}})
+    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
+    assert tm.relative_error(tm.hf_logits(everywhere, prompt), tm.hf_logits(hf, prompt)) > 0.01
+    tm.write_gguf(hf, tmp_path / "w.gguf", arch="olmo2", permute=False,
+                  extra={"olmo2.attention.sliding_window": 12})
+    with pytest.raises(ValueError, match="OLMo GGUF with a sliding window"):
+        GGUFFile(tmp_path / "w.gguf").model_config()

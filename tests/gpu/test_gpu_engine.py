@@ -167,10 +167,11 @@ def test_bench_engine_on_the_card(tiny, tmp_path):
     assert all(r["output_tokens_per_s"] > 0 for r in results["engine"])
 
 
-@pytest.mark.parametrize("case", ["gemma3", "qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("case", ["gemma3", "qwen3-moe", "gpt-oss", "olmo3"])
 def test_architectures_on_cuda_match_transformers(case, tmp_path):
     """Windowed layers with their own rope (Gemma 3), experts (Qwen3-MoE), sinks with experts
-    and biases (GPT-OSS), on the card's Triton kernels in float32: logits and greedy tokens
+    and biases (GPT-OSS), post-norms and whole-width q/k norms (OLMo 3), on the card's Triton
+    kernels in float32: logits and greedy tokens
     equal to transformers' (tests/engine_core/arch_cases.py; transformers on the host)."""
     from tests.engine_core import tiny_models as tm
     from tests.engine_core.arch_cases import CASES, check_against_hf
