@@ -203,6 +203,9 @@ class ModelConfig:
         """From a Hugging Face `config.json` dict of an architecture in the registry; raises
         UnsupportedArchitectureError for any other."""
         arch = architectures.for_hf_config(cfg)
+        if cfg.get("clip_qkv") is not None:  # OLMo 1 and some OLMoE checkpoints
+            raise ValueError(f"clip_qkv = {cfg['clip_qkv']} (q, k and v clamped) is not "
+                             "supported")
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")

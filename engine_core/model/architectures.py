@@ -34,7 +34,8 @@ llama.cpp writes them as `granite.embedding_scale`, `.attention.scale`, `.residu
 OLMo 2 norms only the attention's and the MLP's outputs, before each joins the residual
 stream (no norm before either), and its q and k norms span all heads at once; OLMo 3 is OLMo
 2 with windowed layers (`layer_types`), whose rope keeps the base without the config's
-scaling. llama.cpp writes OLMo 2 without reordering Q and K.
+scaling. llama.cpp writes OLMo 2 without reordering Q and K. OLMoE is Llama's layer (pre-norms)
+with OLMo's q/k norms and routed experts.
 
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
@@ -157,6 +158,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  sliding_window=True, moe_norm_topk=False),
     Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qk_norm=True,
                  sliding_window=True),
+    # OLMoE: Llama's layer with OLMo's q/k norms across heads and routed experts (top-k
+    # weights not renormalized unless the config says so)
+    Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), qk_norm=True, qk_norm_whole=True,
+                 moe_norm_topk=False),
     # GPT-OSS: every other layer windowed (its config's layer_types; a GGUF's fixed pattern
     # starts windowed), YaRN rope, 4 of 32 or 128 experts per token
     Architecture("gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), qkv_bias=True,

@@ -48,6 +48,8 @@ CASES = {
         "rope_parameters": {"full_attention": {**YARN_ROPE, "rope_theta": 5000.0},
                             "sliding_attention": {"rope_type": "default",
                                                   "rope_theta": 5000.0}}}),
+    # OLMoE: OLMo's q/k norms on Llama's layer, 4 experts, 2 per token, not renormalized
+    "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2}),
     # mixtures of experts: 4 experts, 2 per token; Mixtral's as wide as intermediate_size,
     # Qwen2-MoE's with a gated shared expert, Qwen3-MoE's first layer a dense MLP
     "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2,

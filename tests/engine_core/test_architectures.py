@@ -313,7 +313,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral-window",
                                   "gemma3", "gemma2", "smollm3", "phi3", "mixtral",
                                   "qwen2-moe", "qwen3-moe", "granite", "gpt-oss", "olmo2",
-                                  "olmo3"])
+                                  "olmo3", "olmoe"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next
@@ -328,7 +328,7 @@ def test_cpu_defaults_run_every_architecture(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen2-yarn", "gemma2", "smollm3", "phi3", "qwen2-moe",
-                                  "qwen3-moe", "gpt-oss", "olmo2", "olmo3"])
+                                  "qwen3-moe", "gpt-oss", "olmo2", "olmo3", "olmoe"])
 def test_user_defaults_run_the_newer_architectures(case, tmp_path):
     """The configuration a user gets on this CPU: bfloat16 weights, quantized decode matmuls
     with int8 activations where the CPU has VNNI (LLMEngine's own choices, nothing forced):
@@ -339,8 +339,11 @@ def test_user_defaults_run_the_newer_architectures(case, tmp_path):
         overrides = {**overrides, "attn_logit_softcapping": 50.0,
                      "final_logit_softcapping": 30.0}
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
-    if case != "gpt-oss":  # transformers' bf16 GPT-OSS takes its attention softmax in bf16,
-        hf = hf.to(torch.bfloat16)  # 28 % off its float32 logits here: float32 is the reference
+    # float32 is the reference for GPT-OSS (transformers' bf16 takes its attention softmax in
+    # bf16, 28 % off its float32 logits here) and OLMoE (its top two first tokens, 0.045
+    # apart in float32, tie in transformers' bf16 run)
+    if case not in ("gpt-oss", "olmoe"):
+        hf = hf.to(torch.bfloat16)
     eng = tm.engine(tmp_path, dtype="bfloat16", quantize_decode=None)
     assert eng.dtype == torch.bfloat16 and eng.runner.quantization is not None
     prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
@@ -370,7 +373,8 @@ def test_gguf_granite_with_its_multipliers(tmp_path):
 def test_olmo_configs_and_an_olmo3_gguf_refused(tmp_path):
     """OLMo 2 and 3 from their configs: post-norms, q and k normed across heads, OLMo 3's
     windowed layers with their own (unscaled) rope; an OLMo GGUF that states a window (OLMo
-    3's, whose pattern of windowed layers llama.cpp's file does not hold) is refused."""
+    3's, whose pattern of windowed layers llama.cpp's file does not hold) is refused, and so
+    is a config that clamps q, k and v (clip_qkv)."""
     from engine_core.weights.gguf_loader import GGUFFile
     from engine_core.weights.safetensors_loader import load_hf_config
 
@@ -392,3 +396,8 @@ def test_olmo_configs_and_an_olmo3_gguf_refused(tmp_path):
                   extra={"olmo2.attention.sliding_window": 12})
     with pytest.raises(ValueError, match="OLMo GGUF with a sliding window"):
         GGUFFile(tmp_path / "w.gguf").model_config()
+    from engine_core.config import ModelConfig  # OLMo 1's and some OLMoE's clamp: refused
+
+    clamped = transformers.OlmoeConfig(**{**tm.SIZES, "clip_qkv": 8.0}).to_dict()
+    with pytest.raises(ValueError, match=r"clip_qkv = 8.0 \(q, k and v clamped\)"):
+        ModelConfig.from_hf_config({**clamped, "architectures": ["OlmoeForCausalLM"]}, "m")

@@ -61,7 +61,7 @@ def test_experts_decode_quantized_whatever_shares_the_step(case, tmp_path):
 
 @pytest.mark.parametrize(("case", "arch", "permute"), [
     ("mixtral", "llama", True), ("qwen2-moe", "qwen2moe", False),
-    ("qwen3-moe", "qwen3moe", False)])
+    ("qwen3-moe", "qwen3moe", False), ("olmoe", "olmoe", False)])
 def test_gguf_mixture_of_experts(case, arch, permute, tmp_path):
     """Experts as llama.cpp writes them: one 3-D tensor per matrix kind (ffn_gate_exps, ...),
     the router as ffn_gate_inp, Qwen2-MoE's shared expert and its gate vector, Mixtral under
@@ -77,7 +77,8 @@ def test_gguf_mixture_of_experts(case, arch, permute, tmp_path):
     f = GGUFFile(tmp_path / "m.gguf")
     cfg = f.model_config()
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (4, 2)
-    assert cfg.norm_topk_prob == (case != "qwen2-moe")  # llama.cpp's choice per architecture
+    # llama.cpp's choice per architecture
+    assert cfg.norm_topk_prob == (case not in ("qwen2-moe", "olmoe"))
     assert cfg.moe_layers == ((False, True) if case == "qwen3-moe" else None)
     assert cfg.shared_expert_intermediate_size == (64 if case == "qwen2-moe" else 0)
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in f.tensor_types()
