@@ -369,35 +369,3 @@ def test_gguf_granite_with_its_multipliers(tmp_path):
             cfg.logits_scaling) == pytest.approx((2.0, 0.2, 0.5, 3.0))
     check_against_hf(hf, tmp_path / "m.gguf")
 
-
-def test_olmo_configs_and_an_olmo3_gguf_refused(tmp_path):
-    """OLMo 2 and 3 from their configs: post-norms, q and k normed across heads, OLMo 3's
-    windowed layers with their own (unscaled) rope; an OLMo GGUF that states a window (OLMo
-    3's, whose pattern of windowed layers llama.cpp's file does not hold) is refused, and so
-    is a config that clamps q, k and v (clip_qkv)."""
-    from engine_core.weights.gguf_loader import GGUFFile
-    from engine_core.weights.safetensors_loader import load_hf_config
-
-    for case in ("olmo2", "olmo3"):
-        config_cls, overrides = CASES[case]
-        hf = tm.build_hf(config_cls, tmp_path / case, **overrides)
-        cfg = load_hf_config(tmp_path / case)
-        assert (cfg.post_norms, cfg.qk_norm_whole, cfg.qk_norm) == (True, True, True)
-    assert [cfg.layer_window(i) for i in range(3)] == [12, None, 12]
-    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling["rope_type"]) == (
-        5000.0, 5000.0, "yarn")
-    # the case tells them apart: the same weights with YaRN on every layer answer otherwise
-    yarn = overrides["rope_parameters"]["full_attention"]
-    everywhere = tm.build_hf(config_cls, tmp_path / "yarn", **{**overrides, "rope_parameters": {
-        "full_attention": yarn, "sliding_attention": yarn}})
-    prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
-    assert tm.relative_error(tm.hf_logits(everywhere, prompt), tm.hf_logits(hf, prompt)) > 0.01
-    tm.write_gguf(hf, tmp_path / "w.gguf", arch="olmo2", permute=False,
-                  extra={"olmo2.attention.sliding_window": 12})
-    with pytest.raises(ValueError, match="OLMo GGUF with a sliding window"):
-        GGUFFile(tmp_path / "w.gguf").model_config()
-    from engine_core.config import ModelConfig  # OLMo 1's and some OLMoE's clamp: refused
-
-    clamped = transformers.OlmoeConfig(**{**tm.SIZES, "clip_qkv": 8.0}).to_dict()
-    with pytest.raises(ValueError, match=r"clip_qkv = 8.0 \(q, k and v clamped\)"):
-        ModelConfig.from_hf_config({**clamped, "architectures": ["OlmoeForCausalLM"]}, "m")
