@@ -19,6 +19,7 @@ from engine_core.model_files import ModelSource
 from engine_core.weights.gguf_loader import GGUFFile
 from engine_core.weights.gguf_q4 import Q4_TYPES
 from engine_core.weights.gguf_q8 import Q8_TYPES
+from engine_core.weights.hf_mxfp4 import mxfp4_experts
 from engine_core.weights.safetensors_loader import iter_safetensors, load_hf_config
 from kernels import native
 from kernels.backends import attention_backend
@@ -41,9 +42,10 @@ def load_model(
 
     prefill_weights: what the other rows' matmuls read. "dense": a float copy in `dtype`
     beside the 4/8-bit one (fast prefill, about twice the memory of a 4-bit file's weights
-    and more). "quantized" (a GGUF with quantize_decode and the C kernels): a projection whose
-    parts the file holds in blocks the C kernels read has no dense copy; every row multiplies
-    its blocks, as llama.cpp does, so the weights take about the file's size. "auto":
+    and more). "quantized" (a GGUF, or a checkpoint's MXFP4 experts, with quantize_decode and
+    the C kernels): a projection whose parts the file holds in blocks the C kernels read has
+    no dense copy; every row multiplies its blocks, as llama.cpp does, so the weights take
+    about the file's size. "auto":
     quantized when the dense copies would not fit (resolve_prefill_weights)."""
     t0 = time.perf_counter()
     if prefill_weights not in PREFILL_WEIGHTS:
@@ -63,6 +65,10 @@ def load_model(
             raise ValueError(f"quantize_decode is a CPU path, device is {device}")
         if gguf is not None:  # every supported type's blocks (gguf_q4.py, gguf_q8.py)
             q4, q8 = gguf.block_weights(config)  # unpacked as quantize_for_decode asks
+        else:  # a checkpoint's MXFP4 experts (GPT-OSS's), its own 4-bit values
+            experts = mxfp4_experts(source.path)
+            if experts is not None:
+                q4, q8 = {}, experts
     blocks_only = _blocks_only(model, q4, q8, prefill_weights, source, dtype)
     model = model.to_empty(device=device)
     for module, attr in blocks_only:  # never loaded: the quantized matmul holds the weight
@@ -94,23 +100,24 @@ def _blocks_only(model: DecoderForCausalLM, q4: Mapping | None, q8: Mapping | No
                  prefill_weights: str, source: ModelSource,
                  dtype: torch.dtype) -> dict[tuple[nn.Module, str], list[str]]:
     """The projections (module, attribute) -> parts that get no dense copy: with
-    prefill_weights "quantized" (or "auto" choosing it), those whose every part the GGUF holds
-    in 4/8-bit blocks the C kernels multiply."""
+    prefill_weights "quantized" (or "auto" choosing it), those whose every part the model holds
+    in 4/8-bit blocks the C kernels multiply (a GGUF's; a checkpoint's MXFP4 experts)."""
     if prefill_weights == "dense":
         return {}
     lib = native.load()
     if q4 is None or q8 is None or lib is None:
         if prefill_weights == "quantized":
-            raise ValueError("prefill_weights='quantized' reads a GGUF's 4/8-bit blocks with "
-                             "the C kernels: it needs a GGUF model, quantized decode on the "
-                             "CPU and the native kernels (a C compiler, AVX2)")
+            raise ValueError("prefill_weights='quantized' reads 4/8-bit blocks with the C "
+                             "kernels: it needs a GGUF model or a checkpoint with MXFP4 "
+                             "experts, quantized decode on the CPU and the native kernels (a "
+                             "C compiler, AVX2)")
         return {}
     dense_bytes = dense_copy_bytes(source, dtype)
-    if resolve_prefill_weights(prefill_weights, dense_bytes, source.path.stat().st_size) == "dense":
+    if resolve_prefill_weights(prefill_weights, dense_bytes, weights_bytes(source)) == "dense":
         return {}
     groups = {key: parts for key, parts in projections(model, q4.keys() | q8.keys()).items()
               if all(p in q4 or p in q8 for p in parts)}
-    logger.info("prefill rows multiply the GGUF's 4/8-bit blocks too: %d projections keep no "
+    logger.info("prefill rows multiply the 4/8-bit blocks too: %d projections keep no "
                 "dense copy (about %.2f GB of %s not held)", len(groups), dense_bytes / 1e9,
                 str(dtype).removeprefix("torch."))
     return groups
@@ -139,17 +146,27 @@ def settle_prefill_weights(setting: str, source: ModelSource, dtype: torch.dtype
     unless its prefill reads the blocks). On CUDA there are no blocks to read: auto stays."""
     if setting != "auto" or torch.cuda.is_available():
         return setting
-    file_bytes = source.path.stat().st_size if source.kind == "gguf" else 0
-    return resolve_prefill_weights("auto", dense_copy_bytes(source, dtype), file_bytes,
-                                   num_copies)
+    dense_bytes = dense_copy_bytes(source, dtype)
+    if dense_bytes == 0:  # nothing held in blocks a prefill could multiply instead
+        return "dense"
+    return resolve_prefill_weights("auto", dense_bytes, weights_bytes(source), num_copies)
+
+
+def weights_bytes(source: ModelSource) -> int:
+    """The model's files' bytes: the GGUF, or the folder's safetensors shards."""
+    if source.kind == "gguf":
+        return source.path.stat().st_size
+    return sum(f.stat().st_size for f in source.path.glob("*.safetensors"))
 
 
 def dense_copy_bytes(source: ModelSource, dtype: torch.dtype) -> int:
     """About the bytes of the dense copies prefill_weights="quantized" would leave out: the
-    GGUF's 4/8-bit matrices but its embedding, output head and routers, in `dtype`; 0 for a
-    safetensors model (its weights are dense already)."""
+    GGUF's 4/8-bit matrices but its embedding, output head and routers, or a checkpoint's
+    MXFP4 experts, in `dtype`; 0 for a safetensors model without them (its weights are dense
+    already)."""
     if source.kind != "gguf":
-        return 0
+        experts = mxfp4_experts(source.path)
+        return 0 if experts is None else experts.num_weights * dtype.itemsize
     reader = GGUFFile(source.path).reader
     return sum(int(t.n_elements) for t in reader.tensors
                if GGMLQuantizationType(t.tensor_type) in (*Q4_TYPES, *Q8_TYPES)

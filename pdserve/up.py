@@ -163,13 +163,15 @@ def prefill_weights(args: argparse.Namespace, source) -> str:
     import torch
 
     from engine_core.config import resolve_dtype
-    from engine_core.model_loader import settle_prefill_weights
+    from engine_core.model_loader import dense_copy_bytes, settle_prefill_weights
 
-    if args.prefill_weights == "quantized" and source.kind != "gguf":  # before any worker
-        raise ValueError(f"--prefill-weights quantized reads a GGUF's 4/8-bit blocks; "
-                         f"{source.path} is a safetensors model (use dense or auto)")
-    return settle_prefill_weights(args.prefill_weights, source,
-                                  resolve_dtype(args.dtype, torch.device("cpu")),
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    if (args.prefill_weights == "quantized" and source.kind != "gguf"
+            and dense_copy_bytes(source, dtype) == 0):  # before any worker starts
+        raise ValueError(f"--prefill-weights quantized reads 4/8-bit blocks (a GGUF's, or a "
+                         f"checkpoint's MXFP4 experts); {source.path} is a safetensors model "
+                         f"without them (use dense or auto)")
+    return settle_prefill_weights(args.prefill_weights, source, dtype,
                                   num_copies=args.prefill + args.decode)
 
 

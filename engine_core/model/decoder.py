@@ -329,7 +329,8 @@ class DecoderForCausalLM(nn.Module):
                     "gate_up_proj": ("gate_proj", "up_proj")}  # (Phi-3) counts as its parts
         loaded: set[str] = set()
         if architectures.BY_NAME[cfg.architecture].fused_experts:  # GPT-OSS: one per expert
-            weights = split_fused_experts(weights)
+            absent = set(absent)
+            weights = split_fused_experts(weights, skip=absent)
         for name, w in itertools.chain(((n, None) for n in absent), weights):
             name = moe_name(name.removeprefix("model."))
             if "rotary_emb" in name:

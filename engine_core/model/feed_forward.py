@@ -6,7 +6,7 @@ Mixtral's and GPT-OSS's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Set
 
 import torch
 import torch.nn.functional as F
@@ -189,8 +189,8 @@ def moe_name(name: str) -> str:
     return ".".join(parts)
 
 
-def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]]
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
+def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]],
+                        skip: Set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """GPT-OSS's checkpoint tensors with each layer's experts as one matrix per expert, in the
     per-expert names the rest of the decoder uses (`mlp.experts.E.gate_proj.weight`, ...):
 
@@ -200,7 +200,8 @@ def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]]
 
     The released checkpoints hold gate_up_proj and down_proj in MXFP4 (`*_blocks` of packed
     4-bit values, `*_scales` of their power-of-two exponents): transformers' dequantizer
-    expands each pair to the float tensor above once both have been read."""
+    expands each pair to the float tensor above once both have been read, unless every
+    expert's matrix it holds is in `skip` (no dense copy: weights/hf_mxfp4.py)."""
     packed: dict[str, dict[str, torch.Tensor]] = {}
     for name, w in weights:
         base, _, kind = name.rpartition("_")
@@ -211,6 +212,11 @@ def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]]
             if len(pair) < 2:
                 continue
             del packed[base]
+            stem, _, fused = base.rpartition(".")
+            parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+            if all(f"{stem}.{e}.{p}.weight" in skip
+                   for e in range(pair["blocks"].shape[0]) for p in parts):
+                continue
             from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
             name, w = base, convert_moe_packed_tensors(pair["blocks"], pair["scales"],

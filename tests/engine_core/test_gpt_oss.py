@@ -156,7 +156,9 @@ def test_hf_checkpoint_with_mxfp4_experts(tmp_path):
     """The released checkpoints' experts: `gate_up_proj_blocks` [E, 2 width, hidden / 32, 16]
     of two FP4 values per byte (even index in the low nibble) and `_scales`, E8M0 exponents,
     expanded by transformers' own dequantizer at load: logits within 1e-3 and greedy equal to
-    transformers holding the dequantized weights."""
+    transformers holding the dequantized weights; on the CPU's quantized decode the experts
+    multiply the checkpoint's own values (kind 9), with or without a dense copy for prefill
+    rows (weights/hf_mxfp4.py)."""
     from safetensors.torch import load_file, save_file
 
     config_cls, overrides = gpt_oss()
@@ -181,6 +183,28 @@ def test_hf_checkpoint_with_mxfp4_experts(tmp_path):
     eng = tm.engine(folder)
     assert tm.relative_error(tm.prompt_logits(eng, prompt), tm.hf_logits(hf, prompt)) < 1e-3
     assert tm.greedy(eng, [prompt], 12)[0] == tm.hf_greedy(hf, prompt, 12)
+    # the CPU's quantized decode: each expert's decode rows multiply the checkpoint's own
+    # values in C (kind 9); with prefill_weights "quantized" the experts get no dense copy
+    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.model_files import ModelSource
+    from engine_core.model_loader import dense_copy_bytes
+    from kernels import native
+
+    source = ModelSource("hf", folder)
+    num = sum(w.size for w in held.values())
+    assert dense_copy_bytes(source, torch.bfloat16) == 2 * num
+    for prefill in ("dense", "quantized") if native.load() is not None else ("dense",):
+        eng = tm.engine(folder, quantize_decode=True, decode_activations="float32",
+                        prefill_weights=prefill)
+        for layer in eng.model.layers if native.load() is not None else ():
+            for e in layer.mlp.experts:
+                quant = e.gate_up_proj.quant
+                assert isinstance(quant, NativeQ8Matmul) and quant.kind == 9
+                assert e.down_proj.weight.is_meta == (prefill == "quantized")
+        assert tm.relative_error(tm.prompt_logits(eng, prompt), tm.hf_logits(hf, prompt)) < 1e-3
+        assert tm.greedy(eng, [prompt], 12)[0] == tm.hf_greedy(hf, prompt, 12)
+    defaults = tm.engine(folder, dtype="bfloat16", quantize_decode=None)  # int8 activations
+    assert tm.greedy(defaults, [prompt], 8)[0][:2] == tm.hf_greedy(hf, prompt, 2)
     with pytest.raises(ValueError, match="without both blocks and scales"):
         from engine_core.model.feed_forward import split_fused_experts
 

@@ -75,10 +75,10 @@ def test_prefill_from_blocks_on_the_user_defaults(tmp_path):
 def test_quantized_prefill_needs_a_files_blocks(tmp_path):
     config_cls, overrides = CASES["llama"]
     hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
-    with pytest.raises(ValueError, match="prefill_weights='quantized' reads a GGUF"):
+    with pytest.raises(ValueError, match="needs a GGUF model or a checkpoint with MXFP4 experts"):
         tm.engine(tmp_path / "hf", quantize_decode=True, prefill_weights="quantized")
     tm.write_gguf(hf, tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q4_0)
-    with pytest.raises(ValueError, match="prefill_weights='quantized' reads a GGUF"):
+    with pytest.raises(ValueError, match="needs a GGUF model or a checkpoint with MXFP4 experts"):
         tm.engine(tmp_path / "m.gguf", quantize_decode=False, prefill_weights="quantized")
     with pytest.raises(ValueError, match="prefill_weights must be one of auto, dense, "):
         tm.engine(tmp_path / "m.gguf", quantize_decode=True, prefill_weights="blocks")

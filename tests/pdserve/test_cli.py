@@ -77,7 +77,7 @@ def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers(
     assert prefill_weights(parser.parse_args(["up"]), source) == "dense"
     assert prefill_weights(parser.parse_args(["up", "--prefill-weights", "quantized"]),
                            source) == "quantized"
-    with pytest.raises(ValueError, match="reads a GGUF's 4/8-bit blocks"):
+    with pytest.raises(ValueError, match="a safetensors model without them"):
         prefill_weights(parser.parse_args(["up", "--prefill-weights", "quantized"]),
                         ModelSource("hf", source.path.parent))
     # as many workers as it takes for their dense copies to pass 80 % of the memory available
