@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine_core.model import architectures
+from engine_core.model.architectures import hf_layer_pattern
 from engine_core.model.rope import inv_frequencies, served_positions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -230,24 +231,7 @@ class ModelConfig:
                 and cfg.get("original_max_position_embeddings")):  # Phi-3 states it beside
             scaling = {**scaling,
                        "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
-        window, sliding = None, None
-        if (arch.sliding_window and cfg.get("sliding_window")
-                and cfg.get("use_sliding_window") is not False):
-            window = int(cfg["sliding_window"])
-            if cfg.get("layer_types"):  # transformers 5 names the layers that slide
-                sliding = tuple(t == "sliding_attention" for t in cfg["layer_types"])
-                if not any(sliding):
-                    window, sliding = None, None
-            elif arch.global_every:  # an older config: every n-th layer is global
-                every = int(cfg.get("sliding_window_pattern") or arch.global_every)
-                sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
-        rope_layers = None
-        if arch.nope_every:  # 1: the layer rotates (SmolLM3's no_rope_layers)
-            if cfg.get("no_rope_layers"):
-                rope_layers = tuple(bool(x) for x in cfg["no_rope_layers"])
-            else:
-                every = int(cfg.get("no_rope_layer_interval") or arch.nope_every)
-                rope_layers = tuple((i + 1) % every != 0 for i in range(num_layers))
+        window, sliding, rope_layers = hf_layer_pattern(cfg, arch, num_layers)
         bias = cfg.get("attention_bias")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         return cls(**_hf_experts(cfg, arch, num_layers),

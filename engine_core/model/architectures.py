@@ -35,7 +35,8 @@ OLMo 2 norms only the attention's and the MLP's outputs, before each joins the r
 stream (no norm before either), and its q and k norms span all heads at once; OLMo 3 is OLMo
 2 with windowed layers (`layer_types`), whose rope keeps the base without the config's
 scaling. llama.cpp writes OLMo 2 without reordering Q and K. OLMoE is Llama's layer (pre-norms)
-with OLMo's q/k norms and routed experts.
+with OLMo's q/k norms and routed experts. EXAONE 4 is OLMo 2's layer with per-head q/k norms,
+three windowed layers to one global, and rope left out of the global ones.
 
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
@@ -89,6 +90,8 @@ class Architecture:
     # every n-th layer attends without rope (SmolLM3's NoPE layers: 4), where an HF config has
     # no `no_rope_layers` list and in a GGUF (llama.cpp fixes the step); 0: rope everywhere
     nope_every: int = 0
+    # EXAONE 4: where the model has windowed layers, its global ones attend without rope
+    nope_global: bool = False
     # mixture of experts (where the config or GGUF has experts): whether the top-k routing
     # weights are renormalized to sum to 1, where the config does not say (`norm_topk_prob`)
     # and in a GGUF (llama.cpp fixes it per architecture)
@@ -158,6 +161,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  sliding_window=True, moe_norm_topk=False),
     Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qk_norm=True,
                  sliding_window=True),
+    # EXAONE 4: OLMo 2's post-norms with Qwen3's per-head q/k norms; three windowed layers
+    # to one global, which leaves rope out (the 1.2B: no window, rope everywhere)
+    Architecture("exaone4", ("Exaone4ForCausalLM",), ("exaone4",), qk_norm=True,
+                 post_norms=True, sliding_window=True, global_every=4, nope_global=True),
     # OLMoE: Llama's layer with OLMo's q/k norms across heads and routed experts (top-k
     # weights not renormalized unless the config says so)
     Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), qk_norm=True, qk_norm_whole=True,
@@ -211,3 +218,31 @@ def for_hf_config(cfg: dict[str, Any]) -> Architecture:
     named = "/".join(classes) or f"model_type {model_type!r}"
     raise UnsupportedArchitectureError(
         f"Hugging Face architecture {named} is not supported; supported: {supported_list()}")
+
+
+def hf_layer_pattern(cfg: dict[str, Any], arch: Architecture, num_layers: int
+                     ) -> tuple[int | None, tuple[bool, ...] | None, tuple[bool, ...] | None]:
+    """(sliding window, which layers slide, which layers rotate q and k) from an HF config:
+    None where every layer does (or no window)."""
+    window, sliding = None, None
+    if (arch.sliding_window and cfg.get("sliding_window")
+            and cfg.get("use_sliding_window") is not False):
+        window = int(cfg["sliding_window"])
+        if cfg.get("layer_types"):  # transformers 5 names the layers that slide
+            sliding = tuple(t == "sliding_attention" for t in cfg["layer_types"])
+            if not any(sliding):
+                window, sliding = None, None
+        elif arch.global_every:  # an older config: every n-th layer is global ("LLLG": 4)
+            pattern = cfg.get("sliding_window_pattern") or arch.global_every
+            every = len(pattern) if isinstance(pattern, str) else int(pattern)
+            sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
+    rope_layers = None
+    if arch.nope_every:  # 1: the layer rotates (SmolLM3's no_rope_layers)
+        if cfg.get("no_rope_layers"):
+            rope_layers = tuple(bool(x) for x in cfg["no_rope_layers"])
+        else:
+            every = int(cfg.get("no_rope_layer_interval") or arch.nope_every)
+            rope_layers = tuple((i + 1) % every != 0 for i in range(num_layers))
+    if arch.nope_global and sliding is not None:  # EXAONE 4: its global layers are NoPE
+        rope_layers = sliding
+    return window, sliding, rope_layers

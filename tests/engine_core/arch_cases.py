@@ -48,6 +48,11 @@ CASES = {
         "rope_parameters": {"full_attention": {**YARN_ROPE, "rope_theta": 5000.0},
                             "sliding_attention": {"rope_type": "default",
                                                   "rope_theta": 5000.0}}}),
+    # EXAONE 4: post-norms, per-head q/k norms, windowed/windowed/windowed/global, the global
+    # layer without rope
+    "exaone4": (transformers.Exaone4Config, {
+        "num_hidden_layers": 4, "sliding_window": 12,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
     # OLMoE: OLMo's q/k norms on Llama's layer, 4 experts, 2 per token, not renormalized
     "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2}),
     # mixtures of experts: 4 experts, 2 per token; Mixtral's as wide as intermediate_size,

@@ -236,8 +236,8 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
     """Write `hf_model` as a GGUF of architecture `arch`: 2-D weights in `qtype` (default F32;
     a K-quant or IQ type gets random blocks, see random_blocks), 1-D ones in F32, Q/K permuted as
     llama.cpp does for llama; for gemma2/3 its norm names, and norms holding the + 1; for
-    olmo2 the same norm names. Returns {HF name: float32 weight the file holds}: what a
-    loader must read back, for building the reference."""
+    olmo2 and exaone4 the same norm names. Returns {HF name: float32 weight the file holds}:
+    what a loader must read back, for building the reference."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
@@ -258,7 +258,7 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
     rope = cfg.rope_parameters
     w.add_float32(f"{arch}.rope.freq_base", rope.get("full_attention", rope)["rope_theta"])
     gemma = arch in ("gemma3", "gemma2")
-    post_norm_names = gemma or arch == "olmo2"  # post_attention_norm, post_ffw_norm
+    post_norm_names = gemma or arch in ("olmo2", "exaone4")  # post_attention_norm, post_ffw_norm
     if gemma:
         w.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
         w.add_uint32(f"{arch}.attention.value_length", cfg.head_dim)
@@ -308,7 +308,8 @@ def write_gguf(hf_model, path: Path, arch: str = "llama", qtype=None, permute: b
         raw = (random_blocks(t, rows, cols, seed=i) if t in unwritable
                else quantize(a.reshape(rows, cols), t))
         raw = raw.reshape(*a.shape[:-1], raw.shape[-1])
-        w.add_tensor(gguf_name(name, post_norm_names), raw, raw_dtype=t)  # raw: [..., bytes per row]
+        # raw: [..., bytes per row]
+        w.add_tensor(gguf_name(name, post_norm_names), raw, raw_dtype=t)
         back = np.asarray(dequantize(raw, t), dtype=np.float32).reshape(a.shape)
         if name.endswith(("experts.gate_proj", "experts.up_proj")):
             stacked.setdefault(name.rsplit(".", 1)[0] + ".gate_up_proj", []).append(back)

@@ -1,5 +1,5 @@
-"""OLMo 2, OLMo 3 and OLMoE beyond the shared architecture checks (test_architectures.py):
-what their configs say, and what is refused."""
+"""OLMo 2, OLMo 3, OLMoE and EXAONE 4 beyond the shared architecture checks
+(test_architectures.py): what their configs say, and what is refused."""
 
 from __future__ import annotations
 
@@ -42,3 +42,29 @@ def test_olmo_configs_and_an_olmo3_gguf_refused(tmp_path):
     clamped = transformers.OlmoeConfig(**{**tm.SIZES, "clip_qkv": 8.0}).to_dict()
     with pytest.raises(ValueError, match=r"clip_qkv = 8.0 \(q, k and v clamped\)"):
         ModelConfig.from_hf_config({**clamped, "architectures": ["OlmoeForCausalLM"]}, "m")
+
+
+def test_exaone4_windows_and_nope_global_layers(tmp_path):
+    """EXAONE 4: post-norms with per-head q/k norms; its global layers rotate nothing where the
+    model has windowed ones (the tiny case's logits move by 0.11 if they do), from
+    layer_types, from an older config's "LLLG" pattern; without a window (the 1.2B), every
+    layer is global and rotates. Its GGUF is refused by name."""
+    from engine_core.config import ModelConfig
+    from engine_core.weights.gguf_loader import GGUFFile
+
+    config_cls, overrides = CASES["exaone4"]
+    base = {**config_cls(**{**tm.SIZES, **overrides}).to_dict(),
+            "architectures": ["Exaone4ForCausalLM"]}
+    cfg = ModelConfig.from_hf_config(base, "e")
+    assert (cfg.post_norms, cfg.qk_norm, cfg.qk_norm_whole) == (True, True, False)
+    assert cfg.sliding_layers == cfg.rope_layers == (True, True, True, False)
+    older = {k: v for k, v in base.items() if k != "layer_types"}
+    for pattern in ("LLLG", 4):
+        cfg = ModelConfig.from_hf_config({**older, "sliding_window_pattern": pattern}, "e")
+        assert cfg.sliding_layers == cfg.rope_layers == (True, True, True, False)
+    cfg = ModelConfig.from_hf_config({**older, "sliding_window": None}, "e")
+    assert (cfg.sliding_window, cfg.rope_layers) == (None, None)
+    hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
+    tm.write_gguf(hf, tmp_path / "m.gguf", arch="exaone4", permute=False)
+    with pytest.raises(ValueError, match="an exaone4 GGUF is not supported yet"):
+        GGUFFile(tmp_path / "m.gguf").model_config()
