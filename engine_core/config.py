@@ -207,6 +207,8 @@ class ModelConfig:
         if cfg.get("clip_qkv") is not None:  # OLMo 1 and some OLMoE checkpoints
             raise ValueError(f"clip_qkv = {cfg['clip_qkv']} (q, k and v clamped) is not "
                              "supported")
+        if cfg.get("mlp_bias"):  # (Llama's and Seed-OSS's configs can ask for them)
+            raise ValueError("mlp_bias (biases on the MLP's projections) is not supported")
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")
@@ -250,7 +252,7 @@ class ModelConfig:
                                                      scaling or None),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch.qkv_bias if bias is None else bool(bias),
-            o_bias=arch.o_bias,
+            o_bias=arch.o_bias or bool(cfg.get("attention_out_bias")),  # (Seed-OSS's)
             attention_sinks=arch.attention_sinks,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -36,7 +36,8 @@ stream (no norm before either), and its q and k norms span all heads at once; OL
 2 with windowed layers (`layer_types`), whose rope keeps the base without the config's
 scaling. llama.cpp writes OLMo 2 without reordering Q and K. OLMoE is Llama's layer (pre-norms)
 with OLMo's q/k norms and routed experts. EXAONE 4 is OLMo 2's layer with per-head q/k norms,
-three windowed layers to one global, and rope left out of the global ones.
+three windowed layers to one global, and rope left out of the global ones. Seed-OSS is Llama
+with q/k/v biases. Those two and OLMo 3 are served from their folders only (`gguf=False`).
 
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
@@ -92,6 +93,9 @@ class Architecture:
     nope_every: int = 0
     # EXAONE 4: where the model has windowed layers, its global ones attend without rope
     nope_global: bool = False
+    # whether its GGUF form (llama.cpp's names, Q/K order, layer pattern) is known here; False:
+    # served from its Hugging Face folder only, a GGUF refused by name
+    gguf: bool = True
     # mixture of experts (where the config or GGUF has experts): whether the top-k routing
     # weights are renormalized to sum to 1, where the config does not say (`norm_topk_prob`)
     # and in a GGUF (llama.cpp fixes it per architecture)
@@ -150,7 +154,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), qk_norm=True, qk_norm_whole=True,
                  post_norms=True, gguf_layer_names=_OLMO2_GGUF_NAMES),
     Architecture("olmo3", ("Olmo3ForCausalLM",), ("olmo3",), qk_norm=True, qk_norm_whole=True,
-                 post_norms=True, sliding_window=True, local_rope_theta=500000.0),
+                 post_norms=True, sliding_window=True, local_rope_theta=500000.0, gguf=False),
     # Granite (3.x dense): Llama with four multipliers from its config (embeddings,
     # attention scale, residual branches, logits)
     Architecture("granite", ("GraniteForCausalLM",), ("granite",), gguf_permutes_qk=True),
@@ -164,7 +168,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # EXAONE 4: OLMo 2's post-norms with Qwen3's per-head q/k norms; three windowed layers
     # to one global, which leaves rope out (the 1.2B: no window, rope everywhere)
     Architecture("exaone4", ("Exaone4ForCausalLM",), ("exaone4",), qk_norm=True,
-                 post_norms=True, sliding_window=True, global_every=4, nope_global=True),
+                 post_norms=True, sliding_window=True, global_every=4, nope_global=True,
+                 gguf=False),
+    # Seed-OSS: Llama with q/k/v biases (and o_proj's, where attention_out_bias says so)
+    Architecture("seed_oss", ("SeedOssForCausalLM",), ("seed_oss",), qkv_bias=True,
+                 gguf=False),
     # OLMoE: Llama's layer with OLMo's q/k norms across heads and routed experts (top-k
     # weights not renormalized unless the config says so)
     Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), qk_norm=True, qk_norm_whole=True,
@@ -191,16 +199,22 @@ class UnsupportedArchitectureError(ValueError):
     """A model whose architecture is not in ARCHITECTURES."""
 
 
-def supported_list() -> str:
-    return ", ".join(f"{a.name} ({'/'.join(a.hf_classes)})" for a in ARCHITECTURES)
+def supported_list(gguf: bool = False) -> str:
+    """The architectures (those with a GGUF form, for `gguf`), with their HF classes."""
+    return ", ".join(f"{a.name} ({'/'.join(a.hf_classes)})" for a in ARCHITECTURES
+                     if a.gguf or not gguf)
 
 
 def for_gguf(name: str) -> Architecture:
     """The architecture of a GGUF's `general.architecture`."""
-    if name in BY_NAME:
-        return BY_NAME[name]
+    arch = BY_NAME.get(name)
+    if arch is not None and arch.gguf:
+        return arch
+    why = ("is served from its Hugging Face folder only: its GGUF form (llama.cpp's tensor "
+           "names, Q/K order and layer pattern) is not checked here" if arch is not None
+           else "is not supported")
     raise UnsupportedArchitectureError(
-        f"GGUF architecture {name!r} is not supported; supported: {supported_list()}")
+        f"GGUF architecture {name!r} {why}; supported: {supported_list(gguf=True)}")
 
 
 def for_hf_config(cfg: dict[str, Any]) -> Architecture:

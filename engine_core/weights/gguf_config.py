@@ -62,9 +62,6 @@ def model_config(f: GGUFFile) -> ModelConfig:
     num_layers = int(f.field(f"{a}.block_count"))
     # a window the file states applies whatever the architecture's name: llama.cpp writes
     # a Mistral GGUF as `llama`, whose HF configs have no window
-    if arch.nope_global:  # which layers are global and NoPE: not checked against llama.cpp
-        raise ValueError(f"{f.path.name}: an {arch.name} GGUF is not supported yet; serve the "
-                         "Hugging Face folder")
     window = f.field(f"{a}.attention.sliding_window")
     if window is not None and arch.post_norms:  # OLMo 3's windowed layers: which ones?
         raise ValueError(f"{f.path.name}: an OLMo GGUF with a sliding window (OLMo 3) is not "

@@ -53,6 +53,8 @@ CASES = {
     "exaone4": (transformers.Exaone4Config, {
         "num_hidden_layers": 4, "sliding_window": 12,
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
+    # Seed-OSS: Llama with q/k/v biases, and o_proj's where attention_out_bias says so
+    "seed-oss": (transformers.SeedOssConfig, {"attention_out_bias": True}),
     # OLMoE: OLMo's q/k norms on Llama's layer, 4 experts, 2 per token, not renormalized
     "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2}),
     # mixtures of experts: 4 experts, 2 per token; Mixtral's as wide as intermediate_size,

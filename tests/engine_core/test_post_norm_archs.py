@@ -1,4 +1,4 @@
-"""OLMo 2, OLMo 3, OLMoE and EXAONE 4 beyond the shared architecture checks
+"""OLMo 2, OLMo 3, OLMoE, EXAONE 4 and Seed-OSS beyond the shared architecture checks
 (test_architectures.py): what their configs say, and what is refused."""
 
 from __future__ import annotations
@@ -66,5 +66,23 @@ def test_exaone4_windows_and_nope_global_layers(tmp_path):
     assert (cfg.sliding_window, cfg.rope_layers) == (None, None)
     hf = tm.build_hf(config_cls, tmp_path / "hf", **overrides)
     tm.write_gguf(hf, tmp_path / "m.gguf", arch="exaone4", permute=False)
-    with pytest.raises(ValueError, match="an exaone4 GGUF is not supported yet"):
-        GGUFFile(tmp_path / "m.gguf").model_config()
+    with pytest.raises(ValueError, match="'exaone4' is served from its Hugging Face folder "
+                                         "only"):
+        GGUFFile(tmp_path / "m.gguf")
+
+
+def test_seed_oss_biases_and_what_is_refused():
+    """Seed-OSS: q/k/v biases always, o_proj's where attention_out_bias says so; a config
+    asking for MLP biases (mlp_bias) is refused by name, as for Llama."""
+    from engine_core.config import ModelConfig
+
+    config_cls, _ = CASES["seed-oss"]
+    for out_bias in (False, True):
+        cfg = config_cls(**{**tm.SIZES, "attention_out_bias": out_bias}).to_dict()
+        got = ModelConfig.from_hf_config({**cfg, "architectures": ["SeedOssForCausalLM"]}, "s")
+        assert (got.attention_bias, got.o_bias) == (True, out_bias)
+    for cls, arch in ((config_cls, "SeedOssForCausalLM"),
+                      (transformers.LlamaConfig, "LlamaForCausalLM")):
+        cfg = {**cls(**{**tm.SIZES, "mlp_bias": True}).to_dict(), "architectures": [arch]}
+        with pytest.raises(ValueError, match="mlp_bias .* is not supported"):
+            ModelConfig.from_hf_config(cfg, "m")
