@@ -20,7 +20,11 @@ becomes the Responses API's output items, whole or as a stream of typed events.
 
 Nothing is stored: `store` is accepted and answered false, and previous_response_id,
 conversation, background and stored prompts are refused (400 naming the field). Only function
-tools run here; logprobs are not in the output (top_logprobs is refused).
+tools run here. Logprobs (include "message.output_text.logprobs", top_logprobs 0..20 for the
+alternatives) are those of every output token, reasoning's included as in vLLM's Responses
+API, on the message's output_text part (streamed with the output_text deltas; tokens whose
+text is held back ride on the next delta); other include values are accepted and have nothing
+to add here (no encrypted reasoning, no hosted tools).
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gateway import openai_protocol as oai
+from gateway import openai_responses as oai_responses
 from gateway.chat_output import chat_message
 from gateway.validation import ValidationError
 from service_infra.backend import Backend, GenerateChunk
@@ -49,8 +54,12 @@ _REFUSED = {
     "conversation": "this server stores no conversations: send the whole conversation as input",
     "prompt": "this server stores no prompts",
     "background": "background responses are not supported",
-    "top_logprobs": "logprobs are not supported in /v1/responses: use /v1/chat/completions",
 }
+LOGPROBS = "message.output_text.logprobs"
+# what `include` may name (OpenAI's values): only LOGPROBS adds anything here
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "code_interpreter_call.outputs",
+              "computer_call_output.output.image_url", "file_search_call.results",
+              "message.input_image.image_url", "web_search_call.action.sources")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # chat field names in errors -> this API's
 _FIELDS = ((re.compile(r"\bmessages\b"), "input"),
@@ -66,6 +75,8 @@ class ResponsesRequest:
     body: dict[str, Any]  # what the response echoes (instructions, tools, metadata, ...)
     id: str
     created_at: int
+    # the backend's per-token logprob entries as output_text logprobs; None: not asked for
+    logprobs: Callable[[list[dict[int, float]]], list[dict[str, Any]]] | None = None
 
 
 def _renamed(e: ValidationError) -> ValidationError:
@@ -194,6 +205,7 @@ async def parse(body: Any, backend: Backend, max_num_choices: int,
     chat.update(_format(body))
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
+    chat.update(_logprobs(body))
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
@@ -204,7 +216,29 @@ async def parse(body: Any, backend: Backend, max_num_choices: int,
         req = await oai.parse_chat(chat, backend, max_num_choices, reasoning_parser)
     except ValidationError as e:
         raise _renamed(e) from None
-    return ResponsesRequest(req, body, "resp_" + uuid.uuid4().hex, int(time.time()))
+
+    def logprobs(entries: list[dict[int, float]]) -> list[dict[str, Any]]:
+        return (oai_responses.logprobs_json(req, backend, entries) or {}).get("content", [])
+
+    return ResponsesRequest(req, body, "resp_" + uuid.uuid4().hex, int(time.time()),
+                            logprobs if req.num_top_logprobs is not None else None)
+
+
+def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """include and top_logprobs as the chat completion's logprobs and top_logprobs."""
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list):
+        raise ValidationError("include", f"include must be a list, got {include!r:.100}")
+    for i, value in enumerate(include):
+        if value not in INCLUDABLE:
+            raise ValidationError(f"include[{i}]", f"include[{i}] must be one of "
+                                  f"{', '.join(INCLUDABLE)}, got {value!r:.100}")
+    top = body.get("top_logprobs")
+    if LOGPROBS in include or top:  # alternatives asked for: the tokens' own too
+        return {"logprobs": True, "top_logprobs": 0 if top is None else top}
+    return {}
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -235,6 +269,7 @@ def response_json(rr: ResponsesRequest, output: list[dict[str, Any]],
         body.get("max_output_tokens"), "model": rr.chat.model, "output": output,
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "top_logprobs": body.get("top_logprobs"),
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "text": body.get("text") or {"format": {"type": "text"}},
         "reasoning": body.get("reasoning"), "metadata": body.get("metadata") or {},
@@ -244,8 +279,10 @@ def response_json(rr: ResponsesRequest, output: list[dict[str, Any]],
     }
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A finished chat message (chat_output.chat_message) as output items."""
+def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+                 ) -> list[dict[str, Any]]:
+    """A finished chat message (chat_output.chat_message) as output items; `logprobs`: the
+    message's output_text logprobs."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(new_id("rs_"), message["reasoning_content"], "completed"))
@@ -254,7 +291,12 @@ def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
     for call in message.get("tool_calls") or []:
         items.append(call_item(new_id("fc_"), call["id"], call["function"]["name"],
                                 call["function"]["arguments"], "completed"))
-    return items or [message_item(new_id("msg_"), "", "completed")]  # nothing: an empty answer
+    if not items:  # nothing: an empty answer
+        items = [message_item(new_id("msg_"), "", "completed")]
+    for item in items:
+        if item["type"] == "message" and logprobs:
+            item["content"][0]["logprobs"] = logprobs
+    return items
 
 
 def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -279,10 +321,12 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str,
 
 async def collect(rr: ResponsesRequest, chunks: AsyncIterator[tuple[int, GenerateChunk]]
                   ) -> dict[str, Any]:
-    texts, last = [], None
+    texts, entries, last = [], [], None
     async for _, chunk in chunks:
         texts.append(chunk.text_delta)
+        entries += chunk.logprobs or []
         last = chunk
     message, _ = chat_message("".join(texts), rr.chat.reasoning, rr.chat.reasoning_open,
                               rr.chat.tool_choice)
-    return response_json(rr, output_items(message), last)
+    logprobs = rr.logprobs(entries) if rr.logprobs is not None else None
+    return response_json(rr, output_items(message, logprobs), last)

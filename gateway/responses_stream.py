@@ -5,7 +5,8 @@ numbered by sequence_number, as the chat output is split (gateway/chat_output.py
     for each output item, in the order generated (reasoning, message, function calls):
         response.output_item.added
         response.content_part.added          (a reasoning item's or a message's one part)
-        response.reasoning_text.delta / response.output_text.delta /
+        response.reasoning_text.delta / response.output_text.delta (with the logprobs of
+        the tokens since the last one, where asked for) /
         response.function_call_arguments.delta ...
         their .done, response.content_part.done, response.output_item.done
     response.completed, or response.incomplete (cut by max_output_tokens)
@@ -38,6 +39,7 @@ class _Events:
         self.output: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item being generated
         self.kind = ""  # its kind: "reasoning", "message" or a call's index as text
+        self.pending: list[dict[str, Any]] = []  # logprobs not sent with a text delta yet
 
     def emit(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -69,10 +71,19 @@ class _Events:
                              delta=delta)
         item["content"][0]["text"] += delta
         if item["type"] == "message":
+            logprobs, self.pending = self.pending, []
+            item["content"][0]["logprobs"] += logprobs
             return self.emit("response.output_text.delta", **self._where(), content_index=0,
-                             delta=delta, logprobs=[])
+                             delta=delta, logprobs=logprobs)
         return self.emit("response.reasoning_text.delta", **self._where(), content_index=0,
                          delta=delta)
+
+    def hold_logprobs(self, logprobs: list[dict[str, Any]]) -> None:
+        """The end: logprobs no text delta carried join the message's part, if there is one
+        (the response's output then holds every token's, as a whole response does)."""
+        messages = [i for i in [*self.output, self.open] if i and i["type"] == "message"]
+        if messages:
+            messages[-1]["content"][0]["logprobs"] += logprobs
 
     def close(self) -> list[str]:
         item, out = self.open, []
@@ -85,7 +96,7 @@ class _Events:
             part = item["content"][0]
             done = "response.output_text.done" if item["type"] == "message" \
                 else "response.reasoning_text.done"
-            extra = {"logprobs": []} if item["type"] == "message" else {}
+            extra = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
             out.append(self.emit(done, **self._where(), content_index=0, text=part["text"],
                                  **extra))
             out.append(self.emit("response.content_part.done", **self._where(),
@@ -111,6 +122,8 @@ async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
     last = None
     while item is not None:
         _, chunk = item
+        if rr.logprobs is not None:
+            ev.pending += rr.logprobs(chunk.logprobs or [])
         reasoning, content, calls = stream.feed(chunk.text_delta)
         if chunk.is_last:
             more, rest, last_calls = stream.finish()
@@ -122,6 +135,7 @@ async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
     if not ev.output and ev.open is None:  # nothing generated: an empty message
         for out in ev.start("message", message_item(new_id("msg_"), None, "in_progress")):
             yield out
+    ev.hold_logprobs(ev.pending)
     for out in ev.close():
         yield out
     done = "response.incomplete" if last is not None and last.finish_reason == "length" \

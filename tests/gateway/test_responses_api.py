@@ -1,8 +1,9 @@
 """OpenAI's Responses API (POST /v1/responses, gateway/responses_api.py) through a real gateway
 and the official `openai` client: the same output as the chat completion it stands for, its
 stream accumulated by the client's own strict helper (`client.responses.stream`) into the
-non-streamed response, structured output, function calls and their results, reasoning items
-from a thinking template and GPT-OSS's channels, and 400s naming this API's fields."""
+non-streamed response, logprobs, structured output, function calls and their results,
+reasoning items from a thinking template and GPT-OSS's channels, and 400s naming this API's
+fields."""
 
 from __future__ import annotations
 
@@ -79,6 +80,43 @@ def test_the_stream_accumulates_to_the_whole_response(client, gateway):
     assert cut[-1].response.incomplete_details.reason == "max_output_tokens"
     assert cut[-1].response.output[0].content[0].text == "".join(
         e.delta for e in cut if e.type == "response.output_text.delta")
+    gateway.wait_idle()
+
+
+def test_logprobs_whole_and_streamed(client, gateway):
+    """include message.output_text.logprobs with top_logprobs: every output token's logprob
+    and its alternatives on the output_text part, the chat completion's for the same request;
+    streamed, each output_text delta carries its tokens' and they join to the whole list;
+    top_logprobs alone asks for them too; another include value adds nothing."""
+    want = chat(gateway, CONV, max_tokens=16, logprobs=True, top_logprobs=2)
+    want_lps = want["choices"][0]["logprobs"]["content"]
+    kwargs = dict(model=MODEL, input=CONV, max_output_tokens=16, temperature=0.0,
+                  include=["message.output_text.logprobs"], top_logprobs=2)
+    resp = client.responses.create(**kwargs)
+    got = resp.output[0].content[0].logprobs
+    assert len(got) == resp.usage.output_tokens == len(want_lps) > 4
+    assert [g.token for g in got] == [w["token"] for w in want_lps]
+    for g, w in zip(got, want_lps, strict=True):  # (a prefix-cache hit moves the last bits)
+        assert bytes(g.bytes) == g.token.encode() and len(g.top_logprobs) == 2
+        assert abs(g.logprob - w["logprob"]) < 1e-3 and g.top_logprobs[0].logprob >= g.logprob
+        assert [t.token for t in g.top_logprobs] == [t["token"] for t in w["top_logprobs"]]
+    assert resp.top_logprobs == 2
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    # each delta carries its tokens'; the end token has no text, so no delta: the done event
+    # and the part hold every token's
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.token for e in deltas for lp in e.logprobs] == [g.token for g in got[:-1]]
+    assert got[-1].token == "<|im_end|>"
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.logprob for lp in done.logprobs] == [g.logprob for g in got]
+    assert [lp.token for lp in final.output[0].content[0].logprobs] == [g.token for g in got]
+    alone = client.responses.create(**{**kwargs, "include": None, "top_logprobs": 1})
+    assert [g.token for g in alone.output[0].content[0].logprobs] == [g.token for g in got]
+    plain = client.responses.create(**{**kwargs, "include": ["reasoning.encrypted_content"],
+                                       "top_logprobs": 0})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == resp.output_text
     gateway.wait_idle()
 
 
@@ -195,6 +233,10 @@ def test_gpt_oss_channels_and_reasoning_effort(harmony_gateway):
     ({"input": "hi", "tools": FUNCTIONS, "tool_choice": {"type": "function", "name": "nope"}},
      400, "tool_choice"),
     ({"input": "hi", "model": "gpt-4"}, 404, "model"),
+    ({"input": "hi", "include": ["message.output_text.logprobs", "everything"]}, 400,
+     "include[1]"),
+    ({"input": "hi", "include": "message.output_text.logprobs"}, 400, "include"),
+    ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs"),
 ])
 def test_bad_requests_name_this_apis_fields(gateway, body, status, param):
     r = httpx.post(f"{gateway.http_url}/v1/responses", json={"model": MODEL, **body},
