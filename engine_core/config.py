@@ -99,6 +99,7 @@ class ModelConfig:
     # partial rotary (Phi-4-mini): rope over the first rotary_dim dimensions of each head, the
     # q and k rows reordered at load (rope.partial_rotary_order); None: the whole head
     rotary_dim: int | None = None
+    rope_interleaved: bool = False  # GLM-4's pairs (2j, 2j + 1) (architectures.py)
     sandwich_norms: bool = False
     # OLMo 2 (see architectures.py): post-norms only; q and k normed over all heads at once
     post_norms: bool = False
@@ -267,6 +268,7 @@ class ModelConfig:
             local_rope_theta=local_theta,
             rope_layers=rope_layers,
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+            rope_interleaved=arch.rope_interleaved,
             sandwich_norms=arch.sandwich_norms,
             post_norms=arch.post_norms,
             qk_norm_whole=arch.qk_norm_whole,

@@ -37,7 +37,9 @@ stream (no norm before either), and its q and k norms span all heads at once; OL
 scaling. llama.cpp writes OLMo 2 without reordering Q and K. OLMoE is Llama's layer (pre-norms)
 with OLMo's q/k norms and routed experts. EXAONE 4 is OLMo 2's layer with per-head q/k norms,
 three windowed layers to one global, and rope left out of the global ones. Seed-OSS is Llama
-with q/k/v biases. Those two and OLMo 3 are served from their folders only (`gguf=False`).
+with q/k/v biases. GLM-4 is Gemma's four-norm layer with SiLU, q/k/v biases and rope over
+half of each head in interleaved pairs. Those three and OLMo 3 are served from their folders
+only (`gguf=False`).
 
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
@@ -93,6 +95,10 @@ class Architecture:
     nope_every: int = 0
     # EXAONE 4: where the model has windowed layers, its global ones attend without rope
     nope_global: bool = False
+    # GLM-4: its rope turns the pairs (2j, 2j + 1) of the rotated dimensions, not (j, j + d/2)
+    rope_interleaved: bool = False
+    # HF tensor names (after `model.layers.N.`) that mean one of ours, as (theirs, ours)
+    hf_layer_names: tuple[tuple[str, str], ...] = ()
     # whether its GGUF form (llama.cpp's names, Q/K order, layer pattern) is known here; False:
     # served from its Hugging Face folder only, a GGUF refused by name
     gguf: bool = True
@@ -170,6 +176,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("exaone4", ("Exaone4ForCausalLM",), ("exaone4",), qk_norm=True,
                  post_norms=True, sliding_window=True, global_every=4, nope_global=True,
                  gguf=False),
+    # GLM-4 (0414): Gemma's four norms under its own names, q/k/v biases, gate and up fused,
+    # rope over half of each head in interleaved pairs
+    Architecture("glm4", ("Glm4ForCausalLM",), ("glm4",), qkv_bias=True, sandwich_norms=True,
+                 rope_interleaved=True, gguf=False, hf_layer_names=(
+                     ("post_self_attn_layernorm.weight", "post_attention_layernorm.weight"),
+                     ("post_attention_layernorm.weight", "pre_feedforward_layernorm.weight"),
+                     ("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"))),
     # Seed-OSS: Llama with q/k/v biases (and o_proj's, where attention_out_bias says so)
     Architecture("seed_oss", ("SeedOssForCausalLM",), ("seed_oss",), qkv_bias=True,
                  gguf=False),

@@ -328,11 +328,12 @@ class DecoderForCausalLM(nn.Module):
         parts_of = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),  # a checkpoint's fused matrix
                     "gate_up_proj": ("gate_proj", "up_proj")}  # (Phi-3) counts as its parts
         loaded: set[str] = set()
+        renames = dict(architectures.BY_NAME[cfg.architecture].hf_layer_names)  # (GLM-4's)
         if architectures.BY_NAME[cfg.architecture].fused_experts:  # GPT-OSS: one per expert
             absent = set(absent)
             weights = split_fused_experts(weights, skip=absent)
         for name, w in itertools.chain(((n, None) for n in absent), weights):
-            name = moe_name(name.removeprefix("model."))
+            name = moe_name(_ours(name.removeprefix("model."), renames))
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -366,7 +367,7 @@ class DecoderForCausalLM(nn.Module):
         if cfg.rotary_dim is not None:  # partial rotary: q and k rows in rotate_half's pairs
             for name, p in params.items():
                 rows = partial_rotary_rows(name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                           cfg.rotary_dim)
+                                           cfg.rotary_dim, cfg.rope_interleaved)
                 if rows is not None and name.startswith("layers."):
                     p.copy_(p[rows])
         # per layer: 2 norms, q, k, v, o (+ q, k, v biases) (+ q, k norms) (+ Gemma's pre-
@@ -382,3 +383,12 @@ class DecoderForCausalLM(nn.Module):
                     + 2 + (0 if cfg.tie_word_embeddings else 1))
         if len(loaded) != expected:
             raise ValueError(f"loaded {len(loaded)} weight tensors, expected {expected}")
+
+
+def _ours(name: str, renames: dict[str, str]) -> str:
+    """A layer tensor's name with an architecture's own part renamed to ours (`renames`:
+    Architecture.hf_layer_names); any other name as it is."""
+    if not renames or not name.startswith("layers."):
+        return name
+    layer, _, rest = name.removeprefix("layers.").partition(".")
+    return f"layers.{layer}.{renames[rest]}" if rest in renames else name

@@ -152,11 +152,11 @@ def cos_sin_cache(
 
 
 def partial_rotary_rows(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                        rotary_dim: int) -> torch.Tensor | None:
+                        rotary_dim: int, interleaved: bool = False) -> torch.Tensor | None:
     """The row order (partial_rotary_order per head) of the q/k projection named `name` (HF
     names: q_proj, k_proj, the fused qkv_proj of Phi-3, weight or bias) or of a q/k norm's
     weight; None for any other tensor."""
-    order = partial_rotary_order(head_dim, rotary_dim)
+    order = partial_rotary_order(head_dim, rotary_dim, interleaved)
 
     def heads(n: int, start: int = 0) -> torch.Tensor:
         return (start + torch.arange(n)[:, None] * head_dim + order).reshape(-1)
@@ -174,15 +174,18 @@ def partial_rotary_rows(name: str, num_heads: int, num_kv_heads: int, head_dim: 
     return None
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def partial_rotary_order(head_dim: int, rotary_dim: int,
+                         interleaved: bool = False) -> torch.Tensor:
     """[head_dim] source index of each dimension of a q or k head, for partial rotary: the
-    model rotates pairs (i, i + rotary_dim / 2) of its first rotary_dim dimensions; reordered,
-    they become the pairs (j, j + head_dim / 2) that rotate_half takes, with the dimensions
-    that do not rotate in the remaining slots. q and k alike, so every q . k is unchanged."""
+    model rotates pairs (i, i + rotary_dim / 2) of its first rotary_dim dimensions (interleaved:
+    GLM-4's pairs (2i, 2i + 1)); reordered, they become the pairs (j, j + head_dim / 2) that
+    rotate_half takes, with the dimensions that do not rotate in the remaining slots. q and k
+    alike, so every q . k is unchanged."""
     half_rot, half_rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    first = torch.arange(half_rot)
+    first, second = (torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)) \
+        if interleaved else (torch.arange(half_rot), torch.arange(half_rot, rotary_dim))
     rest = torch.arange(rotary_dim, head_dim)
-    return torch.cat([first, rest[:half_rest], first + half_rot, rest[half_rest:]])
+    return torch.cat([first, rest[:half_rest], second, rest[half_rest:]])
 
 
 def apply_rope(
