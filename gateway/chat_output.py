@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway import harmony
-from gateway.reasoning import ReasoningSplit
+from gateway.reasoning import TAGS, ReasoningSplit
 from gateway.reasoning import split as split_think
 from gateway.tool_stream import ToolStream
 from gateway.tools import ToolChoice, parse_output
@@ -31,8 +31,8 @@ def chat_message(text: str, parser: str | None, reasoning_open: bool,
     calls: list[dict[str, Any]] = []
     if parser == "harmony":
         reasoning, content, calls = harmony.parse(text, _harmony_tools(tc))
-    elif parser == "think":
-        reasoning, content = split_think(text, reasoning_open)
+    elif parser in TAGS:
+        reasoning, content = split_think(text, reasoning_open, TAGS[parser])
     else:
         reasoning, content = None, text
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -53,7 +53,7 @@ class ChatStream:
     def __init__(self, parser: str | None, reasoning_open: bool, tc: ToolChoice | None) -> None:
         self.harmony = harmony.HarmonyStream(_harmony_tools(tc)) if parser == "harmony" \
             else None
-        self.think = ReasoningSplit(reasoning_open) if parser == "think" else None
+        self.think = ReasoningSplit(reasoning_open, TAGS[parser]) if parser in TAGS else None
         harmony_calls = parser == "harmony" and tc is not None and tc.mode == "auto"
         self.tools = ToolStream(tc) if tc is not None and not harmony_calls else None
 

@@ -78,13 +78,15 @@ def add_served_model_name_argument(p) -> None:
 def add_reasoning_parser_argument(p) -> None:
     """(also `pdserve up`'s, passed to the gateway; gateway/reasoning.py)"""
     p.add_argument("--reasoning-parser", default="auto",
-                   choices=["auto", "think", "harmony", "none"],
+                   choices=["auto", "think", "seed_oss", "harmony", "none"],
                    help="chat completions return the model's reasoning apart, as "
                         "reasoning_content: think, between <think> and </think> (Qwen3, "
-                        "DeepSeek-R1, SmolLM3); harmony, GPT-OSS's analysis channel (its "
+                        "DeepSeek-R1, SmolLM3); seed_oss, between <seed:think> and "
+                        "</seed:think> (Seed-OSS); harmony, GPT-OSS's analysis channel (its "
                         "final channel the content, its function calls tool_calls); auto: "
-                        "harmony where the chat template writes <|channel|>, think where it "
-                        "writes <think>; none: every output whole, in content")
+                        "harmony where the chat template writes <|channel|>, seed_oss where "
+                        "it writes <seed:think>, think where it writes <think>; none: every "
+                        "output whole, in content")
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,11 +12,12 @@ DeepSeek-R1 distills, SmolLM3 in thinking mode, QwQ):
     <think>R     (cut by max_tokens)  R                   null
     C            (no <think> first)   null                C
 
-Leading whitespace before the first tag and after </think> is dropped. A structured output
+Leading whitespace before the first tag and after </think> is dropped. Parser "seed_oss"
+splits ByteDance Seed-OSS's <seed:think> ... </seed:think> the same way (vLLM's seed_oss). A structured output
 of such a chat starts after </think> (grammar_after_reasoning); a GPT-OSS chat's response
 format after its final channel's header (grammar_after_analysis). `pdserve gateway
 --reasoning-parser` picks it: auto (the default) uses "think" where the chat template writes
-<think> (a thinking model's template does) and "harmony" (GPT-OSS's channels:
+<think> (a thinking model's template does), "seed_oss" where it writes <seed:think> and "harmony" (GPT-OSS's channels:
 gateway/harmony.py) where it writes <|channel|>; none leaves every output whole. Only chat
 completions are split (gateway/chat_output.py).
 """
@@ -29,10 +30,12 @@ from engine_core.structured_output import MAX_AFTER_TOKENS, StructuredOutput
 from gateway.harmony import CHANNEL, MESSAGE
 
 OPEN, CLOSE = "<think>", "</think>"
+# the tag pair of each parser that splits at tags: ByteDance's Seed-OSS writes its own
+TAGS = {"think": (OPEN, CLOSE), "seed_oss": ("<seed:think>", "</seed:think>")}
 FINAL_HEADER = CHANNEL + "final" + MESSAGE  # harmony's final channel, whose text is the answer
 # prompt tokens whose text tells whether the generation prompt opened or closed thinking
 PROMPT_TAIL = 8
-PARSERS = ("auto", "think", "harmony", "none")
+PARSERS = ("auto", "think", "seed_oss", "harmony", "none")
 
 
 def resolve_parser(setting: str, chat_template: str | None) -> str | None:
@@ -43,19 +46,21 @@ def resolve_parser(setting: str, chat_template: str | None) -> str | None:
     if setting == "auto":
         if chat_template and "<|channel|>" in chat_template:
             return "harmony"
+        if chat_template and TAGS["seed_oss"][0] in chat_template:
+            return "seed_oss"
         return "think" if chat_template and OPEN in chat_template else None
     return None if setting == "none" else setting
 
 
-def grammar_after_reasoning(tokenizer, prompt_tail: str,
-                            so: StructuredOutput) -> StructuredOutput:
+def grammar_after_reasoning(tokenizer, prompt_tail: str, so: StructuredOutput,
+                            close_tag: str = CLOSE) -> StructuredOutput:
     """A structured output of a thinking chat, started after </think> (as vLLM does with a
     reasoning parser): the model reasons freely, the answer is constrained. Only where
     </think> is one token, and not when the prompt already closed the block (Qwen3's
     enable_thinking false); else the grammar holds from the first token, as before.
     prompt_tail: the text of the prompt's last PROMPT_TAIL tokens, special ones kept."""
-    close = tokenizer.encode(CLOSE, add_special_tokens=False)
-    if len(close) != 1 or CLOSE in prompt_tail:
+    close = tokenizer.encode(close_tag, add_special_tokens=False)
+    if len(close) != 1 or close_tag in prompt_tail:
         return so
     return dataclasses.replace(so, after_tokens=(close[0],))
 
@@ -76,10 +81,10 @@ def grammar_after_analysis(tokenizer, ids: list[int],
     return dataclasses.replace(so, after_tokens=tuple(header))
 
 
-def opens_reasoning(prompt_text: str) -> bool:
+def opens_reasoning(prompt_text: str, open_tag: str = OPEN) -> bool:
     """Whether a rendered prompt leaves the model inside <think> (DeepSeek-R1's template and
     Qwen3's thinking-only ones end the generation prompt with it)."""
-    return prompt_text.rstrip().endswith(OPEN)
+    return prompt_text.rstrip().endswith(open_tag)
 
 
 def chat_prompt(tokenizer, parser: str | None, ids: list[int], so: StructuredOutput | None,
@@ -92,11 +97,12 @@ def chat_prompt(tokenizer, parser: str | None, ids: list[int], so: StructuredOut
     if parser == "harmony":
         return False, so if so is None or from_tools else grammar_after_analysis(tokenizer,
                                                                                  ids, so)
-    if parser != "think":
+    if parser not in TAGS:
         return False, so
+    open_tag, close_tag = TAGS[parser]
     tail = tokenizer.decode(ids[-PROMPT_TAIL:], skip_special_tokens=False)
-    return opens_reasoning(tail), None if so is None else grammar_after_reasoning(tokenizer,
-                                                                                  tail, so)
+    return opens_reasoning(tail, open_tag), None if so is None else grammar_after_reasoning(
+        tokenizer, tail, so, close_tag)
 
 
 class ReasoningSplit:
@@ -104,7 +110,9 @@ class ReasoningSplit:
     (reasoning delta, content delta), "" where there is none. Text that may be the start of a
     tag is held back until the next delta tells."""
 
-    def __init__(self, in_reasoning: bool = False) -> None:
+    def __init__(self, in_reasoning: bool = False, tags: tuple[str, str] = (OPEN, CLOSE)
+                 ) -> None:
+        self.open_tag, self.close_tag = tags
         # "start": before the first non-space text; "reasoning"; "content"
         self.state = "reasoning" if in_reasoning else "start"
         self.held = ""
@@ -116,21 +124,21 @@ class ReasoningSplit:
         reasoning = ""
         if self.state == "start":
             stripped = text.lstrip()
-            if stripped.startswith(OPEN):
+            if stripped.startswith(self.open_tag):
                 self.state, self.saw_reasoning = "reasoning", True
-                text = stripped[len(OPEN):]
-            elif OPEN.startswith(stripped):  # nothing yet, or part of the tag
+                text = stripped[len(self.open_tag):]
+            elif self.open_tag.startswith(stripped):  # nothing yet, or part of the tag
                 self.held = text
                 return "", ""
             else:
                 self.state = "content"
         if self.state == "reasoning":
-            end = text.find(CLOSE)
+            end = text.find(self.close_tag)
             if end < 0:
-                keep = _partial_suffix(text, CLOSE)
+                keep = _partial_suffix(text, self.close_tag)
                 self.held = text[len(text) - keep:]
                 return text[:len(text) - keep], ""
-            reasoning, text = text[:end], text[end + len(CLOSE):]
+            reasoning, text = text[:end], text[end + len(self.close_tag):]
             self.state, self._strip_content = "content", True
         if self._strip_content:
             text = text.lstrip()
@@ -145,9 +153,10 @@ class ReasoningSplit:
         return "", text.lstrip() if self._strip_content else text
 
 
-def split(text: str, in_reasoning: bool = False) -> tuple[str | None, str | None]:
+def split(text: str, in_reasoning: bool = False, tags: tuple[str, str] = (OPEN, CLOSE)
+          ) -> tuple[str | None, str | None]:
     """(reasoning_content, content) of a finished output; None where there is none."""
-    parts = ReasoningSplit(in_reasoning)
+    parts = ReasoningSplit(in_reasoning, tags)
     reasoning, content = parts.feed(text)
     more_reasoning, more_content = parts.finish()
     reasoning, content = reasoning + more_reasoning, content + more_content

@@ -133,6 +133,13 @@ def thinking_gateway(tmp_path_factory, model_path):
 
 
 @pytest.fixture(scope="package")
+def seed_gateway(tmp_path_factory, model_path):
+    """Its template writes Seed-OSS's <seed:think>: the seed_oss parser."""
+    yield from template_gateway(tmp_path_factory, "seed", TEMPLATE.replace("think>",
+                                                                           "seed:think>"))
+
+
+@pytest.fixture(scope="package")
 def harmony_gateway(tmp_path_factory, model_path):
     """Its template writes harmony's <|channel|> (GPT-OSS's): the harmony parser."""
     yield from template_gateway(tmp_path_factory, "harmony", HARMONY_TEMPLATE)

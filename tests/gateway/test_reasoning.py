@@ -15,39 +15,43 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.reasoning import CLOSE, OPEN, ReasoningSplit, resolve_parser, split
+from gateway.reasoning import CLOSE, OPEN, TAGS, ReasoningSplit, resolve_parser, split
 from tests.gateway.conftest import openai_client
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def reference(text: str, opened: bool) -> tuple[str | None, str | None]:
+def reference(text: str, opened: bool, tags: tuple[str, str] = (OPEN, CLOSE)
+              ) -> tuple[str | None, str | None]:
     """The split, written plainly: reasoning from an opening tag (or the prompt's) to the
     first closing one, the rest content; whitespace around the tags dropped."""
+    open_tag, close_tag = tags
     if not opened:
-        if not text.lstrip().startswith(OPEN):
+        if not text.lstrip().startswith(open_tag):
             return None, text
-        text = text.lstrip()[len(OPEN):]
-    reasoning, closed, content = text.partition(CLOSE)
+        text = text.lstrip()[len(open_tag):]
+    reasoning, closed, content = text.partition(close_tag)
     if not closed:
         return reasoning, None
     return reasoning, content.lstrip() or None
 
 
-PIECES = [OPEN, CLOSE, "<", "</", "think", ">", "a", "b c", " ", "\n", "<thin", "k>"]
+PIECES = [OPEN, CLOSE, *TAGS["seed_oss"], "<", "</", "think", ">", "seed:", "a", "b c", " ",
+          "\n", "<thin", "k>"]
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.sampled_from(PIECES), max_size=12), st.booleans(), st.data())
-def test_streamed_split_equals_the_reference_whatever_the_pieces(pieces, opened, data):
+@given(st.lists(st.sampled_from(PIECES), max_size=12), st.booleans(),
+       st.sampled_from(sorted(TAGS.values())), st.data())
+def test_streamed_split_equals_the_reference_whatever_the_pieces(pieces, opened, tags, data):
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    stream = ReasoningSplit(opened)
+    stream = ReasoningSplit(opened, tags)
     parts = [stream.feed(d) for d in deltas] + [stream.finish()]
     reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
-    want_reasoning, want_content = reference(text, opened)
-    assert split(text, opened) == (want_reasoning, want_content)
+    want_reasoning, want_content = reference(text, opened, tags)
+    assert split(text, opened, tags) == (want_reasoning, want_content)
     assert reasoning == (want_reasoning or "") and content == (want_content or "")
 
 
@@ -64,7 +68,11 @@ def test_the_documented_cases_and_the_parser_choice():
     assert resolve_parser("auto", None) is None
     assert resolve_parser("none", "<think>") is None and resolve_parser("think", None) == "think"
     assert resolve_parser("auto", "<|start|>assistant<|channel|>final<think>") == "harmony"
-    with pytest.raises(ValueError, match="auto, think, harmony, none"):
+    # ByteDance Seed-OSS's own tags (vLLM's seed_oss parser)
+    assert resolve_parser("auto", "{{ '<seed:think>' }}") == "seed_oss"
+    assert split("<seed:think>R</seed:think>\n\nC", tags=TAGS["seed_oss"]) == ("R", "C")
+    assert split("<think>R</think>C", tags=TAGS["seed_oss"]) == (None, "<think>R</think>C")
+    with pytest.raises(ValueError, match="auto, think, seed_oss, harmony, none"):
         resolve_parser("deepseek", None)
 
 
@@ -174,6 +182,27 @@ def test_reasoning_content_apart_streamed_and_not(client, thinking_gateway):
 
 def _raw(message) -> str:
     return f"{OPEN}{message.reasoning_content}{CLOSE}\n\n{message.content}"
+
+
+def test_seed_oss_tags_split_streamed_and_not(seed_gateway):
+    """A template that writes <seed:think> (Seed-OSS's): auto picks the seed_oss parser, its
+    tags split reasoning from content whole and streamed; <think> is content there."""
+    open_tag, close_tag = (re.escape(t) for t in TAGS["seed_oss"])
+    regex = open_tag + r"[a-z ]{4,20}" + close_tag + r"\n\n[A-Z][a-z ]{4,30}\."
+    for c in openai_client(seed_gateway):
+        message = _chat(c, regex).choices[0].message
+        assert re.fullmatch(r"[a-z ]{4,20}", message.reasoning_content)
+        assert re.fullmatch(r"[A-Z][a-z ]{4,30}\.", message.content)
+        streamed = {"reasoning_content": "", "content": ""}
+        for chunk in _chat(c, regex, stream=True):
+            for key in streamed:
+                streamed[key] += getattr(chunk.choices[0].delta, key, None) or ""
+        assert streamed == {"reasoning_content": message.reasoning_content,
+                            "content": message.content}
+        plain = _chat(c, r"<think>[a-z ]{4,20}</think> [A-Z][a-z ]{4,30}\.").choices[0].message
+        assert plain.content.startswith("<think>")
+        assert getattr(plain, "reasoning_content", None) is None
+    seed_gateway.wait_idle()
 
 
 def test_an_answer_without_thinking_is_all_content(client):
