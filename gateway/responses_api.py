@@ -16,7 +16,8 @@ becomes the Responses API's output items, whole or as a stream of typed events.
     output items, in the order generated: a reasoning item (the reasoning parser's,
     gateway/reasoning.py), a message with one output_text part (the content), a function_call
     per tool call. Status "incomplete" (incomplete_details.reason "max_output_tokens") for an
-    output cut by the length limit. Streamed: gateway/responses_stream.py.
+    output cut by the length limit; usage's reasoning_tokens, the tokens whose text went to
+    the reasoning (ReasoningTokens). Streamed: gateway/responses_stream.py.
 
 Nothing is stored: `store` is accepted and answered false, and previous_response_id,
 conversation, background and stored prompts are refused (400 naming the field). Only function
@@ -38,7 +39,7 @@ from typing import Any
 
 from gateway import openai_protocol as oai
 from gateway import openai_responses as oai_responses
-from gateway.chat_output import chat_message
+from gateway.chat_output import ChatStream, chat_message
 from gateway.validation import ValidationError
 from service_infra.backend import Backend, GenerateChunk
 
@@ -246,16 +247,33 @@ def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def _usage(last: GenerateChunk) -> dict[str, Any]:
+class ReasoningTokens:
+    """Output tokens whose text the reasoning parser put in the reasoning: `feed` each chunk
+    with what its text gave (reasoning, content, calls). A chunk whose text is all held back
+    (a tag, or part of one) counts with the next chunk that gives any."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._held = 0
+
+    def feed(self, chunk: GenerateChunk, reasoning: str, content: str, calls: list) -> None:
+        self._held += len(chunk.token_ids)
+        if reasoning or content or calls:
+            if reasoning and not content and not calls:
+                self.count += self._held
+            self._held = 0
+
+
+def _usage(last: GenerateChunk, reasoning_tokens: int) -> dict[str, Any]:
     return {"input_tokens": last.num_prompt_tokens,
             "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
-            "output_tokens": last.num_output_tokens, "output_tokens_details": {
-                "reasoning_tokens": 0},  # not counted apart: the parser splits text
+            "output_tokens": last.num_output_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
 
 
 def response_json(rr: ResponsesRequest, output: list[dict[str, Any]],
-                  last: GenerateChunk | None) -> dict[str, Any]:
+                  last: GenerateChunk | None, reasoning_tokens: int = 0) -> dict[str, Any]:
     """The response object: in progress (no last chunk yet), completed or incomplete."""
     body = rr.body
     status = "in_progress" if last is None else (
@@ -275,7 +293,7 @@ def response_json(rr: ResponsesRequest, output: list[dict[str, Any]],
         "reasoning": body.get("reasoning"), "metadata": body.get("metadata") or {},
         "store": False, "background": False, "previous_response_id": None,
         "truncation": "disabled", "user": body.get("user"),
-        "usage": None if last is None else _usage(last),
+        "usage": None if last is None else _usage(last, reasoning_tokens),
     }
 
 
@@ -322,11 +340,17 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str,
 async def collect(rr: ResponsesRequest, chunks: AsyncIterator[tuple[int, GenerateChunk]]
                   ) -> dict[str, Any]:
     texts, entries, last = [], [], None
+    stream, reasoning = ChatStream(rr.chat.reasoning, rr.chat.reasoning_open,
+                                   rr.chat.tool_choice), ReasoningTokens()
     async for _, chunk in chunks:
         texts.append(chunk.text_delta)
         entries += chunk.logprobs or []
+        parts = stream.feed(chunk.text_delta)
+        if chunk.is_last:  # what the stream held back, as what it turned out to be
+            parts = tuple(a + b for a, b in zip(parts, stream.finish(), strict=True))
+        reasoning.feed(chunk, *parts)
         last = chunk
     message, _ = chat_message("".join(texts), rr.chat.reasoning, rr.chat.reasoning_open,
                               rr.chat.tool_choice)
     logprobs = rr.logprobs(entries) if rr.logprobs is not None else None
-    return response_json(rr, output_items(message, logprobs), last)
+    return response_json(rr, output_items(message, logprobs), last, reasoning.count)

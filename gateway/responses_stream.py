@@ -20,6 +20,7 @@ from typing import Any
 
 from gateway.chat_output import ChatStream
 from gateway.responses_api import (
+    ReasoningTokens,
     ResponsesRequest,
     call_item,
     message_item,
@@ -118,6 +119,7 @@ async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
     yield ev.emit("response.created", response=response_json(rr, [], None))
     yield ev.emit("response.in_progress", response=response_json(rr, [], None))
     stream = ChatStream(rr.chat.reasoning, rr.chat.reasoning_open, rr.chat.tool_choice)
+    reasoning_tokens = ReasoningTokens()
     item: tuple[int, GenerateChunk] | None = first
     last = None
     while item is not None:
@@ -129,6 +131,7 @@ async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
             more, rest, last_calls = stream.finish()
             reasoning, content, calls = reasoning + more, content + rest, calls + last_calls
             last = chunk
+        reasoning_tokens.feed(chunk, reasoning, content, calls)
         for out in _pieces(ev, reasoning, content, calls):
             yield out
         item = await anext(chunks, None)
@@ -140,7 +143,7 @@ async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
         yield out
     done = "response.incomplete" if last is not None and last.finish_reason == "length" \
         else "response.completed"
-    yield ev.emit(done, response=response_json(rr, ev.output, last))
+    yield ev.emit(done, response=response_json(rr, ev.output, last, reasoning_tokens.count))
 
 
 def _pieces(ev: _Events, reasoning: str, content: str,

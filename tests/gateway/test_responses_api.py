@@ -58,6 +58,7 @@ def test_a_response_is_the_chat_completion_it_stands_for(client, gateway):
                                     temperature=0.0, metadata={"run": "a"})
     assert whole.status == "completed" and whole.incomplete_details is None
     assert whole.metadata == {"run": "a"} and whole.store is False
+    assert whole.usage.output_tokens_details.reasoning_tokens == 0  # no reasoning parser
     gateway.wait_idle()
 
 
@@ -201,7 +202,20 @@ def test_reasoning_items_from_a_thinking_template(thinking_gateway):
     assert streamed == reasoning.content[0].text
     assert [i.type for i in final.output] == ["reasoning", "message"]
     assert final.output_text == resp.output_text and resp.status == "completed"
+    # the tokens of <think> and the reasoning count apart; </think>'s and the answer's not
+    details = resp.usage.output_tokens_details
+    tag = len(thinking_gateway_tokens("<think>"))
+    assert tag < details.reasoning_tokens < resp.usage.output_tokens - 3
+    assert final.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens
     thinking_gateway.wait_idle()
+
+
+def thinking_gateway_tokens(text: str) -> list[int]:
+    """`text` in the served model's tokens."""
+    from engine_core.model_files import resolve_model
+    from engine_core.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(None)).encode(text, add_special_tokens=False)
 
 
 def test_gpt_oss_channels_and_reasoning_effort(harmony_gateway):
@@ -216,6 +230,10 @@ def test_gpt_oss_channels_and_reasoning_effort(harmony_gateway):
     assert re.fullmatch(r"[a-z ]{4,20}", resp.output[0].content[0].text)
     assert re.fullmatch(r"[A-Z][a-z ]{4,30}\.", resp.output_text)
     assert high.usage.input_tokens > resp.usage.input_tokens  # the template's system line
+    # the analysis message's tokens count apart, the final one's not
+    analysis = len(thinking_gateway_tokens(resp.output[0].content[0].text))
+    assert analysis < resp.usage.output_tokens_details.reasoning_tokens < \
+        resp.usage.output_tokens - len(thinking_gateway_tokens(resp.output_text))
     harmony_gateway.wait_idle()
 
 
