@@ -208,8 +208,9 @@ class ModelConfig:
         if cfg.get("clip_qkv") is not None:  # OLMo 1 and some OLMoE checkpoints
             raise ValueError(f"clip_qkv = {cfg['clip_qkv']} (q, k and v clamped) is not "
                              "supported")
-        if cfg.get("mlp_bias"):  # (Llama's and Seed-OSS's configs can ask for them)
-            raise ValueError("mlp_bias (biases on the MLP's projections) is not supported")
+        for key in ("mlp_bias", "use_bias"):  # (Llama's and Seed-OSS's; ERNIE's, o_proj's too)
+            if cfg.get(key):
+                raise ValueError(f"{key} (biases on the MLP's projections) is not supported")
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")

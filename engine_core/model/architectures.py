@@ -38,8 +38,8 @@ scaling. llama.cpp writes OLMo 2 without reordering Q and K. OLMoE is Llama's la
 with OLMo's q/k norms and routed experts. EXAONE 4 is OLMo 2's layer with per-head q/k norms,
 three windowed layers to one global, and rope left out of the global ones. Seed-OSS is Llama
 with q/k/v biases. GLM-4 is Gemma's four-norm layer with SiLU, q/k/v biases and rope over
-half of each head in interleaved pairs. Those three and OLMo 3 are served from their folders
-only (`gguf=False`).
+half of each head in interleaved pairs; ERNIE 4.5 is Llama with rope over the whole head in
+interleaved pairs. Those four and OLMo 3 are served from their folders only (`gguf=False`).
 
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
@@ -183,6 +183,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                      ("post_self_attn_layernorm.weight", "post_attention_layernorm.weight"),
                      ("post_attention_layernorm.weight", "pre_feedforward_layernorm.weight"),
                      ("post_mlp_layernorm.weight", "post_feedforward_layernorm.weight"))),
+    # ERNIE 4.5 (dense): Llama with rope over the whole head in interleaved pairs
+    Architecture("ernie4_5", ("Ernie4_5ForCausalLM",), ("ernie4_5",), rope_interleaved=True,
+                 gguf=False),
     # Seed-OSS: Llama with q/k/v biases (and o_proj's, where attention_out_bias says so)
     Architecture("seed_oss", ("SeedOssForCausalLM",), ("seed_oss",), qkv_bias=True,
                  gguf=False),

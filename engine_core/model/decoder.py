@@ -364,10 +364,10 @@ class DecoderForCausalLM(nn.Module):
                 loaded.update(f"{name}:{p}" for p in parts_of[parts[-2]])
             else:
                 loaded.add(name)
-        if cfg.rotary_dim is not None:  # partial rotary: q and k rows in rotate_half's pairs
-            for name, p in params.items():
+        if cfg.rotary_dim is not None or cfg.rope_interleaved:  # q and k rows reordered
+            for name, p in params.items():  # into rotate_half's pairs
                 rows = partial_rotary_rows(name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                           cfg.rotary_dim, cfg.rope_interleaved)
+                                           cfg.rotary_dim or cfg.head_dim, cfg.rope_interleaved)
                 if rows is not None and name.startswith("layers."):
                     p.copy_(p[rows])
         # per layer: 2 norms, q, k, v, o (+ q, k, v biases) (+ q, k norms) (+ Gemma's pre-

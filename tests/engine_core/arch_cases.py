@@ -55,6 +55,9 @@ CASES = {
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
     # GLM-4: four norms under its own names, rope over half of each head in interleaved pairs
     "glm4": (transformers.Glm4Config, {"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}),
+    # ERNIE 4.5: Llama with rope over the whole head in interleaved pairs
+    "ernie4_5": (transformers.Ernie4_5Config, {"pad_token_id": 0, "eos_token_id": 2,
+                                               "bos_token_id": 1}),
     # Seed-OSS: Llama with q/k/v biases, and o_proj's where attention_out_bias says so
     "seed-oss": (transformers.SeedOssConfig, {"attention_out_bias": True}),
     # OLMoE: OLMo's q/k norms on Llama's layer, 4 experts, 2 per token, not renormalized

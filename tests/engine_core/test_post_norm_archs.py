@@ -73,7 +73,7 @@ def test_exaone4_windows_and_nope_global_layers(tmp_path):
 
 def test_seed_oss_biases_and_what_is_refused():
     """Seed-OSS: q/k/v biases always, o_proj's where attention_out_bias says so; a config
-    asking for MLP biases (mlp_bias) is refused by name, as for Llama."""
+    asking for MLP biases (mlp_bias; ERNIE 4.5's use_bias) is refused by name, as for Llama."""
     from engine_core.config import ModelConfig
 
     config_cls, _ = CASES["seed-oss"]
@@ -81,8 +81,9 @@ def test_seed_oss_biases_and_what_is_refused():
         cfg = config_cls(**{**tm.SIZES, "attention_out_bias": out_bias}).to_dict()
         got = ModelConfig.from_hf_config({**cfg, "architectures": ["SeedOssForCausalLM"]}, "s")
         assert (got.attention_bias, got.o_bias) == (True, out_bias)
-    for cls, arch in ((config_cls, "SeedOssForCausalLM"),
-                      (transformers.LlamaConfig, "LlamaForCausalLM")):
-        cfg = {**cls(**{**tm.SIZES, "mlp_bias": True}).to_dict(), "architectures": [arch]}
-        with pytest.raises(ValueError, match="mlp_bias .* is not supported"):
+    for cls, arch, key in ((config_cls, "SeedOssForCausalLM", "mlp_bias"),
+                           (transformers.LlamaConfig, "LlamaForCausalLM", "mlp_bias"),
+                           (transformers.Ernie4_5Config, "Ernie4_5ForCausalLM", "use_bias")):
+        cfg = {**cls(**{**tm.SIZES, key: True}).to_dict(), "architectures": [arch]}
+        with pytest.raises(ValueError, match=f"{key} .* is not supported"):
             ModelConfig.from_hf_config(cfg, "m")
