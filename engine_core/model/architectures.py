@@ -41,6 +41,9 @@ with q/k/v biases. GLM-4 is Gemma's four-norm layer with SiLU, q/k/v biases and 
 half of each head in interleaved pairs; ERNIE 4.5 is Llama with rope over the whole head in
 interleaved pairs. Those four and OLMo 3 are served from their folders only (`gguf=False`).
 
+GraniteMoE is Granite's multipliers on Mixtral's layer, its experts stacked per layer in the
+checkpoint.
+
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP with routed experts (feed_forward.SparseMoE):
 Mixtral is Mistral's layer, Qwen2-MoE Qwen2's with a gated shared expert beside the routed
 ones, Qwen3-MoE Qwen3's. llama.cpp writes Mixtral as `llama` with an expert count.
@@ -115,6 +118,9 @@ class Architecture:
     moe_biases: bool = False
     activation_from_config: bool = True
     fused_experts: bool = False
+    # GraniteMoE: each layer's experts stacked as input_linear / output_linear, its router as
+    # router.layer (feed_forward.split_stacked_experts)
+    stacked_experts: bool = False
     # YaRN's ramp between whole dimensions (transformers' `truncate`, llama.cpp's only way);
     # GPT-OSS was trained without the rounding, which its GGUF does not record
     yarn_truncate: bool = True
@@ -169,6 +175,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  gguf_permutes_qk=True),
     Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), qkv_bias=True,
                  sliding_window=True, moe_norm_topk=False),
+    # GraniteMoE (3.x MoE): Granite's four multipliers on Mixtral's layer
+    Architecture("granitemoe", ("GraniteMoeForCausalLM",), ("granitemoe",), stacked_experts=True,
+                 gguf=False),
     Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qk_norm=True,
                  sliding_window=True),
     # EXAONE 4: OLMo 2's post-norms with Qwen3's per-head q/k norms; three windowed layers

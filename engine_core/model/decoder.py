@@ -20,7 +20,13 @@ from torch import nn
 from engine_core.config import ModelConfig
 from engine_core.model import architectures
 from engine_core.model.attention import AttentionMetadata, paged_attention
-from engine_core.model.feed_forward import MLP, SparseMoE, moe_name, split_fused_experts
+from engine_core.model.feed_forward import (
+    MLP,
+    SparseMoE,
+    moe_name,
+    split_fused_experts,
+    split_stacked_experts,
+)
 from engine_core.model.forward_context import current, use
 from engine_core.model.rope import (
     apply_rope,
@@ -328,10 +334,13 @@ class DecoderForCausalLM(nn.Module):
         parts_of = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),  # a checkpoint's fused matrix
                     "gate_up_proj": ("gate_proj", "up_proj")}  # (Phi-3) counts as its parts
         loaded: set[str] = set()
-        renames = dict(architectures.BY_NAME[cfg.architecture].hf_layer_names)  # (GLM-4's)
-        if architectures.BY_NAME[cfg.architecture].fused_experts:  # GPT-OSS: one per expert
+        arch = architectures.BY_NAME[cfg.architecture]
+        renames = dict(arch.hf_layer_names)  # (GLM-4's)
+        if arch.fused_experts:  # GPT-OSS: one per expert
             absent = set(absent)
             weights = split_fused_experts(weights, skip=absent)
+        elif arch.stacked_experts:  # GraniteMoE: likewise
+            weights = split_stacked_experts(weights)
         for name, w in itertools.chain(((n, None) for n in absent), weights):
             name = moe_name(_ours(name.removeprefix("model."), renames))
             if "rotary_emb" in name:

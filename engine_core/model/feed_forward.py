@@ -189,6 +189,33 @@ def moe_name(name: str) -> str:
     return ".".join(parts)
 
 
+_GRANITE_MOE = ".block_sparse_moe."
+
+
+def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """GraniteMoE's checkpoint tensors in the per-expert names the decoder uses:
+
+        block_sparse_moe.input_linear.weight   [E, 2 * width, hidden]: gate rows, then up's
+        block_sparse_moe.output_linear.weight  [E, hidden, width]: each expert's down_proj
+        block_sparse_moe.router.layer.weight   [E, hidden]: the router (mlp.gate)"""
+    for name, w in weights:
+        stem, _, kind = name.rpartition(_GRANITE_MOE)
+        at = f"{stem}.mlp.experts"
+        if kind == "input_linear.weight":
+            gate, up = w.chunk(2, dim=1)
+            for e in range(w.shape[0]):
+                yield f"{at}.{e}.gate_proj.weight", gate[e]
+                yield f"{at}.{e}.up_proj.weight", up[e]
+        elif kind == "output_linear.weight":
+            for e in range(w.shape[0]):
+                yield f"{at}.{e}.down_proj.weight", w[e]
+        elif kind == "router.layer.weight":
+            yield f"{stem}.mlp.gate.weight", w
+        else:
+            yield name, w
+
+
 def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]],
                         skip: Set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """GPT-OSS's checkpoint tensors with each layer's experts as one matrix per expert, in the

@@ -55,6 +55,11 @@ CASES = {
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
     # GLM-4: four norms under its own names, rope over half of each head in interleaved pairs
     "glm4": (transformers.Glm4Config, {"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}),
+    # GraniteMoE: Granite's multipliers (each far from 1) on Mixtral's layer, 4 experts, 2 each
+    "granitemoe": (transformers.GraniteMoeConfig, {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "embedding_multiplier": 2.0,
+        "attention_multiplier": 0.2, "residual_multiplier": 0.5, "logits_scaling": 3.0,
+        "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}),
     # ERNIE 4.5: Llama with rope over the whole head in interleaved pairs
     "ernie4_5": (transformers.Ernie4_5Config, {"pad_token_id": 0, "eos_token_id": 2,
                                                "bos_token_id": 1}),

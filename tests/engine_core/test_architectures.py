@@ -314,7 +314,7 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
                                   "gemma3", "gemma2", "smollm3", "phi3", "mixtral",
                                   "qwen2-moe", "qwen3-moe", "granite", "gpt-oss", "olmo2",
                                   "olmo3", "olmoe", "exaone4", "seed-oss", "glm4",
-                                  "ernie4_5"])
+                                  "ernie4_5", "granitemoe"])
 def test_cpu_defaults_run_every_architecture(case, tmp_path):
     """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
     every architecture: it runs, and the first token (from the dense prefill) and the next
@@ -330,7 +330,7 @@ def test_cpu_defaults_run_every_architecture(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["qwen2-yarn", "gemma2", "smollm3", "phi3", "qwen2-moe",
                                   "qwen3-moe", "gpt-oss", "olmo2", "olmo3", "olmoe",
-                                  "exaone4", "seed-oss", "glm4", "ernie4_5"])
+                                  "exaone4", "seed-oss", "glm4", "ernie4_5", "granitemoe"])
 def test_user_defaults_run_the_newer_architectures(case, tmp_path):
     """The configuration a user gets on this CPU: bfloat16 weights, quantized decode matmuls
     with int8 activations where the CPU has VNNI (LLMEngine's own choices, nothing forced):
