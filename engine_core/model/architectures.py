@@ -125,6 +125,15 @@ class Architecture:
     # GPT-OSS was trained without the rounding, which its GGUF does not record
     yarn_truncate: bool = True
 
+    def our_name(self, name: str) -> str:
+        """A checkpoint tensor's name (without `model.`) with this architecture's own layer
+        part renamed to ours (hf_layer_names: GLM-4's norms); any other name as it is."""
+        if not self.hf_layer_names or not name.startswith("layers."):
+            return name
+        layer, _, rest = name.removeprefix("layers.").partition(".")
+        ours = dict(self.hf_layer_names).get(rest)
+        return name if ours is None else f"layers.{layer}.{ours}"
+
 
 # Gemma's four norms per layer, as llama.cpp names them
 _GEMMA_GGUF_NAMES = (("ffn_norm.weight", "pre_feedforward_layernorm.weight"),

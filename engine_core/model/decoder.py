@@ -335,14 +335,13 @@ class DecoderForCausalLM(nn.Module):
                     "gate_up_proj": ("gate_proj", "up_proj")}  # (Phi-3) counts as its parts
         loaded: set[str] = set()
         arch = architectures.BY_NAME[cfg.architecture]
-        renames = dict(arch.hf_layer_names)  # (GLM-4's)
         if arch.fused_experts:  # GPT-OSS: one per expert
             absent = set(absent)
             weights = split_fused_experts(weights, skip=absent)
         elif arch.stacked_experts:  # GraniteMoE: likewise
             weights = split_stacked_experts(weights)
         for name, w in itertools.chain(((n, None) for n in absent), weights):
-            name = moe_name(_ours(name.removeprefix("model."), renames))
+            name = moe_name(arch.our_name(name.removeprefix("model.")))
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -392,12 +391,3 @@ class DecoderForCausalLM(nn.Module):
                     + 2 + (0 if cfg.tie_word_embeddings else 1))
         if len(loaded) != expected:
             raise ValueError(f"loaded {len(loaded)} weight tensors, expected {expected}")
-
-
-def _ours(name: str, renames: dict[str, str]) -> str:
-    """A layer tensor's name with an architecture's own part renamed to ours (`renames`:
-    Architecture.hf_layer_names); any other name as it is."""
-    if not renames or not name.startswith("layers."):
-        return name
-    layer, _, rest = name.removeprefix("layers.").partition(".")
-    return f"layers.{layer}.{renames[rest]}" if rest in renames else name
