@@ -13,12 +13,13 @@ DeepSeek-R1 distills, SmolLM3 in thinking mode, QwQ):
     C            (no <think> first)   null                C
 
 Leading whitespace before the first tag and after </think> is dropped. Parser "seed_oss"
-splits ByteDance Seed-OSS's <seed:think> ... </seed:think> the same way (vLLM's seed_oss). A structured output
-of such a chat starts after </think> (grammar_after_reasoning); a GPT-OSS chat's response
-format after its final channel's header (grammar_after_analysis). `pdserve gateway
---reasoning-parser` picks it: auto (the default) uses "think" where the chat template writes
-<think> (a thinking model's template does), "seed_oss" where it writes <seed:think> and "harmony" (GPT-OSS's channels:
-gateway/harmony.py) where it writes <|channel|>; none leaves every output whole. Only chat
+splits ByteDance Seed-OSS's <seed:think> ... </seed:think> the same way (vLLM's seed_oss). A
+structured output of such a chat starts after </think> (grammar_after_reasoning); a GPT-OSS
+chat's response format after its final channel's header (grammar_after_analysis). `pdserve
+gateway --reasoning-parser` picks it: auto (the default) uses "think" where the chat template
+writes <think> (a thinking model's template does), "seed_oss" where it writes <seed:think>
+and "harmony" (GPT-OSS's channels: gateway/harmony.py) where it writes <|channel|>; none
+leaves every output whole. Only chat
 completions are split (gateway/chat_output.py).
 """
 

@@ -218,8 +218,7 @@ class NativeDecodeLayers:
         bias, q/k norm, a window per layer, routed experts with or without a shared one in
         place of the MLP) or Gemma 3's (GeGLU, sandwich norms, a rope per kind of layer) or
         GPT-OSS's (sinks, biases, its SwiGLU), with every matmul quantized and attention in C
-        on every layer; not Granite's scaled residual branches, nor OLMo 2's post-norms and
-        whole-width q/k norms."""
+        on every layer; not Granite's scaled branches, nor OLMo 2's norms."""
         cfg = model.config
         if cfg.residual_multiplier != 1.0 or cfg.post_norms or cfg.qk_norm_whole:
             return False  # Granite's scaled branches, OLMo's norms: layer by layer

@@ -34,7 +34,6 @@ from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.helpers import (
     kill_tree,
-    log_tail,
     spawn_pdserve,
     stop_process,
     torch_threads,
@@ -46,7 +45,6 @@ STOP_TIMEOUT_S = 60  # `pdserve up` stops the gateway (it drains), then each wor
 IDLE_TIMEOUT_S = 20
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16  # the default KV block size (tokens)
-GATEWAY_READY = re.compile(r"pdserve gateway: gRPC (\S+)\s+HTTP (\S+)")
 UP_READY = re.compile(r"pdserve up: ready\. gRPC (\S+)\s+HTTP (\S+).*\n"
                       r"\s*prefill workers: (.+)\n\s*decode workers: (.+)\n"
                       r"\s*metrics: (.+)\n")
@@ -168,27 +166,6 @@ def wait_stack(proc: subprocess.Popen, log: Path) -> Stack:
         raise
     return Stack(proc, log, m.group(1), m.group(2), m.group(3).split(), m.group(4).split(),
                  m.group(5).split())
-
-
-class ExtraGateway:
-    """Another gateway over a stack's workers, with its own flags and its own view of them:
-    what it knows of each worker (load, the prefix blocks it holds) comes from their Status,
-    as any gateway's does. `stop` asserts a clean exit."""
-
-    def __init__(self, stack: Stack, *flags: str, transport: str = "shm") -> None:
-        self.proc, self.log = spawn_pdserve(
-            "gateway", "--prefill", *stack.prefill, "--decode", *stack.decode, "--port", "0",
-            "--http-port", "0", "--transport", transport, "--canary-idle-s", "0", *flags,
-            name="gateway-extra")  # no synthetic traffic: see spawn_stack
-        m = wait_for_output(self.proc, self.log, GATEWAY_READY, STARTUP_TIMEOUT_S, "gateway")
-        self.grpc_addr, self.http_url = m.group(1), m.group(2)
-        self.channel = grpc.insecure_channel(self.grpc_addr)
-        self.stub = pb_grpc.GenerationStub(self.channel)
-
-    def stop(self) -> None:
-        self.channel.close()
-        assert stop_process(self.proc) == 0, log_tail(self.log)
-        assert "Traceback" not in log_tail(self.log, 10**6)
 
 
 def stop_stack(stack: Stack) -> int:

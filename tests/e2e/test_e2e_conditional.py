@@ -16,11 +16,11 @@ import pytest
 from engine_core.kv_cache.block_hash import hash_full_blocks
 from protos.pdserve.internal import workers_pb2 as wpb
 from protos.pdserve.v1 import generate_pb2 as pb
+from tests.e2e.extra_gateway import ExtraGateway
 from tests.e2e.stack import (
     BLOCK_SIZE,
     CONV,
     LONG,
-    ExtraGateway,
     N,
     Stack,
     check_timing,

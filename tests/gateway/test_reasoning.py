@@ -180,6 +180,20 @@ def test_reasoning_content_apart_streamed_and_not(client, thinking_gateway):
     thinking_gateway.wait_idle()
 
 
+def _whole_and_streamed(client, regex: str):
+    """A greedy chat held to `regex`, its message checked against its streamed deltas
+    (reasoning_content and content each join to the whole message's)."""
+    resp = _chat(client, regex)
+    message = resp.choices[0].message
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in _chat(client, regex, stream=True):
+        for key in streamed:
+            streamed[key] += getattr(chunk.choices[0].delta, key, None) or ""
+    assert streamed == {"reasoning_content": message.reasoning_content,
+                        "content": message.content}
+    return resp
+
+
 def _raw(message) -> str:
     return f"{OPEN}{message.reasoning_content}{CLOSE}\n\n{message.content}"
 
@@ -190,15 +204,9 @@ def test_seed_oss_tags_split_streamed_and_not(seed_gateway):
     open_tag, close_tag = (re.escape(t) for t in TAGS["seed_oss"])
     regex = open_tag + r"[a-z ]{4,20}" + close_tag + r"\n\n[A-Z][a-z ]{4,30}\."
     for c in openai_client(seed_gateway):
-        message = _chat(c, regex).choices[0].message
+        message = _whole_and_streamed(c, regex).choices[0].message
         assert re.fullmatch(r"[a-z ]{4,20}", message.reasoning_content)
         assert re.fullmatch(r"[A-Z][a-z ]{4,30}\.", message.content)
-        streamed = {"reasoning_content": "", "content": ""}
-        for chunk in _chat(c, regex, stream=True):
-            for key in streamed:
-                streamed[key] += getattr(chunk.choices[0].delta, key, None) or ""
-        assert streamed == {"reasoning_content": message.reasoning_content,
-                            "content": message.content}
         plain = _chat(c, r"<think>[a-z ]{4,20}</think> [A-Z][a-z ]{4,30}\.").choices[0].message
         assert plain.content.startswith("<think>")
         assert getattr(plain, "reasoning_content", None) is None
@@ -343,16 +351,10 @@ def test_harmony_channels_and_function_calls(harmony_client):
     final the content, a commentary message to functions.get_weather a tool call; streamed
     deltas join to the non-streamed message; reasoning_effort reaches the template."""
     final = ANALYSIS + r"<\|channel\|>final<\|message\|>[A-Z][a-z ]{4,30}\."
-    resp = _chat(harmony_client, final)
+    resp = _whole_and_streamed(harmony_client, final)
     message = resp.choices[0].message
     assert re.fullmatch(r"[a-z ]{4,20}", message.reasoning_content)
     assert re.fullmatch(r"[A-Z][a-z ]{4,30}\.", message.content)
-    streamed = {"reasoning_content": "", "content": ""}
-    for chunk in _chat(harmony_client, final, stream=True):
-        for key in streamed:
-            streamed[key] += getattr(chunk.choices[0].delta, key, None) or ""
-    assert streamed == {"reasoning_content": message.reasoning_content,
-                        "content": message.content}
     effort = _chat(harmony_client, final, reasoning_effort="high")  # OpenAI's field
     assert effort.usage.prompt_tokens > resp.usage.prompt_tokens  # the system line
     tool = {"type": "function", "function": {
