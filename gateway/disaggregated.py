@@ -221,8 +221,8 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
         is_done = False
         num_local = 0  # prompt tokens of this local prefill until its first token
         try:
-            decision = (FORK_DECISION if reservation is None
-                        else await self._place(inp, decode, reservation))
+            decision, held = ((FORK_DECISION, None) if reservation is None
+                              else await self._place(inp, decode, reservation))
             t_prefill_call = time.monotonic()
             if reservation is None:
                 pre = None
@@ -236,7 +236,7 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
                     max_chunk_tokens=self.prefill_policy.local_chunk_tokens),
                     timeout=self._remaining(inp))
             else:
-                pre = await self._prefill(inp, sampling, decode, reservation)
+                pre = await self._prefill(inp, sampling, decode, reservation, held)
                 call = decode.stub.Decode(pb.DecodeRequest(
                     request_id=inp.req_id, first_token_id=pre.first_token_id,
                     first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,

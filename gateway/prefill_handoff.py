@@ -26,11 +26,13 @@ class PrefillHandoff(WorkerCalls):
     prefix_queue_weight, transport, lease_ttl_s and canary_monitor."""
 
     async def _pick_prefill(self, prompt: list[int], full: Sequence[Worker] = (),
-                            decode: Worker | None = None) -> Worker:
+                            decode: Worker | None = None,
+                            held: dict[str, int] | None = None) -> Worker:
         """gateway/routing.py's choice among the workers not in `full` (their queues refused
         this request) and, while others are left, not paired badly with `decode` (the canary
-        saw that pair fail: gateway/canary.py); overlaps from Redis or the workers' Status
-        (WorkerCalls._overlaps; unknown when Redis fails: queue depth alone)."""
+        saw that pair fail: gateway/canary.py); overlaps from `held` (the placement's, by
+        address) or else from Redis or the workers' Status (WorkerCalls._overlaps; unknown
+        when Redis fails: queue depth alone)."""
         live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
         if decode is not None:
             bad = self.canary_monitor.state.bad_pairs
@@ -41,7 +43,10 @@ class PrefillHandoff(WorkerCalls):
         if not live:
             raise Overloaded(f"the queue of every prefill worker is full ({len(full)} "
                              f"refused the request: their --max-waiting)")
-        overlap = await self._overlaps(prompt, live) if len(live) > 1 else None
+        overlap = None
+        if len(live) > 1:
+            overlap = [held.get(w.address, 0) for w in live] if held is not None \
+                else await self._overlaps(prompt, live)
         return live[self._pick_of(prompt, live, overlap)]
 
     def _pick_of(self, prompt: list[int], live: Sequence[Worker],
@@ -52,12 +57,15 @@ class PrefillHandoff(WorkerCalls):
         return pick_prefill([w.in_flight for w in live], overlap, key, self.prefix_queue_weight)
 
     async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
-                       res: pb.ReserveResponse) -> pb.PrefillResponse:
+                       res: pb.ReserveResponse,
+                       held: dict[str, int] | None = None) -> pb.PrefillResponse:
         """Prefill on the best prefill worker whose queue takes the request (a full queue
-        answers RESOURCE_EXHAUSTED: the next one is asked; Overloaded when all refuse)."""
+        answers RESOURCE_EXHAUSTED: the next one is asked; Overloaded when all refuse).
+        `held`: the prefix blocks the placement found on each prefill worker."""
         full: list[Worker] = []
         while True:
-            prefill = await self._pick_prefill(inp.prompt_token_ids, full, decode)  # bounded
+            prefill = await self._pick_prefill(inp.prompt_token_ids, full, decode,
+                                               held)  # bounded
             try:
                 return await self._prefill_on(prefill, inp, sampling, decode, res)
             except grpc.aio.AioRpcError as e:

@@ -29,31 +29,42 @@ class PrefillPlacement:
         # learnt from finished remote requests; 0 until the first
         self.handoff_s = 0.0
 
-    async def _place(self, inp: GenerateInput, decode: Worker,
-                     reservation: pb.ReserveResponse) -> PrefillDecision:
+    async def _place(self, inp: GenerateInput, decode: Worker, reservation: pb.ReserveResponse
+                     ) -> tuple[PrefillDecision, dict[str, int] | None]:
+        """Local or remote, and the prefix blocks each healthy prefill worker holds (by
+        address; None: unknown), which a remote prefill's pick reuses."""
+        held = await self._prefix_held(inp.prompt_token_ids)
         if inp.params.prompt_logprobs is not None:  # only a prefill worker computes them
             decision = PrefillDecision("remote", "prompt_logprobs")
         else:
-            costs = await self._costs(inp, decode, reservation)
+            costs = self._costs(inp, decode, reservation, held)
             decision = replace(decide(costs, self.prefill_policy),
                                num_local_tokens=costs.num_local_tokens,
                                num_remote_tokens=costs.num_remote_tokens)
         self.num_prefill_decisions[decision.where, decision.reason] += 1
         self.last_prefill_decision = decision
-        return decision
+        return decision, held
 
-    async def _costs(self, inp: GenerateInput, decode: Worker,
-                     reservation: pb.ReserveResponse) -> PrefillCosts:
+    async def _prefix_held(self, prompt: list[int]) -> dict[str, int] | None:
+        """The prompt's leading blocks each healthy prefill worker caches, by address (Redis
+        or Status: WorkerCalls._overlaps); None where unknown."""
+        live = [w for w in self.prefill if w.is_healthy]
+        overlap = await self._overlaps(prompt, live) if live else None
+        return None if overlap is None else {
+            w.address: n for w, n in zip(live, overlap, strict=True)}
+
+    def _costs(self, inp: GenerateInput, decode: Worker, reservation: pb.ReserveResponse,
+               held: dict[str, int] | None) -> PrefillCosts:
         prompt = inp.prompt_token_ids
         n_prompt = len(prompt)
         n_local = n_prompt - reservation.num_cached_tokens
-        # the prefill worker routing would pick, and the prefix it caches: it computes the
-        # rest (at least the last token, whose logits give the first one). It lacks what the
-        # decode worker computed itself (replies' KV, local prefills), so a chat's history
-        # hit there is often far shorter. Where that is unknown (Redis unreachable), assume
-        # it caches what the decode worker does.
+        # the prefill worker routing would pick, and the prefix it caches (`held`): it
+        # computes the rest (at least the last token, whose logits give the first one). It
+        # lacks what the decode worker computed itself (replies' KV, local prefills), so a
+        # chat's history hit there is often far shorter. Where that is unknown (Redis
+        # unreachable), assume it caches what the decode worker does.
         live = [w for w in self.prefill if w.is_healthy]
-        overlap = await self._overlaps(prompt, live) if live else None
+        overlap = None if held is None else [held.get(w.address, 0) for w in live]
         pick = self._pick_of(prompt, live, overlap) if live else None
         prefill = live[pick] if pick is not None else None
         n_remote = (n_local if overlap is None or pick is None

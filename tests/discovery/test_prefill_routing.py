@@ -129,19 +129,20 @@ def test_without_redis_prefill_workers_status_routes_and_prices_a_remote_prefill
         inp = GenerateInput("r", prompt, SamplingParams())
         # the decode worker holds all 8 full blocks; nobody lists the history yet
         res = wpb.ReserveResponse(num_cached_tokens=8 * BLOCK_SIZE)
-        costs = await backend._costs(inp, decode, res)
+        costs = backend._costs(inp, decode, res, await backend._prefix_held(prompt))
         assert (costs.num_local_tokens, costs.num_remote_tokens) == (3, len(prompt))
         holder.prefix_hashes = frozenset(hash_full_blocks(history, BLOCK_SIZE))
         assert await backend._pick_prefill(prompt) is holder
-        costs = await backend._costs(inp, decode, res)
+        costs = backend._costs(inp, decode, res, await backend._prefix_held(prompt))
         assert (costs.num_local_tokens, costs.num_remote_tokens) == (3, len(prompt) - 80)
-        decision = await backend._place(inp, decode, res)
+        decision, _ = await backend._place(inp, decode, res)
         assert decision.as_dict()["num_remote_tokens"] == len(prompt) - 80
         assert decision.where == "local" and decision.local_cost_s < decision.remote_cost_s
         # a prompt the prefill worker holds whole still computes its last token there
         holder.prefix_hashes = frozenset(hash_full_blocks(prompt, BLOCK_SIZE))
         whole = GenerateInput("w", prompt[:8 * BLOCK_SIZE], SamplingParams())
-        assert (await backend._costs(whole, decode, res)).num_remote_tokens == 1
+        held = await backend._prefix_held(whole.prompt_token_ids)
+        assert backend._costs(whole, decode, res, held).num_remote_tokens == 1
         await backend.close()
 
     asyncio.run(scenario())
