@@ -64,13 +64,40 @@ static void key_offsets(const int32_t *table, int64_t len, int bs, int64_t token
     }
 }
 
+/* Ask for one head's key or value row ahead of use: a sequence's blocks lie anywhere in the
+ * pool and the hardware prefetchers do not follow the block table. Keys are asked for twice:
+ * into L2 PREFETCH_FAR keys ahead (L2 tracks more misses at once than L1), then into L1
+ * PREFETCH_NEAR keys ahead. */
+#define PREFETCH_FAR 64
+#define PREFETCH_NEAR 8
+#define PREFETCH_VALUES 32 /* the value pass's distance (its rows mostly come in with the keys) */
+static inline __attribute__((always_inline)) void prefetch_row(const void *kv, int64_t i,
+                                                               const int D, const int bf16) {
+    const char *p = (const char *)kv + i * (bf16 ? 2 : 4);
+    for (int b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) void prefetch_row_l2(const void *kv, int64_t i,
+                                                                  const int D, const int bf16) {
+    const char *p = (const char *)kv + i * (bf16 ? 2 : 4);
+    for (int b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
+
 /* scores[j] = scale * q . k_j for j < len, 8 keys at a time (their 8 accumulators are summed
  * lane-wise by a fixed hadd tree), the tail one key at a time. D % 8 == 0. */
 static inline __attribute__((always_inline)) void head_scores(
         const float *q, const void *kv, const int64_t *keys, int64_t len, int64_t head,
         int D, float scale, float *scores, const int bf16) {
     int64_t j = 0;
-    for (; j + 8 <= len; j += 8) {
+    for (; j < len && j < PREFETCH_FAR; j++) prefetch_row_l2(kv, keys[j] + head, D, bf16);
+    for (j = 0; j < len && j < PREFETCH_NEAR; j++) prefetch_row(kv, keys[j] + head, D, bf16);
+    for (j = 0; j + 8 <= len; j += 8) {
+        if (j + PREFETCH_FAR + 8 <= len)
+            for (int i = 0; i < 8; i++)
+                prefetch_row_l2(kv, keys[j + PREFETCH_FAR + i] + head, D, bf16);
+        if (j + PREFETCH_NEAR + 8 <= len)
+            for (int i = 0; i < 8; i++)
+                prefetch_row(kv, keys[j + PREFETCH_NEAR + i] + head, D, bf16);
         __m256 acc[8];
         int64_t k[8];
         for (int i = 0; i < 8; i++) {
@@ -129,22 +156,50 @@ static inline float softmax_numerators(float *scores, int64_t len, float softcap
     return sum;
 }
 
-/* out = softmax(scores) @ V for one head; scores is overwritten with the probabilities. */
+/* acc[0..NV) += p_j * v_j over the keys, for NV <= 8 vectors of a value row starting at
+ * element `first`: NV is a compile-time constant at every call, so the accumulators stay in
+ * registers (a runtime count kept them on the stack, each FMA waiting on the last store). */
+static inline __attribute__((always_inline)) void value_slice(
+        const float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
+        int64_t first, int D, float inv, float *out, const int NV, const int bf16) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; j++) {
+        if (first == 0 && j + PREFETCH_VALUES < len)
+            prefetch_row(kv, keys[j + PREFETCH_VALUES] + value, D, bf16);
+        const int64_t v = keys[j] + value + first;
+        const __m256 p = _mm256_set1_ps(scores[j]);
+#pragma GCC unroll 8
+        for (int i = 0; i < NV; i++)
+            acc[i] = _mm256_fmadd_ps(p, load8(kv, v + 8 * i, bf16), acc[i]);
+    }
+    const __m256 vinv = _mm256_set1_ps(inv);
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; i++) _mm256_storeu_ps(out + first + 8 * i, _mm256_mul_ps(acc[i], vinv));
+}
+
+/* out = softmax(scores) @ V for one head; scores is overwritten with the probabilities. The
+ * row is done in slices of 8 vectors (64 floats), then one of 1, 2 or 4: every element
+ * still sums p * v in key order, as one pass over the whole row would. */
 static inline __attribute__((always_inline)) void head_output(
         float *scores, const void *kv, const int64_t *keys, int64_t len, int64_t value,
         int D, float *out, float softcap, float sink, const int bf16) {
-    const float sum = softmax_numerators(scores, len, softcap, sink);
-    __m256 acc[32]; /* D <= 256 (Gemma 3's head_dim; the group kernels take 64 and 128) */
-    const int nv = D / 8;
-    for (int i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < len; j++) {
-        const int64_t v = keys[j] + value;
-        const __m256 p = _mm256_set1_ps(scores[j]);
-        for (int i = 0; i < nv; i++)
-            acc[i] = _mm256_fmadd_ps(p, load8(kv, v + 8 * i, bf16), acc[i]);
+    const float inv = 1.0f / softmax_numerators(scores, len, softcap, sink);
+    for (int64_t j = 0; j < len && j < PREFETCH_VALUES; j++)
+        prefetch_row(kv, keys[j] + value, D, bf16);
+    int64_t first = 0;
+    for (; first + 64 <= D; first += 64)
+        value_slice(scores, kv, keys, len, value, first, D, inv, out, 8, bf16);
+    if (D - first >= 32) {
+        value_slice(scores, kv, keys, len, value, first, D, inv, out, 4, bf16);
+        first += 32;
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int i = 0; i < nv; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
+    if (D - first >= 16) {
+        value_slice(scores, kv, keys, len, value, first, D, inv, out, 2, bf16);
+        first += 16;
+    }
+    if (D - first >= 8) value_slice(scores, kv, keys, len, value, first, D, inv, out, 1, bf16);
 }
 
 #ifdef __AVX512F__
@@ -176,25 +231,6 @@ static inline __attribute__((always_inline)) void group_dots(
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kd[c], acc);
         dots[h] = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
     }
-}
-
-/* Ask for one head's key or value row ahead of use: a sequence's blocks lie anywhere in the
- * pool and the hardware prefetchers do not follow the block table. Keys are asked for twice:
- * into L2 PREFETCH_FAR keys ahead (L2 tracks more misses at once than L1), then into L1
- * PREFETCH_NEAR keys ahead. */
-#define PREFETCH_FAR 64
-#define PREFETCH_NEAR 8
-#define PREFETCH_VALUES 32 /* the value pass's distance (its rows mostly come in with the keys) */
-static inline __attribute__((always_inline)) void prefetch_row(const void *kv, int64_t i,
-                                                               const int D, const int bf16) {
-    const char *p = (const char *)kv + i * (bf16 ? 2 : 4);
-    for (int b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
-
-static inline __attribute__((always_inline)) void prefetch_row_l2(const void *kv, int64_t i,
-                                                                  const int D, const int bf16) {
-    const char *p = (const char *)kv + i * (bf16 ? 2 : 4);
-    for (int b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 static inline __attribute__((always_inline)) void group_attention(
