@@ -310,6 +310,8 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        if isinstance(self.lm_head, nn.Linear):  # decode rows from the C kernels: float32
+            hidden = hidden.to(self.lm_head.weight.dtype)
         logits = self.lm_head(hidden).float()
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
