@@ -31,8 +31,8 @@ from engine_core.model.decode_quant import resolve_activations
 from engine_core.model_files import resolve_model
 from engine_core.model_loader import load_model
 from engine_core.model_runner import ModelRunner
-from engine_core.output_processor import RequestTextState, build_output
-from engine_core.outputs import RequestOutput
+from engine_core.output_processor import RequestTextState, advance_text, make_delta
+from engine_core.outputs import RequestDelta, RequestOutput, RequestOutputs, snapshot
 from engine_core.request import Request, RequestStatus
 from engine_core.sampler import skip_draw
 from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
@@ -146,6 +146,7 @@ class LLMEngine:
             build_spec_decoder(speculative_config, self) if speculative_config else None
         )
         self.text_states: dict[str, RequestTextState] = {}
+        self._outputs = RequestOutputs()  # step()'s whole outputs (the offline API)
         self.stats = EngineStats()  # read by metrics exporters
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
@@ -260,7 +261,7 @@ class LLMEngine:
 
     def admit_prefilled(
         self, req_id: str, first_token: int, first_logprobs: dict[int, float] | None = None
-    ) -> RequestOutput:
+    ) -> RequestDelta:
         """The reserved request's KV is verified: it joins the batch with its first token
         (sampled by the prefill worker), which this returns as the request's first output."""
         req = self.scheduler.reserved[req_id]
@@ -288,6 +289,7 @@ class LLMEngine:
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for req_id in ids:
             self.text_states.pop(req_id, None)
+            self._outputs.discard(req_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -305,6 +307,14 @@ class LLMEngine:
             torch.cuda.set_device(self.device)
 
     def step(self) -> list[RequestOutput]:
+        """One step; each request that advanced as its whole output so far (vLLM's shape).
+        Servers stream `step_deltas` instead, which costs nothing per earlier token."""
+        return [snapshot(self._outputs.add(d, d.req.prompt_token_ids))
+                for d in self.step_deltas()]
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One step: schedule, run the model, update the requests; each request that gained
+        tokens or ended gives its RequestDelta."""
         t_start = time.monotonic()
         self._use_device()
         out = self.scheduler.schedule()
@@ -345,34 +355,22 @@ class LLMEngine:
             if kv_step is not None:
                 kv_step.finish()
 
-    def _emit(self, advanced: list[Request], now: float) -> list[RequestOutput]:
-        """Detokenize the requests' new tokens, apply stop strings, build their outputs."""
-        outputs = []
+    def _emit(self, advanced: list[Request], now: float) -> list[RequestDelta]:
+        """Detokenize the requests' new tokens, apply stop strings, build their deltas."""
+        deltas = []
+        states = self.text_states
         for req in advanced:
             if req.times.first_token is None:
                 req.times.first_token = now
-            state = self.text_states[req.req_id]
-            # a stop token (EOS, stop_token_ids) that ends the request is not text, as in vLLM:
-            # its id ends token_ids, its text (kept special tokens show it) is left out
-            last = req.num_output_tokens
-            if (req.status == RequestStatus.FINISHED_STOPPED and last
-                    and req.output_token_ids[-1] in req.stop_token_ids):
-                last -= 1
-            # one token at a time, so a stop string ends the output where a plain decode would
-            for j in range(state.num_pushed, last):
-                state.num_pushed += 1
-                if state.push(req.output_token_ids[j : j + 1]):
-                    if not req.is_finished:
-                        req.truncate_output(j + 1)
-                        self.scheduler.finish_requests([req.req_id],
-                                                       RequestStatus.FINISHED_STOPPED)
-                    break
+            state = states[req.req_id]
+            if advance_text(req, state):
+                self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
             finished = req.is_finished
             if finished:
                 req.times.finished = now
-                del self.text_states[req.req_id]
-            outputs.append(build_output(req, state, finished))
-        return outputs
+                del states[req.req_id]
+            deltas.append(make_delta(req, state, finished))
+        return deltas
 
     def _record_logprobs(self, out, rows: list[int], so) -> None:
         ids = so.sampled_token_ids.tolist()

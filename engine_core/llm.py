@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from engine_core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine_core.engine import LLMEngine
-from engine_core.outputs import RequestOutput
+from engine_core.outputs import RequestOutput, RequestOutputs
 from engine_core.sampling_params import SamplingParams
 
 Messages = list[dict[str, str]]
@@ -110,9 +110,11 @@ class LLM:
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         wanted = set(req_ids)
+        outputs = RequestOutputs()  # each request's deltas folded (its output once finished)
         with tqdm(total=len(req_ids), disable=not use_tqdm, desc="generating") as bar:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for delta in self.engine.step_deltas():
+                    out = outputs.add(delta, delta.req.prompt_token_ids)
                     if out.finished and out.request_id in wanted:
                         final[out.request_id] = out
                         bar.update(1)

@@ -1,28 +1,34 @@
-"""Detokenizes new tokens, applies stop strings and builds RequestOutputs.
+"""Detokenizes new tokens, applies stop strings and builds each step's RequestDeltas.
 
 Stop strings are matched on text. While streaming, text that could still turn out to be the
-start of a stop string is held back, so a client never sees part of a stop string.
+start of a stop string is held back, so a client never sees part of a stop string. Every
+request's cost per step is its new tokens' (a Rust detokenizer step each, see
+tokenizer.StreamDetokenizer) and, with stop strings, a search of the text not yet handed out:
+nothing grows with the length of its output.
 """
 
 from __future__ import annotations
 
-from engine_core.outputs import CompletionOutput, RequestOutput
-from engine_core.request import Request
-from engine_core.tokenizer import IncrementalDetokenizer, Tokenizer
+import time
+
+from engine_core.outputs import RequestDelta
+from engine_core.request import Request, RequestStatus
+from engine_core.tokenizer import Tokenizer
 
 
 class RequestTextState:
     def __init__(self, req: Request, tokenizer: Tokenizer | None, prompt: str | None) -> None:
         self.prompt = prompt
         p = req.sampling_params
-        self.detok = (
-            IncrementalDetokenizer(tokenizer, req.prompt_token_ids, p.skip_special_tokens)
-            if tokenizer is not None else None
-        )
+        self.detok = (tokenizer.detokenizer(req.prompt_token_ids, p.skip_special_tokens)
+                      if tokenizer is not None else None)
         self.stops = tuple(p.stop)
-        self.text = ""  # all text decoded so far (may include a held-back tail)
+        self.max_stop_len = max(map(len, self.stops), default=0)
+        self.text = ""  # with stop strings: all text decoded so far (a held-back tail too)
+        self.pending = ""  # without: the text decoded since the last delta
         self.num_emitted = 0  # characters of `text` already handed to the client
-        self.num_tokens_emitted = 0
+        self.num_tokens_emitted = 0  # output tokens in deltas so far
+        self.num_logprobs_emitted = 0
         self.num_pushed = 0  # output tokens detokenized so far
         self.stop_reason: str | int | None = None
 
@@ -30,10 +36,13 @@ class RequestTextState:
         """Add tokens; True if a stop string ended the request."""
         if self.detok is None:
             return False
-        self.text += self.detok.push(new_ids)
+        piece = self.detok.push(new_ids)
+        if not piece:
+            return False
+        self.text += piece
         if not self.stops:
             return False
-        window_start = max(0, self.num_emitted - max(len(s) for s in self.stops))
+        window_start = max(0, self.num_emitted - self.max_stop_len)
         best = None
         for s in self.stops:
             at = self.text.find(s, window_start)
@@ -66,33 +75,70 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-def build_output(req: Request, state: RequestTextState, finished: bool) -> RequestOutput:
-    reason = req.status.value if finished else None
-    stop_reason = state.stop_reason
-    if finished and stop_reason is None and reason == "stop" and req.output_token_ids:
-        stop_reason = req.output_token_ids[-1]
-    delta_ids = req.output_token_ids[state.num_tokens_emitted :]
-    state.num_tokens_emitted = req.num_output_tokens
+def advance_text(req: Request, state: RequestTextState) -> bool:
+    """Detokenize the request's output tokens not seen yet; True when a stop string ends it
+    (then the request's output is cut after the token that completed the stop string, and
+    the caller finishes it). A stop token (EOS, stop_token_ids) that ended the request is not
+    text, as in vLLM: its id ends token_ids, its text (kept special tokens show it) is left
+    out."""
+    out_ids = req.output_token_ids
+    last = len(out_ids)
+    if req.status is RequestStatus.FINISHED_STOPPED and last and out_ids[-1] in (
+            req.stop_token_ids):
+        last -= 1
+    first = state.num_pushed
+    if first >= last:
+        return False
+    if not state.stops:  # no stop strings: all of the step's tokens in one go
+        state.num_pushed = last
+        if state.detok is not None:
+            state.pending += state.detok.push(out_ids[first:last])
+        return False
+    # one token at a time, so a stop string ends the output where a plain decode would
+    for j in range(first, last):
+        state.num_pushed += 1
+        if state.push(out_ids[j : j + 1]):
+            if req.is_finished:  # it ended anyway (its text is cut all the same)
+                return False
+            req.truncate_output(j + 1)
+            return True
+    return False
+
+
+def make_delta(req: Request, state: RequestTextState, finished: bool) -> RequestDelta:
+    """The request's news since its previous delta."""
+    first_tokens = state.num_tokens_emitted
+    out_ids = req.output_token_ids
+    num_out = len(out_ids)
+    if state.stops:
+        text = state.take_delta(finished)
+    else:  # nothing held back: all the text since the previous delta
+        text, state.pending = state.pending, ""
+    delta = RequestDelta(req.req_id, out_ids[first_tokens:], text, num_out, req=req)
+    state.num_tokens_emitted = num_out
+    p = req.sampling_params
+    if p.logprobs is not None:
+        delta.logprobs = req.output_logprobs[state.num_logprobs_emitted:]
+        state.num_logprobs_emitted = len(req.output_logprobs)
+    if first_tokens == 0:
+        delta.is_first = True
+        delta.num_cached_tokens = req.num_cached_tokens
+        delta.prompt = state.prompt
+        if p.prompt_logprobs is not None:
+            delta.prompt_logprobs = [None, *req.prompt_logprobs]
+    if finished:
+        delta.finish_reason = req.status.value
+        delta.stop_reason = state.stop_reason
+        if delta.stop_reason is None and delta.finish_reason == "stop" and num_out:
+            delta.stop_reason = out_ids[-1]
+    if first_tokens == 0 or finished:
+        delta.metrics = _metrics(req, finished)
+    return delta
+def _metrics(req: Request, finished: bool) -> dict[str, float]:
     t = req.times
-    metrics = {
-        k: v - t.arrival
-        for k, v in (("first_scheduled", t.first_scheduled), ("first_token", t.first_token),
-                     ("finished", t.finished))
-        if v is not None
-    }
-    logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
-    delta_text = state.take_delta(finished)
-    return RequestOutput(
-        request_id=req.req_id,
-        prompt=state.prompt,
-        prompt_token_ids=req.prompt_token_ids,
-        outputs=[CompletionOutput(0, state.text[: state.num_emitted],
-                                  list(req.output_token_ids), reason, logprobs, stop_reason)],
-        finished=finished,
-        num_cached_tokens=req.num_cached_tokens,
-        metrics=metrics,
-        delta_text=delta_text,
-        prompt_logprobs=([None, *req.prompt_logprobs]
-                         if req.sampling_params.prompt_logprobs is not None else None),
-        delta_token_ids=delta_ids,
-    )
+    if finished and t.finished is None:
+        t.finished = time.monotonic()
+    return {k: v - t.arrival
+            for k, v in (("first_scheduled", t.first_scheduled), ("first_token", t.first_token),
+                         ("finished", t.finished))
+            if v is not None}

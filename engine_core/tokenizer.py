@@ -61,6 +61,13 @@ class Tokenizer:
         backend = getattr(hf, "backend_tokenizer", None)
         self._backend = None if getattr(hf, "clean_up_tokenization_spaces", True) else backend
 
+    def detokenizer(self, prompt_ids: Sequence[int],
+                    skip_special_tokens: bool = True) -> StreamDetokenizer | IncrementalDetokenizer:
+        """Turns one request's output tokens into text deltas (see the two classes)."""
+        if self._backend is not None and _has_decode_stream():
+            return StreamDetokenizer(self._backend, prompt_ids, skip_special_tokens)
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
@@ -134,6 +141,39 @@ def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = (),
     return Tokenizer(hf, eos_token_ids, chat_template)
 
 
+class StreamDetokenizer:
+    """Text deltas of a growing list of token ids through `tokenizers`' own DecodeStream
+    (Rust): the same text as IncrementalDetokenizer, one decode call per token instead of
+    two, and an invalid byte sequence comes out as U+FFFD as in a whole decode."""
+
+    def __init__(self, backend, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = backend
+        self.stream = DecodeStream(ids=list(prompt_ids[-PROMPT_CONTEXT:]),
+                                   skip_special_tokens=skip_special_tokens)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        if len(new_ids) == 1:
+            return self.stream.step(self.backend, new_ids[0]) or ""
+        return "".join(filter(None, (self.stream.step(self.backend, t) for t in new_ids)))
+
+
+PROMPT_CONTEXT = 6  # prompt tokens before the output that a detokenizer decodes with it
+
+
+@functools.cache
+def _has_decode_stream() -> bool:
+    """Whether this `tokenizers` has DecodeStream with a context of prior ids (0.22 on)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        DecodeStream(ids=[], skip_special_tokens=True)
+    except (ImportError, TypeError):
+        return False
+    return True
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character.
 
@@ -146,7 +186,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-6:])
+        self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 

@@ -48,8 +48,8 @@ def handoff(prefill_llm, decode_llm, ids, params, req_id):
     dec.runner.kv_cache[:, blocks[skip:n]] = pre.runner.kv_cache[:, src_blocks[skip:n]]
     got = [dec.admit_prefilled(req_id, first)]
     while dec.has_unfinished_requests():
-        got += dec.step()
-    return [t for o in got for t in o.delta_token_ids], num_cached
+        got += dec.step_deltas()
+    return [t for d in got for t in d.token_ids], num_cached
 
 
 @pytest.mark.parametrize("params", [

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from engine_core.model_files import resolve_model
-from engine_core.output_processor import RequestTextState, _held_back, build_output
+from engine_core.output_processor import RequestTextState, _held_back, advance_text, make_delta
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams
 from engine_core.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -369,26 +369,45 @@ def test_held_back_length(text, stops, expected):
     assert _held_back(text, stops) == expected
 
 
-def test_build_output_reports_text_and_deltas(tokenizer, prompt_ids):
+def test_deltas_report_text_tokens_and_the_stop(tokenizer, prompt_ids):
+    """The engine's per-step path: advance_text then make_delta, token by token."""
     req = Request("r0", prompt_ids, SamplingParams(max_tokens=8, stop=("STOP",)))
     state = RequestTextState(req, tokenizer, "prompt text")
     ids = tokenizer.encode("Hello world. STOP here", add_special_tokens=False)
-    texts, deltas = [], []
+    deltas = []
     for token in ids:
         req.append_output_token(token)
-        stopped = state.push([token])
+        stopped = advance_text(req, state)
         if stopped:
             req.status = RequestStatus.FINISHED_STOPPED
-        out = build_output(req, state, finished=stopped)
-        assert out.delta_token_ids == [token]
-        texts.append(out.outputs[0].text)
-        deltas.append(out.delta_text)
+        delta = make_delta(req, state, finished=stopped)
+        assert delta.token_ids == [token]
+        assert delta.num_output_tokens == req.num_output_tokens
+        assert delta.is_first == (len(deltas) == 0)
+        deltas.append(delta)
         if stopped:
             break
-    assert out.finished
-    assert out.outputs[0].finish_reason == "stop"
-    assert out.outputs[0].stop_reason == "STOP"
-    assert out.outputs[0].text == "Hello world. "
-    assert out.outputs[0].token_ids == ids[: len(deltas)]
-    assert "".join(deltas) == "Hello world. "
-    assert texts == ["".join(deltas[: k + 1]) for k in range(len(deltas))]
+    assert deltas[0].prompt == "prompt text" and deltas[0].metrics is not None
+    last = deltas[-1]
+    assert last.finished and last.finish_reason == "stop" and last.stop_reason == "STOP"
+    assert "".join(d.text for d in deltas) == "Hello world. "
+    assert [t for d in deltas for t in d.token_ids] == req.output_token_ids
+
+
+def test_deltas_without_stop_strings_carry_all_text_at_once(tokenizer, prompt_ids):
+    """Several tokens in one step (speculative decoding): one delta with all their text."""
+    req = Request("r0", prompt_ids, SamplingParams(max_tokens=16))
+    state = RequestTextState(req, tokenizer, None)
+    ids = tokenizer.encode("Hello world, again", add_special_tokens=False)
+    for token in ids[:3]:
+        req.append_output_token(token)
+    assert not advance_text(req, state)
+    first = make_delta(req, state, finished=False)
+    for token in ids[3:]:
+        req.append_output_token(token)
+    assert not advance_text(req, state)
+    req.status = RequestStatus.FINISHED_LENGTH
+    second = make_delta(req, state, finished=True)
+    assert first.token_ids == ids[:3] and second.token_ids == ids[3:]
+    assert first.text + second.text == "Hello world, again"
+    assert second.finish_reason == "length" and second.stop_reason is None
