@@ -22,7 +22,7 @@ from engine_core.model.forward_context import ForwardContext, use
 from engine_core.penalties import TokenCounts
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput
-from engine_core.sampling_batch import SamplingBatch
+from engine_core.sampling_rows import SamplingRows
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
 from engine_core.structured_output import MaskTimer
@@ -35,9 +35,13 @@ PROMPT_LOGPROBS_ROWS = 64  # prompt positions per logits slice (64 x 49152 float
 
 
 class InputBatch:
-    """Rows of token ids and block tables for the requests the runner has seen."""
+    """Rows of token ids, block tables and sampling parameters for the requests the runner
+    has seen. Invariant after `ModelRunner.sync`: a scheduled request's row holds its tokens
+    so far (num_tokens) and its blocks (num_blocks); the runner writes each step's sampled
+    tokens into the rows itself, so a decode step's sync finds nothing to copy."""
 
-    def __init__(self, max_rows: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_rows: int, max_model_len: int, block_size: int,
+                 vocab_size: int = 1, eos_token_ids: tuple[int, ...] = ()) -> None:
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_rows, max_blocks), dtype=np.int32)
@@ -47,6 +51,7 @@ class InputBatch:
         self.free_rows = list(range(max_rows - 1, -1, -1))
         # penalised requests' token counts by row, kept as tokens are appended
         self.token_counts: dict[int, TokenCounts] = {}
+        self.sampling = SamplingRows(max_rows, vocab_size, eos_token_ids)
 
     def row(self, req: Request) -> int:
         """The request's row, created (with its tokens so far, and its penalty counts) on
@@ -55,23 +60,44 @@ class InputBatch:
         if row is None:
             row = self.free_rows.pop()
             self.row_of[req.req_id] = row
-            token_ids = req.all_token_ids
-            self.token_ids[row, : len(token_ids)] = token_ids
-            self.num_tokens[row] = len(token_ids)
+            self._fill(row, req)
             self.num_blocks[row] = 0
-            if req.sampling_params.has_penalties:
-                self.token_counts[row] = TokenCounts(*req.penalty_prompt_and_output)
+            self.sampling.set_row(row, req)
         return row
 
+    def _fill(self, row: int, req: Request) -> None:
+        token_ids = req.all_token_ids
+        self.token_ids[row, : len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+        if req.sampling_params.has_penalties:
+            self.token_counts[row] = TokenCounts(*req.penalty_prompt_and_output)
+
     def append(self, row: int, req: Request) -> None:
-        """The tokens the request gained since the row last saw it (sampled last step)."""
+        """Bring the row to the request's tokens: those it gained since the row last saw it
+        (a first token from a prefill worker, accepted drafts), or, where the request lost
+        tokens the row holds (never in a step's normal course), all of them again."""
         have = int(self.num_tokens[row])
+        if have > req.num_tokens:
+            self.token_counts.pop(row, None)
+            self._fill(row, req)
+            return
         new = req.all_token_ids[have:]
         self.token_ids[row, have : req.num_tokens] = new
         self.num_tokens[row] = req.num_tokens
         counts = self.token_counts.get(row)
         if counts is not None:
             counts.append(new)
+
+    def append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """One sampled token per row, at each row's end (the step's plain samples)."""
+        ends = self.num_tokens[rows]
+        self.token_ids[rows, ends] = tokens
+        self.num_tokens[rows] = ends + 1
+        if self.token_counts:
+            for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
+                counts = self.token_counts.get(row)
+                if counts is not None:
+                    counts.append((token,))
 
     def sync_blocks(self, row: int, blocks: list[int], is_rewritten: bool = False) -> None:
         """is_rewritten: blocks were replaced in place (copy-on-write), not only appended."""
@@ -84,6 +110,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.token_counts.pop(row, None)
+            self.sampling.clear_row(row)
             self.free_rows.append(row)
 
 
@@ -103,10 +130,11 @@ class ModelRunner:
         self.kv_cache = kv_cache if kv_cache is not None else layout.allocate(num_blocks, device)
         self.uploader = StepUploader(device)
         # a few spare rows: finished requests release theirs only at the next step
-        self.batch = InputBatch(2 * max_num_seqs + 8, max_model_len, layout.block_size)
+        self.vocab_size = model.config.vocab_size
+        self.batch = InputBatch(2 * max_num_seqs + 8, max_model_len, layout.block_size,
+                                self.vocab_size, eos_token_ids)
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = model.config.vocab_size
         # decode rows run quantized matmuls (CPU): the count goes in each step's ForwardContext
         self.quantization = quantization
         # structured outputs: the grammar masks of a step are built on this thread while the
@@ -125,18 +153,27 @@ class ModelRunner:
                                       else 1)
 
     def sync(self, out: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
-        """Bring the rows of the step's requests up to date (tokens sampled since the last
-        step, new blocks); returns each request's row."""
+        """Bring the rows of the step's requests up to date (tokens not sampled here, new
+        blocks); returns each request's row. Vectorized: only the rows that differ from
+        their request are touched one by one."""
         b = self.batch
         for req_id in out.finished_req_ids + out.preempted_req_ids:
             b.remove(req_id)
-        rows = np.empty(len(out.reqs), dtype=np.int64)
-        for i, (req, blocks) in enumerate(zip(out.reqs, block_ids, strict=True)):
-            row = b.row(req)
-            if b.num_tokens[row] < req.num_tokens:  # tokens sampled since the last step
-                b.append(row, req)
-            b.sync_blocks(row, blocks, req.req_id in out.rewritten_req_ids)
-            rows[i] = row
+        reqs, n = out.reqs, len(out.reqs)
+        row_of = b.row_of
+        rows = np.fromiter((row_of.get(r.req_id, -1) for r in reqs), np.int64, n)
+        for i in np.flatnonzero(rows < 0).tolist():  # new or recomputed: a fresh row
+            rows[i] = b.row(reqs[i])
+        num_tokens = np.fromiter((len(r.all_token_ids) for r in reqs), np.int32, n)
+        for i in np.flatnonzero(b.num_tokens[rows] != num_tokens).tolist():
+            b.append(int(rows[i]), reqs[i])
+        num_blocks = np.fromiter(map(len, block_ids), np.int32, n)
+        for i in np.flatnonzero(b.num_blocks[rows] != num_blocks).tolist():
+            b.sync_blocks(int(rows[i]), block_ids[i])
+        if out.rewritten_req_ids:
+            for i, req in enumerate(reqs):
+                if req.req_id in out.rewritten_req_ids:
+                    b.sync_blocks(int(rows[i]), block_ids[i], is_rewritten=True)
         return rows
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -301,15 +338,21 @@ class ModelRunner:
             b.token_ids[rows[i], req.num_tokens : req.num_tokens + len(req.spec_token_ids)] = (
                 req.spec_token_ids
             )
+        n = len(out.reqs)
         num_new = np.asarray(out.num_scheduled_tokens, dtype=np.int64)  # [num_seqs]
-        start = np.asarray([r.num_computed_tokens for r in out.reqs], dtype=np.int64)
+        start = np.fromiter((r.num_computed_tokens for r in out.reqs), np.int64, n)
         # requests caught up after this step sample; a prefill chunk's token would be thrown
-        # away, and drawing it would advance a seeded request's generator
-        num_spec = np.asarray([len(r.spec_token_ids) for r in out.reqs], dtype=np.int64)
-        complete = np.flatnonzero(start + num_new - num_spec
-                                  == np.asarray([r.num_tokens for r in out.reqs]))
-        spec_set = set(drafted)
-        plain = [int(i) for i in complete if int(i) not in spec_set]
+        # away, and drawing it would advance a seeded request's generator. (The rows hold
+        # each request's tokens: sync.)
+        end = start + num_new
+        if drafted:
+            end -= np.fromiter((len(r.spec_token_ids) for r in out.reqs), np.int64, n)
+        complete = np.flatnonzero(end == b.num_tokens[rows])
+        if drafted:
+            spec_set = set(drafted)
+            plain = [i for i in complete.tolist() if i not in spec_set]
+        else:
+            plain = complete.tolist()
         masks = self._start_masks([out.reqs[i] for i in plain])
         bucket = (self.graphs.batch_size(out, on_layer_done is not None)
                   if self.graphs is not None else None)
@@ -344,20 +387,14 @@ class ModelRunner:
             logits = self.logits(hidden[self._index(token_idx)], len(token_idx))
         result = None
         if plain:
-            reqs = [out.reqs[i] for i in plain]
-            batch = SamplingBatch.from_requests(
-                [r.sampling_params for r in reqs],
-                [r.prompt_token_ids for r in reqs],
-                [r.output_token_ids for r in reqs],
-                [r.generator for r in reqs],
-                self.vocab_size,
-                eos_token_ids=self.eos_token_ids,
-                device=logits.device,
-                token_counts=[b.token_counts.get(int(rows[i])) for i in plain],
-                token_masks=None if masks is None else (masks[0], masks[1].result()),
-            )
+            plain_rows = rows[plain]
+            batch = b.sampling.batch(
+                plain_rows, b.num_tokens[plain_rows], b.token_counts, logits.device,
+                token_masks=None if masks is None else (masks[0], masks[1].result()))
             result = self.sampler(logits[: len(plain)], batch)
-            for i, token in zip(plain, result.sampled_token_ids.tolist(), strict=True):
+            tokens = result.sampled_token_ids.cpu().numpy()
+            b.append_sampled(plain_rows, tokens)
+            for i, token in zip(plain, tokens.tolist(), strict=True):
                 sampled[i] = [token]
         if drafted:
             tokens = verifier([out.reqs[i] for i in drafted], logits[len(plain):])

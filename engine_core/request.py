@@ -162,6 +162,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.matcher is None and self._pending_grammar is None:
+            return
         if self.matcher is not None:
             # a token outside the mask leaves the matcher in its error state (never here:
             # the sampler only draws allowed tokens, and EOS ends the request)
@@ -191,11 +193,10 @@ class Request:
         """Finish status after the latest token, or None to keep going (stop strings are
         checked on text, by the output processor)."""
         p = self.sampling_params
-        if self.num_output_tokens >= p.min_tokens and self.output_token_ids[-1] in (
-            self.stop_token_ids
-        ):
+        num_out = len(self.output_token_ids)
+        if num_out >= p.min_tokens and self.output_token_ids[-1] in self.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= p.max_tokens:
+        if num_out >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -222,10 +222,11 @@ class Scheduler:
         # worker): they share one cap, so however many arrive, a step's decodes wait for at
         # most that much prefill
         capped_left: int | None = None
+        running, allocate = self.running, self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             if req.max_chunk_tokens is not None and req.num_computed_tokens < req.num_prompt_tokens:
                 capped_left = req.max_chunk_tokens if capped_left is None else capped_left
                 n = min(n, capped_left)
@@ -234,11 +235,12 @@ class Scheduler:
                     continue
                 capped_left -= n
             # a decoding request may get draft slots; they are the first thing to give up
-            k = min(req.max_drafts(self.num_spec_tokens), budget - n) if n == 1 else 0
-            if k and self.kv.allocate_slots(req, req.num_computed_tokens + n + k) is None:
+            k = (min(req.max_drafts(self.num_spec_tokens), budget - n)
+                 if n == 1 and self.num_spec_tokens else 0)
+            if k and allocate(req, req.num_computed_tokens + n + k) is None:
                 k = 0
-            while self.kv.allocate_slots(req, req.num_computed_tokens + n) is None:
-                victim = self.running.pop()
+            while allocate(req, req.num_computed_tokens + n) is None:
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.req_id)
                 preempted = True
@@ -276,15 +278,18 @@ class Scheduler:
         # a decode is one new token after the prompt, plus the request's draft slots; a
         # prompt's last token alone (the rest cached) is a prefill, so that it takes the same
         # path as on a cache miss
-        def is_decode(r: Request, n: int) -> bool:
-            return n == 1 + r.num_lookahead_tokens and r.num_computed_tokens >= r.num_prompt_tokens
-
-        decodes = [(r, n) for r, n in scheduled if is_decode(r, n)]
-        others = [(r, n) for r, n in scheduled if not is_decode(r, n)]
-        for r, n in decodes + others:
+        others: list[tuple[Request, int]] = []
+        for r, n in scheduled:
+            if n == 1 + r.num_lookahead_tokens and r.num_computed_tokens >= len(
+                    r.prompt_token_ids):
+                out.reqs.append(r)
+                out.num_scheduled_tokens.append(n)
+            else:
+                others.append((r, n))
+        out.num_decodes = len(out.reqs)
+        for r, n in others:
             out.reqs.append(r)
             out.num_scheduled_tokens.append(n)
-        out.num_decodes = len(decodes)
         out.blocks_to_copy, out.rewritten_req_ids = self.kv.take_copies()
         return out
 
@@ -315,11 +320,17 @@ class Scheduler:
         and one more for a speculative step (its rejected drafts' KV is not computed). Returns
         the requests that got new tokens (finished ones included, with their status set)."""
         advanced = []
+        finished: list[tuple[Request, RequestStatus]] = []
+        cache_computed_blocks = self.kv.cache_computed_blocks
+        children = self.children
         for req, n, tokens in zip(out.reqs, out.num_scheduled_tokens, sampled, strict=True):
-            num_rejected = len(req.spec_token_ids) - max(len(tokens) - 1, 0)
-            req.spec_token_ids = []
-            req.num_lookahead_tokens = 0
             status = None
+            if req.spec_token_ids:
+                num_rejected = len(req.spec_token_ids) - max(len(tokens) - 1, 0)
+                req.spec_token_ids = []
+                req.num_lookahead_tokens = 0
+            else:
+                num_rejected = 0
             for token in tokens:
                 req.append_output_token(token)
                 status = req.check_stop()
@@ -327,14 +338,18 @@ class Scheduler:
                     break  # tokens after a stop are dropped
             # (a stop among the accepted drafts leaves fewer tokens than were computed)
             req.num_computed_tokens = min(req.num_computed_tokens + n - num_rejected,
-                                          req.num_tokens)
-            self.kv.cache_computed_blocks(req)
-            if req.req_id in self.children and _is_prompt_computed(req):
+                                          len(req.all_token_ids))
+            cache_computed_blocks(req)
+            if children and req.req_id in children and _is_prompt_computed(req):
                 self._fork_children(req)  # before the parent may finish below
             if tokens:
                 advanced.append(req)
             if status is not None:
-                self.running.remove(req)
+                finished.append((req, status))
+        if finished:  # out of the running list in one pass, then freed in order
+            done = {id(req) for req, _ in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for req, status in finished:
                 self._finish(req, status)
         return advanced
 

@@ -88,6 +88,11 @@ class KVCacheManager:
         Returns the newly allocated block ids, or None if the pool has no room (then nothing
         changed)."""
         blocks = self.req_blocks.get(req.req_id, [])
+        bs = self.block_size
+        if not computed_blocks and blocks and (num_tokens + bs - 1) // bs <= len(blocks) \
+                and req.num_computed_tokens // bs == len(blocks) - 1 \
+                and not self._is_immutable(blocks[-1]):
+            return []  # a decode in its last, private block: the common case, no change
         have = len(blocks) + len(computed_blocks or ())
         need = max(cdiv(num_tokens, self.block_size) - have, 0)
         # held blocks the request writes into (computed_blocks lie before num_computed_tokens)
@@ -147,11 +152,11 @@ class KVCacheManager:
             return
         num_computed = req.num_computed_tokens
         if not self.cache_decoded_blocks:
-            num_computed = min(num_computed, req.num_prompt_tokens)
+            num_computed = min(num_computed, len(req.prompt_token_ids))
         num_full = num_computed // self.block_size
-        done = self.req_num_published.get(req.req_id, 0)
-        if num_full <= done:
+        if num_full <= self.req_num_published.get(req.req_id, 0):
             return
+        done = self.req_num_published.get(req.req_id, 0)
         hashes = self._hashes(req)
         blocks = self.req_blocks[req.req_id]
         for i in range(done, num_full):
