@@ -26,17 +26,23 @@ from dataclasses import dataclass
 
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from engine_core.outputs import RequestOutput
+from engine_core.outputs import RequestDelta
 from engine_core.sampling_params import SamplingParams
 from kv_transfer import Lease, LeaseError, LeaseState, LeaseTable, UnknownLeaseError
 from service_infra.backend import GenerateChunk, GenerateInput
-from service_infra.colocated import ColocatedBackend
+from service_infra.colocated import ColocatedBackend, StartRequest
 from service_infra.prefix_record import PrefixRecord
 
 logger = logging.getLogger(__name__)
 READY_POLL_S = 0.002
 MAX_RECORDED_BLOCKS = 128  # leading blocks of a prompt recorded for routing (the gateway's
 #                            gateway/routing.py MAX_ROUTING_BLOCKS: longer overlaps count equal)
+
+
+def fork_input(req_id: str, parent_req_id: str, prompt_token_ids: list[int],
+               params: SamplingParams) -> GenerateInput:
+    """A sample of `parent_req_id` that shares its prompt KV (see DecodeWorker.fork)."""
+    return GenerateInput(req_id, list(prompt_token_ids), params, fork_of=parent_req_id)
 
 
 class LeaseNotReady(RuntimeError):
@@ -79,16 +85,14 @@ class DecodeWorker(ColocatedBackend):
 
     async def _recording_reply(self, chunks: AsyncIterator[GenerateChunk],
                                prompt_token_ids: list[int]) -> AsyncIterator[GenerateChunk]:
-        """Pass the chunks on; at the last, where the engine keeps decoded blocks
-        (--cache-decoded-blocks), record the reply's full blocks too: a chat's next turn is
-        then routed by its whole history. Every token but the last has its KV computed."""
+        """Pass the chunks on; at the last, record the reply (`finished`)."""
         keeps_replies = self.engine.kv.cache_decoded_blocks
         output: list[int] = []
         async for chunk in chunks:
             if keeps_replies:
                 output += chunk.token_ids
-                if chunk.is_last and len(output) > 1:
-                    self._held(prompt_token_ids + output[:-1])
+                if chunk.is_last:
+                    self.finished(prompt_token_ids, output)
             yield chunk
 
     # -- called by the lease table, from any thread -------------------------------------------
@@ -127,10 +131,12 @@ class DecodeWorker(ColocatedBackend):
         self.reservations[req_id] = res
         return res
 
-    async def decode(self, req_id: str, first_token: int,
-                     first_logprobs: dict[int, float] | None,
-                     ready_timeout_s: float) -> AsyncIterator[GenerateChunk]:
-        """Claim the reservation's verified KV and stream every token from the first on."""
+    async def claim(self, req_id: str, first_token: int,
+                    first_logprobs: dict[int, float] | None,
+                    ready_timeout_s: float) -> tuple[GenerateInput, StartRequest]:
+        """Wait for the reservation's KV to be complete and verified, claim it, and return
+        the request with how the engine thread admits it (its first token's delta).
+        LeaseNotReady when the lease ended or the KV is not complete in time."""
         res = self.reservations.get(req_id)
         if res is None:
             raise LeaseNotReady(f"no reservation for request {req_id!r} (never made, "
@@ -149,23 +155,20 @@ class DecodeWorker(ColocatedBackend):
         self.leases.claim(res.lease_id)  # the engine's reservation now owns the blocks
         del self.reservations[req_id]
 
-        def admit() -> list[RequestOutput]:  # the engine thread: the first token's output
+        def admit() -> list[RequestDelta]:  # the engine thread: the first token's delta
             try:
                 return [self.engine.admit_prefilled(req_id, first_token, first_logprobs)]
             except (KeyError, ValueError) as e:
                 raise ValueError(f"cannot admit: {e!r}") from e
 
-        inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
         self._held(res.prompt_token_ids)  # verified KV, cached at admission
-        async for chunk in self._recording_reply(self.generate(inp, start=admit),
-                                                 res.prompt_token_ids):
-            yield chunk
+        return GenerateInput(req_id, res.prompt_token_ids, res.params), admit
 
-    async def prefill_locally(self, req_id: str, lease_id: str,
-                              max_chunk_tokens: int) -> AsyncIterator[GenerateChunk]:
-        """Compute the reservation's prompt in this engine and stream every token from the
-        first on. The blocks stay the reservation's throughout (admission counted them);
-        LeaseNotReady if the lease ended or a sender has begun writing into it."""
+    def withdraw(self, req_id: str, lease_id: str,
+                 max_chunk_tokens: int) -> tuple[GenerateInput, StartRequest]:
+        """Take the reservation back from its lease for a local prefill; returns the request
+        with how the engine thread starts computing its prompt. LeaseNotReady if the lease
+        ended or a sender has begun writing into it."""
         if max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         res = self.reservations.get(req_id)
@@ -178,28 +181,51 @@ class DecodeWorker(ColocatedBackend):
             raise LeaseNotReady(f"cannot prefill {req_id!r} locally: {e}") from None
         del self.reservations[req_id]
 
-        def start() -> list[RequestOutput]:  # the engine thread
+        def start() -> list[RequestDelta]:  # the engine thread
             try:
                 self.engine.prefill_reserved(req_id, max_chunk_tokens)
             except KeyError as e:  # aborted in between
                 raise ValueError(f"cannot prefill locally: {e!r}") from e
             return []
 
-        inp = GenerateInput(req_id, res.prompt_token_ids, res.params)
+        return GenerateInput(req_id, res.prompt_token_ids, res.params), start
+
+    def finished(self, prompt_token_ids: list[int], output: list[int]) -> None:
+        """A request that streamed `output` ended: where the engine keeps decoded blocks
+        (--cache-decoded-blocks), record the reply's full blocks too, so that a chat's next
+        turn is routed by its whole history. Every token but the last has its KV computed."""
+        if self.engine.kv.cache_decoded_blocks and len(output) > 1:
+            self._held(prompt_token_ids + output[:-1])
+
+    async def decode(self, req_id: str, first_token: int,
+                     first_logprobs: dict[int, float] | None,
+                     ready_timeout_s: float) -> AsyncIterator[GenerateChunk]:
+        """Claim the reservation's verified KV and stream every token from the first on."""
+        inp, admit = await self.claim(req_id, first_token, first_logprobs, ready_timeout_s)
+        async for chunk in self._recording_reply(self.generate(inp, start=admit),
+                                                 inp.prompt_token_ids):
+            yield chunk
+
+    async def prefill_locally(self, req_id: str, lease_id: str,
+                              max_chunk_tokens: int) -> AsyncIterator[GenerateChunk]:
+        """Compute the reservation's prompt in this engine and stream every token from the
+        first on. The blocks stay the reservation's throughout (admission counted them);
+        LeaseNotReady if the lease ended or a sender has begun writing into it."""
+        inp, start = self.withdraw(req_id, lease_id, max_chunk_tokens)
         is_first = True
         async for chunk in self._recording_reply(self.generate(inp, start=start),
-                                                 res.prompt_token_ids):
+                                                 inp.prompt_token_ids):
             if is_first:  # the first token: the whole prompt is computed and cached
                 is_first = False
-                self._held(res.prompt_token_ids)
+                self._held(inp.prompt_token_ids)
             yield chunk
 
     async def fork(self, req_id: str, parent_req_id: str, prompt_token_ids: list[int],
                    params: SamplingParams) -> AsyncIterator[GenerateChunk]:
         """Stream a sample of `parent_req_id` that shares its prompt KV; with no such parent
         here (gone, or another prompt) it prefills here as a plain request."""
-        inp = GenerateInput(req_id, list(prompt_token_ids), params, fork_of=parent_req_id)
-        async for chunk in self.generate(inp):
+        async for chunk in self.generate(fork_input(req_id, parent_req_id, prompt_token_ids,
+                                                    params)):
             yield chunk
 
     def renew(self, req_id: str, lease_id: str, ttl_s: float) -> float:

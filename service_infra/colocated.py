@@ -10,12 +10,16 @@ measured against.
 engine_core has no asyncio and is not thread-safe, so exactly one thread touches the engine:
 every add, abort and status query goes through the inbox and runs between two steps. The
 thread sleeps on a condition while there is nothing to do (no busy-waiting) and posts each
-step's outputs to the event loop with one `call_soon_threadsafe`, whatever the batch size.
+step's deltas (engine_core/outputs.py) to the event loop with one `call_soon_threadsafe`,
+whatever the batch size; there each request's delta goes to its sink, a plain function.
 
-The decode worker (decode_service/worker.py) builds on three public verbs: `call_in_engine`
-(await a function run between two steps), `submit_to_engine` (queue one, from any thread) and
+The decode worker (decode_service/worker.py) builds on four public verbs: `call_in_engine`
+(await a function run between two steps), `submit_to_engine` (queue one, from any thread),
 `generate(inp, start=...)` (stream a request that enters the engine some other way than
-`add_request`: admitted with KV and a first token computed elsewhere).
+`add_request`: admitted with KV and a first token computed elsewhere) and `open(inp, sink,
+start)`, which `generate` is built on: the request's deltas go to `sink` as each step posts
+them, with no task or queue of its own (the decode worker's per-gateway stream,
+decode_service/stream.py, gathers every request's deltas of a step into one message).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine_core.engine import LLMEngine
-from engine_core.outputs import RequestOutput
+from engine_core.outputs import RequestDelta
 from service_infra.backend import (
     BackendUnavailable,
     DeadlineExceeded,
@@ -42,12 +46,16 @@ from service_infra.backend import (
 
 logger = logging.getLogger(__name__)
 
-# Runs in the engine thread and puts one request into the engine; returns the outputs the
+# Runs in the engine thread and puts one request into the engine; returns the deltas the
 # engine produced for it at once (none for a request that waits for its first step).
-StartRequest = Callable[[], list[RequestOutput]]
+StartRequest = Callable[[], list[RequestDelta]]
+# Takes a request's deltas on the event loop, with the time of the step that made each, or a
+# BaseException that ends the request (a start that failed, the engine's failure, closing).
+# Must not block; it is called inside the step's dispatch.
+Sink = Callable[[Any, float], None]
 
-_ABORTED = "aborted"  # queue sentinels
-_DEADLINE = "deadline"
+ABORTED = "aborted"  # what a sink gets when abort() ends its request
+_DEADLINE = "deadline"  # generate()'s own, from its deadline timer
 
 
 class _Stream:
@@ -63,6 +71,10 @@ class _Stream:
         self.t_second_token: float | None = None
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+
+    def accepted(self, t_add: float) -> None:
+        """The engine thread, as it accepts the request (before any of its outputs)."""
+        self.t_add = t_add
 
 
 class ColocatedBackend:
@@ -85,7 +97,8 @@ class ColocatedBackend:
                                min(engine.max_model_len, pool_tokens),
                                engine.model_config.vocab_size)
         self.loop = asyncio.get_running_loop()  # where every stream and future lives
-        self._streams: dict[str, _Stream] = {}  # loop side only
+        self._streams: dict[str, _Stream] = {}  # generate()'s requests; loop side only
+        self._sinks: dict[str, Sink] = {}  # every open request's; loop side only
         self._cv = threading.Condition()
         self._inbox: list[Callable[[], None]] = []  # guarded by _cv, run by the engine thread
         self._closed = False
@@ -99,7 +112,7 @@ class ColocatedBackend:
         """The Backend contract (service_infra/backend.py). start: how the engine thread puts
         the request into the engine, instead of `engine.add_request(inp.prompt_token_ids,
         inp.params)`; a ValueError it raises ends the stream with that error."""
-        if inp.req_id in self._streams:
+        if inp.req_id in self._sinks:
             raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
         if self.max_waiting is not None:
             waiting = sum(1 for s in self._streams.values() if s.t_first_token is None)
@@ -108,13 +121,17 @@ class ColocatedBackend:
                                  f"this engine (max_waiting {self.max_waiting})")
         stream = _Stream(inp)
         self._streams[inp.req_id] = stream
-        if not self.submit_to_engine(lambda: self._add(stream, start)):
+        put = stream.queue.put_nowait
+        try:
+            self.open(inp, lambda item, t_step: put((item, t_step)), start,
+                      on_add=stream.accepted)
+        except BaseException:
             del self._streams[inp.req_id]
-            raise self._unavailable()
+            raise
         timer = None
         if inp.deadline is not None:
             timer = self.loop.call_later(max(0.0, inp.deadline - time.monotonic()),
-                                          stream.queue.put_nowait, _DEADLINE)
+                                          put, (_DEADLINE, 0.0))
         is_done = False
         try:
             while not is_done:
@@ -128,15 +145,34 @@ class ColocatedBackend:
             if timer is not None:
                 timer.cancel()
             del self._streams[inp.req_id]
-            if not is_done:  # cancelled, closed early, deadline, or an error
-                self.submit_to_engine(lambda: self.engine.abort_request(inp.req_id))
+            self.close_request(inp.req_id, abort=not is_done)
+
+    def open(self, inp: GenerateInput, sink: Sink, start: StartRequest | None = None,
+             on_add: Callable[[float], None] | None = None) -> None:
+        """Put the request into the engine (by `start`, or add_request) and send each of its
+        deltas to `sink` on this loop until its last; then, or when the caller is done with
+        it, `close_request`. DuplicateRequestError if its id is open, BackendUnavailable if
+        the engine takes no more. on_add(time): in the engine thread, as it accepts it."""
+        if inp.req_id in self._sinks:
+            raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
+        self._sinks[inp.req_id] = sink
+        if not self.submit_to_engine(lambda: self._add(inp, start, on_add)):
+            del self._sinks[inp.req_id]
+            raise self._unavailable()
+
+    def close_request(self, req_id: str, abort: bool) -> None:
+        """Stop sending the request's deltas; abort it in the engine too when it has not
+        ended (cancelled, closed early, deadline, an error)."""
+        self._sinks.pop(req_id, None)
+        if abort:
+            self.submit_to_engine(lambda: self.engine.abort_request(req_id))
 
     async def abort(self, req_id: str) -> bool:
-        stream = self._streams.get(req_id)
-        if stream is None:
+        sink = self._sinks.get(req_id)
+        if sink is None:
             return False
         self.submit_to_engine(lambda: self.engine.abort_request(req_id))
-        stream.queue.put_nowait(_ABORTED)
+        sink(ABORTED, time.monotonic())
         return True
 
     async def status(self) -> dict[str, Any]:
@@ -166,7 +202,7 @@ class ColocatedBackend:
                        if self.engine.spec is not None else {})}
 
         result = await self.call_in_engine(snapshot)
-        result["num_streams"] = len(self._streams)
+        result["num_streams"] = len(self._sinks)
         return result
 
     def status_now(self) -> dict[str, Any]:
@@ -186,8 +222,7 @@ class ColocatedBackend:
                 return
             self._closed = True
             self._cv.notify()
-        for stream in self._streams.values():
-            stream.queue.put_nowait(BackendUnavailable("the backend is shutting down"))
+        self._fail_streams(BackendUnavailable("the backend is shutting down"))
         await asyncio.to_thread(self._thread.join)
 
     # -- the engine thread's inbox (public: subclasses and wrappers build on it) --------------
@@ -221,63 +256,62 @@ class ColocatedBackend:
 
     # -- event loop helpers ------------------------------------------------------------------
     def _merge(self, stream: _Stream, items: list[Any]) -> GenerateChunk:
-        """Fold queued items (engine outputs, sentinels, errors) into one chunk."""
+        """Fold queued items ((delta, step time), sentinels, errors) into one chunk."""
         token_ids: list[int] = []
         texts: list[str] = []
         logprobs: list[dict[int, float]] | None = None
-        last: RequestOutput | None = None
         finish_reason = None
         prompt_logprobs = None
-        for item in items:
-            if item is _ABORTED:
+        finished_s = None
+        for item, t_step in items:
+            if item is ABORTED:
                 finish_reason = "abort"
                 break
             if item is _DEADLINE:
                 raise DeadlineExceeded(f"request {stream.inp.req_id!r} passed its deadline")
             if isinstance(item, BaseException):
                 raise item
-            out, t_step = item
-            completion = out.outputs[0]
-            if stream.t_first_token is None:
-                stream.t_scheduled = stream.t_add + out.metrics["first_scheduled"]
-                stream.t_first_token = stream.t_add + out.metrics["first_token"]
-                stream.num_cached_tokens = out.num_cached_tokens
-                prompt_logprobs = out.prompt_logprobs
-            elif stream.t_second_token is None and out.delta_token_ids:
+            delta: RequestDelta = item
+            if delta.is_first:
+                metrics = delta.metrics or {}
+                stream.t_scheduled = stream.t_add + metrics.get("first_scheduled", 0.0)
+                stream.t_first_token = stream.t_add + metrics.get("first_token", 0.0)
+                stream.num_cached_tokens = delta.num_cached_tokens
+                prompt_logprobs = delta.prompt_logprobs
+            elif stream.t_second_token is None and delta.token_ids:
                 stream.t_second_token = t_step
-            # the engine thread keeps appending to the logprobs list: slice by this step's count
-            num_out = len(completion.token_ids)
-            if completion.logprobs is not None:
-                start = num_out - len(out.delta_token_ids)
-                logprobs = (logprobs or []) + completion.logprobs[start:num_out]
-            stream.num_output_tokens = num_out
-            token_ids += out.delta_token_ids
-            texts.append(out.delta_text)
-            last = out
-            finish_reason = completion.finish_reason
+            if delta.logprobs is not None:
+                logprobs = (logprobs or []) + delta.logprobs
+            stream.num_output_tokens = delta.num_output_tokens
+            token_ids += delta.token_ids
+            texts.append(delta.text)
+            finish_reason = delta.finish_reason
+            if finish_reason is not None and delta.metrics is not None:
+                finished_s = delta.metrics.get("finished")
         chunk = GenerateChunk(token_ids, "".join(texts), logprobs, finish_reason,
                               len(stream.inp.prompt_token_ids), stream.num_output_tokens,
                               stream.num_cached_tokens, prompt_logprobs=prompt_logprobs)
         if finish_reason is not None:
-            finished = last.metrics.get("finished") if last is not None else None
-            t_end = time.monotonic() if finished is None else stream.t_add + finished
+            t_end = time.monotonic() if finished_s is None else stream.t_add + finished_s
             chunk.timing = _timing(stream, t_end)
         return chunk
 
-    def _dispatch(self, outputs: list[RequestOutput], t_step: float) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:  # else: aborted or closed since the step began
-                stream.queue.put_nowait((out, t_step))
+    def _dispatch(self, deltas: list[RequestDelta], t_step: float) -> None:
+        sinks = self._sinks
+        for delta in deltas:
+            sink = sinks.get(delta.req_id)
+            if sink is not None:  # else: aborted or closed since the step began
+                sink(delta, t_step)
 
     def _post_error(self, req_id: str, error: BaseException) -> None:
-        stream = self._streams.get(req_id)
-        if stream is not None:
-            stream.queue.put_nowait(error)
+        sink = self._sinks.get(req_id)
+        if sink is not None:
+            sink(error, time.monotonic())
 
     def _fail_streams(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+        now = time.monotonic()
+        for sink in list(self._sinks.values()):
+            sink(error, now)
 
     def _unavailable(self) -> BackendUnavailable:
         if self._failure is not None:
@@ -285,9 +319,10 @@ class ColocatedBackend:
         return BackendUnavailable("the backend is shut down")
 
     # -- the engine thread ----------------------------------------------------------------------
-    def _add(self, stream: _Stream, start: StartRequest | None) -> None:
-        inp = stream.inp
-        stream.t_add = time.monotonic()
+    def _add(self, inp: GenerateInput, start: StartRequest | None,
+             on_add: Callable[[float], None] | None) -> None:
+        if on_add is not None:
+            on_add(time.monotonic())
         try:
             if start is None:
                 self.engine.add_request(inp.prompt_token_ids, inp.params, req_id=inp.req_id,
@@ -316,7 +351,7 @@ class ColocatedBackend:
                 if is_closed:  # streams were told; what still runs is dropped
                     engine.abort_request(list(engine.scheduler.requests))
                     return
-                outputs = engine.step() if engine.has_unfinished_requests() else []
+                outputs = engine.step_deltas() if engine.has_unfinished_requests() else []
             except Exception as e:  # the model or scheduler broke: fail everything, stop
                 self._fail(e)
                 return

@@ -12,7 +12,7 @@ import torch
 from decode_service.server import accepted_transports
 from decode_service.worker import DecodeWorker, LeaseNotReady
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from engine_core.outputs import CompletionOutput, RequestOutput
+from engine_core.outputs import RequestDelta
 from engine_core.sampling_params import SamplingParams
 from kv_transfer import LeaseTable
 from tests.service_infra.fake_engine import FakeEngine
@@ -35,12 +35,13 @@ class FakeDecodeEngine(FakeEngine):
 
     def admit_prefilled(self, req_id, first_token, first_logprobs=None):
         params = self.reserved.pop(req_id)  # KeyError: nothing reserved under this id
+        metrics = {"first_scheduled": 0.0, "first_token": 0.0}
+        if params.max_tokens <= 1:  # the first token is its last
+            return RequestDelta(req_id, [first_token], "", 1, finish_reason="length",
+                                is_first=True, metrics={**metrics, "finished": 0.0})
         self.add_request([1, 2, 3], params, req_id)
         self.scheduler.requests[req_id][2].append(first_token)
-        return RequestOutput(req_id, None, [1, 2, 3],
-                             [CompletionOutput(0, "", [first_token], None)], False,
-                             metrics={"first_scheduled": 0.0, "first_token": 0.0},
-                             delta_token_ids=[first_token])
+        return RequestDelta(req_id, [first_token], "", 1, is_first=True, metrics=metrics)
 
     def abort_request(self, req_ids):
         for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:

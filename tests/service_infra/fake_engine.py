@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from engine_core.outputs import CompletionOutput, RequestOutput
+from engine_core.outputs import RequestDelta
 
 
 class FakeEngine:
@@ -42,23 +42,24 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step_deltas(self) -> list[RequestDelta]:
         self.num_steps += 1
         if self.fail:
             raise RuntimeError("boom")
         time.sleep(self.step_s)
-        outputs = []
-        for req_id, (params, prompt, out, arrival) in list(self.scheduler.requests.items()):
+        deltas = []
+        for req_id, (params, _, out, arrival) in list(self.scheduler.requests.items()):
             out.append(len(out) + 1)
-            done = len(out) == params.max_tokens
+            done = len(out) >= params.max_tokens
             since = time.monotonic() - arrival
-            metrics = {"first_scheduled": 0.0, "first_token": since}
+            delta = RequestDelta(req_id, [out[-1]], f"t{out[-1]} ", len(out),
+                                 finish_reason="length" if done else None,
+                                 is_first=len(out) == 1)
+            if delta.is_first or done:
+                delta.metrics = {"first_scheduled": 0.0, "first_token": since,
+                                 **({"finished": since} if done else {})}
             if done:
-                metrics["finished"] = since
                 del self.scheduler.requests[req_id]
-            outputs.append(RequestOutput(
-                req_id, None, prompt, [CompletionOutput(0, "", list(out),
-                                                        "length" if done else None)],
-                done, metrics=metrics, delta_text=f"t{out[-1]} ", delta_token_ids=[out[-1]]))
+            deltas.append(delta)
         self.scheduler.num_running = len(self.scheduler.requests)
-        return outputs
+        return deltas

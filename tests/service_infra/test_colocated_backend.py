@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine_core.outputs import CompletionOutput, RequestOutput
+from engine_core.outputs import RequestDelta
 from engine_core.sampling_params import SamplingParams
 from service_infra.backend import (
     BackendUnavailable,
@@ -62,15 +62,14 @@ def test_a_request_can_enter_the_engine_another_way():
     engine = FakeEngine()
     seen_threads: list[str] = []
 
-    def admit() -> list[RequestOutput]:
+    def admit() -> list[RequestDelta]:
         seen_threads.append(threading.current_thread().name)
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), "p")
         engine.scheduler.requests["p"][2].append(0)  # the first token, computed elsewhere
-        return [RequestOutput("p", None, [1, 2, 3], [CompletionOutput(0, "", [0], None)], False,
-                              metrics={"first_scheduled": 0.0, "first_token": 0.0},
-                              delta_text="t0 ", delta_token_ids=[0])]
+        return [RequestDelta("p", [0], "t0 ", 1, is_first=True,
+                             metrics={"first_scheduled": 0.0, "first_token": 0.0})]
 
-    def refuse() -> list[RequestOutput]:
+    def refuse() -> list[RequestDelta]:
         raise ValueError("cannot admit: no reservation")
 
     async def body(backend):
