@@ -101,7 +101,7 @@ async def _serve(args: argparse.Namespace) -> None:
             pool.close()
 
     await serve_worker("decode", f"{args.host}:{args.port}", add, close, args.grace, on_bound,
-                       registration, tls)
+                       registration, tls, on_draining=lambda: servicer_box["s"].drain())
 
 
 def run(args: argparse.Namespace) -> int:

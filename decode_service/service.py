@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 
 import grpc
 
+from decode_service.stream import OutputStream
 from decode_service.worker import DecodeWorker, LeaseNotReady
 from kv_transfer import LeaseEndedError, LeaseError, UnknownLeaseError
 from protos.pdserve.internal import workers_pb2 as pb
@@ -33,6 +35,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.is_prefix_in_status = is_prefix_in_status
         self.transfer_address = transfer_address
         self.transfer_instance = transfer_instance  # the KV receiver's instance_id
+        self.streams: set[OutputStream] = set()  # the gateways' (Stream)
+        self.is_draining = False
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         try:
@@ -120,6 +124,26 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def Stream(self, request_iterator, context) -> None:
+        """A gateway's output stream (decode_service/stream.py)."""
+        stream = OutputStream(self.worker)
+        self.streams.add(stream)
+        if self.is_draining:
+            stream.drain()
+        reader = asyncio.create_task(stream.read(context))
+        try:
+            await stream.write(context)
+        finally:
+            reader.cancel()
+            stream.close()
+            self.streams.discard(stream)
+
+    def drain(self) -> None:
+        """The worker is shutting down: every stream ends once its requests have."""
+        self.is_draining = True
+        for stream in self.streams:
+            stream.drain()
 
     async def RenewLease(self, request: pb.RenewLeaseRequest, context):
         if not 0 < request.lease_ttl_s <= MAX_LEASE_TTL_S:

@@ -3,7 +3,7 @@
     every CHECK_S, when no request has succeeded for idle_s (a busy stack sends none):
       for each (prefill P, decode D) pair, one synthetic request, max_tokens 1, through the
       whole remote path: D.Reserve -> P.Prefill (KV over the transport in use, committed and
-      verified) -> D.Decode; bounded by timeout_s, aborted on D if it does not finish
+      verified) -> D.Decode (on the gateway's output stream to D); bounded by timeout_s, aborted on D if it does not finish
       a pair that fails is marked bad: routing gives D another prefill worker while one is left
       (gateway/prefill_handoff.py); its next success clears the mark
     readiness: NOT_SERVING once `failures` rounds in a row had no pair succeed, or a round's
@@ -142,6 +142,9 @@ class Canary:
                            else "lost (NOT_SERVING)")
         self.backend.last_success = time.monotonic() if "ok" in (
             o for o, _ in results.values()) else self.backend.last_success
+        out = getattr(self.backend, "canary_verdict_out", None)
+        if out is not None:  # the other API servers' readiness (gateway/api_servers.py)
+            out.write(self.state.is_ready, self.status())
 
     def status(self) -> dict:
         s = self.state
@@ -158,7 +161,10 @@ class CanaryCalls(WorkerCalls):
 
     @property
     def is_ready(self) -> bool:
-        """Readiness as the canary sees it (always True with the canary off)."""
+        """Readiness as the canary sees it (always True with the canary off); an API server
+        other than the first follows the first's canary (gateway/api_servers.py)."""
+        if self.canary_verdict_in is not None:
+            return self.canary_verdict_in.is_ready()
         return self.canary_monitor.state.is_ready
 
     async def canary(self, prefill: Worker, decode: Worker, timeout_s: float) -> None:
@@ -177,9 +183,11 @@ class CanaryCalls(WorkerCalls):
                 request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
                 lease_ttl_s=self.lease_ttl_s), timeout=self._remaining(inp))
             pre = await self._prefill_on(prefill, inp, sampling, decode, reservation)
-            async for _ in decode.stub.Decode(pb.DecodeRequest(
-                    request_id=inp.req_id, first_token_id=pre.first_token_id,
-                    ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp)):
+            # the output stream, as every request's tokens (gateway/decode_stream.py)
+            channel = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
+                request_id=inp.req_id, first_token_id=pre.first_token_id,
+                ready_timeout_s=READY_TIMEOUT_S))
+            async for _ in channel:
                 pass
             is_done = True
         except grpc.aio.AioRpcError as e:

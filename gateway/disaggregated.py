@@ -21,7 +21,10 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
                                           ended or a P that stalled -> run it elsewhere
       P.Prefill(prompt, lease, blocks) -> KV pushed layer by layer, committed, verified;
                                           the first token
-      D.Decode(first token)            -> stream of chunks to the client
+      D.Decode(first token)            -> stream of chunks to the client: sent as a start on
+                                          this gateway's output stream to D, which carries
+                                          every request's tokens, one message per engine step
+                                          (gateway/decode_stream.py)
     Samples 1..n-1 of a prompt (fork_of) skip all of it: D.Fork on sample 0's decode worker
     shares its prompt KV there (gateway/forks.py).
     Cancellation or a deadline at any point: the pending call is cancelled (gRPC propagates it
@@ -50,8 +53,10 @@ from typing import Any
 
 import grpc
 
+from gateway.api_servers import CanaryVerdict
 from gateway.canary import Canary, CanaryCalls, CanaryConfig
 from gateway.decode_admission import DecodeAdmission
+from gateway.decode_stream import RequestChannel
 from gateway.discovery import Discovery
 from gateway.forks import FORK_DECISION, ForkPlacements
 from gateway.prefill_handoff import PrefillHandoff
@@ -71,7 +76,6 @@ from service_infra.backend import (
 )
 from service_infra.proto_convert import (
     FINISH_REASON_NAMES,
-    logprob_from_proto,
     prompt_logprobs_from_proto,
     sampling_to_proto,
 )
@@ -114,6 +118,10 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
         self.last_success = time.monotonic()  # of a request or canary: canaries wait for idle
         # built without a config (tests over fake workers, embedding): no canary traffic
         self.canary_monitor = Canary(self, canary or CanaryConfig(idle_s=0.0))
+        # several API servers (gateway/api_servers.py): the first writes its canary's
+        # verdict there, the others follow it
+        self.canary_verdict_out: CanaryVerdict | None = None
+        self.canary_verdict_in: CanaryVerdict | None = None
         self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
         # admission: requests no decode worker has room for wait here (at most max_waiting at
         # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED
@@ -220,27 +228,28 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
         self._running[client_id] = (decode, inp.req_id)
         is_done = False
         num_local = 0  # prompt tokens of this local prefill until its first token
+        call: RequestChannel | None = None  # on the decode worker's output stream
         try:
             decision, held = ((FORK_DECISION, None) if reservation is None
                               else await self._place(inp, decode, reservation))
             t_prefill_call = time.monotonic()
             if reservation is None:
                 pre = None
-                call = self._fork_call(inp, sampling, parent, self._remaining(inp))
+                call = self._fork_call(inp, sampling, parent)
             elif decision.where == "local":
                 pre = None
                 num_local = len(inp.prompt_token_ids) - reservation.num_cached_tokens
                 decode.num_local_tokens_in_flight += num_local
-                call = decode.stub.PrefillLocally(pb.LocalPrefillRequest(
+                call = decode.outputs.start(inp.req_id, inp.deadline,
+                                            prefill_locally=pb.LocalPrefillRequest(
                     request_id=inp.req_id, lease_id=reservation.lease_id,
-                    max_chunk_tokens=self.prefill_policy.local_chunk_tokens),
-                    timeout=self._remaining(inp))
+                    max_chunk_tokens=self.prefill_policy.local_chunk_tokens))
             else:
                 pre = await self._prefill(inp, sampling, decode, reservation, held)
-                call = decode.stub.Decode(pb.DecodeRequest(
+                call = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
                     request_id=inp.req_id, first_token_id=pre.first_token_id,
                     first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
-                    ready_timeout_s=READY_TIMEOUT_S), timeout=self._remaining(inp))
+                    ready_timeout_s=READY_TIMEOUT_S))
             num_out, t_first = 0, None
             prompt_lps = (prompt_logprobs_from_proto(pre.prompt_logprobs)
                           if pre is not None and pre.prompt_logprobs else None)  # the prefill's
@@ -252,11 +261,9 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
                     num_local = 0
                     num_out += len(msg.token_ids)
                     reason = FINISH_REASON_NAMES.get(msg.finish_reason)
-                    chunk = GenerateChunk(
-                        list(msg.token_ids), msg.text,
-                        [logprob_from_proto(lp) for lp in msg.logprobs] if msg.logprobs
-                        else None, reason, len(inp.prompt_token_ids), num_out,
-                        msg.num_cached_tokens)
+                    chunk = GenerateChunk(msg.token_ids, msg.text, msg.logprobs, reason,
+                                          len(inp.prompt_token_ids), num_out,
+                                          msg.num_cached_tokens)
                     chunk.prompt_logprobs, prompt_lps = prompt_lps, None  # on the first
                     if reason is not None:
                         queue_s, prefill_s = ((msg.queue_s, msg.prefill_s) if pre is None
@@ -290,7 +297,10 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
             decode.in_flight -= 1
             self._running.pop(client_id, None)
             if not is_done:  # cancelled, deadline, or a failure: free it on the decode worker
-                await self._abort_on(decode, inp.req_id)
+                if call is not None and not call.is_done:  # open on the output stream
+                    decode.outputs.abort(call, "ended at the gateway")
+                else:  # a reservation, or a start that failed
+                    await self._abort_on(decode, inp.req_id)
             self._freed.set()  # wake the requests waiting for decode capacity
             self._freed = asyncio.Event()
 

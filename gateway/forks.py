@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+from gateway.decode_stream import RequestChannel
 from gateway.prefill_policy import PrefillDecision
 from gateway.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
@@ -86,7 +87,7 @@ class ForkPlacements:
             self._waiting_forks.discard(inp.req_id)
 
     @staticmethod
-    def _fork_call(inp: GenerateInput, sampling, placement: Placement, timeout: float | None):
-        return placement.decode.stub.Fork(pb.ForkRequest(
+    def _fork_call(inp: GenerateInput, sampling, placement: Placement) -> RequestChannel:
+        return placement.decode.outputs.start(inp.req_id, inp.deadline, fork=pb.ForkRequest(
             request_id=inp.req_id, parent_request_id=placement.worker_req_id,
-            prompt_token_ids=inp.prompt_token_ids, sampling=sampling), timeout=timeout)
+            prompt_token_ids=inp.prompt_token_ids, sampling=sampling))

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from gateway.decode_stream import DecodeStream
 from gateway.discovery import Discovery, WorkerAddress
 from kv_transfer import GRPC_CHANNEL_OPTIONS
 from protos.pdserve.internal import workers_pb2 as pb
@@ -44,6 +45,11 @@ class Worker:
     epoch: int = 0  # discovery's restart epoch: another one at this address is a new process
     num_slow_status: int = 0  # Status calls in a row that timed out
     prefix_hashes: frozenset[int] = frozenset()  # its Status: the prefix blocks it holds
+    outputs: DecodeStream | None = None  # decode workers: this gateway's output stream
+
+    def close(self) -> None:
+        if self.outputs is not None:
+            self.outputs.close()
 
 
 class WorkerPools:
@@ -87,8 +93,10 @@ class WorkerPools:
                 logger.info("%s worker joined: %s", role, found.address)
                 channel = tls_channel(found.address, self.tls, GRPC_CHANNEL_OPTIONS.items(),
                                       is_aio=True)
-                worker = Worker(found.address, stub_cls(channel), channel,
-                                worker_id=found.worker_id, epoch=found.epoch)
+                stub = stub_cls(channel)
+                worker = Worker(found.address, stub, channel, worker_id=found.worker_id,
+                                epoch=found.epoch,
+                                outputs=DecodeStream(stub) if role == "decode" else None)
             kept.append(worker)
         for gone in current.values():
             logger.info("%s worker left: %s", role, gone.address)
@@ -110,6 +118,7 @@ class WorkerPools:
     @staticmethod
     async def _forget(worker: Worker) -> None:
         if worker.in_flight == 0:  # else its in-flight requests still use the channel
+            worker.close()
             await worker.channel.close()
 
     async def _refresh_loop(self) -> None:
@@ -142,4 +151,5 @@ class WorkerPools:
             self._refresher.cancel()
         await self.discovery.close()
         for w in self.prefill + self.decode:
+            w.close()
             await w.channel.close()

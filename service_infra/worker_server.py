@@ -50,10 +50,12 @@ async def serve_worker(
     on_bound: Callable[[int], Awaitable[None]] | None = None,
     announcer: Announcer | None = None,
     tls: TLSConfig | None = None,
+    on_draining: Callable[[], None] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. add_servicers registers the servicers and returns their
     full service names; on_bound(port) runs after binding, before SERVING; the announcer
-    starts once SERVING and stops first thing on shutdown. With `tls`, the port takes only
+    starts once SERVING and stops first thing on shutdown; on_draining() runs as the server
+    stops accepting (before the grace period). With `tls`, the port takes only
     mutual-TLS peers (a client certificate signed by the CA: service_infra/tls.py)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -87,5 +89,7 @@ async def serve_worker(
     if announcer is not None:
         await announcer.stop()
     await health_servicer.enter_graceful_shutdown()
+    if on_draining is not None:  # long-lived streams end as soon as their calls have
+        on_draining()
     await server.stop(grace_s)
     await close()

@@ -56,6 +56,24 @@ class FakeDecode(pb_grpc.DecodeServicer):
         self.calls.append(("Abort", request.request_id))
         return pb.AbortRequestResponse(found=True)
 
+    async def Stream(self, request_iterator, context):
+        """The gateway's output stream: Decode and Fork as above, one message each."""
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("kind")
+            if kind == "decode":
+                self.calls.append(("Decode", msg.decode.request_id))
+                req_id, token = msg.decode.request_id, msg.decode.first_token_id
+            elif kind == "fork":
+                self.calls.append(("Fork", f"{msg.fork.request_id}<"
+                                           f"{msg.fork.parent_request_id}"))
+                req_id, token = msg.fork.request_id, 7
+            else:
+                self.calls.append(("Abort", msg.abort.request_id))
+                continue
+            yield pb.StepOutputs(request_ids=[req_id], num_tokens=[1], token_ids=[token],
+                                 texts=[""], ends=[pb.StreamEnd(
+                                     index=0, finish_reason=FINISH_REASONS["length"])])
+
 
 async def _serve(prefill: FakePrefill, decode: FakeDecode):
     server = grpc.aio.server()

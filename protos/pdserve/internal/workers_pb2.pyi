@@ -212,3 +212,53 @@ class WorkerStatus(_message.Message):
     kv_bytes_per_token: int
     prefix_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_num_accepted: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("decode", "prefill_locally", "fork", "abort")
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    decode: DecodeRequest
+    prefill_locally: LocalPrefillRequest
+    fork: ForkRequest
+    abort: AbortRequestRequest
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., prefill_locally: _Optional[_Union[LocalPrefillRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequestRequest, _Mapping]] = ...) -> None: ...
+
+class StepOutputs(_message.Message):
+    __slots__ = ("request_ids", "num_tokens", "token_ids", "texts", "num_logprobs", "logprobs", "ends")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    num_logprobs: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    ends: _containers.RepeatedCompositeFieldContainer[StreamEnd]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_logprobs: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("index", "finish_reason", "num_cached_tokens", "first_decode_step_s", "queue_s", "prefill_s", "error_code", "error")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    finish_reason: _generate_pb2.FinishReason
+    num_cached_tokens: int
+    first_decode_step_s: float
+    queue_s: float
+    prefill_s: float
+    error_code: int
+    error: str
+    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., first_decode_step_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

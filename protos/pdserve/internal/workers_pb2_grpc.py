@@ -187,6 +187,11 @@ class DecodeStub:
                 request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/pdserve.internal.Decode/Stream',
+                request_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.StreamRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.StepOutputs.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -252,6 +257,19 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """One long-lived stream per gateway, what the gateway streams every request through: it
+        starts requests on it (as Decode, PrefillLocally and Fork do, one message each) and ends
+        them early (as Abort); the worker answers with one StepOutputs per engine step, carrying
+        the news of every request started here that the step advanced. When the gateway reads
+        slower than steps come, the steps not sent yet are merged into one message, request by
+        request: the engine never waits for a stream. The stream's end (the gateway closed or
+        died) aborts every request still running on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -289,6 +307,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.StreamRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_internal_dot_workers__pb2.StepOutputs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +503,33 @@ class Decode:
             '/pdserve.internal.Decode/Status',
             protos_dot_pdserve_dot_internal_dot_workers__pb2.StatusRequest.SerializeToString,
             protos_dot_pdserve_dot_internal_dot_workers__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.internal.Decode/Stream',
+            protos_dot_pdserve_dot_internal_dot_workers__pb2.StreamRequest.SerializeToString,
+            protos_dot_pdserve_dot_internal_dot_workers__pb2.StepOutputs.FromString,
             options,
             channel_credentials,
             insecure,

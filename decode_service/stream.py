@@ -1,0 +1,294 @@
+"""A gateway's output stream on this decode worker (Decode.Stream): every request the gateway
+starts here streams through it, one message per engine step for all of them.
+
+    gateway -> StreamRequest{decode | prefill_locally | fork}   start: claim the lease (or
+                                                                withdraw it, or fork) and
+                                                                open the request in the engine
+               StreamRequest{abort}                             end one early
+    engine thread, each step -> the loop: each request's delta goes to its sink here, which
+                                merges it into `pending` (one entry per request)
+    writer -> StepOutputs of everything pending, then waits for the next step's news
+
+A request's life here: starting (its lease wait, as a task) -> open (in the engine, deltas to
+its sink) -> ended (its last entry, finish reason or error, is pending or sent). While a write
+waits for the gateway (flow control), later steps merge into `pending`: the engine never
+waits for a stream, and a slow gateway gets fewer, larger messages. The stream's end (the
+gateway went away, or the worker stops) aborts every request still open on it, so their
+blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from decode_service.worker import DecodeWorker, LeaseNotReady, fork_input
+from engine_core.outputs import RequestDelta
+from protos.pdserve.internal import workers_pb2 as pb
+from service_infra.backend import BackendUnavailable, GenerateInput
+from service_infra.colocated import StartRequest
+from service_infra.proto_convert import (
+    FINISH_REASONS,
+    logprob_from_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """One request started on this stream, from its start message to its last entry."""
+
+    req_id: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    is_local: bool = False  # a local prefill: its entry carries queue_s and prefill_s
+    t_start: float = field(default_factory=time.monotonic)  # its start message arrived
+    t_add: float = 0.0  # the engine accepted it
+    t_first: float | None = None  # its first tokens arrived here
+    t_second: float | None = None  # its second token did
+    num_tokens: int = 0
+    output: list[int] | None = None  # kept where the worker records replies (finished())
+    is_open: bool = False  # in the engine: its deltas come to the sink
+    is_aborted: bool = False  # an abort came while it was starting
+
+
+class _Pending:
+    """A request's news not sent yet: one or more steps' deltas merged."""
+
+    __slots__ = ("token_ids", "texts", "logprobs", "end")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.logprobs: list[dict[int, float]] | None = None
+        self.end: pb.StreamEnd | None = None
+
+
+class OutputStream:
+    """See the module docstring. Create and run it inside the worker's event loop."""
+
+    def __init__(self, worker: DecodeWorker, ready_timeout_s: float = 5.0) -> None:
+        self.worker = worker
+        self.ready_timeout_s = ready_timeout_s
+        self.requests: dict[str, _Request] = {}  # started, not ended
+        self.pending: dict[str, _Pending] = {}  # news not written yet, in arrival order
+        self._wake = asyncio.Event()
+        self._is_reading = True
+        self.is_draining = False  # the worker stops: no new requests, end once idle
+        self._starting: set[asyncio.Task] = set()
+        self._keeps_replies = worker.engine.kv.cache_decoded_blocks
+
+    # -- the gateway's messages ---------------------------------------------------------------
+    async def read(self, context) -> None:
+        """Take start and abort messages until the gateway closes its side."""
+        try:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    return
+                self.handle(msg)
+        finally:
+            self._is_reading = False
+            self._wake.set()
+
+    def handle(self, msg: pb.StreamRequest) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "abort":
+            self._abort(msg.abort.request_id, msg.abort.reason or "aborted by the gateway")
+            return
+        inner = getattr(msg, kind)
+        req_id = inner.request_id
+        if req_id in self.requests:
+            self._end_with_error(_Request(req_id), grpc.StatusCode.ALREADY_EXISTS,
+                                 f"request_id {req_id!r} is already running on this stream")
+            return
+        rec = self.requests[req_id] = _Request(req_id, is_local=kind == "prefill_locally")
+        if self._keeps_replies:
+            rec.output = []
+        if self.is_draining:
+            self._end_with_error(rec, grpc.StatusCode.UNAVAILABLE,
+                                 "the decode worker is shutting down")
+            return
+        task = asyncio.create_task(self._start(rec, kind, inner))
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    async def _start(self, rec: _Request, kind: str, msg) -> None:
+        try:
+            if kind == "decode":
+                first_lp = (logprob_from_proto(msg.first_logprob)
+                            if msg.HasField("first_logprob") else None)
+                inp, start = await self.worker.claim(
+                    rec.req_id, msg.first_token_id, first_lp,
+                    msg.ready_timeout_s or self.ready_timeout_s)
+            elif kind == "prefill_locally":
+                inp, start = self.worker.withdraw(rec.req_id, msg.lease_id,
+                                                  msg.max_chunk_tokens)
+            else:
+                if not msg.parent_request_id:
+                    raise ValueError("parent_request_id must be set")
+                try:
+                    params = sampling_from_proto(msg.sampling)
+                except ValueError as e:
+                    raise ValueError(f"sampling: {e}") from None
+                inp = fork_input(rec.req_id, msg.parent_request_id,
+                                 list(msg.prompt_token_ids), params)
+                start = None
+            if rec.is_aborted:
+                raise _Aborted
+            self._open(rec, inp, start)
+        except _Aborted:
+            self._end(rec, _end(finish_reason=FINISH_REASONS["abort"]))
+        except LeaseNotReady as e:
+            self._end_with_error(rec, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except BackendUnavailable as e:
+            self._end_with_error(rec, grpc.StatusCode.UNAVAILABLE, str(e))
+        except ValueError as e:
+            self._end_with_error(rec, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _open(self, rec: _Request, inp: GenerateInput, start: StartRequest | None) -> None:
+        rec.prompt_token_ids = inp.prompt_token_ids
+        self.worker.open(inp, lambda item, t_step: self._take(rec, item, t_step), start,
+                         on_add=lambda t: setattr(rec, "t_add", t))
+        rec.is_open = True
+
+    def _abort(self, req_id: str, reason: str) -> None:
+        rec = self.requests.get(req_id)
+        if rec is None:
+            return
+        if rec.is_open:  # its sink gets the abort, which ends it
+            asyncio.ensure_future(self.worker.abort(req_id))
+        else:  # still starting: end its reservation; the start ends it as aborted
+            rec.is_aborted = True
+            asyncio.ensure_future(self.worker.abort_anywhere(req_id, reason))
+
+    # -- the engine's deltas (the loop, inside a step's dispatch) -----------------------------
+    def _take(self, rec: _Request, item, t_step: float) -> None:
+        if not isinstance(item, RequestDelta):
+            if isinstance(item, BaseException):
+                code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, ValueError)
+                        else grpc.StatusCode.UNAVAILABLE)
+                self._end_with_error(rec, code, str(item))
+            else:  # ABORTED (worker.abort)
+                self._end(rec, _end(finish_reason=FINISH_REASONS["abort"]))
+            return
+        now = time.monotonic()
+        if rec.t_first is None:  # a first delta that carries a decoded token too: the step
+            rec.t_first = now if len(item.token_ids) < 2 else rec.t_start  # ran meanwhile
+        rec.num_tokens += len(item.token_ids)
+        if rec.t_second is None and rec.num_tokens >= 2:
+            rec.t_second = now
+        if rec.output is not None:
+            rec.output += item.token_ids
+        if rec.is_local and item.is_first and item.token_ids:
+            self.worker._held(rec.prompt_token_ids)  # its whole prompt is computed, cached
+        entry = self.pending.get(rec.req_id)
+        if entry is None:
+            entry = self.pending[rec.req_id] = _Pending()
+        entry.token_ids += item.token_ids
+        entry.texts.append(item.text)
+        if item.logprobs is not None:
+            entry.logprobs = (entry.logprobs or []) + item.logprobs
+        if item.finish_reason is not None:
+            end = _end(finish_reason=FINISH_REASONS[item.finish_reason],
+                       num_cached_tokens=item.num_cached_tokens,
+                       first_decode_step_s=(rec.t_second - rec.t_first) if rec.t_second
+                       else 0.0)
+            if rec.is_local and item.metrics is not None:  # the engine's split
+                m = item.metrics
+                arrival = rec.t_add - rec.t_start
+                end.queue_s = arrival + m.get("first_scheduled", 0.0)
+                end.prefill_s = m.get("first_token", 0.0) - m.get("first_scheduled", 0.0)
+            if rec.output is not None:
+                self.worker.finished(rec.prompt_token_ids, rec.output)
+            self._end(rec, end, entry)
+        self._wake.set()
+
+    def _end_with_error(self, rec: _Request, code: grpc.StatusCode, message: str) -> None:
+        self._end(rec, _end(error_code=code.value[0], error=message))
+
+    def _end(self, rec: _Request, end: pb.StreamEnd, entry: _Pending | None = None) -> None:
+        """The request's last entry; it leaves this stream (and the engine's sinks)."""
+        if entry is None:
+            entry = self.pending.get(rec.req_id) or self.pending.setdefault(rec.req_id,
+                                                                            _Pending())
+        entry.end = end
+        if self.requests.get(rec.req_id) is rec:
+            del self.requests[rec.req_id]
+        if rec.is_open:
+            rec.is_open = False
+            self.worker.close_request(rec.req_id, abort=False)
+        self._wake.set()
+
+    # -- the writer -----------------------------------------------------------------------------
+    async def write(self, context) -> None:
+        """Send what is pending, step after step, until the gateway has closed its side and
+        nothing is open or pending (or the call is cancelled)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.pending:
+                pending, self.pending = self.pending, {}
+                await context.write(_message(pending))
+            elif (not self._is_reading or self.is_draining) and not self.requests:
+                return
+
+    def drain(self) -> None:
+        """The worker is shutting down: refuse new requests, end the stream once the open
+        ones have ended."""
+        self.is_draining = True
+        self._wake.set()
+
+    def close(self) -> None:
+        """The stream ended: abort every request still open or starting on it."""
+        for rec in list(self.requests.values()):
+            if rec.is_open:
+                rec.is_open = False
+                self.worker.close_request(rec.req_id, abort=True)
+            else:
+                rec.is_aborted = True
+                asyncio.ensure_future(self.worker.abort_anywhere(
+                    rec.req_id, "the gateway's stream ended"))
+        self.requests.clear()
+        self.pending.clear()
+
+
+class _Aborted(Exception):
+    """An abort came for a request while it was starting."""
+
+
+def _end(**fields) -> pb.StreamEnd:
+    return pb.StreamEnd(**fields)
+
+
+def _message(pending: dict[str, _Pending]) -> pb.StepOutputs:
+    msg = pb.StepOutputs()
+    ids, counts, tokens, texts, num_logprobs = [], [], [], [], []
+    for i, (req_id, entry) in enumerate(pending.items()):
+        ids.append(req_id)
+        counts.append(len(entry.token_ids))
+        tokens += entry.token_ids
+        texts.append("".join(entry.texts))
+        if entry.logprobs is not None:
+            lps = [logprob_to_proto(t, e)
+                   for t, e in zip(entry.token_ids, entry.logprobs, strict=False)]
+            msg.logprobs.extend(lps)
+            num_logprobs.append(len(lps))
+        else:
+            num_logprobs.append(0)
+        if entry.end is not None:
+            entry.end.index = i
+            msg.ends.append(entry.end)
+    msg.request_ids.extend(ids)
+    msg.num_tokens.extend(counts)
+    msg.token_ids.extend(tokens)
+    msg.texts.extend(texts)
+    if msg.logprobs:
+        msg.num_logprobs.extend(num_logprobs)
+    return msg

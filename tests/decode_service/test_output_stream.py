@@ -1,0 +1,178 @@
+"""The decode worker's output stream (decode_service/stream.py) and the gateway's side of it
+(gateway/decode_stream.py), over a real gRPC server on loopback, the engine a fake (one token
+per step, milliseconds): every request's tokens arrive as the per-request Decode RPC gives
+them; an abort ends one request and leaves the others; a start that cannot start is its own
+error; the stream's end aborts what still runs on it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from decode_service.service import DecodeServicer
+from engine_core.sampling_params import SamplingParams
+from gateway.decode_stream import DecodeStream
+from protos.pdserve.internal import workers_pb2 as pb
+from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra.proto_convert import FINISH_REASON_NAMES
+from tests.decode_service.test_decode_worker import FakeDecodeEngine, deliver
+
+
+class Engine(FakeDecodeEngine):
+    """Each reservation its own block, so that many can be leased at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next_block = 0
+
+    def reserve(self, prompt, params, req_id, num_prior_output_tokens=0):
+        self.reserved[req_id] = params
+        self.next_block += 1
+        return [self.next_block], 0
+
+
+def run(body, step_s: float = 0.002):
+    """body(worker, table, engine, stub, stream) with a decode worker served on loopback."""
+    from decode_service.worker import DecodeWorker
+    from kv_transfer import LeaseTable
+
+    async def main():
+        engine = Engine()
+        engine.step_s = step_s
+        holder = {}
+        table = LeaseTable(on_release=lambda lease, why: holder["w"].on_lease_released(
+            lease, why))
+        worker = holder["w"] = DecodeWorker(engine, table)
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, "x"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.DecodeStub(channel)
+        stream = DecodeStream(stub)
+        try:
+            return await body(worker, table, engine, stub, stream)
+        finally:
+            stream.close()
+            await channel.close()
+            await server.stop(None)
+            await worker.close()
+
+    return asyncio.run(main())
+
+
+async def reserved(worker, table, req_id: str, max_tokens: int) -> None:
+    res = await worker.reserve(req_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens),
+                               ttl_s=5.0)
+    deliver(table, res.lease_id, res.block_ids)
+
+
+def start(stream: DecodeStream, req_id: str, first_token: int):
+    return stream.start(req_id, None, decode=pb.DecodeRequest(
+        request_id=req_id, first_token_id=first_token, ready_timeout_s=1.0))
+
+
+async def drain(channel) -> tuple[list[int], str | None]:
+    tokens, reason = [], None
+    async for delta in channel:
+        tokens += delta.token_ids
+        reason = FINISH_REASON_NAMES.get(delta.finish_reason)
+    return tokens, reason
+
+
+def test_every_request_streams_as_its_own_rpc_would():
+    """Eight requests of different lengths share the stream; each gets exactly the tokens
+    the per-request Decode RPC gives the same request, then its finish reason."""
+    async def body(worker, table, engine, stub, stream):
+        lengths = [1, 2, 3, 5, 8, 13, 4, 6]
+        for i, n in enumerate(lengths):
+            await reserved(worker, table, f"s{i}", n)
+        got = await asyncio.gather(*(drain(start(stream, f"s{i}", 100 + i))
+                                     for i in range(len(lengths))))
+        want = []
+        for i, n in enumerate(lengths):
+            await reserved(worker, table, f"r{i}", n)
+            msgs = [m async for m in stub.Decode(pb.DecodeRequest(
+                request_id=f"r{i}", first_token_id=100 + i, ready_timeout_s=1.0))]
+            want.append(([t for m in msgs for t in m.token_ids],
+                         FINISH_REASON_NAMES.get(msgs[-1].finish_reason)))
+        return got, want, engine.scheduler.requests
+
+    got, want, left = run(body)
+    assert got == want
+    assert [len(t) for t, _ in got] == [1, 2, 3, 5, 8, 13, 4, 6]
+    assert all(reason == "length" for _, reason in got) and left == {}
+
+
+def test_an_abort_ends_one_request_and_leaves_the_others():
+    async def body(worker, table, engine, stub, stream):
+        for i in range(3):
+            await reserved(worker, table, f"a{i}", 50)
+        channels = [start(stream, f"a{i}", 1) for i in range(3)]
+        first = await anext(channels[1])  # a1 is streaming
+        stream.abort(channels[1], "the client left")
+        others = await asyncio.gather(drain(channels[0]), drain(channels[2]))
+        await worker.status()  # after the engine thread ran the abort
+        return first, channels[1].is_done, others, engine.aborted, engine.scheduler.requests
+
+    first, is_done, others, aborted, left = run(body)
+    assert first.token_ids and is_done
+    assert aborted == ["a1"] and left == {}
+    assert [len(t) for t, _ in others] == [50, 50] and all(r == "length" for _, r in others)
+
+
+def test_a_request_that_cannot_start_fails_alone():
+    """No reservation: its channel raises FAILED_PRECONDITION (what its own Decode RPC would
+    end with); the request beside it is unaffected."""
+    async def body(worker, table, engine, stub, stream):
+        await reserved(worker, table, "ok", 4)
+        bad, good = start(stream, "missing", 1), start(stream, "ok", 1)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await drain(bad)
+        return e.value.code(), await drain(good)
+
+    code, (tokens, reason) = run(body)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert len(tokens) == 4 and reason == "length"
+
+
+def test_the_end_of_the_stream_aborts_what_runs_on_it():
+    """The gateway goes away (its call is cancelled): every request still open on the
+    stream is aborted on the worker, its blocks freed."""
+    async def body(worker, table, engine, stub, stream):
+        for i in range(3):
+            await reserved(worker, table, f"g{i}", 1000)
+        channels = [start(stream, f"g{i}", 1) for i in range(3)]
+        for channel in channels:
+            await anext(channel)
+        stream.close()
+        deadline = time.monotonic() + 5
+        while engine.scheduler.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await drain(channels[0])
+        return sorted(engine.aborted), engine.scheduler.requests
+
+    aborted, left = run(body)
+    assert aborted == ["g0", "g1", "g2"] and left == {}
+
+
+def test_a_slow_reader_gets_merged_steps_and_every_token():
+    """A consumer that does not read for a while: the steps it missed come merged into one
+    delta, nothing lost, nothing repeated."""
+    async def body(worker, table, engine, stub, stream):
+        await reserved(worker, table, "slow", 30)
+        channel = start(stream, "slow", 1)
+        first = await anext(channel)
+        await asyncio.sleep(0.2)  # ~100 steps of the fake engine
+        rest = [d async for d in channel]
+        return first, rest
+
+    first, rest = run(body)
+    tokens = first.token_ids + [t for d in rest for t in d.token_ids]
+    assert tokens == [1, *range(2, 31)]
+    assert len(rest) < 29  # merged: fewer deltas than tokens
+    assert FINISH_REASON_NAMES.get(rest[-1].finish_reason) == "length"
