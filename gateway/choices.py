@@ -1,5 +1,6 @@
 """The n samples of a request (OpenAI `n`, a batch of prompts, gRPC `n`): one backend request
-per choice, pumped into one stream of (choice index, chunk).
+per choice, pumped into one stream of (choice index, chunk) (a single choice, the common
+case, is iterated directly: no task or queue per chunk).
 
 Choice index = prompt index * n + sample index. Sample i of a seeded request is seeded
 seed + i, and runs as backend request f"{req_id}-{index}" (the request's own id when there is
@@ -55,8 +56,12 @@ class ChoiceStreams:
         self.queue: asyncio.Queue[tuple[int, GenerateChunk] | BaseException] = asyncio.Queue()
         self.num_choices = len(inputs)
         self.inputs = tuple(inputs)
-        self.tasks = [asyncio.create_task(self._pump(backend, inp, index))
-                      for index, inp in enumerate(inputs)]
+        # one choice (most requests): its consumer iterates the backend itself, no task
+        # between (cancelling the consumer ends the request)
+        self._single = backend.generate(inputs[0]) if len(inputs) == 1 else None
+        self.tasks = [] if self._single is not None else [
+            asyncio.create_task(self._pump(backend, inp, index))
+            for index, inp in enumerate(inputs)]
 
     async def abort(self, backend: Backend) -> bool:
         """Abort every choice. True if any was running."""
@@ -77,6 +82,11 @@ class ChoiceStreams:
     async def chunks(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
         """(choice index, chunk) in arrival order, until every choice's last chunk; a
         choice's error is raised here."""
+        if self._single is not None:
+            async with contextlib.aclosing(self._single) as chunks:
+                async for chunk in chunks:
+                    yield 0, chunk
+            return
         num_done = 0
         while num_done < self.num_choices:
             item = await self.queue.get()
@@ -86,5 +96,7 @@ class ChoiceStreams:
             num_done += item[1].is_last
 
     def close(self) -> None:
+        """End every choice still running (one choice: its consumer closes it, by leaving
+        `chunks` or being cancelled)."""
         for task in self.tasks:
             task.cancel()

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway import openai_protocol as oai
@@ -31,6 +31,14 @@ from gateway.auth import APIKeys, bearer_token
 from gateway.chat_output import ChatStream
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
 from gateway.reasoning import resolve_parser
+from gateway.sse import (
+    PLACEHOLDER,
+    ChunkTemplate,
+    Disconnect,
+    EventStream,
+    event_bytes,
+    named_event_bytes,
+)
 from gateway.validation import UnknownModelError, ValidationError
 from service_infra.backend import (
     Backend,
@@ -67,22 +75,36 @@ def _backend_error(e: Exception) -> JSONResponse:
 
 
 class _Generation(ChoiceStreams):
-    """The request's choice streams (gateway/choices.py), cancelled when the HTTP client
-    leaves."""
+    """The request's choice streams (gateway/choices.py), ended when the HTTP client leaves:
+    its task (the handler's, which streams the response too) is cancelled, which closes a
+    single choice's stream; the choices' own tasks are cancelled (n > 1)."""
 
     def __init__(self, backend: Backend, req: oai.OpenAIRequest, request: Request) -> None:
         super().__init__(backend, req.inputs, req.n)
-        self.watcher = asyncio.create_task(_wait_disconnect(request))
-        self.watcher.add_done_callback(lambda _: self.close())
+        self.disconnect = Disconnect(request.receive, on_disconnect=super().close)
 
     def close(self) -> None:
         super().close()
-        self.watcher.cancel()
+        self.disconnect.close()
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+class Authorize:
+    """Pure ASGI middleware: with API keys, /v1/*, /tokenize and /detokenize need
+    `Authorization: Bearer <key>` (401 otherwise). Nothing wraps the response: a streamed
+    one's events go straight through."""
+
+    def __init__(self, app, keys: APIKeys, on_reject: Callable[[str], None]) -> None:
+        self.app, self.keys, self.on_reject = app, keys, on_reject
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_KEYED_PATHS):
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if not self.keys.admits(bearer_token(auth.decode("latin-1") if auth else None)):
+                self.on_reject("unauthenticated")
+                await error(401, "a valid API key is required: header 'Authorization: "
+                            "Bearer <key>'", kind="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _read_json(request: Request) -> Any:
@@ -97,8 +119,8 @@ async def _read_json(request: Request) -> Any:
             raise ValidationError("body", f"the request body must be at most "
                                   f"{MAX_BODY_BYTES} bytes")
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
         raise ValidationError("body", f"the request body is not valid JSON: {e}") from None
 
 
@@ -116,14 +138,8 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     keys = api_keys or APIKeys()
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if request.url.path.startswith(_KEYED_PATHS) and not keys.admits(
-                bearer_token(request.headers.get("authorization"))):
-            on_reject("unauthenticated")
-            return error(401, "a valid API key is required: header 'Authorization: Bearer "
-                         "<key>'", kind="invalid_api_key")
-        return await call_next(request)
+    if keys.is_enabled:
+        app.add_middleware(Authorize, keys=keys, on_reject=on_reject)
 
     async def generate(request: Request, parse: Parser, collect=None, sse=None) -> Response:
         """parse -> an OpenAIRequest (or, with collect and sse, a request holding one as
@@ -142,13 +158,16 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
             if chat.stream:
                 chunks = gen.chunks()
                 first = await anext(chunks)  # errors before the first token get a status
-                return StreamingResponse(sse(req, gen, first, chunks),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return EventStream(sse(req, gen, first, chunks), gen.disconnect)
             return await collect(req, gen)
         except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
             gen.close()
             return _backend_error(e)
+        except asyncio.CancelledError:
+            gen.close()
+            if not gen.disconnect.is_disconnected:
+                raise
+            return Response(status_code=499)  # the client left: nobody reads this
         except BaseException:
             gen.close()
             raise
@@ -264,15 +283,15 @@ async def _collect_response(rr: responses_api.ResponsesRequest,
 
 async def _response_events(rr: responses_api.ResponsesRequest, gen: _Generation,
                            first: tuple[int, GenerateChunk],
-                           chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
+                           chunks: AsyncIterator[tuple[int, GenerateChunk]]
+                           ) -> AsyncIterator[bytes]:
     """The Responses API's events; an error after the first token is an `error` event."""
     try:
-        async for text in responses_stream.events(rr, first, chunks,
-                                                  responses_stream.event_text):
-            yield text
+        async for event in responses_stream.events(rr, first, chunks, named_event_bytes):
+            yield event
     except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
-        body = json.loads(_backend_error(e).body)["error"]
-        yield responses_stream.event_text("error", {
+        body = orjson.loads(_backend_error(e).body)["error"]
+        yield named_event_bytes("error", {
             "type": "error", "code": body["code"] or body["type"], "message": body["message"],
             "param": body["param"], "sequence_number": 0})
     finally:
@@ -292,21 +311,36 @@ def _echo(backend: Backend, req: oai.OpenAIRequest, index: int,
 
 async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
                first: tuple[int, GenerateChunk],
-               chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[str]:
-    """Chunks of all choices interleaved as they come, each with its choice index."""
+               chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[bytes]:
+    """Chunks of all choices interleaved as they come, each with its choice index. A plain
+    text delta (not a choice's first or last chunk, no logprobs, usage or parsing) is the
+    choice's template with the text spliced in (sse.ChunkTemplate): the same bytes as the
+    whole object would give."""
     created = int(time.time())
     started: set[int] = set()
     latest: dict[int, GenerateChunk] = {}
     streams: dict[int, ChatStream] = {}  # chats: by choice index
+    templates: dict[int, ChunkTemplate] = {}
+    parses = req.is_chat and (req.reasoning or req.tool_choice is not None)
+    is_plain = not (parses or req.continuous_usage or req.num_top_logprobs is not None)
     try:
         item: tuple[int, GenerateChunk] | None = first
         while item is not None:
             index, chunk = item
             latest[index] = chunk
+            if (is_plain and chunk.text_delta and not chunk.is_last and index in started
+                    and not chunk.logprobs):
+                template = templates.get(index)
+                if template is None:
+                    template = templates[index] = ChunkTemplate(responses.chunk_object(
+                        req, index, PLACEHOLDER, None, None, created))
+                yield template(chunk.text_delta)
+                item = await anext(chunks, None)
+                continue
             is_first = index not in started
             text, finish_reason, calls, reasoning = (chunk.text_delta, chunk.finish_reason,
                                                      None, "")
-            if req.is_chat and (req.reasoning or req.tool_choice is not None):
+            if parses:
                 # reasoning_content first, then the content and calls as they are generated
                 stream = streams.setdefault(index, ChatStream(req.reasoning, req.reasoning_open,
                                                               req.tool_choice))
@@ -334,20 +368,15 @@ async def _sse(backend: Backend, req: oai.OpenAIRequest, gen: _Generation,
                 if req.continuous_usage:
                     obj["usage"] = responses.usage(req, latest)
                 started.add(index)
-                yield _event(obj)
+                yield event_bytes(obj)
             item = await anext(chunks, None)
         if req.include_usage:  # OpenAI: one more, choices empty
-            yield _event({"id": req.req_id, "object": "chat.completion.chunk" if req.is_chat
-                          else "text_completion", "created": created, "model": req.model,
-                          "choices": [], "usage": responses.usage(req, latest),
-                          "timing": None})
-        yield "data: [DONE]\n\n"
+            yield event_bytes({"id": req.req_id, "object": "chat.completion.chunk"
+                               if req.is_chat else "text_completion", "created": created,
+                               "model": req.model, "choices": [],
+                               "usage": responses.usage(req, latest), "timing": None})
+        yield b"data: [DONE]\n\n"
     except (ValueError, BackendUnavailable, DeadlineExceeded, Overloaded) as e:
-        body = json.loads(_backend_error(e).body)
-        yield _event(body)
+        yield event_bytes(orjson.loads(_backend_error(e).body))
     finally:
         gen.close()
-
-
-def _event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -14,7 +14,6 @@ numbered by sequence_number, as the chat output is split (gateway/chat_output.py
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -35,21 +34,22 @@ from service_infra.backend import GenerateChunk
 class _Events:
     """The stream's events, numbered, with the output items they open and close."""
 
-    def __init__(self, rr: ResponsesRequest, event: Callable[[str, dict[str, Any]], str]) -> None:
+    def __init__(self, rr: ResponsesRequest,
+                 event: Callable[[str, dict[str, Any]], bytes]) -> None:
         self.rr, self._event, self.seq = rr, event, 0
         self.output: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item being generated
         self.kind = ""  # its kind: "reasoning", "message" or a call's index as text
         self.pending: list[dict[str, Any]] = []  # logprobs not sent with a text delta yet
 
-    def emit(self, kind: str, **fields: Any) -> str:
+    def emit(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
         return self._event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.open["id"], "output_index": len(self.output)}
 
-    def start(self, kind: str, item: dict[str, Any]) -> list[str]:
+    def start(self, kind: str, item: dict[str, Any]) -> list[bytes]:
         out = self.close()
         self.open, self.kind = item, kind
         out.append(self.emit("response.output_item.added", output_index=len(self.output),
@@ -64,7 +64,7 @@ class _Events:
                                  content_index=0, part={"type": "reasoning_text", "text": ""}))
         return out
 
-    def delta(self, delta: str) -> str:
+    def delta(self, delta: str) -> bytes:
         item = self.open
         if item["type"] == "function_call":
             item["arguments"] += delta
@@ -86,7 +86,7 @@ class _Events:
         if messages:
             messages[-1]["content"][0]["logprobs"] += logprobs
 
-    def close(self) -> list[str]:
+    def close(self) -> list[bytes]:
         item, out = self.open, []
         if item is None:
             return out
@@ -112,7 +112,7 @@ class _Events:
 
 async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
                  chunks: AsyncIterator[tuple[int, GenerateChunk]],
-                 event: Callable[[str, dict[str, Any]], str]) -> AsyncIterator[str]:
+                 event: Callable[[str, dict[str, Any]], bytes]) -> AsyncIterator[bytes]:
     """The stream: response.created and .in_progress, each output item's added, deltas and
     done events as the text is generated, then response.completed (or .incomplete)."""
     ev = _Events(rr, event)
@@ -147,7 +147,7 @@ async def events(rr: ResponsesRequest, first: tuple[int, GenerateChunk],
 
 
 def _pieces(ev: _Events, reasoning: str, content: str,
-            calls: list[dict[str, Any]]) -> list[str]:
+            calls: list[dict[str, Any]]) -> list[bytes]:
     """The events of one chunk's reasoning, content and tool call deltas, in that order."""
     out = []
     if reasoning:
@@ -166,8 +166,3 @@ def _pieces(ev: _Events, reasoning: str, content: str,
         if call["function"]["arguments"]:
             out.append(ev.delta(call["function"]["arguments"]))
     return out
-
-
-def event_text(kind: str, obj: dict[str, Any]) -> str:
-    """One server-sent event: its type on the `event:` line, the object as its data."""
-    return f"event: {kind}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n"
