@@ -132,6 +132,16 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     add_tls_arguments(p, is_public=True)
     net.add_argument("--shutdown-delay", type=float, default=0.0,
                      help="seconds between reporting NOT_SERVING and closing the listeners")
+    add_api_servers_argument(net)
+    net.add_argument("--api-server-index", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def add_api_servers_argument(p) -> None:
+    """(also `pdserve up`'s, passed to the gateway; gateway/api_servers.py)"""
+    p.add_argument("--api-servers", type=int, default=1, metavar="N",
+                   help="gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT), "
+                        "each streaming its own clients' tokens; metrics and the canary are "
+                        "shared (vLLM's --api-server-count); the disaggregated mode only")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:

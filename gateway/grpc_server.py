@@ -286,10 +286,13 @@ def create_server(backend: Backend, address: str, health_servicer: health.aio.He
                   api_keys: APIKeys | None = None,
                   tls: TLSConfig | None = None,
                   max_num_choices: int = DEFAULT_MAX_NUM_CHOICES,
-                  reasoning_parser: str = "auto") -> tuple[grpc.aio.Server, int]:
+                  reasoning_parser: str = "auto",
+                  reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with Generation, health checking and reflection, bound to address
-    (host:port; port 0 picks a free one). Returns (server, bound port); not started yet."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    (host:port; port 0 picks a free one). Returns (server, bound port); not started yet.
+    reuse_port: share the port with the other API servers (gateway/api_servers.py)."""
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport"]
+    server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", int(reuse_port))])
     server.add_generic_rpc_handlers(
         (GenerationServicer(backend, on_reject, api_keys, max_num_choices,
                             reasoning_parser).handler(),))

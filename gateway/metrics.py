@@ -146,7 +146,8 @@ class MeteredBackend:
         self.inner = backend
         self.metrics = metrics
         self.num_streams = 0
-        registry.register(_GatewayCollector(self))
+        self.collector = _GatewayCollector(self)
+        registry.register(self.collector)
 
     @property
     def model(self):

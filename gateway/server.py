@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import signal
 import ssl
+import sys
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
 from gateway import grpc_server
+from gateway.api_servers import CanaryVerdict, MetricsMirror, reuse_port_socket, shared_dir
 from gateway.auth import APIKeys
 from gateway.http_api import build_app
 from gateway.metrics import GatewayMetrics, MeteredBackend
@@ -58,6 +60,8 @@ class GatewayConfig:
     reasoning_parser: str = "auto"  # gateway/reasoning.py: auto, think or none
     # what clients may pass as `model`, the first in responses (empty: the model's own name)
     served_model_names: tuple[str, ...] = ()
+    # one of several API servers on the same ports (gateway/api_servers.py); None: alone
+    api_server_index: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -82,7 +86,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          tls=tls_from_args(args, is_public=True),
                          max_num_choices=args.max_num_choices,
                          reasoning_parser=args.reasoning_parser,
-                         served_model_names=tuple(args.served_model_name))
+                         served_model_names=tuple(args.served_model_name),
+                         api_server_index=args.api_server_index)
 
 
 def chat_template_of(args: argparse.Namespace) -> str | None:
@@ -129,7 +134,9 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     from gateway.prefill_policy import PrefillPolicy
 
     policy = PrefillPolicy(args.prefill_policy, args.local_prefill_max_tokens)  # bad: fails now
-    canary = CanaryConfig(args.canary_idle_s, args.canary_timeout_s, args.canary_failures)
+    # with several API servers, one canary per gateway: the first's (gateway/api_servers.py)
+    canary = CanaryConfig(args.canary_idle_s if not args.api_server_index else 0.0,
+                          args.canary_timeout_s, args.canary_failures)
     redis_config = None
     if args.redis_url:
         from gateway.redis_discovery import RedisDiscovery
@@ -168,8 +175,15 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     return create
 
 
-def run_gateway(args: argparse.Namespace) -> int:
-    """`pdserve gateway` (flags: gateway/cli.py)."""
+def run_gateway(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """`pdserve gateway` (flags: gateway/cli.py); argv: the command line after `pdserve`,
+    which --api-servers N passes on to its N API servers."""
+    if args.api_servers < 1:
+        raise ValueError(f"--api-servers must be >= 1, got {args.api_servers}")
+    if args.api_servers > 1:
+        from gateway.api_servers import run_api_servers
+
+        return run_api_servers(args, argv if argv is not None else sys.argv[1:])
     is_static = bool(args.prefill or args.decode)
     if args.colocated + is_static + bool(args.redis_url) != 1:
         raise ValueError("choose one backend: --colocated; --prefill ADDR... and --decode "
@@ -218,25 +232,45 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
         loop.add_signal_handler(sig, lambda: (force if stop.is_set() else stop).set())
 
     registry = CollectorRegistry()
+    shared = shared_dir() if config.api_server_index is not None else None
     inner = await make_backend()
+    if shared is not None:  # one canary per gateway: the first API server's verdict
+        verdict = CanaryVerdict(shared)
+        if config.api_server_index == 0:
+            inner.canary_verdict_out = verdict
+        else:
+            inner.canary_verdict_in = verdict
     if config.served_model_names:  # the backend's model, under the names clients use
         first, *more = config.served_model_names
         inner.model = dataclasses.replace(inner.model, name=first, aliases=tuple(more))
     metrics = GatewayMetrics(registry, inner.model.name, inner.model.max_model_len)
     backend = MeteredBackend(inner, metrics, registry)
+    mirror = None
+    exposed = registry
+    if shared is not None:  # /metrics: every API server's, from the multiprocess files
+        from prometheus_client import multiprocess
+
+        exposed = CollectorRegistry()
+        multiprocess.MultiProcessCollector(exposed)
+        mirror = MetricsMirror(backend.collector)
+        mirror.start()
     health_ = _Health()
     grpc, grpc_port = grpc_server.create_server(backend, f"{config.host}:{config.grpc_port}",
                                                 health_.servicer, metrics.reject,
                                                 config.api_keys, config.tls,
-                                                config.max_num_choices, config.reasoning_parser)
+                                                config.max_num_choices, config.reasoning_parser,
+                                                reuse_port=shared is not None)
     await grpc.start()
+    sockets = ([reuse_port_socket(config.host, config.http_port)]
+               if shared is not None else None)
     http = _HTTPServer(uvicorn.Config(
-        build_app(backend, lambda: health_.is_serving, registry, metrics.reject,
+        build_app(backend, lambda: health_.is_serving, exposed, metrics.reject,
                   config.api_keys, config.max_num_choices, config.reasoning_parser),
         host=config.host,
         port=config.http_port, lifespan="off", access_log=False, log_level="warning",
+        http="httptools",
         timeout_graceful_shutdown=max(1, round(config.grace_s)), **_https(config.tls)))
-    http_task = asyncio.create_task(http.serve())
+    http_task = asyncio.create_task(http.serve(sockets=sockets))
     while not http.started:
         if http_task.done():  # could not bind: uvicorn gives up
             await grpc.stop(0)
@@ -266,6 +300,8 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
         await grpc.stop(0)
         await drain
     force_wait.cancel()
+    if mirror is not None:
+        mirror.stop()
     await backend.close()
 
 

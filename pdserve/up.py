@@ -29,6 +29,7 @@ import time
 
 from gateway.cli import (
     add_admission_arguments,
+    add_api_servers_argument,
     add_canary_arguments,
     add_chat_template_argument,
     add_prefill_policy_arguments,
@@ -76,6 +77,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_admission_arguments(p)  # passed to the gateway
     add_prefill_policy_arguments(p)  # passed to the gateway
     add_canary_arguments(p)  # passed to the gateway
+    add_api_servers_argument(p)  # passed to the gateway
     add_speculative_arguments(p)  # passed to the decode workers
     add_enforce_eager_argument(p)  # passed to the decode workers
 
@@ -234,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
             "--canary-timeout-s", str(args.canary_timeout_s),
             "--canary-failures", str(args.canary_failures),
             "--max-num-choices", str(args.max_num_choices),
+            "--api-servers", str(args.api_servers),
             "--reasoning-parser", args.reasoning_parser, *common,
             *(["--served-model-name", *args.served_model_name]
               if args.served_model_name else []),
