@@ -20,10 +20,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-            bos_token_id=0, eos_token_id=1, initializer_range=0.08)
+from pdserve.bench.tiny_model import TINY, word_tokenizer, words  # noqa: F401 (re-exported)
+
 # SmolLM2-135M's shapes with random weights: for speed, where the weights' values don't matter.
 SMOLLM2_SHAPE = dict(TINY, vocab_size=49152, hidden_size=576, intermediate_size=1536,
                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -50,17 +48,10 @@ def write_tiny_llama(folder: Path, seed: int = 0, byte_level: bool = False,
         tok.train_from_iterator(BPE_CORPUS * 10, trainers.BpeTrainer(
             vocab_size=min(config.vocab_size, 400), special_tokens=["<s>", "</s>", "<unk>"],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                       eos_token="</s>", unk_token="<unk>")
     else:
-        vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
-        vocab.update({f"w{i}": i for i in range(3, config.vocab_size)})
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+        fast = word_tokenizer(config.vocab_size)
     fast.save_pretrained(folder)
     return folder
 
-
-def words(ids: list[int]) -> str:
-    """The prompt text that the tiny tokenizer encodes to `ids` (each id >= 3)."""
-    return " ".join(f"w{i}" for i in ids)

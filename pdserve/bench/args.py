@@ -11,7 +11,7 @@ DEFAULT_BACKENDS = ("naive", "colocated", "disagg")
 # the workloads where the prefill policy is what is compared (issue 18)
 POLICY_BACKENDS = ("conditional", "always-remote", "colocated")
 WORKLOADS = ("fixed", "random", "prompts", "shared-prefix", "mixed", "code-edit",
-             "multi-turn", "structured")
+             "multi-turn", "structured", "host-overhead")
 APIS = ("chat", "completions")
 
 
@@ -99,6 +99,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--naive-max-duration", type=float, default=120.0,
                       help="seconds per point for the naive server")
     load.add_argument("--seed", type=int, default=0)
+
+    host = p.add_argument_group("host-overhead workload (pdserve/bench/host_overhead.py)")
+    host.add_argument("--baseline-repo", default=None, metavar="DIR",
+                      help="host-overhead: also bench this checkout of another commit (its "
+                           "code, this Python), the same way in the same run")
+    host.add_argument("--repeats", type=int, default=1,
+                      help="host-overhead: rounds, the stacks alternating; medians reported")
 
     out = p.add_argument_group("report")
     out.add_argument("--ttft-slo-ms", type=float, default=2000.0,

@@ -257,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import load_tokenizer
 
+    if args.workload == "host-overhead":
+        return _host_overhead(args)
+
     targets = _targets(args)  # first: a lone --gateway or --base-url sets the protocol
     cfg, wcfg, stacks = configs(args)
     out_dir = Path(args.out)
@@ -307,4 +310,37 @@ def run(args: argparse.Namespace) -> int:
                    f"Output tokens/s, {wcfg.name} workload, {cfg.api} over {cfg.protocol}: "
                    f"greedy and {cfg.sampling.describe()}")
         print(f"wrote {args.curve}")
+    return 0
+
+
+def _host_overhead(args: argparse.Namespace) -> int:
+    """The host-overhead workload (pdserve/bench/host_overhead.py): concurrency 256 unless
+    one --concurrency is given; --num-prompts default 2 x concurrency, --input-len 32 and
+    --output-len 128 unless given."""
+    from pdserve.bench import host_overhead as ho
+    from pdserve.bench.tiny_model import bench_tiny_model
+
+    if args.concurrency and len(args.concurrency) > 1:
+        raise ValueError("--workload host-overhead takes one --concurrency")
+    c = args.concurrency[0] if args.concurrency else 256
+    cfg = ho.HostConfig(
+        model=args.model or str(bench_tiny_model()), concurrency=c,
+        num_prompts=args.num_prompts if args.num_prompts != 32 else 2 * c,
+        input_len=args.input_len if args.input_len != 128 else 32,
+        output_len=args.output_len or 128, repeats=args.repeats,
+        protocols=("http", "grpc"), stack_args=tuple(shlex.split(args.stack_args)),
+        baseline_repo=Path(args.baseline_repo) if args.baseline_repo else None)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with _sigterm_as_interrupt():
+            results = ho.run_host_overhead(cfg, out_dir)
+    except KeyboardInterrupt:
+        print("\npdserve bench: interrupted; the servers it started are stopped", flush=True)
+        return 130
+    report.write_json(out_dir / "host_overhead.json", {"config": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
+        "results": results})
+    print(ho.table(results))
+    print(f"wrote {out_dir}/host_overhead.json")
     return 0

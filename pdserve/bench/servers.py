@@ -168,7 +168,10 @@ class Server:
     """A system under test started as a subprocess: `start` returns at once (so that several
     can load at the same time), `wait_healthy` blocks until it serves, `stop` ends it."""
 
-    def __init__(self, backend: str, opts: StackOptions, log_dir: Path) -> None:
+    def __init__(self, backend: str, opts: StackOptions, log_dir: Path,
+                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        """env, cwd: the process's (default: this one's, with unbuffered output); the
+        host-overhead bench runs another checkout's code so."""
         grpc_port, http_port = free_port(), free_port()
         argv = command(backend, opts, grpc_port, http_port)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -179,8 +182,8 @@ class Server:
             out.write(f"$ {' '.join(argv)}\n")
             out.flush()
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         start_new_session=True, cwd=cwd,
+                                         env=env or {**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_healthy(self, timeout_s: float = READY_TIMEOUT_S) -> Target:
         wait_healthy(self.proc, self.target, timeout_s)
