@@ -41,6 +41,7 @@ import torch
 
 from engine_core.model.attention import AttentionMetadata
 from engine_core.scheduler import SchedulerOutput
+from kernels.backends import attention_backend
 
 if TYPE_CHECKING:
     from engine_core.model_runner import ModelRunner
@@ -136,9 +137,12 @@ class DecodeGraphRunner:
         """This step's bucket, or None: it runs eagerly (see `graph_batch_size`)."""
         return graph_batch_size(out, self.sizes, has_layer_observer)
 
-    def run(self, bucket: int, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    def run(self, bucket: int, arrays: dict[str, np.ndarray],
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The step's hidden states [n, hidden] from its host arrays (ModelRunner.host_inputs
-        of a decode-only step, one token per request), computed over `bucket` rows."""
+        of a decode-only step, one token per request), computed over `bucket` rows.
+        fill (rows, token ids), device tensors: input ids known only on the device (the
+        step in flight's samples, under async scheduling) written over the host's."""
         n = len(arrays["input_ids"])
         if not 1 <= n <= bucket or bucket not in self.sizes:
             raise ValueError(f"{n} decodes do not fit bucket {bucket} (sizes {self.sizes})")
@@ -146,6 +150,8 @@ class DecodeGraphRunner:
         if self.use_cuda_graphs and graph is None:
             raise RuntimeError(f"no CUDA graph captured for bucket {bucket}: call capture()")
         self._upload(bucket, arrays)
+        if fill is not None:
+            self._static["input_ids"][fill[0]] = fill[1]
         self.num_padded_steps += 1
         if graph is None:  # eagerly, over the same buffers
             max_len = int(arrays["decode_context_lens"].max())
@@ -226,3 +232,25 @@ class DecodeGraphRunner:
         used = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
         logger.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)",
                     len(self.graphs), list(self.sizes), self.capture_seconds, used / 2**20)
+
+
+def init_decode_graphs(engine, enforce_eager: bool, max_num_seqs: int) -> str:
+    """Capture an engine's decode-step CUDA graphs where they can run (its runner replays
+    them); returns the decode mode in words, for the log. The KV cache is sized by
+    kv_cache_memory_gb, not by the free memory, so the graphs' memory (logged) comes on top
+    of it rather than out of it."""
+    if engine.device.type != "cuda":
+        return f"eager (no CUDA graphs on {engine.device.type})"
+    if enforce_eager:
+        return "eager (enforce_eager)"
+    backend = attention_backend(engine.device)
+    # the torch path reads lengths back, and routes a mixture of experts' rows from the
+    # host: not capturable (on triton, the experts are grouped matmuls: kernels/fused_moe)
+    if backend != "triton":
+        return f"eager (attention backend {backend!r}: CUDA graphs need 'triton')"
+    graphs = DecodeGraphRunner(engine.runner, capture_sizes(max_num_seqs),
+                               engine.max_model_len, use_cuda_graphs=True)
+    graphs.capture()
+    engine.runner.graphs = graphs
+    return (f"from CUDA graphs (batch sizes {list(graphs.sizes)}, captured in "
+            f"{graphs.capture_seconds:.1f} s)")

@@ -13,9 +13,11 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine_core import device_check
+from engine_core.async_step import RunAhead
 from engine_core.config import (
     CacheConfig,
     SchedulerConfig,
@@ -23,7 +25,7 @@ from engine_core.config import (
     dtype_name,
     resolve_dtype,
 )
-from engine_core.decode_graphs import DecodeGraphRunner, capture_sizes
+from engine_core.decode_graphs import init_decode_graphs
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_connector import KVConnector
@@ -31,17 +33,21 @@ from engine_core.model.decode_quant import resolve_activations
 from engine_core.model_files import resolve_model
 from engine_core.model_loader import load_model
 from engine_core.model_runner import ModelRunner
-from engine_core.output_processor import RequestTextState, advance_text, make_delta
+from engine_core.output_processor import (
+    RequestTextState,
+    advance_text,
+    make_delta,
+    record_logprobs,
+)
 from engine_core.outputs import RequestDelta, RequestOutput, RequestOutputs, snapshot
 from engine_core.request import Request, RequestStatus
 from engine_core.sampler import skip_draw
 from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
-from engine_core.scheduler import Scheduler
+from engine_core.scheduler import Scheduler, SchedulerOutput
 from engine_core.spec_decode import SpecDecoder, build_spec_decoder
 from engine_core.stats import EngineStats
 from engine_core.structured_output import GrammarCompiler
 from engine_core.tokenizer import Tokenizer, load_tokenizer
-from kernels.backends import attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,7 @@ class LLMEngine:
         kv_connector: KVConnector | None = None,
         enforce_eager: bool = False,
         prefill_weights: str = "auto",
+        async_scheduling: bool | None = None,
     ) -> None:
         """quantize_decode: decode tokens use 4/8-bit weight matmuls (model/decode_quant.py);
         None means on for CPU. Pass False for exact dense math in every row.
@@ -77,7 +84,9 @@ class LLMEngine:
         none either way.
         prefill_weights: "dense", "quantized" or "auto": whether prefill rows keep a dense
         float copy of a GGUF's 4/8-bit weights or multiply the blocks themselves
-        (model_loader.load_model; auto: the blocks where the dense copy would not fit)."""
+        (model_loader.load_model; auto: the blocks where the dense copy would not fit).
+        async_scheduling: schedule and prepare each step while the one before runs on the
+        device (async_step.py); None: on for CUDA."""
         self.kv_connector = kv_connector
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one,
@@ -140,11 +149,15 @@ class LLMEngine:
                                   self.device, self.eos_token_ids, quantization,
                                   kv_allocator(self.layout, num_blocks, self.device)
                                   if kv_allocator else None)
-        self.decode_mode = self._init_decode_graphs(enforce_eager,
-                                                    scheduler_config.max_num_seqs)
+        self.decode_mode = init_decode_graphs(self, enforce_eager,
+                                              scheduler_config.max_num_seqs)
         self.spec: SpecDecoder | None = (
             build_spec_decoder(speculative_config, self) if speculative_config else None
         )
+        if async_scheduling is None:
+            async_scheduling = self.device.type == "cuda"
+        self.async_scheduling = async_scheduling
+        self._ahead = RunAhead(self) if async_scheduling else None
         self.text_states: dict[str, RequestTextState] = {}
         self._outputs = RequestOutputs()  # step()'s whole outputs (the offline API)
         self.stats = EngineStats()  # read by metrics exporters
@@ -154,26 +167,6 @@ class LLMEngine:
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens, decode steps %s",
                     self.source.name, self.dtype, num_blocks, cache_config.block_size,
                     self.decode_mode)
-
-    def _init_decode_graphs(self, enforce_eager: bool, max_num_seqs: int) -> str:
-        """Capture the decode steps' CUDA graphs where they can run; returns the decode mode
-        in words, for the log. The KV cache is sized by kv_cache_memory_gb, not by the free
-        memory, so the graphs' memory (logged) comes on top of it rather than out of it."""
-        if self.device.type != "cuda":
-            return f"eager (no CUDA graphs on {self.device.type})"
-        if enforce_eager:
-            return "eager (enforce_eager)"
-        backend = attention_backend(self.device)
-        # the torch path reads lengths back, and routes a mixture of experts' rows from the
-        # host: not capturable (on triton, the experts are grouped matmuls: kernels/fused_moe)
-        if backend != "triton":
-            return f"eager (attention backend {backend!r}: CUDA graphs need 'triton')"
-        graphs = DecodeGraphRunner(self.runner, capture_sizes(max_num_seqs),
-                                   self.max_model_len, use_cuda_graphs=True)
-        graphs.capture()
-        self.runner.graphs = graphs
-        return (f"from CUDA graphs (batch sizes {list(graphs.sizes)}, captured in "
-                f"{graphs.capture_seconds:.1f} s)")
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -275,7 +268,7 @@ class LLMEngine:
         now = time.monotonic()
         req.times.first_scheduled = req.times.first_scheduled or now
         self.scheduler.admit_prefilled(req_id, first_token)
-        return self._emit([req], now)[0]
+        return self.emit([req], now)[0]
 
     def prefill_reserved(self, req_id: str, max_chunk_tokens: int) -> None:
         """Compute the reserved request's prompt in this engine (a decode worker's local
@@ -314,14 +307,39 @@ class LLMEngine:
 
     def step_deltas(self) -> list[RequestDelta]:
         """One step: schedule, run the model, update the requests; each request that gained
-        tokens or ended gives its RequestDelta."""
-        t_start = time.monotonic()
+        tokens or ended gives its RequestDelta. With async scheduling (async_step.py) the
+        deltas are the step before's, read once this one is launched."""
         self._use_device()
+        if self._ahead is not None:
+            deltas = self._ahead.step()
+            if deltas is not None:
+                return deltas
+            return self._ahead.flush() + self._step()  # a step that cannot run ahead
+        return self._step()
+
+    def prepare(self, out: SchedulerOutput) -> np.ndarray:
+        """The step's copies on write, then its rows brought up to date (async_step.py)."""
+        block_ids = [self.kv.block_ids(r.req_id) for r in out.reqs]
+        if out.blocks_to_copy:
+            self.runner.copy_blocks(out.blocks_to_copy)
+        return self.runner.sync(out, block_ids)
+
+    def forget_rows(self, out: SchedulerOutput) -> None:
+        """A step that runs nothing: the runner hears of finished requests only with a
+        step, so tell it now."""
+        assert not out.blocks_to_copy, "copies queued for a step that runs nothing"
+        for req_id in out.finished_req_ids + out.preempted_req_ids:
+            self.runner.batch.remove(req_id)
+
+    def is_live(self, req: Request, epoch: tuple[int, int]) -> bool:
+        """Still the running request a launched step computed for (async_step.py)."""
+        return req.status == RequestStatus.RUNNING and (id(req), req.num_preemptions) == epoch
+
+    def _step(self) -> list[RequestDelta]:
+        t_start = time.monotonic()
         out = self.scheduler.schedule()
-        if out.is_empty:  # the runner hears of finished requests only with a step: tell it now
-            assert not out.blocks_to_copy, "copies queued for a step that runs nothing"
-            for req_id in out.finished_req_ids + out.preempted_req_ids:
-                self.runner.batch.remove(req_id)
+        if out.is_empty:
+            self.forget_rows(out)
             return []
         now = time.monotonic()
         for req in out.reqs:
@@ -345,17 +363,17 @@ class LLMEngine:
                 sampled, sampler_out = self.runner.execute(
                     out, rows, self.spec.verify if self.spec is not None else None, save_layer)
             if sampler_out is not None and sampler_out[1].sampled_logprobs is not None:
-                self._record_logprobs(out, *sampler_out)
+                record_logprobs(out, *sampler_out)
             advanced = self.scheduler.update_from_output(out, sampled)
             self.stats.add_step(out.total_num_tokens,
                                 sum(out.num_scheduled_tokens[out.num_decodes:]),
                                 sum(map(len, sampled)), time.monotonic() - t_start)
-            return self._emit(advanced, time.monotonic())
+            return self.emit(advanced, time.monotonic())
         finally:  # after the step's outputs exist, as the connector's callers expect
             if kv_step is not None:
                 kv_step.finish()
 
-    def _emit(self, advanced: list[Request], now: float) -> list[RequestDelta]:
+    def emit(self, advanced: list[Request], now: float) -> list[RequestDelta]:
         """Detokenize the requests' new tokens, apply stop strings, build their deltas."""
         deltas = []
         states = self.text_states
@@ -371,18 +389,3 @@ class LLMEngine:
                 del states[req.req_id]
             deltas.append(make_delta(req, state, finished))
         return deltas
-
-    def _record_logprobs(self, out, rows: list[int], so) -> None:
-        ids = so.sampled_token_ids.tolist()
-        lps = so.sampled_logprobs.tolist()
-        top_ids = so.topk_token_ids.tolist() if so.topk_token_ids is not None else None
-        top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
-        for j, i in enumerate(rows):
-            req = out.reqs[i]
-            n = req.sampling_params.logprobs
-            if n is None:
-                continue
-            entry = {ids[j]: lps[j]}
-            if top_ids is not None and n > 0:
-                entry.update(zip(top_ids[j][:n], top_lps[j][:n], strict=True))
-            req.output_logprobs.append(entry)

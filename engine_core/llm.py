@@ -39,6 +39,7 @@ class LLM:
         cache_decoded_blocks: bool = False,
         enforce_eager: bool = False,
         prefill_weights: str = "auto",
+        async_scheduling: bool | None = None,
     ) -> None:
         """speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
         {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig.
@@ -48,7 +49,9 @@ class LLM:
         enforce_eager: no CUDA graphs for decode steps (engine_core/decode_graphs.py); they
         are only ever used on CUDA.
         prefill_weights: "auto", "dense" or "quantized": whether prefill rows multiply a dense
-        copy of a GGUF's 4/8-bit weights or the blocks (model_loader.load_model)."""
+        copy of a GGUF's 4/8-bit weights or the blocks (model_loader.load_model).
+        async_scheduling: schedule each step while the one before runs on the device
+        (engine_core/async_step.py); None: on for CUDA."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         self.engine = LLMEngine(
@@ -60,6 +63,7 @@ class LLM:
             decode_activations=decode_activations,
             enforce_eager=enforce_eager,
             prefill_weights=prefill_weights,
+            async_scheduling=async_scheduling,
             cache_config=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                      kv_cache_memory_gb=kv_cache_memory_gb,
                                      enable_prefix_caching=enable_prefix_caching,

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine_core.input_batch import InputBatch
 from engine_core.kv_cache.layout import KVLayout, copy_kv_blocks
 from engine_core.model.attention import AttentionMetadata
 from engine_core.model.decode_quant import DecodeQuantization
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.forward_context import ForwardContext, use
-from engine_core.penalties import TokenCounts
+from engine_core.prompt_logprobs import record_prompt_logprobs
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput
-from engine_core.sampling_rows import SamplingRows
 from engine_core.scheduler import SchedulerOutput
 from engine_core.step_inputs import StepUploader
 from engine_core.structured_output import MaskTimer
@@ -31,87 +32,19 @@ from engine_core.thread_governor import ThreadGovernor
 if TYPE_CHECKING:
     from engine_core.decode_graphs import DecodeGraphRunner
 
-PROMPT_LOGPROBS_ROWS = 64  # prompt positions per logits slice (64 x 49152 float32: 12 MiB)
 
 
-class InputBatch:
-    """Rows of token ids, block tables and sampling parameters for the requests the runner
-    has seen. Invariant after `ModelRunner.sync`: a scheduled request's row holds its tokens
-    so far (num_tokens) and its blocks (num_blocks); the runner writes each step's sampled
-    tokens into the rows itself, so a decode step's sync finds nothing to copy."""
+@dataclass
+class StepHandle:
+    """A launched step (async scheduling): its schedule, the indices of the requests it
+    samples for and their rows, and the sampler's output, still on the device."""
 
-    def __init__(self, max_rows: int, max_model_len: int, block_size: int,
-                 vocab_size: int = 1, eos_token_ids: tuple[int, ...] = ()) -> None:
-        max_blocks = -(-max_model_len // block_size)
-        self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
-        self.block_table = np.zeros((max_rows, max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(max_rows, dtype=np.int32)
-        self.num_tokens = np.zeros(max_rows, dtype=np.int32)  # valid entries of token_ids
-        self.row_of: dict[str, int] = {}
-        self.free_rows = list(range(max_rows - 1, -1, -1))
-        # penalised requests' token counts by row, kept as tokens are appended
-        self.token_counts: dict[int, TokenCounts] = {}
-        self.sampling = SamplingRows(max_rows, vocab_size, eos_token_ids)
-
-    def row(self, req: Request) -> int:
-        """The request's row, created (with its tokens so far, and its penalty counts) on
-        first sight: a new request, or one preempted and recomputed."""
-        row = self.row_of.get(req.req_id)
-        if row is None:
-            row = self.free_rows.pop()
-            self.row_of[req.req_id] = row
-            self._fill(row, req)
-            self.num_blocks[row] = 0
-            self.sampling.set_row(row, req)
-        return row
-
-    def _fill(self, row: int, req: Request) -> None:
-        token_ids = req.all_token_ids
-        self.token_ids[row, : len(token_ids)] = token_ids
-        self.num_tokens[row] = len(token_ids)
-        if req.sampling_params.has_penalties:
-            self.token_counts[row] = TokenCounts(*req.penalty_prompt_and_output)
-
-    def append(self, row: int, req: Request) -> None:
-        """Bring the row to the request's tokens: those it gained since the row last saw it
-        (a first token from a prefill worker, accepted drafts), or, where the request lost
-        tokens the row holds (never in a step's normal course), all of them again."""
-        have = int(self.num_tokens[row])
-        if have > req.num_tokens:
-            self.token_counts.pop(row, None)
-            self._fill(row, req)
-            return
-        new = req.all_token_ids[have:]
-        self.token_ids[row, have : req.num_tokens] = new
-        self.num_tokens[row] = req.num_tokens
-        counts = self.token_counts.get(row)
-        if counts is not None:
-            counts.append(new)
-
-    def append_sampled(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """One sampled token per row, at each row's end (the step's plain samples)."""
-        ends = self.num_tokens[rows]
-        self.token_ids[rows, ends] = tokens
-        self.num_tokens[rows] = ends + 1
-        if self.token_counts:
-            for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
-                counts = self.token_counts.get(row)
-                if counts is not None:
-                    counts.append((token,))
-
-    def sync_blocks(self, row: int, blocks: list[int], is_rewritten: bool = False) -> None:
-        """is_rewritten: blocks were replaced in place (copy-on-write), not only appended."""
-        have = 0 if is_rewritten else self.num_blocks[row]
-        if have != len(blocks):
-            self.block_table[row, have : len(blocks)] = blocks[have:]
-            self.num_blocks[row] = len(blocks)
-
-    def remove(self, req_id: str) -> None:
-        row = self.row_of.pop(req_id, None)
-        if row is not None:
-            self.token_counts.pop(row, None)
-            self.sampling.clear_row(row)
-            self.free_rows.append(row)
+    out: SchedulerOutput
+    plain: list[int]
+    plain_rows: np.ndarray
+    result: SamplerOutput | None
+    epochs: list[tuple[int, int]] = field(default_factory=list)  # engine_core/async_step.py
+    t_launch: float = 0.0
 
 
 class ModelRunner:
@@ -270,36 +203,36 @@ class ModelRunner:
         with use(self.context(num_quant_rows, quantization)):
             return (model or self.model).compute_logits(hidden)
 
-    def _record_prompt_logprobs(self, req, hidden: torch.Tensor, first_row: int,
-                                start: int, num_new: int) -> None:
-        """Append to req.prompt_logprobs the entries of this chunk's positions: the row at
-        position p predicts prompt token p + 1. Raw log_softmax of dense logits, in slices of
-        PROMPT_LOGPROBS_ROWS rows to bound the [rows, vocab] memory."""
-        n = req.sampling_params.prompt_logprobs
-        prompt = req.prompt_token_ids
-        end = min(start + num_new, req.num_prompt_tokens - 1)  # last position with a next
-        # the first position not recorded yet (a preempted request recomputes from 0); the
-        # scheduler gives such a request no prefix-cache hits, so no position is skipped
-        assert len(req.prompt_logprobs) >= start, "prompt logprobs need every position"
-        p = max(len(req.prompt_logprobs), start)
-        while p < end:
-            q = min(end, p + PROMPT_LOGPROBS_ROWS)
-            rows = hidden[first_row + p - start : first_row + q - start]  # [q - p, hidden]
-            lp = self.logits(rows, 0).log_softmax(dim=-1, dtype=torch.float32)  # [q - p, V]
-            targets = torch.tensor(prompt[p + 1 : q + 1], dtype=torch.int64, device=lp.device)
-            chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()  # [q - p]
-            top_lps, top_ids = (lp.topk(n, dim=-1) if n else (None, None))  # [q - p, n]
-            for j, token in enumerate(prompt[p + 1 : q + 1]):
-                entry = {token: chosen[j]}
-                if n:
-                    for t, v in zip(top_ids[j].tolist(), top_lps[j].tolist(), strict=True):
-                        entry.setdefault(t, v)
-                req.prompt_logprobs.append(entry)
-            p = q
-
     def _index(self, idx: np.ndarray) -> torch.Tensor:
         """Host indices as an index tensor on the engine's device (on the CPU, no copy)."""
         return torch.as_tensor(idx, dtype=torch.int64, device=self.device)
+
+    def launch(self, out: SchedulerOutput, rows: np.ndarray,
+               prev: StepHandle | None) -> StepHandle:
+        """Async scheduling (engine_core/async_step.py): run the step's model and sampler
+        but keep the sampled ids where they are (the device); `collect` reads them. The
+        inputs of requests whose last token `prev` (the step before, maybe still running)
+        sampled come from its device tensor."""
+        return self._governed(out, lambda: self._execute(out, rows, None, None, prev=prev,
+                                                         defer=True))
+
+    def collect(self, handle: StepHandle) -> tuple[list[list[int]],
+                                                   tuple[list[int], SamplerOutput] | None]:
+        """A launched step's new tokens (as `execute` returns them), read from the device
+        (the one wait of the step); each is written into its request's row if the row is
+        still that request's."""
+        sampled: list[list[int]] = [[] for _ in handle.out.reqs]
+        if handle.result is None:
+            return sampled, None
+        tokens = handle.result.sampled_token_ids.cpu().numpy()
+        b = self.batch
+        keep = [j for j, i in enumerate(handle.plain)
+                if b.row_of.get(handle.out.reqs[i].req_id) == int(handle.plain_rows[j])]
+        if keep:
+            b.append_sampled(handle.plain_rows[keep], tokens[keep])
+        for i, token in zip(handle.plain, tokens.tolist(), strict=True):
+            sampled[i] = [token]
+        return sampled, (handle.plain, handle.result)
 
     def execute(
         self, out: SchedulerOutput, rows: np.ndarray, verifier=None, on_layer_done=None
@@ -308,6 +241,10 @@ class ModelRunner:
         ([] for a prefill chunk that is not done; the accepted drafts and one more token for a
         speculative decode, checked by `verifier`) and the plain sampler's output with the
         indices of the requests it sampled (their logprobs)."""
+        return self._governed(out, lambda: self._execute(out, rows, verifier, on_layer_done))
+
+    def _governed(self, out: SchedulerOutput, run):
+        """run() on the thread count the governor picks for this step (CPU decode steps)."""
         governor = self.threads
         decode_only = out.num_decodes == len(out.reqs)
         # steps of 2^(b-1) .. 2^b - 1 tokens share their timings
@@ -318,7 +255,7 @@ class ModelRunner:
             torch.set_num_threads(threads)
         start = time.perf_counter()
         try:
-            result = self._execute(out, rows, verifier, on_layer_done)
+            result = run()
         finally:  # the process's count is its own (transformers beside us in bench-engine)
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
@@ -328,8 +265,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(
-        self, out: SchedulerOutput, rows: np.ndarray, verifier, on_layer_done
-    ) -> tuple[list[list[int]], tuple[list[int], SamplerOutput] | None]:
+        self, out: SchedulerOutput, rows: np.ndarray, verifier, on_layer_done,
+        prev: StepHandle | None = None, defer: bool = False,
+    ):
+        """defer (async scheduling): the step's tokens stay on the device, in the StepHandle
+        returned (out.num_pending: each request's tokens sampled but not yet known)."""
         b = self.batch
         nd = out.num_decodes
         drafted = [i for i in range(nd) if out.reqs[i].spec_token_ids]
@@ -347,7 +287,10 @@ class ModelRunner:
         end = start + num_new
         if drafted:
             end -= np.fromiter((len(r.spec_token_ids) for r in out.reqs), np.int64, n)
-        complete = np.flatnonzero(end == b.num_tokens[rows])
+        known = b.num_tokens[rows]  # [num_seqs]: tokens the host has, pending ones after
+        pending = (np.asarray(out.num_pending, dtype=np.int64) if out.num_pending
+                   else np.zeros(n, dtype=np.int64))
+        complete = np.flatnonzero(end == known + pending)
         if drafted:
             spec_set = set(drafted)
             plain = [i for i in complete.tolist() if i not in spec_set]
@@ -356,20 +299,23 @@ class ModelRunner:
         masks = self._start_masks([out.reqs[i] for i in plain])
         bucket = (self.graphs.batch_size(out, on_layer_done is not None)
                   if self.graphs is not None else None)
+        fill = self._pending_inputs(out, start, known, pending, prev)
         if bucket is not None:  # decode-only: replayed over the bucket's static buffers
             arrays, cu = self.host_inputs(rows, start, num_new, nd)
-            hidden = self.graphs.run(bucket, arrays)
+            hidden = self.graphs.run(bucket, arrays, fill)
         else:
             input_ids, positions, meta, cu = self.build_inputs(rows, start, num_new, nd)
+            if fill is not None:
+                input_ids[fill[0]] = fill[1]
             ndt = int(cu[nd - 1]) if nd else 0
             hidden = self.forward(input_ids, positions, meta, ndt, on_layer_done=on_layer_done)
         for i in range(nd, len(out.reqs)):
             if out.reqs[i].needs_prompt_logprobs:
-                self._record_prompt_logprobs(out.reqs[i], hidden, int(cu[i] - num_new[i]),
+                record_prompt_logprobs(self.logits, out.reqs[i], hidden, int(cu[i] - num_new[i]),
                                              int(start[i]), int(num_new[i]))
         sampled: list[list[int]] = [[] for _ in out.reqs]
         if len(complete) == 0:
-            return sampled, None
+            return StepHandle(out, [], rows[:0], None) if defer else (sampled, None)
         # logits rows: every token of a drafted decode, the last token of any other request
         last = cu - 1
         spec_rows = [np.arange(cu[i] - num_new[i], cu[i]) for i in drafted]
@@ -389,9 +335,11 @@ class ModelRunner:
         if plain:
             plain_rows = rows[plain]
             batch = b.sampling.batch(
-                plain_rows, b.num_tokens[plain_rows], b.token_counts, logits.device,
+                plain_rows, (known + pending)[plain], b.token_counts, logits.device,
                 token_masks=None if masks is None else (masks[0], masks[1].result()))
             result = self.sampler(logits[: len(plain)], batch)
+            if defer:  # (no drafts: async scheduling runs without speculation)
+                return StepHandle(out, plain, plain_rows, result)
             tokens = result.sampled_token_ids.cpu().numpy()
             b.append_sampled(plain_rows, tokens)
             for i, token in zip(plain, tokens.tolist(), strict=True):
@@ -401,6 +349,22 @@ class ModelRunner:
             for i, toks in zip(drafted, tokens, strict=True):
                 sampled[i] = toks
         return sampled, ((plain, result) if plain else None)
+
+    def _pending_inputs(self, out: SchedulerOutput, start: np.ndarray, known: np.ndarray,
+                        pending: np.ndarray, prev: StepHandle | None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input rows, token ids) on the device for the decodes whose input token the step
+        in flight sampled (async scheduling): its position is the first the host lacks."""
+        if prev is None or prev.result is None or not pending.any():
+            return None
+        where = {prev.out.reqs[i].req_id: j for j, i in enumerate(prev.plain)}
+        dst, src = [], []
+        for i in np.flatnonzero(pending).tolist():
+            assert i < out.num_decodes and start[i] == known[i], "a pending input not decoded"
+            dst.append(i)  # decodes lead, one token each: row i is token i
+            src.append(where[out.reqs[i].req_id])
+        return (self._index(np.asarray(dst)),
+                prev.result.sampled_token_ids[self._index(np.asarray(src))])
 
     def _start_masks(self, reqs: list[Request]) -> tuple[list[int], Future] | None:
         """The grammar masks of the constrained requests among `reqs` (the step's sampling

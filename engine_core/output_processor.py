@@ -142,3 +142,23 @@ def _metrics(req: Request, finished: bool) -> dict[str, float]:
             for k, v in (("first_scheduled", t.first_scheduled), ("first_token", t.first_token),
                          ("finished", t.finished))
             if v is not None}
+
+
+def record_logprobs(out, rows: list[int], so,
+                    which: list[tuple[int, int]] | None = None) -> None:
+    """Append a step's sampled tokens' logprobs to their requests (rows: the sampled
+    requests' indices in out.reqs, so's row j for rows[j]; which: (index, sample row) pairs
+    to record, default all)."""
+    ids = so.sampled_token_ids.tolist()
+    lps = so.sampled_logprobs.tolist()
+    top_ids = so.topk_token_ids.tolist() if so.topk_token_ids is not None else None
+    top_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+    for i, j in which if which is not None else ((i, j) for j, i in enumerate(rows)):
+        req = out.reqs[i]
+        n = req.sampling_params.logprobs
+        if n is None:
+            continue
+        entry = {ids[j]: lps[j]}
+        if top_ids is not None and n > 0:
+            entry.update(zip(top_ids[j][:n], top_lps[j][:n], strict=True))
+        req.output_logprobs.append(entry)

@@ -71,6 +71,9 @@ class Request:
         # the prompt token first, then the top-n), filled by the runner as the prefill runs
         self.prompt_logprobs: list[dict[int, float]] = []
         self.num_computed_tokens = 0
+        # async scheduling: tokens launched steps sample for it that are not read yet (their
+        # KV is counted in num_computed_tokens once scheduled)
+        self.num_pending = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first schedule
         self.num_preemptions = 0
         # speculative decoding: draft slots the scheduler granted this step, and the drafts

@@ -40,6 +40,9 @@ class SchedulerOutput:
     # whose block tables changed in place (the runner rewrites theirs)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     rewritten_req_ids: set[str] = field(default_factory=set)
+    # async scheduling (engine_core/async_step.py): each request's tokens sampled by the
+    # step in flight, not known yet when this one was scheduled (empty: none anywhere)
+    num_pending: list[int] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -226,7 +229,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if req.num_pending and (req.num_output_tokens + req.num_pending
+                                    >= req.sampling_params.max_tokens):
+                i += 1  # its last token is in flight: it ends when that step is read
+                continue
+            n = min(len(req.all_token_ids) + req.num_pending - req.num_computed_tokens, budget)
             if req.max_chunk_tokens is not None and req.num_computed_tokens < req.num_prompt_tokens:
                 capped_left = req.max_chunk_tokens if capped_left is None else capped_left
                 n = min(n, capped_left)
@@ -293,6 +300,16 @@ class Scheduler:
         out.blocks_to_copy, out.rewritten_req_ids = self.kv.take_copies()
         return out
 
+    # -- async scheduling (engine_core/async_step.py; update_from_output with epochs) -------
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step is launched, its tokens not read yet (out.num_pending: as it was
+        scheduled): count its work as done and each token it samples as pending."""
+        for req, n, pending in zip(out.reqs, out.num_scheduled_tokens, out.num_pending,
+                                   strict=True):
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == len(req.all_token_ids) + pending:
+                req.num_pending += 1
+
     def _unfork(self, req: Request) -> None:
         """A waiting fork that cannot get the block it copies on write while nothing runs
         (its siblings hold the whole pool: none of them can copy) gives its shared blocks
@@ -305,6 +322,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
+        req.num_pending = 0  # a step in flight's token for it is dropped (update_ahead)
         req.num_lookahead_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
@@ -313,17 +331,29 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: list[list[int]]
+        self, out: SchedulerOutput, sampled: list[list[int]],
+        epochs: list[tuple[int, int]] | None = None,
     ) -> list[Request]:
         """Advance the scheduled requests by what the step computed and append their new
         tokens: none for an unfinished prefill chunk, one for a plain step, the accepted drafts
         and one more for a speculative step (its rejected drafts' KV is not computed). Returns
-        the requests that got new tokens (finished ones included, with their status set)."""
+        the requests that got new tokens (finished ones included, with their status set).
+
+        epochs (async scheduling, engine_core/async_step.py): the step was `advance`d at its
+        launch, and others may have been scheduled since; each request's (id, preemptions)
+        then. One that ended or was preempted since drops its token; num_computed_tokens
+        stays as `advance` left it."""
         advanced = []
         finished: list[tuple[Request, RequestStatus]] = []
         cache_computed_blocks = self.kv.cache_computed_blocks
         children = self.children
-        for req, n, tokens in zip(out.reqs, out.num_scheduled_tokens, sampled, strict=True):
+        for k, (req, n, tokens) in enumerate(zip(out.reqs, out.num_scheduled_tokens, sampled,
+                                                 strict=True)):
+            if epochs is not None:
+                if (req.status != RequestStatus.RUNNING
+                        or (id(req), req.num_preemptions) != epochs[k]):
+                    continue
+                req.num_pending -= len(tokens)
             status = None
             if req.spec_token_ids:
                 num_rejected = len(req.spec_token_ids) - max(len(tokens) - 1, 0)
@@ -336,9 +366,10 @@ class Scheduler:
                 status = req.check_stop()
                 if status is not None:
                     break  # tokens after a stop are dropped
-            # (a stop among the accepted drafts leaves fewer tokens than were computed)
-            req.num_computed_tokens = min(req.num_computed_tokens + n - num_rejected,
-                                          len(req.all_token_ids))
+            if epochs is None:
+                # (a stop among the accepted drafts leaves fewer tokens than were computed)
+                req.num_computed_tokens = min(req.num_computed_tokens + n - num_rejected,
+                                              len(req.all_token_ids))
             cache_computed_blocks(req)
             if children and req.req_id in children and _is_prompt_computed(req):
                 self._fork_children(req)  # before the parent may finish below

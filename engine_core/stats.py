@@ -29,6 +29,10 @@ class EngineStats:
     # leave of it (the gateway's prefill placement reads both: gateway/prefill_policy.py)
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0  # a step of decode rows only
+    # async scheduling (engine_core/async_step.py): steps run ahead, and steps that could
+    # not (run synchronously while a request needed it)
+    num_async_steps: int = 0
+    num_sync_steps: int = 0
 
     def add_step(self, num_tokens: int, num_prompt_tokens: int,
                  num_generation_tokens: int, seconds: float | None = None) -> None:

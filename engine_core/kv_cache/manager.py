@@ -150,7 +150,8 @@ class KVCacheManager:
         unless cache_decoded_blocks (a block with a generated token was filled by decode)."""
         if not self.enable_prefix_caching:
             return
-        num_computed = req.num_computed_tokens
+        # (async scheduling counts tokens not read yet as computed: only known ones hash)
+        num_computed = min(req.num_computed_tokens, len(req.all_token_ids))
         if not self.cache_decoded_blocks:
             num_computed = min(num_computed, len(req.prompt_token_ids))
         num_full = num_computed // self.block_size
