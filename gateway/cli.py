@@ -9,7 +9,7 @@ from service_infra.tls import add_tls_arguments
 from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
-    add_enforce_eager_argument,
+    add_decode_step_arguments,
     add_prefill_weights_argument,
     add_redis_arguments,
     add_speculative_arguments,
@@ -116,7 +116,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--max-num-seqs", type=int, default=64)
     mode.add_argument("--max-model-len", type=int, default=None)
     add_speculative_arguments(p)  # for --colocated (decode workers take their own)
-    add_enforce_eager_argument(p)  # for --colocated (decode workers take their own)
+    add_decode_step_arguments(p)  # for --colocated (decode workers take their own)
     add_redis_arguments(p, is_worker=False)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in containers")

@@ -108,7 +108,7 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     engine = LLMEngine(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         prefill_weights=args.prefill_weights, speculative_config=speculative_config(args),
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  cache_decoded_blocks=args.cache_decoded_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -245,6 +245,7 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
         inner.model = dataclasses.replace(inner.model, name=first, aliases=tuple(more))
     metrics = GatewayMetrics(registry, inner.model.name, inner.model.max_model_len)
     backend = MeteredBackend(inner, metrics, registry)
+    backend.api_server_index = config.api_server_index
     mirror = None
     exposed = registry
     if shared is not None:  # /metrics: every API server's, from the multiprocess files

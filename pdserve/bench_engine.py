@@ -202,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
     llm = LLM(args.model, dtype=args.dtype, device=str(device),
               decode_activations=args.decode_activations, enable_prefix_caching=False,
-              enforce_eager=args.enforce_eager, max_num_seqs=max(args.concurrency),
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              max_num_seqs=max(args.concurrency),
               kv_cache_memory_gb=1.0, prefill_weights=args.prefill_weights)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

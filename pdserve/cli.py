@@ -12,7 +12,7 @@ import sys
 from gateway.cli import add_gateway_arguments, add_generate_arguments, run_gateway, run_generate
 from service_infra.worker_args import (
     add_decode_activations_argument,
-    add_enforce_eager_argument,
+    add_decode_step_arguments,
     add_prefill_weights_argument,
 )
 
@@ -49,7 +49,8 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     from engine_core.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, decode_activations=args.decode_activations,
-              enforce_eager=args.enforce_eager, prefill_weights=args.prefill_weights)
+              enforce_eager=args.enforce_eager, prefill_weights=args.prefill_weights,
+              async_scheduling=args.async_scheduling)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
     if args.chat:
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(o)
     add_prefill_weights_argument(o)
-    add_enforce_eager_argument(o)
+    add_decode_step_arguments(o)
     o.add_argument("--chat", action="store_true", help="apply the chat template")
     o.add_argument("--max-tokens", type=int, default=128)
     o.add_argument("--temperature", type=float, default=0.0)
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else float32")
     add_decode_activations_argument(b)
     add_prefill_weights_argument(b)
-    add_enforce_eager_argument(b)
+    add_decode_step_arguments(b)
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])

@@ -40,9 +40,10 @@ from pdserve.supervisor import Child, RestartPolicy, supervise
 from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
-    add_enforce_eager_argument,
+    add_decode_step_arguments,
     add_prefill_weights_argument,
     add_speculative_arguments,
+    async_scheduling_argv,
     speculative_argv,
 )
 
@@ -79,7 +80,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_canary_arguments(p)  # passed to the gateway
     add_api_servers_argument(p)  # passed to the gateway
     add_speculative_arguments(p)  # passed to the decode workers
-    add_enforce_eager_argument(p)  # passed to the decode workers
+    add_decode_step_arguments(p)  # passed to the decode workers
 
 
 def split_cores(cores: list[int]) -> tuple[list[int] | None, list[int] | None]:
@@ -220,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
                 *kv, *speculative_argv(args), *common,
                 "--cache-decoded-blocks" if args.cache_decoded_blocks
                 else "--no-cache-decoded-blocks",
-                *(["--enforce-eager"] if args.enforce_eager else [])], dec_cores)
+                *(["--enforce-eager"] if args.enforce_eager else []),
+                *async_scheduling_argv(args)], dec_cores)
         deadline = time.monotonic() + READY_TIMEOUT_S
         for w in stack.workers:  # a worker that cannot start once will not start again
             w.wait_ready(deadline)

@@ -42,11 +42,22 @@ def add_cache_decoded_blocks_argument(p) -> None:
                         "tokens only")
 
 
-def add_enforce_eager_argument(p) -> None:
-    """--enforce-eager, for every command that runs decode steps (as vLLM's flag)."""
+def add_decode_step_arguments(p) -> None:
+    """How decode steps run, for every command that runs them (vLLM's flag names)."""
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every decode step eagerly: no CUDA graphs (on CUDA they are "
                         "captured at start, one per batch-size bucket; a CPU has none)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and prepare each step while the one before runs on the "
+                        "device (engine_core/async_step.py); default: on with CUDA, off on "
+                        "a CPU (nothing to overlap); steps that cannot run ahead (structured "
+                        "output, penalties, speculation) run synchronously either way")
+
+
+def async_scheduling_argv(args: argparse.Namespace) -> list[str]:
+    """--async-scheduling as given, for a command that passes it on."""
+    value = getattr(args, "async_scheduling", None)
+    return [] if value is None else ["--async-scheduling" if value else "--no-async-scheduling"]
 
 
 def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -147,7 +158,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
         prefill_weights=args.prefill_weights, speculative_config=speculative_config(args),
-        enforce_eager=getattr(args, "enforce_eager", False),  # decode workers' flag
+        enforce_eager=getattr(args, "enforce_eager", False),  # decode workers' flags
+        async_scheduling=getattr(args, "async_scheduling", None),
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  cache_decoded_blocks=args.cache_decoded_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -164,7 +176,7 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_arguments(p)
-    add_enforce_eager_argument(p)
+    add_decode_step_arguments(p)
     p.add_argument("--transports", default="auto",
                    help="KV transports this worker accepts, comma-separated (grpc, shm, "
                         "cuda_ipc); auto: grpc,shm on CPU, grpc,cuda_ipc on CUDA (shm is a "
