@@ -53,6 +53,7 @@ class _Request:
     t_first: float | None = None  # its first tokens arrived here
     t_second: float | None = None  # its second token did
     num_tokens: int = 0
+    num_cached_tokens: int = 0  # from its first delta
     output: list[int] | None = None  # kept where the worker records replies (finished())
     is_open: bool = False  # in the engine: its deltas come to the sink
     is_aborted: bool = False  # an abort came while it was starting
@@ -186,8 +187,10 @@ class OutputStream:
             rec.t_second = now
         if rec.output is not None:
             rec.output += item.token_ids
-        if rec.is_local and item.is_first and item.token_ids:
-            self.worker._held(rec.prompt_token_ids)  # its whole prompt is computed, cached
+        if item.is_first:
+            rec.num_cached_tokens = item.num_cached_tokens
+            if rec.is_local and item.token_ids:  # its whole prompt is computed, cached
+                self.worker.held(rec.prompt_token_ids)
         entry = self.pending.get(rec.req_id)
         if entry is None:
             entry = self.pending[rec.req_id] = _Pending()
@@ -197,7 +200,7 @@ class OutputStream:
             entry.logprobs = (entry.logprobs or []) + item.logprobs
         if item.finish_reason is not None:
             end = _end(finish_reason=FINISH_REASONS[item.finish_reason],
-                       num_cached_tokens=item.num_cached_tokens,
+                       num_cached_tokens=rec.num_cached_tokens,
                        first_decode_step_s=(rec.t_second - rec.t_first) if rec.t_second
                        else 0.0)
             if rec.is_local and item.metrics is not None:  # the engine's split

@@ -72,7 +72,7 @@ class DecodeWorker(ColocatedBackend):
         self.prefix = PrefixRecord(max(1, engine.num_kv_blocks))  # what Status publishes
         self.on_prefix = on_prefix
 
-    def _held(self, prompt_token_ids: list[int]) -> None:
+    def held(self, prompt_token_ids: list[int]) -> None:
         """The prompt's full blocks are in this worker's prefix cache now: record them for
         the gateways' routing (service_infra/prefix_record.py)."""
         bs = self.engine.layout.block_size
@@ -161,7 +161,7 @@ class DecodeWorker(ColocatedBackend):
             except (KeyError, ValueError) as e:
                 raise ValueError(f"cannot admit: {e!r}") from e
 
-        self._held(res.prompt_token_ids)  # verified KV, cached at admission
+        self.held(res.prompt_token_ids)  # verified KV, cached at admission
         return GenerateInput(req_id, res.prompt_token_ids, res.params), admit
 
     def withdraw(self, req_id: str, lease_id: str,
@@ -195,7 +195,7 @@ class DecodeWorker(ColocatedBackend):
         (--cache-decoded-blocks), record the reply's full blocks too, so that a chat's next
         turn is routed by its whole history. Every token but the last has its KV computed."""
         if self.engine.kv.cache_decoded_blocks and len(output) > 1:
-            self._held(prompt_token_ids + output[:-1])
+            self.held(prompt_token_ids + output[:-1])
 
     async def decode(self, req_id: str, first_token: int,
                      first_logprobs: dict[int, float] | None,
@@ -217,7 +217,7 @@ class DecodeWorker(ColocatedBackend):
                                                  inp.prompt_token_ids):
             if is_first:  # the first token: the whole prompt is computed and cached
                 is_first = False
-                self._held(inp.prompt_token_ids)
+                self.held(inp.prompt_token_ids)
             yield chunk
 
     async def fork(self, req_id: str, parent_req_id: str, prompt_token_ids: list[int],
