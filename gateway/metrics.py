@@ -146,6 +146,8 @@ class MeteredBackend:
         self.inner = backend
         self.metrics = metrics
         self.num_streams = 0
+        self.num_requests = 0  # streams begun since start (this process's)
+        self.api_server_index: int | None = None  # which of --api-servers this is (None: one)
         self.collector = _GatewayCollector(self)
         registry.register(self.collector)
 
@@ -162,6 +164,7 @@ class MeteredBackend:
         t_first = t_last = None
         is_finished = False  # a consumer closing us after the last chunk is no abort
         self.num_streams += 1
+        self.num_requests += 1
         try:
             async for chunk in self.inner.generate(inp):
                 now = time.monotonic()
@@ -195,7 +198,10 @@ class MeteredBackend:
         return await self.inner.abort(req_id)
 
     async def status(self) -> dict[str, Any]:
-        return await self.inner.status()
+        out = await self.inner.status()
+        out["num_requests"] = self.num_requests  # this process's (one of --api-servers)
+        out["api_server"] = self.api_server_index
+        return out
 
     async def close(self) -> None:
         await self.inner.close()

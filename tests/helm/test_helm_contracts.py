@@ -23,6 +23,7 @@ AGREED_FLAGS = {
     "gateway": {"--host", "--port", "--http-port", "--lease-ttl", "--max-waiting",
                 "--max-queue-wait", "--prefill-policy", "--local-prefill-max-tokens",
                 "--canary-idle-s", "--canary-timeout-s", "--canary-failures", "--grace",
+                "--api-servers",
                 "--model", "--tls-client-auth"}
     | REDIS_FLAGS | TLS_FLAGS,
     "prefill": {"--host", "--port", "--advertise-host", "--metrics-port", "--worker-id"}

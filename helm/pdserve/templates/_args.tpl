@@ -23,6 +23,8 @@ through `int` or `toString` so that large values never render as 1e+06.
 - {{ $v.prefillPolicy | quote }}
 - --local-prefill-max-tokens
 - {{ $v.localPrefillMaxTokens | int | quote }}
+- --api-servers
+- {{ $v.apiServers | default 1 | int | quote }}
 - --canary-idle-s
 - {{ $v.canary.idleS | toString | quote }}
 - --canary-timeout-s
