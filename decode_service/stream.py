@@ -47,7 +47,7 @@ class _Request:
 
     req_id: str
     prompt_token_ids: list[int] = field(default_factory=list)
-    is_local: bool = False  # a local prefill: its entry carries queue_s and prefill_s
+    is_local: bool = False  # a local prefill: its whole prompt is recorded at its first token
     t_start: float = field(default_factory=time.monotonic)  # its start message arrived
     t_add: float = 0.0  # the engine accepted it
     t_first: float | None = None  # its first tokens arrived here
@@ -203,7 +203,7 @@ class OutputStream:
                        num_cached_tokens=rec.num_cached_tokens,
                        first_decode_step_s=(rec.t_second - rec.t_first) if rec.t_second
                        else 0.0)
-            if rec.is_local and item.metrics is not None:  # the engine's split
+            if item.metrics is not None:  # the engine's split (local prefills and forks)
                 m = item.metrics
                 arrival = rec.t_add - rec.t_start
                 end.queue_s = arrival + m.get("first_scheduled", 0.0)

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
 SHARED_DIR_ENV = "PDSERVE_API_SERVERS_DIR"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _READY = re.compile(r"pdserve gateway: gRPC (\S+)\s+HTTP (\S+)")
@@ -99,7 +101,7 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
         if addresses is not None:
             print(f"pdserve gateway: gRPC {addresses[0]}  HTTP {addresses[1]}  "
                   f"({args.api_servers} API servers; Ctrl-C stops)", flush=True)
-        codes = [_drain_output(child) for child in children]
+        codes = [_drain_output(child, shared / "metrics") for child in children]
         return 0 if addresses is not None and all(c == 0 for c in codes) else 1
     finally:
         for child in children:
@@ -145,10 +147,14 @@ def _wait_ready(children: list[subprocess.Popen]) -> tuple[str, str] | None:
     return addresses
 
 
-def _drain_output(child: subprocess.Popen) -> int:
+def _drain_output(child: subprocess.Popen, metrics_dir: Path) -> int:
+    from prometheus_client import multiprocess
+
     for line in child.stdout:
         print(line, end="", flush=True)
-    return child.wait()
+    code = child.wait()
+    multiprocess.mark_process_dead(child.pid, str(metrics_dir))  # its live gauges leave the sums
+    return code
 
 
 class CanaryVerdict:
@@ -198,14 +204,18 @@ class MetricsMirror:
 
     async def _loop(self) -> None:
         while True:
-            self.mirror()
+            try:
+                self.mirror()
+            except Exception:  # a bad sample must not stop the mirroring for good
+                logger.exception("mirroring the gateway's gauges for /metrics failed")
             await asyncio.sleep(MIRROR_S)
 
     def mirror(self) -> None:
         for family in self.collector.collect():
+            if not family.samples:  # nothing to say yet (a canary that has not run)
+                continue
             metric = self._metrics.get(family.name)
-            labels = [s.labels for s in family.samples]
-            names = sorted(labels[0]) if labels else []
+            names = sorted(family.samples[0].labels)
             if metric is None:
                 if family.type == "counter":
                     metric = self._counter(family.name, family.documentation, names,

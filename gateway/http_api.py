@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from gateway import openai_protocol as oai
 from gateway import openai_responses as responses
 from gateway import responses_api, responses_stream, tokenize_api
-from gateway.auth import APIKeys, bearer_token
+from gateway.asgi import Authorize, GenerationRoutes, error
+from gateway.auth import APIKeys
 from gateway.chat_output import ChatStream
 from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
 from gateway.reasoning import resolve_parser
@@ -49,15 +50,7 @@ from service_infra.backend import (
 )
 
 MAX_BODY_BYTES = 4 << 20  # larger request bodies are refused with 400
-_KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # need an API key when keys are set
 Parser = Callable[[Any, Backend, int], Awaitable[oai.OpenAIRequest]]
-
-
-def error(status: int, message: str, param: str | None = None, code: str | None = None,
-          kind: str = "invalid_request_error") -> JSONResponse:
-    """OpenAI's error shape."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code}}, status_code=status)
 
 
 def _backend_error(e: Exception) -> JSONResponse:
@@ -88,25 +81,6 @@ class _Generation(ChoiceStreams):
         self.disconnect.close()
 
 
-class Authorize:
-    """Pure ASGI middleware: with API keys, /v1/*, /tokenize and /detokenize need
-    `Authorization: Bearer <key>` (401 otherwise). Nothing wraps the response: a streamed
-    one's events go straight through."""
-
-    def __init__(self, app, keys: APIKeys, on_reject: Callable[[str], None]) -> None:
-        self.app, self.keys, self.on_reject = app, keys, on_reject
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_KEYED_PATHS):
-            auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            if not self.keys.admits(bearer_token(auth.decode("latin-1") if auth else None)):
-                self.on_reject("unauthenticated")
-                await error(401, "a valid API key is required: header 'Authorization: "
-                            "Bearer <key>'", kind="invalid_api_key")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 async def _read_json(request: Request) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -129,17 +103,15 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
               on_reject: Callable[[str], None] = lambda reason: None,
               api_keys: APIKeys | None = None,
               max_num_choices: int = DEFAULT_MAX_NUM_CHOICES,
-              reasoning_parser: str = "auto") -> FastAPI:
-    """The OpenAI API; also /health, /internal/status and, given a registry, /metrics.
+              reasoning_parser: str = "auto"):
+    """The OpenAI API, an ASGI app; also /health, /internal/status and, given a registry,
+    /metrics.
     With API keys, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401
     otherwise). A request may ask for at most `max_num_choices` choices (n x prompts).
     `reasoning_parser`: auto, think, harmony or none (gateway/reasoning.py), resolved against
     the chat template when a chat request comes."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     keys = api_keys or APIKeys()
-
-    if keys.is_enabled:
-        app.add_middleware(Authorize, keys=keys, on_reject=on_reject)
 
     async def generate(request: Request, parse: Parser, collect=None, sse=None) -> Response:
         """parse -> an OpenAIRequest (or, with collect and sse, a request holding one as
@@ -241,7 +213,11 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
         except BackendUnavailable as e:
             return error(503, str(e), kind="service_unavailable")
 
-    return app
+    # the generation endpoints straight on ASGI (GenerationRoutes), the rest through FastAPI
+    fast = GenerationRoutes(app, {"/v1/completions": completions,
+                                  "/v1/chat/completions": chat_completions,
+                                  "/v1/responses": create_response})
+    return Authorize(fast, keys, on_reject) if keys.is_enabled else fast
 
 
 async def _collect(backend: Backend, req: oai.OpenAIRequest, gen: _Generation) -> Response:
