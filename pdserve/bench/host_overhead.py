@@ -88,6 +88,10 @@ def _env(repo: Path | None) -> tuple[dict[str, str], str | None]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if repo is None:
         return env, None
+    import pdserve
+
+    if pdserve.USER_GOMP_SPINCOUNT is None:  # that checkout's own OpenMP default, not ours
+        env.pop("GOMP_SPINCOUNT", None)
     env["PYTHONPATH"] = f"{repo}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep)
     return env, str(repo)
 
