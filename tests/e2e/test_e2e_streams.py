@@ -7,6 +7,7 @@ the synchronous engine's greedy tokens."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import time
 
@@ -52,6 +53,37 @@ def test_async_scheduling_decode_workers_stream_the_synchronous_output(stack, ti
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     check_word_completions(stack, PROMPTS, expected, 16)
+    stack.wait_idle()
+
+
+def test_the_stream_carries_logprobs_forks_and_finish_reasons(stack, tiny):
+    """Through the output stream: n = 2 samples (a fork shares the parent's prompt KV),
+    top-3 logprobs, and a stop string that ends one choice early, as the offline engine
+    gives them."""
+    llm = LLM(tiny, dtype="float32", kv_cache_memory_gb=0.05, async_scheduling=False)
+    prompt = PROMPTS[2]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    ref = llm.generate([prompt], params)[0].outputs[0]
+    stop = llm.tokenizer.decode([ref.token_ids[6]]).strip()  # a word of the greedy text
+    r = httpx.post(f"{stack.http_url}/v1/completions", timeout=120, json={
+        "prompt": words(prompt), "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "n": 2, "logprobs": 3, "stream": True})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    for index in (0, 1):
+        choices = [c for e in events for c in e["choices"] if c["index"] == index]
+        tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        lps = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        assert tokens == [llm.tokenizer.decode([t]) for t in ref.token_ids]
+        assert lps == pytest.approx([d[t] for d, t in zip(ref.logprobs, ref.token_ids,
+                                                          strict=True)], abs=1e-4)
+        assert choices[-1]["finish_reason"] == "length"
+    r = httpx.post(f"{stack.http_url}/v1/completions", timeout=120, json={
+        "prompt": words(prompt), "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"]
     stack.wait_idle()
 
 

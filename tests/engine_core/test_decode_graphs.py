@@ -110,9 +110,9 @@ def _padded(llm: LLM) -> list[int]:
                                use_cuda_graphs=False)
     buckets, run = [], graphs.run
 
-    def counted(bucket, arrays):
+    def counted(bucket, arrays, fill=None):
         buckets.append((len(arrays["input_ids"]), bucket))
-        return run(bucket, arrays)
+        return run(bucket, arrays, fill)
 
     graphs.run = counted
     runner.graphs = graphs
