@@ -200,7 +200,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     connect, kind, address, self.engine.layout, device=str(self.engine.device),
                     credentials=self.tls.channel_credentials() if self.tls else None,
                     channel_options=self.tls.channel_options() if self.tls else ())
-                self.metrics.connected(address, fresh.kind, fresh.control)
+                self.metrics.connected(address, fresh.kind, fresh.control, fresh.fallback_from)
                 if conn is None or conn.receiver_instance != fresh.receiver_instance:
                     if conn is not None:
                         logger.info("decode worker %s restarted (receiver instance %s, was "

@@ -151,11 +151,15 @@ class KVTransferMetrics:
             PREFIX + "kv_transport_info", "1 for each (prefill, decode) pair's connection, "
             "labelled by the transport its handshake chose (auto may pick shm, cuda_ipc or "
             "grpc) and where its LayerDone and Commit go (control: unix, the decode worker's "
-            "same-host socket, or grpc); prefill is its worker id or address, decode the "
-            "decode worker's address.",
-            ["model_name", "transport", "control", "prefill", "decode"], registry=registry)
+            "same-host socket, or grpc); fallback_from: the one-sided transport auto chose "
+            "by the host ids but could not map here (no shared /dev/shm: pods of one node), "
+            "else empty; prefill is its worker id or address, decode the decode worker's "
+            "address.",
+            ["model_name", "transport", "control", "fallback_from", "prefill", "decode"],
+            registry=registry)
         self.prefill = ""  # this worker's name (set once its port is bound: set_prefill)
-        self._chosen: dict[str, tuple[str, str]] = {}  # decode -> (transport, control)
+        # decode -> (transport, control, fallback_from)
+        self._chosen: dict[str, tuple[str, str, str]] = {}
 
     def set_prefill(self, name: str) -> None:
         """This prefill worker's name in the `prefill` label (its worker id or address)."""
@@ -164,15 +168,16 @@ class KVTransferMetrics:
             self.transport_info.labels(self.model_name, *chosen, name, decode).set(1)
         self.prefill = name
 
-    def connected(self, decode: str, transport: str, control: str) -> None:
-        """A handshake with `decode` chose `transport` and `control`; replaces its previous
-        series."""
+    def connected(self, decode: str, transport: str, control: str,
+                  fallback_from: str = "") -> None:
+        """A handshake with `decode` chose `transport` and `control` (after `fallback_from`
+        could not map, if set); replaces its previous series."""
         old = self._chosen.pop(decode, None)
         if old is not None:
             self.transport_info.remove(self.model_name, *old, self.prefill, decode)
-        self._chosen[decode] = (transport, control)
-        self.transport_info.labels(self.model_name, transport, control, self.prefill,
-                                   decode).set(1)
+        self._chosen[decode] = (transport, control, fallback_from)
+        self.transport_info.labels(self.model_name, transport, control, fallback_from,
+                                   self.prefill, decode).set(1)
 
     def transferred(self, transport: str, seconds: float, num_bytes: int) -> None:
         self.seconds.labels(self.model_name, transport).observe(seconds)

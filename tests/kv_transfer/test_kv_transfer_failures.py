@@ -239,7 +239,7 @@ from tests.kv_transfer.kv_helpers import LAYOUTS
 target, lease_id, src_ids, dst_ids, src_path = sys.argv[1:]
 src = torch.load(src_path)
 with connect("auto", target, LAYOUTS[0]) as conn:
-    print("chosen", conn.kind, flush=True)
+    print("chosen", conn.kind, "fallback from", conn.fallback_from, flush=True)
     session = conn.begin(lease_id, eval(src_ids), eval(dst_ids))
     for layer in range(LAYOUTS[0].num_layers):
         session.send_layer(layer, src)
@@ -266,7 +266,7 @@ def test_auto_uses_grpc_where_the_shm_pool_is_out_of_reach(make_rig, tmp_path):
     done = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=root, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "chosen grpc" in done.stdout
+    assert "chosen grpc fallback from shm" in done.stdout
     assert "shm cannot map the receiver's pool here" in done.stderr
     assert "cannot be opened here" in done.stderr  # the reason, in the sender's log
     assert rig.table.get(lease.lease_id).state is LeaseState.COMPLETE
