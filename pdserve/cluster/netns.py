@@ -126,6 +126,13 @@ class HostProcess:
     popen: subprocess.Popen
     pid: int
     log: Path
+    log_offset: int = 0  # the log's size when it started (a restart appends to the same log)
+
+    def output(self) -> str:
+        """What this process wrote to its log."""
+        with open(self.log, "rb") as f:
+            f.seek(self.log_offset)
+            return f.read().decode(errors="replace")
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -167,6 +174,7 @@ class Host:
         env replaces the environment (None: this process's)."""
         assert self.init_pid, f"host {self.name} is not running"
         cwd = cwd or os.getcwd()
+        offset = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as out:
             popen = subprocess.Popen(
                 ["nsenter", "-t", str(self.init_pid), "-n", "-m", "-u", "-p", f"--wd={cwd}",
@@ -178,7 +186,7 @@ class Host:
             popen.kill()
             raise RuntimeError(f"{name} on {self.name} exited at once: "
                                f"{log.read_text(errors='replace')[-2000:]}") from None
-        proc = HostProcess(name, popen, pid, log)
+        proc = HostProcess(name, popen, pid, log, offset)
         self.processes.append(proc)
         return proc
 

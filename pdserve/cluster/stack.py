@@ -260,7 +260,7 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 def _wait_log(proc: HostProcess, pattern: re.Pattern[str], what: str) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not pattern.search(proc.log.read_text(errors="replace")):
+    while not pattern.search(proc.output()):
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.poll()} before it was ready:\n"
                                f"{_tail(proc.log)}")

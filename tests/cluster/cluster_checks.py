@@ -28,6 +28,7 @@ class Outcome:
     """How one request ended: its tokens, and the gRPC status code if it failed."""
 
     prompt: list[int]
+    req_id: str = ""  # the gateway's, from the first message
     token_ids: list[int] = field(default_factory=list)
     code: grpc.StatusCode | None = None
     details: str = ""
@@ -47,6 +48,7 @@ def generate(target: str, prompt: list[int], max_tokens: int, timeout_s: float,
         try:
             for msg in stub.Generate(req, timeout=timeout_s):
                 out.t_first = out.t_first or time.monotonic() - t0
+                out.req_id = out.req_id or msg.request_id
                 out.token_ids.extend(msg.token_ids)
                 if on_token is not None and msg.token_ids:
                     on_token()
