@@ -86,6 +86,36 @@ class Load:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+class SteadyLoad:
+    """`concurrency` clients, each sending the next of `prompts` (cycling) as soon as its last
+    request ended, until stop(): then every outcome, in the order they ended."""
+
+    def __init__(self, cluster: ClusterStack, prompts: list[list[int]], max_tokens: int,
+                 concurrency: int, timeout_s: float) -> None:
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(
+            cluster.grpc_addr, prompts[i::concurrency] or prompts, max_tokens, timeout_s),
+            daemon=True) for i in range(concurrency)]
+        for t in self._threads:
+            t.start()
+
+    def _client(self, target: str, prompts: list[list[int]], max_tokens: int,
+                timeout_s: float) -> None:
+        i = 0
+        while not self._stop.is_set():
+            self.outcomes.append(generate(target, prompts[i % len(prompts)], max_tokens,
+                                          timeout_s))
+            i += 1
+
+    def stop(self, timeout_s: float = 120) -> list[Outcome]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout_s)
+        assert not any(t.is_alive() for t in self._threads), "a client did not finish"
+        return list(self.outcomes)
+
+
 def status(worker: Worker, timeout_s: float = 5) -> wpb.WorkerStatus:
     stub_cls = wpb_grpc.PrefillStub if worker.role == "prefill" else wpb_grpc.DecodeStub
     with grpc.insecure_channel(worker.address) as channel:
