@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine_core.stats import ITERATION_TOKENS_BUCKETS
+from service_infra.metrics.autoscaling import AutoscalingCollector
 from service_infra.metrics.gpu import GPUCollector
 from service_infra.metrics.names import KV_TRANSFER_BYTES_BUCKETS, KV_TRANSFER_TIME_BUCKETS, PREFIX
 
@@ -45,7 +46,8 @@ class EngineCollector:
                            sched.num_waiting)
         yield self._family(g, "num_requests_reserved", "Requests holding reserved blocks while "
                            "their prompt KV is in flight (decode workers).", len(sched.reserved))
-        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use, 0-1.",
+        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use (held by "
+                           "a running request or reserved for a prompt in flight), 0-1.",
                            kv.usage)
         yield self._family(g, "cache_config_info", "KV cache configuration (value 1).", 1,
                            {"block_size": str(block_size), "num_blocks": str(kv.pool.num_blocks),
@@ -188,9 +190,11 @@ class KVTransferMetrics:
 
 
 def worker_registry(pool: str, model_name: str, engine, lease_table=None) -> CollectorRegistry:
-    """The registry of one worker process: its engine's collector and the GPU collector."""
+    """The registry of one worker process: its engine's collector, its pool's autoscaling
+    signals and the GPU collector."""
     registry = CollectorRegistry()
     registry.register(EngineCollector(pool, model_name, engine, lease_table))
+    registry.register(AutoscalingCollector(pool, model_name, engine))
     registry.register(GPUCollector())
     return registry
 
