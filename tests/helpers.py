@@ -198,3 +198,17 @@ def count_split_combines() -> list[int]:
 
     decode_attention.combine_splits = counted
     return combines
+
+
+def prometheus_tool(name: str) -> str:
+    """The path of Debian's `prometheus` or `promtool`; the test fails (never skips) without
+    it, saying how to install it (.ci/run does)."""
+    import shutil
+
+    import pytest
+
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: apt-get install prometheus (Debian's package "
+                    "gives prometheus and promtool; .ci/run installs it)", pytrace=False)
+    return found

@@ -8,17 +8,16 @@ import json
 
 import helm_python as helm
 import jsonschema
-import kubernetes_validate
 import pytest
 from chart_testkit import (
     CHART_DIR,
     COMPONENTS,
-    KUBE_VERSION,
     RELEASE,
     VALUES_FILES,
     flag_values,
     load_values,
     render,
+    validate,
 )
 
 
@@ -104,8 +103,7 @@ def test_templates_refuse_inconsistent_values(chart, values, why):
 
 def validate_all(objects) -> None:
     for obj in objects:
-        if obj["kind"] != "ServiceMonitor":
-            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        validate(obj)
 
 
 def test_bundled_redis_with_a_password(chart):
