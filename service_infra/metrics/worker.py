@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine_core.stats import ITERATION_TOKENS_BUCKETS
 from service_infra.metrics.autoscaling import AutoscalingCollector
 from service_infra.metrics.gpu import GPUCollector
+from service_infra.metrics.http import serve_metrics
 from service_infra.metrics.names import KV_TRANSFER_BYTES_BUCKETS, KV_TRANSFER_TIME_BUCKETS, PREFIX
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,6 @@ def start_metrics(registry: CollectorRegistry, role: str, args) -> int | None:
     not given."""
     if args.metrics_port is None:
         return None
-    server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
-    port = server.server_port
+    port = serve_metrics(registry, args.host, args.metrics_port).server_port
     print(f"METRICS {role} http://{args.host}:{port}/metrics", flush=True)
     return port
