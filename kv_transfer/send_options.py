@@ -58,3 +58,17 @@ class TransferStats:
     @property
     def gbytes_per_s(self) -> float:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def wire_seconds(self) -> float:
+        """The time the sender was shipping bytes: each layer from when it was queued, or the
+        previous one was shipped if later, to when its bytes were all handed over. Leaves out
+        the waits for the next layer's compute (a layer-wise push spreads the transfer over
+        the forward), so num_bytes / wire_seconds is the link's speed as this transfer saw
+        it, not the transfer's duration."""
+        busy, prev = 0.0, 0.0
+        for queued, shipped in zip(self.layer_queued_s, self.layer_shipped_s, strict=True):
+            start = max(queued, prev)
+            busy += max(0.0, shipped - start)
+            prev = max(prev, shipped)
+        return busy

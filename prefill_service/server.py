@@ -40,7 +40,7 @@ async def _serve(args: argparse.Namespace) -> None:
     weights = settle_prefill_weights(kwargs.pop("prefill_weights"), resolve_model(args.model),
                                      resolve_dtype(args.dtype, torch.device("cpu")))
     engine = PrefillEngine(quantize_decode=weights == "quantized", prefill_weights=weights,
-                           **kwargs)
+                           kv_push=args.kv_push, **kwargs)
     registry = worker_registry("prefill", engine.source.name, engine)
     start_metrics(registry, "prefill", args)
     backend = ColocatedBackend(engine, max_waiting=args.max_waiting)

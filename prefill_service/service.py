@@ -71,7 +71,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.tls = tls  # mutual TLS to the decode workers' KV transfer service
         self._connections: dict[tuple[str, str], Connection] = {}
         self._connecting: dict[tuple[str, str], asyncio.Lock] = {}
-        # bytes per second of recent transfers (begin -> verified), a moving average; 0: none
+        # the link's speed as recent transfers saw it, a moving average (0: none yet): bytes
+        # over the time the sender was shipping, not waiting for the next layer's compute
+        # (TransferStats.wire_seconds), so a layer-wise push spread over a long forward does
+        # not read as a slow link
         self.kv_transfer_bytes_per_s = 0.0
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -134,7 +137,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if self.on_prefilled is not None:
                 self.on_prefilled(list(request.prompt_token_ids))
             self.metrics.transferred(stats.transport, stats.seconds, stats.num_bytes)
-            self._measure_transfer(stats.num_bytes, stats.seconds)
+            self._measure_transfer(stats.num_bytes, stats.wire_seconds or stats.seconds)
         except KVTransferError as e:
             self.metrics.failed(conn.kind, getattr(e, "code", "") or type(e).__name__)
             if getattr(e, "code", "") not in LEASE_ENDED_CODES:

@@ -156,10 +156,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
+KV_PUSH_MODES = ("layerwise", "after-forward")
+
+
 def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="prompts that may wait in this worker's queue at once; one more gets "
                         "RESOURCE_EXHAUSTED and the gateway tries another prefill worker")
+    p.add_argument("--kv-push", default="layerwise", choices=KV_PUSH_MODES,
+                   help="when a prompt's KV leaves for the decode worker: each layer as soon "
+                        "as it is computed, overlapping the later layers (layerwise), or all "
+                        "layers once the forward is done (after-forward: the baseline the "
+                        "overlap is measured against, benchmarks/bench_shaped_link.py)")
 
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
