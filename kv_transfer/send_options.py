@@ -60,15 +60,11 @@ class TransferStats:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     @property
-    def wire_seconds(self) -> float:
-        """The time the sender was shipping bytes: each layer from when it was queued, or the
-        previous one was shipped if later, to when its bytes were all handed over. Leaves out
-        the waits for the next layer's compute (a layer-wise push spreads the transfer over
-        the forward), so num_bytes / wire_seconds is the link's speed as this transfer saw
-        it, not the transfer's duration."""
-        busy, prev = 0.0, 0.0
-        for queued, shipped in zip(self.layer_queued_s, self.layer_shipped_s, strict=True):
-            start = max(queued, prev)
-            busy += max(0.0, shipped - start)
-            prev = max(prev, shipped)
-        return busy
+    def link_seconds(self) -> float:
+        """From the first layer queued to the commit verified: the wire time of num_bytes when
+        the link is the bottleneck, and about the rest of the forward plus the tail when the
+        compute is (a layer-wise push then keeps up with the layers). Either way, this time
+        minus the forward it overlaps is what the transfer adds to the first token
+        (gateway/prefill_policy.py exposed_transfer_s). Not the bytes handed to the transport:
+        HTTP/2 buffers a window's worth of them at once, whatever the link."""
+        return self.seconds - (self.layer_queued_s[0] if self.layer_queued_s else 0.0)

@@ -72,9 +72,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self._connections: dict[tuple[str, str], Connection] = {}
         self._connecting: dict[tuple[str, str], asyncio.Lock] = {}
         # the link's speed as recent transfers saw it, a moving average (0: none yet): bytes
-        # over the time the sender was shipping, not waiting for the next layer's compute
-        # (TransferStats.wire_seconds), so a layer-wise push spread over a long forward does
-        # not read as a slow link
+        # from the first layer queued to the commit verified (TransferStats.link_seconds); a
+        # transfer that kept up with the forward reads as the forward's pace, which the cost
+        # model's overlap then cancels
         self.kv_transfer_bytes_per_s = 0.0
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -137,7 +137,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if self.on_prefilled is not None:
                 self.on_prefilled(list(request.prompt_token_ids))
             self.metrics.transferred(stats.transport, stats.seconds, stats.num_bytes)
-            self._measure_transfer(stats.num_bytes, stats.wire_seconds or stats.seconds)
+            self._measure_transfer(stats.num_bytes, stats.link_seconds)
         except KVTransferError as e:
             self.metrics.failed(conn.kind, getattr(e, "code", "") or type(e).__name__)
             if getattr(e, "code", "") not in LEASE_ENDED_CODES:
@@ -182,11 +182,15 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             prefix_block_hashes=self.prefix.hashes() if self.prefix is not None else ())
 
     def _measure_transfer(self, num_bytes: int, seconds: float) -> None:
+        """The moving average is of seconds per byte, not of bytes per second: what the cost
+        model predicts is a transfer's time, and a link that slowed down shows in it after a
+        transfer or two (an average of speeds would hold the fast ones for tens)."""
         if num_bytes <= 0 or seconds <= 0:
             return
-        speed, w = num_bytes / seconds, TRANSFER_SPEED_EWMA_WEIGHT
-        self.kv_transfer_bytes_per_s = (speed if self.kv_transfer_bytes_per_s == 0.0
-                                        else (1 - w) * self.kv_transfer_bytes_per_s + w * speed)
+        per_byte, w = seconds / num_bytes, TRANSFER_SPEED_EWMA_WEIGHT
+        if self.kv_transfer_bytes_per_s > 0.0:
+            per_byte = (1 - w) / self.kv_transfer_bytes_per_s + w * per_byte
+        self.kv_transfer_bytes_per_s = 1.0 / per_byte
 
     async def _connection(self, address: str, kind: str, instance: str = "") -> Connection:
         """The cached connection to the decode worker at `address`, or a new handshake when

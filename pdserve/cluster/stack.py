@@ -63,7 +63,7 @@ class ClusterSpec:
     model: str
     num_prefill: int = 1
     num_decode: int = 2
-    dtype: str = "float32"
+    dtype: str | None = "float32"  # None: the engine's default
     kv_cache_memory_gb: float = 0.05
     registration_ttl_s: float = 3.0
     lease_ttl_s: float = 6.0
@@ -186,14 +186,17 @@ class ClusterStack:
 
     def _gateway_argv(self) -> list[str]:
         return [sys.executable, "-m", "pdserve", "gateway", "--model", self.spec.model,
-                "--dtype", self.spec.dtype, "--redis-url", self.redis_url, "--host", "0.0.0.0",
+                *self._dtype(), "--redis-url", self.redis_url, "--host", "0.0.0.0",
                 "--port", str(GATEWAY_GRPC_PORT), "--http-port", str(GATEWAY_HTTP_PORT),
                 "--transport", self.spec.transport, "--lease-ttl", str(self.spec.lease_ttl_s),
                 *self.spec.gateway_args]
 
+    def _dtype(self) -> list[str]:
+        return ["--dtype", self.spec.dtype] if self.spec.dtype else []
+
     def _worker_argv(self, role: str, host: Host, name: str) -> list[str]:
         return [sys.executable, "-m", "pdserve", role, "--model", self.spec.model,
-                "--dtype", self.spec.dtype, "--host", "0.0.0.0", "--port",
+                *self._dtype(), "--host", "0.0.0.0", "--port",
                 str(WORKER_PORTS[role]), "--advertise-host", host.ip, "--redis-url",
                 self.redis_url, "--worker-id", name, "--metrics-port", str(METRICS_PORT),
                 "--kv-cache-memory-gb", str(self.spec.kv_cache_memory_gb),

@@ -34,6 +34,7 @@ class Outcome:
     details: str = ""
     seconds: float = 0.0  # from sending to the end (last message or error)
     t_first: float | None = None  # seconds to its first message
+    timing: pb.Timing | None = None  # the last message's breakdown
 
 
 def generate(target: str, prompt: list[int], max_tokens: int, timeout_s: float,
@@ -50,6 +51,8 @@ def generate(target: str, prompt: list[int], max_tokens: int, timeout_s: float,
                 out.t_first = out.t_first or time.monotonic() - t0
                 out.req_id = out.req_id or msg.request_id
                 out.token_ids.extend(msg.token_ids)
+                if msg.HasField("timing"):
+                    out.timing = msg.timing
                 if on_token is not None and msg.token_ids:
                     on_token()
         except grpc.RpcError as e:
