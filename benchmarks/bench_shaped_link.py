@@ -14,9 +14,12 @@ prefill's compute, the KV's bytes over the link rate (the wire time of the whole
 link speed the prefill worker measured (Status.kv_transfer_bytes_per_s, what `auto` prices
 a transfer with).
 
-Part 2 (`--auto-rates`, default 10 then 0.1 Gbit/s): the gateway on --prefill-policy auto,
-one long stream decoding on the decode worker, and `--auto-prompts` requests of the first
-prompt length at each rate: where each was prefilled and the cost model's two estimates.
+Part 2 (`--auto-rates`, default 10 then 0.01 Gbit/s): the gateway on --prefill-policy auto,
+one long stream decoding on the decode worker, and `--auto-prompts` requests of
+`--auto-prompt-tokens` at each rate: where each was prefilled, the cost model's two estimates
+and the link speed the prefill worker measured. The link only shows in the decision where
+its wire time outlasts the prefill it overlaps (a CPU's prefill here is slower than 1 Gbit/s
+of KV), hence the 10 Mbit/s step.
 
 Writes bench_results/shaped_link/results.json.
 """
@@ -127,7 +130,7 @@ def part2(model: str, args, workdir: Path) -> list[dict]:
             for gbit in args.auto_rates:
                 shape_all(c, gbit)
                 for i in range(args.auto_prompts):
-                    t = generate(stub, prompt(args.prompt_tokens[0]))
+                    t = generate(stub, prompt(args.auto_prompt_tokens))
                     last = httpx.get(f"{c.http_url}/internal/status", timeout=10).json()[
                         "prefill_placement"]["last"]
                     row = {"gbit_s": gbit, "request": i, "where": t.prefill_where,
@@ -152,8 +155,9 @@ def main() -> int:
     p.add_argument("--rates", type=float, nargs="+", default=[1, 10, 25], help="Gbit/s")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--auto-rates", type=float, nargs="+", default=[10, 0.1])
-    p.add_argument("--auto-prompts", type=int, default=3)
+    p.add_argument("--auto-rates", type=float, nargs="+", default=[10, 0.01])
+    p.add_argument("--auto-prompts", type=int, default=4)
+    p.add_argument("--auto-prompt-tokens", type=int, default=256)
     p.add_argument("--skip-part1", action="store_true")
     p.add_argument("--out", default="bench_results/shaped_link")
     args = p.parse_args()

@@ -22,6 +22,7 @@ from gateway.pair_health import PairHealth
 from kv_transfer import GRPC_CHANNEL_OPTIONS
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra import tracing
 from service_infra.tls import TLSConfig
 from service_infra.tls import channel as tls_channel
 
@@ -88,7 +89,7 @@ class WorkerPools:
             if worker is None:
                 logger.info("%s worker joined: %s", role, found.address)
                 channel = tls_channel(found.address, self.tls, GRPC_CHANNEL_OPTIONS.items(),
-                                      is_aio=True)
+                                      is_aio=True, interceptors=tracing.client_interceptors())
                 worker = Worker(found.address, stub_cls(channel), channel,
                                 worker_id=found.worker_id, epoch=found.epoch)
             kept.append(worker)

@@ -16,6 +16,7 @@ from prefill_service.engine import PrefillEngine
 from prefill_service.service import PrefillServicer
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra import tracing
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
 from service_infra.prefix_record import PrefixRecord
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 async def _serve(args: argparse.Namespace) -> None:
     redis_config = await checked_redis_config(args)  # fails before the model loads
+    tracing.setup("prefill", tracing.instance_id(args), args.otlp_traces_endpoint)
     tls = tls_from_args(args, is_public=False)
     # a prefill worker never decodes: no 4/8-bit twins, unless its prefill rows multiply the
     # GGUF's blocks (--prefill-weights quantized, or auto choosing it)

@@ -36,6 +36,7 @@ from kv_transfer import (
 from prefill_service.engine import HandoffTarget, PrefillEngine
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra import tracing
 from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics
@@ -55,6 +56,17 @@ COMMIT_TIMEOUT_S = 30.0
 # requests' transfers are using it, so it is kept.
 LEASE_ENDED_CODES = frozenset({"ABORTED", "CANCELLED", "NOT_FOUND"})
 TRANSFER_SPEED_EWMA_WEIGHT = 0.2  # of the newest transfer in kv_transfer_bytes_per_s
+
+
+def _trace_phases(t_received: float, timing, stats) -> None:
+    """queue and prefill as the engine timed them; kv_transfer from the transfer's begin
+    (before the forward: the layer-wise push overlaps it) to the verified commit."""
+    now = time.monotonic()
+    scheduled = t_received + (timing.queue_s if timing else 0.0)
+    tracing.phase("queue", t_received, scheduled)
+    tracing.phase("prefill", scheduled, scheduled + (timing.prefill_s if timing else 0.0))
+    tracing.phase("kv_transfer", now - stats.seconds, now, **{
+        "pdserve.kv_transport": stats.transport, "pdserve.kv_bytes": stats.num_bytes})
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
@@ -138,6 +150,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 self.on_prefilled(list(request.prompt_token_ids))
             self.metrics.transferred(stats.transport, stats.seconds, stats.num_bytes)
             self._measure_transfer(stats.num_bytes, stats.link_seconds)
+            if tracing.is_on():  # children of this call's span (service_infra/tracing.py)
+                _trace_phases(t_received, last.timing, stats)
         except KVTransferError as e:
             self.metrics.failed(conn.kind, getattr(e, "code", "") or type(e).__name__)
             if getattr(e, "code", "") not in LEASE_ENDED_CODES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from service_infra.tls import add_tls_arguments
+from service_infra.tracing import add_tracing_argument
 
 
 def add_decode_activations_argument(p) -> None:
@@ -72,6 +73,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                         "this machine's address)")
     add_redis_arguments(p, is_worker=True)
     add_tls_arguments(p, is_public=False)
+    add_tracing_argument(p)
 
 
 def add_redis_arguments(p: argparse.ArgumentParser, is_worker: bool) -> None:

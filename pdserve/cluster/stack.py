@@ -58,7 +58,9 @@ def redis_server_binary() -> str:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What to start. `*_args` are appended to that role's command line."""
+    """What to start. `*_args` are appended to that role's command line; "{root_ip}" in them
+    becomes this (the root) namespace's address on the bridge, where the caller may serve
+    something the hosts use (an OTLP collector)."""
 
     model: str
     num_prefill: int = 1
@@ -189,7 +191,7 @@ class ClusterStack:
                 *self._dtype(), "--redis-url", self.redis_url, "--host", "0.0.0.0",
                 "--port", str(GATEWAY_GRPC_PORT), "--http-port", str(GATEWAY_HTTP_PORT),
                 "--transport", self.spec.transport, "--lease-ttl", str(self.spec.lease_ttl_s),
-                *self.spec.gateway_args]
+                *self._args(self.spec.gateway_args)]
 
     def _dtype(self) -> list[str]:
         return ["--dtype", self.spec.dtype] if self.spec.dtype else []
@@ -201,8 +203,11 @@ class ClusterStack:
                 self.redis_url, "--worker-id", name, "--metrics-port", str(METRICS_PORT),
                 "--kv-cache-memory-gb", str(self.spec.kv_cache_memory_gb),
                 "--registration-ttl", str(self.spec.registration_ttl_s),
-                *self.spec.worker_args,
-                *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args)]
+                *self._args(self.spec.worker_args), *self._args(
+                    self.spec.prefill_args if role == "prefill" else self.spec.decode_args)]
+
+    def _args(self, args: tuple[str, ...]) -> list[str]:
+        return [a.replace("{root_ip}", self.net.root_ip) for a in args]
 
     def _spawn_worker(self, name: str, machine_id: str | None = None) -> Worker:
         role = name.split("-")[0]
