@@ -11,8 +11,9 @@ length: `--runs` distinct prompts, one at a time (max_tokens 2), each response's
 breakdown. Reported (medians): TTFT, the exposed handoff (kv_transfer_s: first token sampled
 on the prefill worker to first token delivered by the decode worker), its share of TTFT, the
 prefill's compute, the KV's bytes over the link rate (the wire time of the whole KV), and the
-link speed the prefill worker measured (Status.kv_transfer_bytes_per_s, what `auto` prices
-a transfer with).
+pace the prefill worker measured (Status.kv_transfer_bytes_per_s: bytes over first layer
+queued -> commit verified, what `auto` prices a transfer with; under the layer-wise push on a
+CPU that is the forward's pace, not the link's).
 
 Part 2 (`--auto-rates`, default 10 then 0.01 Gbit/s): the gateway on --prefill-policy auto,
 one long stream decoding on the decode worker, and `--auto-prompts` requests of
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -161,6 +163,8 @@ def main() -> int:
     p.add_argument("--skip-part1", action="store_true")
     p.add_argument("--out", default="bench_results/shaped_link")
     args = p.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so that the clusters' networks come down here
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from engine_core.model_files import pull_default_model
 
     model = str(pull_default_model(progress=True))

@@ -14,7 +14,6 @@ request consumer pulls the next chunk only once the previous one has been writte
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -110,8 +109,12 @@ class GrpcSendSession(SendSession):
         return host_bytes(host)
 
     def _pump(self) -> None:
-        timeout = max(self._lease_deadline - time.monotonic(), 0.0) + self._options.rpc_timeout_s
-        call = self._stub.PushBlocks.future(self._requests(), timeout=timeout)
+        # No deadline on the stream: every layer delivered gives the lease its ttl again, so a
+        # slow forward's transfer may outlast any deadline fixed at Begin (a 4k-token prompt
+        # on a CPU takes minutes). The receiver's lease bounds it (a layer late by a ttl
+        # expires it and fails the stream), _next_layer ends it when no layer comes, and
+        # keepalive fails it if the receiver stops answering.
+        call = self._stub.PushBlocks.future(self._requests())
         with self._lock:
             self._call = call
         self._check_alive()  # an abort that came before the call existed

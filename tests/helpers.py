@@ -66,18 +66,9 @@ def wait_for_output(proc: subprocess.Popen, log: Path, pattern: re.Pattern[str],
 def child_pids(pid: int) -> list[int]:
     """Direct children of `pid` (from /proc), e.g. the workers `pdserve up` started in their
     own sessions, which a signal to its process group would not reach."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may contain spaces and parentheses
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry.name))
-    return out
+    from pdserve.cluster.netns import child_pids as from_proc
+
+    return from_proc(pid)
 
 
 def descendants(pid: int) -> list[int]:

@@ -88,7 +88,8 @@ def _start_ticks(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -105,7 +106,7 @@ def _wait_child(pid: int, comm: str | None, what: str) -> int:
     """The child of `pid` (whose command name is `comm`, if given), once it exists."""
     deadline = time.monotonic() + INIT_TIMEOUT_S
     while True:
-        for child in _children(pid):
+        for child in child_pids(pid):
             try:
                 name = Path(f"/proc/{child}/comm").read_text().strip()
             except OSError:

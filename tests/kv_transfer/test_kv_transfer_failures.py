@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from kv_transfer import (
     LayoutMismatchError,
     LeaseEndedError,
     LeaseState,
+    SenderOptions,
     TransferError,
     TransportRefusedError,
     connect,
@@ -385,3 +387,24 @@ def test_a_sender_killed_mid_transfer_releases_the_lease(make_rig, kind):
     expected = {"grpc": LeaseState.ABORTED, "shm": LeaseState.EXPIRED}[kind]
     assert released.state is expected, reason
     assert rig.table.num_blocks_held == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_forward_longer_than_the_ttl_completes_while_each_layer_comes_in_time(make_rig,
+                                                                                 kind):
+    """Each layer delivered gives the lease its ttl again, so a slow forward (a long prompt
+    on a CPU) whose layers each come within the ttl completes, however long it takes in all:
+    the sender's stream and waits follow that, not the deadline the lease had at Begin."""
+    layout = KVLayout("slow", "float32", block_size=16, num_layers=8, num_kv_heads=2,
+                      head_dim=32)
+    rig = make_rig(kind, layout)
+    lease = rig.open(2, ttl_s=1.0)
+    src_kv, src_ids = rig.source(2)
+    with connect(kind, rig.target, layout, options=SenderOptions(rpc_timeout_s=1.0)) as conn:
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        for layer in range(layout.num_layers):  # 8 x 0.4 s: 3.2 s, past ttl + rpc timeout
+            time.sleep(0.4)
+            assert session.send_layer(layer, src_kv), f"layer {layer} refused"
+        session.commit(timeout=5)
+    assert rig.table.get(lease.lease_id).state is LeaseState.COMPLETE
+    assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])
