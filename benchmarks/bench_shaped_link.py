@@ -85,7 +85,7 @@ def spec(model: str, *, prefill_args=(), gateway_args=()) -> ClusterSpec:
 
 def part1(model: str, args, workdir: Path) -> list[dict]:
     rows = []
-    for push in ("layerwise", "after-forward"):
+    for push in args.push:
         with ClusterStack(spec(model, prefill_args=("--kv-push", push)), workdir / push) as c:
             stub = pb_grpc.GenerationStub(grpc.insecure_channel(c.grpc_addr))
             bytes_per_token = prefill_status(c).kv_bytes_per_token
@@ -120,8 +120,8 @@ def part2(model: str, args, workdir: Path) -> list[dict]:
         stop = threading.Event()
 
         def decode_stream() -> None:  # one sequence decoding throughout: local prefill stalls it
-            while not stop.is_set():
-                generate(stub, prompt(16), max_tokens=400)
+            while not stop.is_set():  # (whole chunks: the decode worker measures its prefill
+                generate(stub, prompt(256), max_tokens=400)  # speed as it is)
 
         shape_all(c, args.auto_rates[0])
         generate(stub, prompt(256))  # remote ("unmeasured"): the first speeds get measured
@@ -135,6 +135,8 @@ def part2(model: str, args, workdir: Path) -> list[dict]:
                     t = generate(stub, prompt(args.auto_prompt_tokens))
                     last = httpx.get(f"{c.http_url}/internal/status", timeout=10).json()[
                         "prefill_placement"]["last"]
+                    if last["num_local_tokens"] != args.auto_prompt_tokens:
+                        last = {"local_cost_s": None, "remote_cost_s": None}  # the stream's
                     row = {"gbit_s": gbit, "request": i, "where": t.prefill_where,
                            "reason": t.prefill_reason, "ttft_s": t.ttft_s,
                            "local_cost_s": last["local_cost_s"],
@@ -157,8 +159,10 @@ def main() -> int:
     p.add_argument("--rates", type=float, nargs="+", default=[1, 10, 25], help="Gbit/s")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--push", nargs="+", default=["layerwise", "after-forward"],
+                   choices=["layerwise", "after-forward"])
     p.add_argument("--auto-rates", type=float, nargs="+", default=[10, 0.01])
-    p.add_argument("--auto-prompts", type=int, default=4)
+    p.add_argument("--auto-prompts", type=int, default=6)
     p.add_argument("--auto-prompt-tokens", type=int, default=256)
     p.add_argument("--skip-part1", action="store_true")
     p.add_argument("--out", default="bench_results/shaped_link")

@@ -44,6 +44,19 @@ class HandoffTarget:
     # commit requested (or the session could not start: then with None and the error)
     on_sent: Callable[[SendSession | None, BaseException | None], None]
     session: SendSession | None = field(default=None, repr=False)
+    src_block_ids: list[int] = field(default_factory=list)  # this worker's, set per step
+
+    def begin(self) -> bool:
+        """Open the transfer session; False (and on_sent told why) if the decode side
+        refused or is gone: this request fails."""
+        try:
+            self.session = self.conn.begin(self.lease_id, self.src_block_ids,
+                                           self.dst_block_ids)
+        except Exception as e:
+            logger.warning("kv handoff of lease %s could not begin: %s", self.lease_id, e)
+            self.on_sent(None, e)
+            return False
+        return True
 
 
 class HandoffConnector:
@@ -75,14 +88,12 @@ class HandoffConnector:
             if target is None:
                 continue
             block_size = self._engine().layout.block_size
-            src = blocks[target.first_block:cdiv(req.num_prompt_tokens, block_size)]
-            try:
-                target.session = target.conn.begin(target.lease_id, src, target.dst_block_ids)
-            except Exception as e:  # the decode side refused or is gone: this request fails
-                logger.warning("kv handoff of %s could not begin: %s", req.req_id, e)
-                target.on_sent(None, e)
-                continue
-            handoffs.append(target)
+            target.src_block_ids = blocks[target.first_block:cdiv(req.num_prompt_tokens,
+                                                                  block_size)]
+            # after-forward: Begin waits for the forward too, or the lease would wait a
+            # whole forward for its first layer (a ttl without progress expires it)
+            if not self.is_layerwise or target.begin():
+                handoffs.append(target)
         return HandoffStep(handoffs, self._engine().runner.kv_cache,
                            self.is_layerwise) if handoffs else None
 
@@ -107,6 +118,8 @@ class HandoffStep:
     def finish(self) -> None:
         for t in self.targets:
             if not self.is_layerwise:  # the whole KV now, after the first token was sampled
+                if not t.begin():
+                    continue
                 for layer in range(self.kv_cache.shape[0]):
                     t.session.send_layer(layer, self.kv_cache)
             t.session.request_commit()  # done already, unless the forward failed (an abort)

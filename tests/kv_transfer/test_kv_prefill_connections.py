@@ -97,8 +97,9 @@ def test_the_handoff_commits_behind_the_last_layer_and_the_loop_awaits_it(make_r
 
 
 def test_after_forward_nothing_leaves_before_the_step_ends(make_rig):
-    """--kv-push after-forward (the layer-wise push's baseline): save_layer ships nothing; the
-    step's end hands every layer over and commits; the receiver gets the same bits."""
+    """--kv-push after-forward (the layer-wise push's baseline): nothing begins or ships during
+    the forward (the lease waits no forward for its first layer); the step's end begins the
+    transfer, hands every layer over and commits; the receiver gets the same bits."""
     layout = LAYOUTS[1]
     rig = make_rig("grpc", layout)
     lease = rig.open(3)
@@ -106,14 +107,14 @@ def test_after_forward_nothing_leaves_before_the_step_ends(make_rig):
     sent = []
     with connect("grpc", rig.target, layout) as conn:
         target = HandoffTarget(conn, lease.lease_id, list(lease.block_ids), 0,
-                               lambda session, error: sent.append((session, error)))
-        target.session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+                               lambda session, error: sent.append((session, error)),
+                               src_block_ids=src_ids)
         step = HandoffStep([target], src_kv, is_layerwise=False)
         for layer in range(layout.num_layers):
             step.save_layer(layer)
         time.sleep(0.3)  # a layer-wise push would have delivered by now
-        lease_now = rig.table.get(lease.lease_id)
-        assert lease_now.num_bytes_received == 0 and lease_now.num_layers_received == 0
+        assert target.session is None
+        assert rig.table.get(lease.lease_id).state is LeaseState.RESERVED
         step.finish()
         stats = asyncio.run(_committed(target.session, 5.0))
         assert sent == [(target.session, None)]
