@@ -121,7 +121,7 @@ def part2(model: str, args, workdir: Path) -> list[dict]:
 
         def decode_stream() -> None:  # one sequence decoding throughout: local prefill stalls it
             while not stop.is_set():  # (whole chunks: the decode worker measures its prefill
-                generate(stub, prompt(256), max_tokens=400)  # speed as it is)
+                generate(stub, prompt(240), max_tokens=400)  # speed as it is)
 
         shape_all(c, args.auto_rates[0])
         generate(stub, prompt(256))  # remote ("unmeasured"): the first speeds get measured
@@ -135,7 +135,7 @@ def part2(model: str, args, workdir: Path) -> list[dict]:
                     t = generate(stub, prompt(args.auto_prompt_tokens))
                     last = httpx.get(f"{c.http_url}/internal/status", timeout=10).json()[
                         "prefill_placement"]["last"]
-                    if last["num_local_tokens"] != args.auto_prompt_tokens:
+                    if last["num_local_tokens"] != args.auto_prompt_tokens:  # (not 240)
                         last = {"local_cost_s": None, "remote_cost_s": None}  # the stream's
                     row = {"gbit_s": gbit, "request": i, "where": t.prefill_where,
                            "reason": t.prefill_reason, "ttft_s": t.ttft_s,

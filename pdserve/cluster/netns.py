@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ipaddress
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -45,11 +43,18 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.cluster.names import (  # noqa: F401 (the names and sweep: re-exported)
+    NAME_PREFIX,
+    STATE_DIR,
+    SUPERNET,
+    claim_subnet,
+    run,
+    start_ticks,
+    sweep,
+    teardown,
+)
 from pdserve.supervisor import _die_with_parent
 
-NAME_PREFIX = "pdsc"  # pdserve cluster: bridge pdsc<tag>, veths pdsc<tag>v<n>, netns pdsc<tag>-*
-STATE_DIR = Path("/run/pdserve-cluster")
-SUPERNET = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544: benchmarking, never routed
 TOOLS = ("ip", "tc", "nsenter", "unshare", "sh", "sleep", "mount")
 INIT_TIMEOUT_S = 10.0
 DEFAULT_SHM_SIZE = "1g"
@@ -69,23 +74,6 @@ def require_root() -> None:
     if missing:
         raise NeedsRoot(f"the cluster harness needs {', '.join(missing)} on PATH "
                         "(Debian: iproute2, util-linux)")
-
-
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): "
-                           f"{done.stderr.strip() or done.stdout.strip()}")
-    return done
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The start time of `pid` (clock ticks since boot), None if it does not exist."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def child_pids(pid: int) -> list[int]:
@@ -113,7 +101,7 @@ def _wait_child(pid: int, comm: str | None, what: str) -> int:
                 continue
             if comm is None or name == comm:
                 return child
-        if time.monotonic() > deadline or _start_ticks(pid) is None:
+        if time.monotonic() > deadline or start_ticks(pid) is None:
             raise RuntimeError(f"{what} did not start within {INIT_TIMEOUT_S} s")
         time.sleep(0.01)
 
@@ -193,7 +181,7 @@ class Host:
 
     def run(self, *argv: str) -> str:
         """A short command inside the host's namespaces; its stdout (RuntimeError on failure)."""
-        return _run("nsenter", "-t", str(self.init_pid), "-n", "-m", "-u", "-p", "--",
+        return run("nsenter", "-t", str(self.init_pid), "-n", "-m", "-u", "-p", "--",
                     *argv).stdout
 
 
@@ -205,7 +193,7 @@ class Network:
         require_root()
         sweep()
         self.shm_size = shm_size
-        self.tag, self.subnet = _claim_subnet()
+        self.tag, self.subnet = claim_subnet()
         self.state = STATE_DIR / self.tag
         self.bridge = f"{NAME_PREFIX}{self.tag}"
         self.hosts: dict[str, Host] = {}
@@ -213,9 +201,9 @@ class Network:
         atexit.register(self.close)
         try:
             gateway = self._address(1)
-            _run("ip", "link", "add", self.bridge, "type", "bridge")
-            _run("ip", "addr", "add", f"{gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
-            _run("ip", "link", "set", self.bridge, "up")
+            run("ip", "link", "add", self.bridge, "type", "bridge")
+            run("ip", "addr", "add", f"{gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
+            run("ip", "link", "set", self.bridge, "up")
             self.root_ip = gateway  # this (the root) namespace's address on the bridge
         except BaseException:
             self.close()
@@ -244,17 +232,17 @@ class Network:
         self.hosts[name] = host
         peer = f"{self.bridge}p{index}"
         ns = ("ip", "-n", host.netns)
-        _run("ip", "netns", "add", host.netns)
-        _run("ip", "link", "add", host.root_veth, "type", "veth", "peer", "name", peer)
-        _run("ip", "link", "set", peer, "netns", host.netns)
-        _run(*ns, "link", "set", peer, "name", "eth0")
-        _run(*ns, "addr", "add", f"{host.ip}/{self.subnet.prefixlen}", "dev", "eth0")
-        _run(*ns, "link", "set", "eth0", "up")
-        _run(*ns, "link", "set", "lo", "up")
-        _run("ip", "link", "set", host.root_veth, "master", self.bridge, "up")
+        run("ip", "netns", "add", host.netns)
+        run("ip", "link", "add", host.root_veth, "type", "veth", "peer", "name", peer)
+        run("ip", "link", "set", peer, "netns", host.netns)
+        run(*ns, "link", "set", peer, "name", "eth0")
+        run(*ns, "addr", "add", f"{host.ip}/{self.subnet.prefixlen}", "dev", "eth0")
+        run(*ns, "link", "set", "eth0", "up")
+        run(*ns, "link", "set", "lo", "up")
+        run("ip", "link", "set", host.root_veth, "master", self.bridge, "up")
         # the local table after the partition rules (pref 10..), so those see input first
-        _run(*ns, "rule", "add", "pref", "100", "lookup", "local")
-        _run(*ns, "rule", "del", "pref", "0")
+        run(*ns, "rule", "add", "pref", "100", "lookup", "local")
+        run(*ns, "rule", "del", "pref", "0")
         self._start_init(host)
         return host
 
@@ -283,28 +271,28 @@ class Network:
         so that one GSO packet fits)."""
         for argv in (("tc",), ("tc", "-n", host.netns)):
             dev = host.root_veth if len(argv) == 1 else "eth0"
-            _run(*argv, "qdisc", "del", "dev", dev, "root", check=False)
+            run(*argv, "qdisc", "del", "dev", dev, "root", check=False)
             if rate_bits is not None:
                 burst = max(128 * 1024, int(rate_bits / 8 / 1000))
-                _run(*argv, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                run(*argv, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
                      f"{int(rate_bits)}bit", "burst", str(burst), "latency", "200ms")
 
     def set_link(self, host: Host, up: bool) -> None:
         """Plug (up) or pull (down) the host's cable: down, nothing reaches or leaves it."""
-        _run("ip", "link", "set", host.root_veth, "up" if up else "down")
+        run("ip", "link", "set", host.root_veth, "up" if up else "down")
 
     def partition(self, a: Host, b: Host) -> None:
         """a and b drop every packet from each other; both still reach everyone else."""
         for me, other in ((a, b), (b, a)):
             if other.ip not in me.blocked:
-                _run("ip", "-n", me.netns, "rule", "add", "pref", str(10 + other.index),
+                run("ip", "-n", me.netns, "rule", "add", "pref", str(10 + other.index),
                      "from", other.ip, "iif", "eth0", "blackhole")
                 me.blocked.add(other.ip)
 
     def heal(self, a: Host, b: Host) -> None:
         for me, other in ((a, b), (b, a)):
             if other.ip in me.blocked:
-                _run("ip", "-n", me.netns, "rule", "del", "pref", str(10 + other.index))
+                run("ip", "-n", me.netns, "rule", "del", "pref", str(10 + other.index))
                 me.blocked.discard(other.ip)
 
     # -- teardown ------------------------------------------------------------------------------
@@ -327,7 +315,7 @@ class Network:
             if host.init is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     host.init.wait(10)
-        _teardown(self.tag)
+        teardown(self.tag)
 
 
 def _machine_id_paths() -> list[str]:
@@ -337,72 +325,3 @@ def _machine_id_paths() -> list[str]:
             seen.add(os.path.realpath(path))
             out.append(path)
     return out
-
-
-def _claim_subnet() -> tuple[str, ipaddress.IPv4Network]:
-    """A /24 of SUPERNET that no interface here uses, claimed by creating its state directory
-    (atomic: two harnesses never get the same one)."""
-    used = _run("ip", "-4", "-o", "addr", "show").stdout
-    subnets = list(SUPERNET.subnets(new_prefix=24))
-    order = list(range(len(subnets)))
-    random.shuffle(order)
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    for i in order:
-        net = subnets[i]
-        if any(f" {a}/" in used for a in (net.network_address + 1, net.network_address + 2)):
-            continue
-        tag = f"{i:03x}"
-        try:
-            (STATE_DIR / tag).mkdir()
-        except FileExistsError:
-            continue
-        (STATE_DIR / tag / "owner").write_text(f"{os.getpid()} {_start_ticks(os.getpid())}\n")
-        return tag, net
-    raise RuntimeError(f"no free /24 left in {SUPERNET}")
-
-
-def _is_owner_alive(tag: str) -> bool:
-    try:
-        pid, ticks = (STATE_DIR / tag / "owner").read_text().split()
-    except (OSError, ValueError):
-        return False
-    return str(_start_ticks(int(pid))) == ticks
-
-
-def _tags_on_machine() -> set[str]:
-    """Tags of every namespace and link named with NAME_PREFIX here."""
-    names = _run("ip", "netns", "list").stdout.split() + [
-        line.split(":")[1].strip().split("@")[0]
-        for line in _run("ip", "-o", "link", "show").stdout.splitlines()]
-    n = len(NAME_PREFIX)
-    return {name[n:n + 3] for name in names if name.startswith(NAME_PREFIX)
-            and len(name) >= n + 3}
-
-
-def sweep() -> list[str]:
-    """Tear down every network whose owner is gone (and names of ours without a state
-    directory); returns their tags. Networks of live owners are left alone."""
-    tags = _tags_on_machine()
-    if STATE_DIR.exists():
-        tags |= {p.name for p in STATE_DIR.iterdir() if p.is_dir()}
-    swept = [tag for tag in sorted(tags) if not _is_owner_alive(tag)]
-    for tag in swept:
-        _teardown(tag)
-    return swept
-
-
-def _teardown(tag: str) -> None:
-    """Kill the processes in tag's namespaces, delete the namespaces, links and state."""
-    prefix = f"{NAME_PREFIX}{tag}"
-    for ns in _run("ip", "netns", "list").stdout.split():
-        if not ns.startswith(prefix + "-"):
-            continue
-        for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        _run("ip", "netns", "del", ns, check=False)
-    for line in _run("ip", "-o", "link", "show").stdout.splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        if name == prefix or (name.startswith(prefix) and name[len(prefix)] in "vp"):
-            _run("ip", "link", "del", name, check=False)
-    shutil.rmtree(STATE_DIR / tag, ignore_errors=True)

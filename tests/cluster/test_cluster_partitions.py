@@ -131,9 +131,9 @@ def test_a_decode_host_cut_mid_stream(cluster, tiny_offline):
 
 def test_a_prefill_host_cut_mid_transfer(cluster, tiny_offline):
     """Both prefill links at 20 Mbit/s: an 800-token prompt's KV (800 KB here) takes 0.3 s
-    alone, and more beside the others, so the cut finds transfers in flight. Bound: DETECT_S (the gateway gives the
-    silent prefill worker up) + the lease ttl (a stalled transfer's blocks are freed) +
-    SLACK_S."""
+    alone, and more beside the others, so the cut finds transfers in flight. Bound:
+    DETECT_S (the gateway gives the silent prefill worker up) + the lease ttl (a stalled
+    transfer's blocks are freed) + SLACK_S."""
     prefill = [w.host for w in cluster.live("prefill")]
     decode = cluster.live("decode")
     ended = {s: sum(sample_value(d.metrics_url, "pdserve:kv_leases_ended_total", state=s)
