@@ -26,6 +26,7 @@ from kv_transfer import (
 )
 from protos.pdserve.internal import kv_transfer_pb2, workers_pb2
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra import tracing
 from service_infra.metrics.worker import start_metrics, worker_registry
 from service_infra.tls import tls_from_args
 from service_infra.worker_args import engine_kwargs
@@ -55,6 +56,7 @@ def accepted_transports(flag: str, device: torch.device) -> list[str]:
 
 async def _serve(args: argparse.Namespace) -> None:
     redis_config = await checked_redis_config(args)  # fails before the model loads
+    tracing.setup("decode", tracing.instance_id(args), args.otlp_traces_endpoint)
     tls = tls_from_args(args, is_public=False)
     kinds: list[str] = []  # set by allocate(), once the engine's device is known
     pools: list[SharedKVPool] = []

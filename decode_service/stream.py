@@ -14,7 +14,8 @@ its sink) -> ended (its last entry, finish reason or error, is pending or sent).
 waits for the gateway (flow control), later steps merge into `pending`: the engine never
 waits for a stream, and a slow gateway gets fewer, larger messages. The stream's end (the
 gateway went away, or the worker stops) aborts every request still open on it, so their
-blocks are freed.
+blocks are freed. A start message with a trace context (the gateway traces the request) opens
+the request's SERVER span here, named for the RPC it stands for; its last entry ends it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import grpc
 from decode_service.worker import DecodeWorker, LeaseNotReady, fork_input
 from engine_core.outputs import RequestDelta
 from protos.pdserve.internal import workers_pb2 as pb
+from service_infra import tracing
 from service_infra.backend import BackendUnavailable, GenerateInput
 from service_infra.colocated import StartRequest
 from service_infra.proto_convert import (
@@ -57,6 +59,7 @@ class _Request:
     output: list[int] | None = None  # kept where the worker records replies (finished())
     is_open: bool = False  # in the engine: its deltas come to the sink
     is_aborted: bool = False  # an abort came while it was starting
+    span: object = None  # its tracing span, when the gateway traces it
 
 
 class _Pending:
@@ -110,6 +113,8 @@ class OutputStream:
                                  f"request_id {req_id!r} is already running on this stream")
             return
         rec = self.requests[req_id] = _Request(req_id, is_local=kind == "prefill_locally")
+        if msg.trace_context:
+            rec.span = tracing.continue_call(tracing.STREAM_CALLS[kind], msg.trace_context)
         if self._keeps_replies:
             rec.output = []
         if self.is_draining:
@@ -222,6 +227,9 @@ class OutputStream:
             entry = self.pending.get(rec.req_id) or self.pending.setdefault(rec.req_id,
                                                                             _Pending())
         entry.end = end
+        if rec.span is not None:
+            tracing.end_call(rec.span, end.error or None)
+            rec.span = None
         if self.requests.get(rec.req_id) is rec:
             del self.requests[rec.req_id]
         if rec.is_open:
@@ -251,6 +259,7 @@ class OutputStream:
     def close(self) -> None:
         """The stream ended: abort every request still open or starting on it."""
         for rec in list(self.requests.values()):
+            tracing.end_call(rec.span, "the gateway's stream ended")
             if rec.is_open:
                 rec.is_open = False
                 self.worker.close_request(rec.req_id, abort=True)
@@ -260,6 +269,7 @@ class OutputStream:
                     rec.req_id, "the gateway's stream ended"))
         self.requests.clear()
         self.pending.clear()
+
 
 
 class _Aborted(Exception):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from service_infra.tls import add_tls_arguments
+from service_infra.tracing import add_tracing_argument
 from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
@@ -130,6 +131,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="require one of the API keys in this file (one per line)")
     add_tls_arguments(p, is_public=True)
+    add_tracing_argument(p)
     net.add_argument("--shutdown-delay", type=float, default=0.0,
                      help="seconds between reporting NOT_SERVING and closing the listeners")
     add_api_servers_argument(net)

@@ -32,7 +32,12 @@ class DecodeAdmission(WorkerCalls):
         # in_flight is read after the await: other requests' picks meanwhile are counted
         order = rank_decode([w.in_flight for w in live],
                             [w.status.num_free_blocks if w.status else 0 for w in live], overlap)
-        return [live[i] for i in order]
+        # last: workers no prefill worker could hand KV to lately (gateway/pair_health.py)
+        prefills = [w.address for w in self.prefill if w.is_healthy] or [
+            w.address for w in self.prefill]
+        now = time.monotonic()
+        return sorted((live[i] for i in order), key=lambda w: not self.pair_health.has_good_pair(
+            w.address, prefills, now))
 
     async def _admit(self, inp: GenerateInput, sampling) -> tuple[Worker, pb.ReserveResponse]:
         """Reserve on a decode worker, waiting while every worker is full: woken when a

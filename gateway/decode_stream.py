@@ -12,6 +12,8 @@ decode_service/stream.py): every request it decodes there starts and streams thr
 A channel ends with its request's last entry; an error entry raises the status its own RPC
 would have (grpc.aio.AioRpcError), and so does the deadline (DEADLINE_EXCEEDED) and the
 stream's failure (the worker died or is unreachable: UNAVAILABLE, every channel on it).
+When the gateway traces the request, its start is a CLIENT span named for the RPC it stands
+for (pdserve.internal.Decode/Decode, /PrefillLocally, /Fork), ended with the channel.
 The stream is opened on first use and again after it failed; its end aborts, on the worker,
 whatever still runs on it.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.pdserve.internal import workers_pb2 as pb
+from service_infra import tracing
 from service_infra.proto_convert import logprob_from_proto
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class RequestChannel:
         self._items: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._is_done = False
+        self.span = None  # its tracing span (tracing.start_call), ended with the channel
         self._timer = (None if deadline is None else asyncio.get_running_loop().call_at(
             deadline, self.push_error, _error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                               "Deadline Exceeded")))
@@ -92,7 +96,7 @@ class RequestChannel:
                 self._waiter = None
         first = self._items.popleft()
         if isinstance(first, BaseException):
-            self.close()
+            self.close(error=first)
             raise first
         while self._items and not first.ends:  # a slow consumer: the steps merged
             item = self._items[0]
@@ -104,8 +108,11 @@ class RequestChannel:
             self.close()
         return first
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         """No more news wanted: the channel leaves the stream (idempotent)."""
+        if self.span is not None:
+            tracing.end_call(self.span, None if error is None else str(error))
+            self.span = None
         self._is_done = True
         if self._timer is not None:
             self._timer.cancel()
@@ -216,7 +223,6 @@ class _Connection:
 
 _STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
 
-
 class DecodeStream:
     """This gateway's output stream to one decode worker; see the module docstring."""
 
@@ -240,7 +246,12 @@ class DecodeStream:
         if req_id in c.channels:
             raise ValueError(f"request_id {req_id!r} is already streaming here")
         channel = c.channels[req_id] = RequestChannel(c, req_id, deadline)
-        c.send(pb.StreamRequest(decode=decode, prefill_locally=prefill_locally, fork=fork))
+        msg = pb.StreamRequest(decode=decode, prefill_locally=prefill_locally, fork=fork)
+        if tracing.is_on():
+            method = tracing.STREAM_CALLS[msg.WhichOneof("kind")]
+            channel.span, carrier = tracing.start_call(method)
+            msg.trace_context.update(carrier)
+        c.send(msg)
         return channel
 
     def abort(self, channel: RequestChannel, reason: str) -> None:

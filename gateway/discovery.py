@@ -28,6 +28,7 @@ class WorkerAddress:
     epoch: int = 0  # the worker's restart count: a new epoch at one address is a new process
     num_blocks: int = 0  # its KV pool, in blocks (0: unknown)
     max_num_seqs: int = 0
+    registration_ttl_s: float = 0.0  # how long its entry outlives a heartbeat (0: unknown)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

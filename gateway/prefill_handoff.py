@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -34,9 +35,10 @@ class PrefillHandoff(WorkerCalls):
         address) or else from Redis or the workers' Status (WorkerCalls._overlaps; unknown
         when Redis fails: queue depth alone)."""
         live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
-        if decode is not None:
-            bad = self.canary_monitor.state.bad_pairs
-            live = [w for w in live if (w.address, decode.address) not in bad] or live
+        if decode is not None:  # pairs the canary or recent handoffs found failing
+            bad, now = self.canary_monitor.state.bad_pairs, time.monotonic()
+            live = [w for w in live if (w.address, decode.address) not in bad
+                    and not self.pair_health.is_bad(w.address, decode.address, now)] or live
         if not live:
             raise BackendUnavailable("no prefill worker is known (discovery lists none)")
         live = [w for w in live if all(w is not f for f in full)]
@@ -86,21 +88,30 @@ class PrefillHandoff(WorkerCalls):
                                transport=self.transport,
                                transfer_instance=res.transfer_instance)),
             timeout=self._remaining(inp))
-        lost: list[str] = []  # why the watcher gave up on this call
+        # why the watcher gave up on this call, and whether the transfer (not the prefill
+        # worker) failed: a lease that ended unfinished says nothing about the worker's other
+        # requests, so it is not marked unhealthy for it (that would give them all up)
+        lost: list[tuple[str, bool]] = []
 
-        def give_up(why: str) -> None:
-            lost.append(why)
+        def give_up(why: str, is_transfer: bool = False) -> None:
+            lost.append((why, is_transfer))
+            if is_transfer:  # the lease ended unfinished: the pair's transfer stalled
+                self.pair_health.failed(prefill.address, decode.address, time.monotonic())
             call.cancel()
 
         watcher = asyncio.create_task(self._watch_lease(decode, prefill, inp.req_id,
                                                         res.lease_id, give_up))
         try:
-            return await call
+            reply = await call
+            self.pair_health.ok(prefill.address, decode.address)
+            return reply
         except asyncio.CancelledError:
             if not lost:  # our own task is being cancelled (client gone, deadline)
                 raise
-            prefill.is_healthy = False
-            raise WorkerLost("prefill", lost[0]) from None
+            why, is_transfer = lost[0]
+            if not is_transfer:
+                prefill.is_healthy = False
+            raise WorkerLost("prefill", why) from None
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
@@ -108,6 +119,8 @@ class PrefillHandoff(WorkerCalls):
             # expired): either way nothing was decoded yet and the reservation is void
             if not (e.details() or "").startswith("kv transfer failed"):
                 prefill.is_healthy = False  # routing avoids it until it answers Status again
+            else:  # both answer us, not each other (or D is gone): avoid the pair a while
+                self.pair_health.failed(prefill.address, decode.address, time.monotonic())
             raise WorkerLost("prefill", f"prefill worker {prefill.address}: "
                                         f"{e.details()}") from None
         finally:
@@ -137,7 +150,7 @@ class PrefillHandoff(WorkerCalls):
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     give_up(f"the KV transfer from {prefill.address} did not complete: "
-                            f"{e.details()}")
+                            f"{e.details()}", is_transfer=True)
                     return
                 if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # that: transfer running
                     logger.warning("renewing the lease of %s on %s failed (%s): %s; retrying",

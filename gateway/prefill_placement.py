@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-from gateway.prefill_policy import PrefillCosts, PrefillDecision, PrefillPolicy, decide
+from gateway.prefill_policy import (
+    PrefillCosts,
+    PrefillDecision,
+    PrefillPolicy,
+    decide,
+    exposed_transfer_s,
+)
 from gateway.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import GenerateInput, Timing
@@ -98,11 +104,12 @@ class PrefillPlacement:
 
     def _learn_handoff(self, timing: Timing, decode: Worker, num_transfer_tokens: int) -> None:
         """A remote request's first token arrived: what its tail (kv_transfer_s) took beyond
-        the modelled transfer is the hop's fixed cost."""
+        the modelled transfer (the wire time its forward did not cover) is the hop's fixed
+        cost."""
         prefill = self._likely_prefill()
         speed = prefill.status.kv_transfer_bytes_per_s if prefill and prefill.status else 0.0
         per_token = decode.status.kv_bytes_per_token if decode.status else 0
-        transfer = num_transfer_tokens * per_token / speed if speed > 0 else 0.0
+        transfer = exposed_transfer_s(num_transfer_tokens * per_token, speed, timing.prefill_s)
         sample = max(0.0, timing.kv_transfer_s - transfer)
         w = HANDOFF_EWMA_WEIGHT
         self.handoff_s = sample if self.handoff_s == 0.0 else (1 - w) * self.handoff_s + w * sample

@@ -6,7 +6,8 @@ Cost model, in seconds of latency summed over the requests it touches:
 
     remote = handoff_s                                  the extra hops, measured
            + (prefill_queue_tokens + n_remote) / prefill_tokens_per_s
-           + n_transfer * kv_bytes_per_token / transfer_bytes_per_s
+           + max(0, wire - n_remote / prefill_tokens_per_s)   the transfer the forward
+             where wire = n_transfer * kv_bytes_per_token / transfer_bytes_per_s    leaves
     local  = (local_queue_tokens + n_local) / local_tokens_per_s     this request's TTFT,
            + num_chunks * decode_step_s                 its chunks sharing steps with decodes
            + decode_batch * n_local / local_tokens_per_s   the ITL added to each running decode
@@ -16,7 +17,12 @@ chunk per step (engine_core/scheduler.py), so this one waits for them.
 
 n_local is what the decode worker lacks after its prefix-cache hit; n_remote what the prefill
 worker computes (the whole prompt unless discovery knows its cache); n_transfer the blocks
-the decode worker lacks, the KV that would move. Every speed is measured live by the workers
+the decode worker lacks, the KV that would move. The prefill worker pushes each layer's KV as
+it is computed, so the wire time overlaps the forward and only what outlasts it delays the
+first token; transfer_bytes_per_s is the link's speed as the prefill worker's transfers saw
+it (bytes over the time it was shipping: kv_transfer/send_options.py wire_seconds). The last
+layer's share and the commit, which never overlap, are in handoff_s, learnt from the remote
+requests' measured tail beyond this model. Every speed is measured live by the workers
 (engine_core/stats.py, prefill_service/service.py): none is configured. A decode worker that
 has never prefilled is assumed as fast as the prefill pool (the same model and kernels).
 
@@ -102,11 +108,20 @@ def estimate(costs: PrefillCosts, chunk_tokens: int) -> tuple[float, float] | No
     local = (ahead / local_speed
              + (num_chunks * costs.decode_step_s if costs.decode_batch else 0.0)
              + costs.decode_batch * n_local / local_speed)
-    transfer = (costs.num_transfer_tokens * costs.kv_bytes_per_token / costs.transfer_bytes_per_s
-                if costs.transfer_bytes_per_s > 0 else 0.0)
+    transfer = exposed_transfer_s(costs.num_transfer_tokens * costs.kv_bytes_per_token,
+                                  costs.transfer_bytes_per_s,
+                                  costs.num_remote_tokens / costs.prefill_tokens_per_s)
     remote = (costs.handoff_s + transfer + (costs.prefill_queue_tokens + costs.num_remote_tokens)
               / costs.prefill_tokens_per_s)
     return local, remote
+
+
+def exposed_transfer_s(num_bytes: float, link_bytes_per_s: float, overlap_s: float) -> float:
+    """Seconds a layer-wise push of num_bytes adds after a forward of overlap_s: the wire time
+    at the link's speed beyond the forward it overlaps (0 while the link is unmeasured)."""
+    if link_bytes_per_s <= 0:
+        return 0.0
+    return max(0.0, num_bytes / link_bytes_per_s - overlap_s)
 
 
 def decide(costs: PrefillCosts, policy: PrefillPolicy) -> PrefillDecision:

@@ -20,18 +20,29 @@ from service_infra.redis_registry import REDIS_ERRORS, OutageLog, RedisConfig, b
 
 logger = logging.getLogger(__name__)
 PREFIX_QUERY_TIMEOUT_S = 0.25  # routing waits this long for prefix information at most
+# a worker whose entry does not say its registration ttl (an older release) re-registers
+# within the default ttl (--registration-ttl)
+DEFAULT_REGISTRATION_TTL_S = 10.0
 
 
 class RedisDiscovery:
     """The gateway's Discovery (gateway/discovery.py) over the registered workers, and which
     prefill workers hold a prompt's leading blocks. While Redis is down, workers() answers
     what it last saw and prefix_overlap() None (routing by queue depth); each outage is
-    logged once."""
+    logged once.
+
+    After an outage, a worker known before it and missing now is kept for its registration
+    ttl from the moment Redis answers again: an outage longer than the ttl lets every entry
+    expire in Redis (nobody could heartbeat), and the workers write them back within a third
+    of their ttl. Without this grace the gateway would drop every worker for that moment and
+    refuse requests (readiness NOT_SERVING) although all of them serve."""
 
     def __init__(self, config: RedisConfig, client: aioredis.Redis) -> None:
         self.config = config
         self._redis = client
         self._last: list[WorkerAddress] = []
+        self._is_down = False
+        self._back_at: float | None = None  # time.monotonic() Redis answered after an outage
         self._bad_keys: set[str] = set()  # malformed entries, warned about once
         self._workers_outage = OutageLog("discovery")
         self._prefix_outage = OutageLog("prefix routing (routing by queue depth meanwhile)")
@@ -52,7 +63,10 @@ class RedisDiscovery:
         except REDIS_ERRORS as e:
             self._workers_outage.failed(f"keeping the last known workers: "
                                         f"{self.config.describe(e)}")
+            self._is_down, self._back_at = True, None
             return list(self._last)
+        if self._is_down:
+            self._is_down, self._back_at = False, time.monotonic()
         newest: dict[str, tuple[float, WorkerAddress]] = {}  # address -> its newest entry
         for key, row in zip(keys, rows, strict=True):
             if not row:  # expired between SCAN and HGETALL
@@ -61,7 +75,9 @@ class RedisDiscovery:
                 w = WorkerAddress(row["role"], row["address"], worker_id=row["worker_id"],
                                   model=row["model"], layout_fingerprint=row["layout_fingerprint"],
                                   epoch=int(row["epoch"]), num_blocks=int(row["num_blocks"]),
-                                  max_num_seqs=int(row["max_num_seqs"]))
+                                  max_num_seqs=int(row["max_num_seqs"]),
+                                  registration_ttl_s=float(row.get(
+                                      "registration_ttl_s", DEFAULT_REGISTRATION_TTL_S)))
                 started = float(row["started_at"])
             except (KeyError, ValueError) as e:
                 if key not in self._bad_keys:
@@ -71,8 +87,22 @@ class RedisDiscovery:
             # a restarted worker under a new id may leave its old entry until that expires
             if w.address not in newest or started > newest[w.address][0]:
                 newest[w.address] = (started, w)
-        self._last = sorted((w for _, w in newest.values()), key=lambda w: (w.role, w.address))
+        found = [w for _, w in newest.values()]
+        found += self._not_back_yet({w.address for w in found})
+        self._last = sorted(found, key=lambda w: (w.role, w.address))
         return list(self._last)
+
+    def _not_back_yet(self, found: set[str]) -> list[WorkerAddress]:
+        """Workers known before the last outage, missing from Redis now, whose registration
+        ttl has not passed since Redis answered again (see the class docstring)."""
+        if self._back_at is None:
+            return []
+        since = time.monotonic() - self._back_at
+        kept = [w for w in self._last if w.address not in found
+                and since < (w.registration_ttl_s or DEFAULT_REGISTRATION_TTL_S)]
+        if not kept:
+            self._back_at = None  # every worker is back, or had its chance
+        return kept
 
     async def prefix_overlap(self, worker_ids: Sequence[str],
                              block_hashes: Sequence[int]) -> dict[str, int] | None:

@@ -35,6 +35,8 @@ from gateway.auth import APIKeys
 from gateway.http_api import build_app
 from gateway.metrics import GatewayMetrics, MeteredBackend
 from gateway.reasoning import resolve_parser
+from gateway.tracing_backend import traced
+from service_infra import tracing
 from service_infra.backend import Backend, BackendUnavailable
 from service_infra.tls import TLSConfig, tls_from_args
 
@@ -170,7 +172,7 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
         except BaseException:
             await backend.close()
             raise
-        return backend
+        return traced(backend)  # request spans when --otlp-traces-endpoint is set
 
     return create
 
@@ -192,6 +194,7 @@ def run_gateway(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if is_static and not (args.prefill and args.decode):
         raise ValueError("the disaggregated mode needs --prefill and --decode addresses")
     config = gateway_config(args)
+    tracing.setup("gateway", tracing.instance_id(args), args.otlp_traces_endpoint)
     factory = (colocated_backend_factory(args) if args.colocated
                else disaggregated_backend_factory(args))
     uvloop.run(serve(config, factory))

@@ -19,9 +19,11 @@ import grpc
 
 from gateway.decode_stream import DecodeStream
 from gateway.discovery import Discovery, WorkerAddress
+from gateway.pair_health import PairHealth
 from kv_transfer import GRPC_CHANNEL_OPTIONS
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra import tracing
 from service_infra.tls import TLSConfig
 from service_infra.tls import channel as tls_channel
 
@@ -61,6 +63,7 @@ class WorkerPools:
         self.prefill: list[Worker] = []  # as discovery last answered
         self.decode: list[Worker] = []
         self.layout_fingerprint = ""  # the workers' (from their status at start)
+        self.pair_health = PairHealth()  # (prefill, decode) pairs whose handoffs failed
         self._refused: set[tuple[str, int]] = set()  # (address, epoch) of another layout
         self._discovering = asyncio.Lock()
         self._refresher: asyncio.Task | None = None
@@ -92,7 +95,7 @@ class WorkerPools:
             if worker is None:
                 logger.info("%s worker joined: %s", role, found.address)
                 channel = tls_channel(found.address, self.tls, GRPC_CHANNEL_OPTIONS.items(),
-                                      is_aio=True)
+                                      is_aio=True, interceptors=tracing.client_interceptors())
                 stub = stub_cls(channel)
                 worker = Worker(found.address, stub, channel, worker_id=found.worker_id,
                                 epoch=found.epoch,
@@ -134,6 +137,8 @@ class WorkerPools:
             try:
                 w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
                 w.prefix_hashes = frozenset(w.status.prefix_block_hashes)
+                if not w.is_healthy:
+                    logger.info("worker %s answers Status: healthy", w.address)
                 w.is_healthy, w.num_slow_status = True, 0
             except grpc.aio.AioRpcError as e:
                 # Status runs between two engine steps: one slow answer is a busy worker (a
@@ -142,6 +147,10 @@ class WorkerPools:
                 w.num_slow_status += e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 if (e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or w.status is None
                         or w.num_slow_status >= STALL_STATUS_TIMEOUTS):
+                    if w.is_healthy:
+                        logger.warning("worker %s is unhealthy: Status %s (%d slow in a row): "
+                                       "%s", w.address, e.code().name, w.num_slow_status,
+                                       e.details())
                     w.is_healthy = False
 
         await asyncio.gather(*(one(w) for w in self.prefill + self.decode))

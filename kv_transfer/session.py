@@ -94,6 +94,8 @@ class SendSession:
         self._callbacks: list[Callable[[], None]] = []  # add_done_callback's
         self._t0 = time.perf_counter()
         self._lease_deadline = time.monotonic() + options.rpc_timeout_s  # until Begin replies
+        # what each delivered layer gives the lease again (its ttl, as Begin's reply said)
+        self._lease_ttl_s = options.rpc_timeout_s
         self._queued_s: dict[int, float] = {}
         self._shipped_s: dict[int, float] = {}
         self._crc32: dict[int, int] = {}
@@ -233,6 +235,7 @@ class SendSession:
                 sender_start_ticks=ticks, receiver_instance=self._receiver_instance),
                 timeout=self._options.rpc_timeout_s)
             self._lease_deadline = sent + reply.remaining_ms / 1000
+            self._lease_ttl_s = reply.remaining_ms / 1000
             self._pump()
             if self._stop_reason:
                 raise TransferError(self._stop_reason)
@@ -294,6 +297,9 @@ class SendSession:
         """Every byte of `item` has reached the receiver (or the transport's own buffers); its
         snapshot is free for send_layer to reuse."""
         layer, nbytes = item.layer, item.blocks.nbytes
+        if self.is_two_sided:  # the receiver gives the lease its ttl again as a layer lands
+            self._lease_deadline = max(self._lease_deadline,
+                                       time.monotonic() + self._lease_ttl_s)
         if not item.blocks.is_cuda and not self._done.is_set():
             self._spare.append(item.blocks)
         self._crc32[layer] = crc32

@@ -120,6 +120,8 @@ class Connection:
                  channel: grpc.Channel, options: SenderOptions, dst: torch.Tensor | None,
                  keepalive: object = None, local: LocalControlClient | None = None) -> None:
         self.target, self.layout, self.kind = target, layout, kind
+        # the one-sided transport "auto" chose but could not map here ("" when none failed)
+        self.fallback_from = ""
         # where LayerDone and Commit go: "unix" (the receiver's socket) or "grpc"
         self.control = "unix" if local is not None else "grpc"
         self._local = local
@@ -227,8 +229,10 @@ def connect(kind: str, target: str, layout: KVLayout, *, device: str = "cpu",
             log.warning("kv transfer to %s: %s cannot map the receiver's pool here (%s); "
                         "using grpc", target, chosen, e)
             channel.close()
-            return connect("grpc", target, layout, device=device, options=options,
+            conn = connect("grpc", target, layout, device=device, options=options,
                            credentials=credentials, channel_options=channel_options)
+            conn.fallback_from = chosen
+            return conn
     except grpc.RpcError as e:
         channel.close()
         if e.code() is grpc.StatusCode.FAILED_PRECONDITION:

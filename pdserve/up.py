@@ -37,6 +37,7 @@ from gateway.cli import (
     add_served_model_name_argument,
 )
 from pdserve.supervisor import Child, RestartPolicy, supervise
+from service_infra.tracing import add_tracing_argument
 from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
@@ -52,6 +53,7 @@ STOP_TIMEOUT_S = 20.0
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    add_tracing_argument(p)  # passed to every process it starts
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
@@ -195,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)  # fetch the default model once, up front
     common = [a for a in (["--model", args.model] if args.model else [])
               + (["--dtype", args.dtype] if args.dtype else [])
+              + (["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+                 if args.otlp_traces_endpoint else [])
               + ["--decode-activations", args.decode_activations,
                  "--prefill-weights", prefill_weights(args, source)]]
     cores = sorted(os.sched_getaffinity(0))

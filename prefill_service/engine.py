@@ -11,6 +11,8 @@ whose prompt KV leaves for a decode worker layer by layer, while later layers st
 
 A request with a long prompt is chunked (token budget); its blocks are complete only when the
 last chunk is computed, so all of its blocks are sent, layer by layer, during that last step.
+With --kv-push after-forward every layer is handed over at the step's end instead, after the
+first token: the baseline the overlap is measured against (benchmarks/bench_shaped_link.py).
 The blocks stay in this worker's prefix cache after the request ends; the session has already
 copied what it ships, so nothing waits on the transfer to reuse them.
 """
@@ -42,6 +44,19 @@ class HandoffTarget:
     # commit requested (or the session could not start: then with None and the error)
     on_sent: Callable[[SendSession | None, BaseException | None], None]
     session: SendSession | None = field(default=None, repr=False)
+    src_block_ids: list[int] = field(default_factory=list)  # this worker's, set per step
+
+    def begin(self) -> bool:
+        """Open the transfer session; False (and on_sent told why) if the decode side
+        refused or is gone: this request fails."""
+        try:
+            self.session = self.conn.begin(self.lease_id, self.src_block_ids,
+                                           self.dst_block_ids)
+        except Exception as e:
+            logger.warning("kv handoff of lease %s could not begin: %s", self.lease_id, e)
+            self.on_sent(None, e)
+            return False
+        return True
 
 
 class HandoffConnector:
@@ -49,8 +64,10 @@ class HandoffConnector:
     KV completes in a step gets a transfer session before the model runs, and every layer is
     handed to the sessions as soon as it is computed. Targets are set from other threads."""
 
-    def __init__(self, engine: Callable[[], LLMEngine]) -> None:
+    def __init__(self, engine: Callable[[], LLMEngine], is_layerwise: bool = True) -> None:
         self._engine = engine  # the engine it serves (built after the connector)
+        # False (--kv-push after-forward): every layer is handed over after the forward
+        self.is_layerwise = is_layerwise
         self._lock = threading.Lock()
         self._targets: dict[str, HandoffTarget] = {}  # guarded by _lock
 
@@ -71,15 +88,14 @@ class HandoffConnector:
             if target is None:
                 continue
             block_size = self._engine().layout.block_size
-            src = blocks[target.first_block:cdiv(req.num_prompt_tokens, block_size)]
-            try:
-                target.session = target.conn.begin(target.lease_id, src, target.dst_block_ids)
-            except Exception as e:  # the decode side refused or is gone: this request fails
-                logger.warning("kv handoff of %s could not begin: %s", req.req_id, e)
-                target.on_sent(None, e)
-                continue
-            handoffs.append(target)
-        return HandoffStep(handoffs, self._engine().runner.kv_cache) if handoffs else None
+            target.src_block_ids = blocks[target.first_block:cdiv(req.num_prompt_tokens,
+                                                                  block_size)]
+            # after-forward: Begin waits for the forward too, or the lease would wait a
+            # whole forward for its first layer (a ttl without progress expires it)
+            if not self.is_layerwise or target.begin():
+                handoffs.append(target)
+        return HandoffStep(handoffs, self._engine().runner.kv_cache,
+                           self.is_layerwise) if handoffs else None
 
 
 @dataclass
@@ -88,8 +104,11 @@ class HandoffStep:
 
     targets: list[HandoffTarget]
     kv_cache: object  # [num_layers, num_blocks, ...]
+    is_layerwise: bool = True  # False: nothing leaves before finish()
 
     def save_layer(self, layer: int) -> None:
+        if not self.is_layerwise:
+            return
         for t in self.targets:
             t.session.send_layer(layer, self.kv_cache)  # False once the session has ended
         if layer + 1 == self.kv_cache.shape[0]:  # the KV is complete: commit behind the last
@@ -98,6 +117,11 @@ class HandoffStep:
 
     def finish(self) -> None:
         for t in self.targets:
+            if not self.is_layerwise:  # the whole KV now, after the first token was sampled
+                if not t.begin():
+                    continue
+                for layer in range(self.kv_cache.shape[0]):
+                    t.session.send_layer(layer, self.kv_cache)
             t.session.request_commit()  # done already, unless the forward failed (an abort)
             t.on_sent(t.session, None)
 
@@ -106,8 +130,10 @@ class PrefillEngine(LLMEngine):
     """An LLMEngine with a HandoffConnector. Not thread-safe except `set_target`/`pop_target`,
     like LLMEngine."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        self.connector = HandoffConnector(lambda: self)
+    def __init__(self, *args, kv_push: str = "layerwise", **kwargs) -> None:
+        if kv_push not in ("layerwise", "after-forward"):
+            raise ValueError(f"kv_push must be layerwise or after-forward, got {kv_push!r}")
+        self.connector = HandoffConnector(lambda: self, is_layerwise=kv_push == "layerwise")
         # its requests end at their first token, so it runs no decode steps to capture
         kwargs["enforce_eager"] = True
         super().__init__(*args, kv_connector=self.connector, **kwargs)

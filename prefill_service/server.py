@@ -16,6 +16,7 @@ from prefill_service.engine import PrefillEngine
 from prefill_service.service import PrefillServicer
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra import tracing
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
 from service_infra.prefix_record import PrefixRecord
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 async def _serve(args: argparse.Namespace) -> None:
     redis_config = await checked_redis_config(args)  # fails before the model loads
+    tracing.setup("prefill", tracing.instance_id(args), args.otlp_traces_endpoint)
     tls = tls_from_args(args, is_public=False)
     # a prefill worker never decodes: no 4/8-bit twins, unless its prefill rows multiply the
     # GGUF's blocks (--prefill-weights quantized, or auto choosing it)
@@ -40,7 +42,7 @@ async def _serve(args: argparse.Namespace) -> None:
     weights = settle_prefill_weights(kwargs.pop("prefill_weights"), resolve_model(args.model),
                                      resolve_dtype(args.dtype, torch.device("cpu")))
     engine = PrefillEngine(quantize_decode=weights == "quantized", prefill_weights=weights,
-                           **kwargs)
+                           kv_push=args.kv_push, **kwargs)
     registry = worker_registry("prefill", engine.source.name, engine)
     start_metrics(registry, "prefill", args)
     backend = ColocatedBackend(engine, max_waiting=args.max_waiting)

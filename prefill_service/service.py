@@ -36,6 +36,7 @@ from kv_transfer import (
 from prefill_service.engine import HandoffTarget, PrefillEngine
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from service_infra import tracing
 from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics
@@ -57,6 +58,17 @@ LEASE_ENDED_CODES = frozenset({"ABORTED", "CANCELLED", "NOT_FOUND"})
 TRANSFER_SPEED_EWMA_WEIGHT = 0.2  # of the newest transfer in kv_transfer_bytes_per_s
 
 
+def _trace_phases(t_received: float, timing, stats) -> None:
+    """queue and prefill as the engine timed them; kv_transfer from the transfer's begin
+    (before the forward: the layer-wise push overlaps it) to the verified commit."""
+    now = time.monotonic()
+    scheduled = t_received + (timing.queue_s if timing else 0.0)
+    tracing.phase("queue", t_received, scheduled)
+    tracing.phase("prefill", scheduled, scheduled + (timing.prefill_s if timing else 0.0))
+    tracing.phase("kv_transfer", now - stats.seconds, now, **{
+        "pdserve.kv_transport": stats.transport, "pdserve.kv_bytes": stats.num_bytes})
+
+
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, engine: PrefillEngine, backend: ColocatedBackend,
                  metrics: KVTransferMetrics,
@@ -71,7 +83,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.tls = tls  # mutual TLS to the decode workers' KV transfer service
         self._connections: dict[tuple[str, str], Connection] = {}
         self._connecting: dict[tuple[str, str], asyncio.Lock] = {}
-        # bytes per second of recent transfers (begin -> verified), a moving average; 0: none
+        # the link's speed as recent transfers saw it, a moving average (0: none yet): bytes
+        # from the first layer queued to the commit verified (TransferStats.link_seconds); a
+        # transfer that kept up with the forward reads as the forward's pace, which the cost
+        # model's overlap then cancels
         self.kv_transfer_bytes_per_s = 0.0
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -134,7 +149,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if self.on_prefilled is not None:
                 self.on_prefilled(list(request.prompt_token_ids))
             self.metrics.transferred(stats.transport, stats.seconds, stats.num_bytes)
-            self._measure_transfer(stats.num_bytes, stats.seconds)
+            self._measure_transfer(stats.num_bytes, stats.link_seconds)
+            if tracing.is_on():  # children of this call's span (service_infra/tracing.py)
+                _trace_phases(t_received, last.timing, stats)
         except KVTransferError as e:
             self.metrics.failed(conn.kind, getattr(e, "code", "") or type(e).__name__)
             if getattr(e, "code", "") not in LEASE_ENDED_CODES:
@@ -179,11 +196,15 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             prefix_block_hashes=self.prefix.hashes() if self.prefix is not None else ())
 
     def _measure_transfer(self, num_bytes: int, seconds: float) -> None:
+        """The moving average is of seconds per byte, not of bytes per second: what the cost
+        model predicts is a transfer's time, and a link that slowed down shows in it after a
+        transfer or two (an average of speeds would hold the fast ones for tens)."""
         if num_bytes <= 0 or seconds <= 0:
             return
-        speed, w = num_bytes / seconds, TRANSFER_SPEED_EWMA_WEIGHT
-        self.kv_transfer_bytes_per_s = (speed if self.kv_transfer_bytes_per_s == 0.0
-                                        else (1 - w) * self.kv_transfer_bytes_per_s + w * speed)
+        per_byte, w = seconds / num_bytes, TRANSFER_SPEED_EWMA_WEIGHT
+        if self.kv_transfer_bytes_per_s > 0.0:
+            per_byte = (1 - w) / self.kv_transfer_bytes_per_s + w * per_byte
+        self.kv_transfer_bytes_per_s = 1.0 / per_byte
 
     async def _connection(self, address: str, kind: str, instance: str = "") -> Connection:
         """The cached connection to the decode worker at `address`, or a new handshake when
@@ -200,7 +221,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     connect, kind, address, self.engine.layout, device=str(self.engine.device),
                     credentials=self.tls.channel_credentials() if self.tls else None,
                     channel_options=self.tls.channel_options() if self.tls else ())
-                self.metrics.connected(address, fresh.kind, fresh.control)
+                self.metrics.connected(address, fresh.kind, fresh.control, fresh.fallback_from)
                 if conn is None or conn.receiver_instance != fresh.receiver_instance:
                     if conn is not None:
                         logger.info("decode worker %s restarted (receiver instance %s, was "

@@ -5,7 +5,8 @@ Keys (ns = --redis-namespace; three per worker, so cardinality follows the numbe
 
     {ns}:worker:{role}:{worker_id}  HASH    address, role, worker_id, model, layout_fingerprint,
                                             block_size, num_blocks, max_num_seqs, epoch,
-                                            started_at; expires ttl after the last heartbeat
+                                            started_at, registration_ttl_s; expires ttl after
+                                            the last heartbeat
     {ns}:epoch:{worker_id}          STRING  the restart epoch: INCR at each start; kept
                                             EPOCH_TTL_S after the worker's last heartbeat
     {ns}:prefix:{worker_id}         ZSET    member: the chain hash of a full prompt block the

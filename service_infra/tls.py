@@ -111,12 +111,15 @@ def add_port(server, address: str, tls: TLSConfig | None) -> int:
     return server.add_secure_port(address, tls.server_credentials())
 
 
-def channel(address: str, tls: TLSConfig | None, options=(), is_aio: bool = False):
-    """A channel to address: TLS (presenting our certificate) when configured."""
+def channel(address: str, tls: TLSConfig | None, options=(), is_aio: bool = False,
+            interceptors=None):
+    """A channel to address: TLS (presenting our certificate) when configured; `interceptors`
+    for an aio channel (service_infra/tracing.py's)."""
     import grpc
 
     module = grpc.aio if is_aio else grpc
     options = [*options, *(tls.channel_options() if tls else ())]
+    extra = {"interceptors": interceptors} if is_aio and interceptors else {}
     if tls is None:
-        return module.insecure_channel(address, options=options)
-    return module.secure_channel(address, tls.channel_credentials(), options=options)
+        return module.insecure_channel(address, options=options, **extra)
+    return module.secure_channel(address, tls.channel_credentials(), options=options, **extra)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from service_infra.tls import add_tls_arguments
+from service_infra.tracing import add_tracing_argument
 
 
 def add_decode_activations_argument(p) -> None:
@@ -83,6 +84,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                         "this machine's address)")
     add_redis_arguments(p, is_worker=True)
     add_tls_arguments(p, is_public=False)
+    add_tracing_argument(p)
 
 
 def add_redis_arguments(p: argparse.ArgumentParser, is_worker: bool) -> None:
@@ -168,10 +170,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
+KV_PUSH_MODES = ("layerwise", "after-forward")
+
+
 def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="prompts that may wait in this worker's queue at once; one more gets "
                         "RESOURCE_EXHAUSTED and the gateway tries another prefill worker")
+    p.add_argument("--kv-push", default="layerwise", choices=KV_PUSH_MODES,
+                   help="when a prompt's KV leaves for the decode worker: each layer as soon "
+                        "as it is computed, overlapping the later layers (layerwise), or all "
+                        "layers once the forward is done (after-forward: the baseline the "
+                        "overlap is measured against, benchmarks/bench_shaped_link.py)")
 
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:

@@ -80,7 +80,7 @@ class WorkerRegistration:
             self.epoch = await self._redis.incr(self.config.epoch_key(self.worker_id))
             self._fields = {k: str(v) for k, v in asdict(self.info).items()} | {
                 "address": self.address, "worker_id": self.worker_id, "epoch": str(self.epoch),
-                "started_at": f"{time.time():.3f}"}
+                "started_at": f"{time.time():.3f}", "registration_ttl_s": str(self.ttl_s)}
             await self._write()
         except REDIS_ERRORS as e:
             await self._redis.aclose()

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kv_transfer import GRPC_SERVER_OPTIONS
+from service_infra import tracing
 from service_infra.tls import TLSConfig, add_port
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ async def serve_worker(
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS.items()))
+    server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS.items()),
+                             interceptors=tracing.server_interceptors())
     names = list(add_servicers(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -63,6 +63,20 @@ class Offline:
             self._cache[key] = self.llm.generate(prompt, params)[0]
         return self._cache[key]
 
+    def generate_many(self, prompts: list, max_tokens: int, ignore_eos: bool = False) -> list:
+        """generate() of each prompt, those not computed yet in one batch (the engine's output
+        does not depend on the batch)."""
+        from engine_core.sampling_params import SamplingParams
+
+        keys = [("generate", repr(p), max_tokens, ignore_eos) for p in prompts]
+        todo = {k: p for k, p in zip(keys, prompts, strict=True) if k not in self._cache}
+        if todo:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                    ignore_eos=ignore_eos)
+            outs = self.llm.generate(list(todo.values()), params)
+            self._cache.update(zip(todo, outs, strict=True))
+        return [self._cache[k] for k in keys]
+
     def chat(self, conv: list[dict[str, str]], max_tokens: int):
         """RequestOutput of LLM.chat(conv), greedy."""
         from engine_core.sampling_params import SamplingParams

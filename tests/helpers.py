@@ -66,18 +66,9 @@ def wait_for_output(proc: subprocess.Popen, log: Path, pattern: re.Pattern[str],
 def child_pids(pid: int) -> list[int]:
     """Direct children of `pid` (from /proc), e.g. the workers `pdserve up` started in their
     own sessions, which a signal to its process group would not reach."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may contain spaces and parentheses
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry.name))
-    return out
+    from pdserve.cluster.netns import child_pids as from_proc
+
+    return from_proc(pid)
 
 
 def descendants(pid: int) -> list[int]:
@@ -198,3 +189,17 @@ def count_split_combines() -> list[int]:
 
     decode_attention.combine_splits = counted
     return combines
+
+
+def prometheus_tool(name: str) -> str:
+    """The path of Debian's `prometheus` or `promtool`; the test fails (never skips) without
+    it, saying how to install it (.ci/run does)."""
+    import shutil
+
+    import pytest
+
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: apt-get install prometheus (Debian's package "
+                    "gives prometheus and promtool; .ci/run installs it)", pytrace=False)
+    return found

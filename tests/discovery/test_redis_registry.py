@@ -81,14 +81,16 @@ def test_registration_fields_ttl_and_deregistration(redis_server):
         assert fields == {
             "address": "127.0.0.1:5555", "role": "prefill", "worker_id": "prefill-a",
             "model": "SmolLM2-135M-Instruct", "layout_fingerprint": "0123456789abcdef",
-            "block_size": "16", "num_blocks": "100", "max_num_seqs": "8", "epoch": "1"}
+            "block_size": "16", "num_blocks": "100", "max_num_seqs": "8", "epoch": "1",
+            "registration_ttl_s": "10.0"}
         assert 0 < r.pttl(key) <= 10_000
         assert r.get("pdserve:epoch:prefill-a") == "1"
         assert r.ttl("pdserve:epoch:prefill-a") > 24 * 3600  # outlives restarts
         discovery = await RedisDiscovery.connect(RedisConfig(redis_server.url))
         assert await discovery.workers() == [WorkerAddress(
             "prefill", "127.0.0.1:5555", worker_id="prefill-a", model="SmolLM2-135M-Instruct",
-            layout_fingerprint="0123456789abcdef", epoch=1, num_blocks=100, max_num_seqs=8)]
+            layout_fingerprint="0123456789abcdef", epoch=1, num_blocks=100, max_num_seqs=8,
+            registration_ttl_s=10.0)]
         # another namespace is another deployment: not seen
         other = await RedisDiscovery.connect(RedisConfig(redis_server.url, namespace="other"))
         assert await other.workers() == []
@@ -189,6 +191,36 @@ def test_a_killed_worker_expires_and_the_gateway_drops_it(redis_server):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_workers_are_kept_for_their_ttl_after_a_redis_outage(redis_server):
+    """Redis unreachable (SIGSTOP) for longer than the ttl: every entry expires in Redis, yet
+    discovery keeps the workers it knew for one ttl after Redis answers again (they write
+    their entries back within a third of it), then drops those that did not come back."""
+
+    async def scenario() -> None:
+        ttl = 1.0
+        reg = registration(redis_server.url, ttl_s=ttl)
+        await reg.start(5555)
+        crash(reg)  # no heartbeat: the entry will not come back
+        discovery = await RedisDiscovery.connect(RedisConfig(redis_server.url))
+        assert await listed(discovery) == [("prefill", "127.0.0.1:5555", 1)]
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()  # the outage: the last known workers meanwhile
+            assert await listed(discovery) == [("prefill", "127.0.0.1:5555", 1)]
+            await asyncio.sleep(max(0.0, ttl + 0.2 - (time.monotonic() - t0)))
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        r = redis.Redis(port=redis_server.port, decode_responses=True)
+        assert not r.exists("pdserve:worker:prefill:prefill-a")  # expired during the outage
+        r.close()
+        assert await listed(discovery) == [("prefill", "127.0.0.1:5555", 1)]  # the grace
+        assert await wait_listed(discovery, [], timeout_s=ttl + 1) >= ttl - 0.3
+        await discovery.close()
+        await reg.stop()
+
+    asyncio.run(scenario())
 
 
 def test_prefix_publication_is_bounded_and_expires(redis_server):

@@ -7,7 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.prefill_policy import PrefillCosts, PrefillPolicy, decide, estimate
+from gateway.prefill_policy import (
+    PrefillCosts,
+    PrefillPolicy,
+    decide,
+    estimate,
+    exposed_transfer_s,
+)
 
 # a 20-token follow-up whose history the decode worker caches; both pools prefill 2,000
 # tokens/s, a decode step takes 10 ms, the handoff adds 30 ms and the transport moves 1 GB/s
@@ -37,10 +43,14 @@ CASES = [
     ("a long prefill queue sends the prompt local",
      {"num_local_tokens": 400, "num_remote_tokens": 400, "num_transfer_tokens": 400,
       "decode_batch": 4, "prefill_queue_tokens": 8000}, AUTO, "local", "cheaper_local"),
-    ("a slow transport counts against remote",
+    ("a slow link counts against remote",
      {"num_local_tokens": 300, "num_remote_tokens": 300, "num_transfer_tokens": 300,
       "decode_batch": 1, "handoff_s": 0.0, "transfer_bytes_per_s": 5e6}, AUTO, "local",
      "cheaper_local"),
+    ("the same prompt over a link the layer-wise push hides goes remote",
+     {"num_local_tokens": 300, "num_remote_tokens": 300, "num_transfer_tokens": 300,
+      "decode_batch": 1, "handoff_s": 0.0, "transfer_bytes_per_s": 1e9}, AUTO, "remote",
+     "cheaper_remote"),
     ("a fast prefill pool beats a slow decode worker",
      {"num_local_tokens": 300, "num_remote_tokens": 300, "num_transfer_tokens": 300,
       "local_tokens_per_s": 500.0, "prefill_tokens_per_s": 8000.0}, AUTO, "remote",
@@ -69,7 +79,11 @@ def test_decision_table(changes, policy, where, reason):
 def test_estimate_of_the_base_case_term_by_term():
     local, remote = estimate(BASE, chunk_tokens=128)
     assert local == pytest.approx(20 / 2000)  # idle decode worker: its compute only
-    assert remote == pytest.approx(0.030 + 20 * 23_040 / 1e9 + 520 / 2000)
+    # 20 tokens' KV crosses the link in 0.5 ms, well within the 0.26 s forward: none exposed
+    assert remote == pytest.approx(0.030 + 520 / 2000)
+    slow = replace(BASE, transfer_bytes_per_s=1e6)  # 1 MB/s: 0.46 s of wire, 0.2 s past it
+    assert estimate(slow, chunk_tokens=128)[1] == pytest.approx(
+        0.030 + 20 * 23_040 / 1e6 - 520 / 2000 + 520 / 2000)
     busy = replace(BASE, decode_batch=3, num_local_tokens=300)
     local, _ = estimate(busy, chunk_tokens=128)
     # 3 chunks, each also running the decode rows; each of the 3 decodes waits the compute
@@ -78,6 +92,12 @@ def test_estimate_of_the_base_case_term_by_term():
     local, _ = estimate(queued, chunk_tokens=128)
     # it waits for the 100 tokens ahead: 400 tokens in 4 chunks; its own 300 stall the decodes
     assert local == pytest.approx(400 / 2000 + 4 * 0.010 + 3 * 300 / 2000)
+
+
+def test_exposed_transfer_is_the_wire_time_past_the_forward():
+    assert exposed_transfer_s(10e6, 1e9, 0.5) == 0.0  # 10 ms of wire inside a 0.5 s forward
+    assert exposed_transfer_s(10e6, 1e7, 0.5) == pytest.approx(0.5)  # 1 s of wire
+    assert exposed_transfer_s(10e6, 0.0, 0.5) == 0.0  # unmeasured link
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import jsonschema
+import kubernetes_validate
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,6 +95,50 @@ SERVICE_MONITOR_SCHEMA = {
         },
     },
 }
+
+# The PrometheusRule fields we use (monitoring.coreos.com/v1), closed so that a typo fails; the
+# rules themselves are checked by promtool (test_helm_prometheus_rules.py).
+_RULE = {
+    "type": "object", "required": ["expr"], "additionalProperties": False,
+    "oneOf": [{"required": ["record"]}, {"required": ["alert"]}],
+    "properties": {
+        "record": {"type": "string", "pattern": "^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+        "alert": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9]*$"},
+        "expr": {"type": "string", "minLength": 1},
+        "for": DURATION,
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+PROMETHEUS_RULE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": SERVICE_MONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object", "required": ["groups"], "additionalProperties": False,
+            "properties": {"groups": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                "properties": {"name": {"type": "string", "minLength": 1},
+                               "interval": DURATION,
+                               "rules": {"type": "array", "minItems": 1, "items": _RULE}}}}},
+        },
+    },
+}
+
+# kinds that are CRDs (not in Kubernetes' schemas), and the schema each is checked against
+CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR_SCHEMA, "PrometheusRule": PROMETHEUS_RULE_SCHEMA}
+
+
+def validate(obj: dict[str, Any]) -> None:
+    """A rendered object against Kubernetes' schemas (strict), or a CRD against its own."""
+    if obj["kind"] in CRD_SCHEMAS:
+        jsonschema.validate(obj, CRD_SCHEMAS[obj["kind"]])
+    else:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
 
 # name -> values file (None: the chart's defaults)
 VALUES_FILES: dict[str, Path | None] = {

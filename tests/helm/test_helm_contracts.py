@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import re
 
-from chart_testkit import COMPONENTS, RELEASE, WORKERS, Rendered, flag_values, labels_match
+from chart_testkit import (
+    COMPONENTS,
+    RELEASE,
+    WORKERS,
+    Rendered,
+    flag_values,
+    labels_match,
+    render,
+)
 
 from pdserve import cli
 
@@ -18,7 +26,8 @@ REDIS_FLAGS = {"--redis-url", "--redis-namespace", "--redis-tls-ca", "--redis-tl
                "--redis-tls-key"}
 ENGINE_FLAGS = {"--model", "--dtype", "--kv-cache-memory-gb", "--max-num-seqs",
                 "--max-num-batched-tokens", "--grace"}
-TLS_FLAGS = {"--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name"}
+TLS_FLAGS = {"--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name",
+             "--otlp-traces-endpoint"}  # (and tracing's, on every component too)
 AGREED_FLAGS = {
     "gateway": {"--host", "--port", "--http-port", "--lease-ttl", "--max-waiting",
                 "--max-queue-wait", "--prefill-policy", "--local-prefill-max-tokens",
@@ -190,10 +199,9 @@ def test_hpas_target_their_deployments(rendered):
 def test_autoscaled_pools_in_gpu_values(rendered_gpu):
     hpas = {h["metadata"]["name"]: h for h in rendered_gpu.of_kind("HorizontalPodAutoscaler")}
     assert set(hpas) == {f"{RELEASE}-{c}" for c in COMPONENTS}
-    for component in WORKERS:  # GPU pools scale on queue depth
-        (metric,) = hpas[f"{RELEASE}-{component}"]["spec"]["metrics"]
-        assert metric["type"] == "Pods"
-        assert metric["pods"]["metric"]["name"] == "pdserve:num_requests_waiting"
+    for component in WORKERS:  # GPU pools scale on their own saturation (Pods metrics)
+        metrics = hpas[f"{RELEASE}-{component}"]["spec"]["metrics"]
+        assert {m["type"] for m in metrics} == {"Pods"}, metrics
 
 
 def test_network_policies(rendered):
@@ -371,3 +379,12 @@ def test_gateway_api_keys_from_a_secret(rendered, values_name):
         "name": keys["existingSecret"], "key": keys["secretKey"]}
     for component in WORKERS:  # only the gateway checks keys
         assert "PDSERVE_API_KEYS" not in {e["name"] for e in rendered.container(component)["env"]}
+
+
+def test_tracing_reaches_every_component_only_when_set(chart, rendered_default):
+    for c in COMPONENTS:
+        assert "--otlp-traces-endpoint" not in rendered_default.container(c)["args"]
+    url = "http://otel-collector.monitoring.svc:4317"
+    rendered = render(chart, {"tracing": {"otlpTracesEndpoint": url}})
+    for c in COMPONENTS:
+        assert flag_values(rendered.container(c)["args"])["--otlp-traces-endpoint"] == url, c

@@ -9,21 +9,18 @@ import copy
 import json
 
 import helm_python as helm
-import jsonschema
 import kubernetes_validate
 import pytest
 from chart_testkit import (
     CHART_DIR,
     COMPONENTS,
+    CRD_SCHEMAS,
     KUBE_VERSION,
     RELEASE,
-    SERVICE_MONITOR_SCHEMA,
     check_golden,
     load_values,
+    validate,
 )
-
-# Kinds that are CRDs, not in Kubernetes' schemas: validated by test_crd_objects instead.
-CRD_KINDS = {"ServiceMonitor"}
 
 
 def test_lint_has_no_errors_or_warnings(values_name):
@@ -45,9 +42,10 @@ def test_object_set(rendered, values_name):
     if values_name == "default":  # bundled Redis, no HPA, no ServiceMonitor
         expected |= {("StatefulSet", f"{RELEASE}-redis"), ("Service", f"{RELEASE}-redis"),
                      ("NetworkPolicy", f"{RELEASE}-redis")}
-    else:  # external Redis, an HPA per pool, a ServiceMonitor per component
+    else:  # external Redis, an HPA per pool, a ServiceMonitor per component, the SLO rules
         expected |= {(kind, f"{RELEASE}-{c}") for c in COMPONENTS
                      for kind in ("HorizontalPodAutoscaler", "ServiceMonitor")}
+        expected |= {("PrometheusRule", RELEASE)}
     assert names == expected
     assert len(names) == len(rendered.objects), "two objects share a kind and name"
     assert all(o["metadata"]["namespace"] == "pdserve" for o in rendered.objects)
@@ -55,7 +53,7 @@ def test_object_set(rendered, values_name):
 
 def test_every_object_validates_against_kubernetes_schemas(rendered):
     for obj in rendered.objects:
-        if obj["kind"] in CRD_KINDS:
+        if obj["kind"] in CRD_SCHEMAS:
             continue
         where = f'{obj["kind"]}/{obj["metadata"]["name"]}'
         try:
@@ -81,8 +79,9 @@ def test_kubernetes_validate_is_not_vacuous(rendered_default):
 
 
 def test_crd_objects(rendered):
-    for obj in rendered.of_kind("ServiceMonitor"):
-        jsonschema.validate(obj, SERVICE_MONITOR_SCHEMA)
+    for obj in rendered.objects:
+        if obj["kind"] in CRD_SCHEMAS:
+            validate(obj)
 
 
 def test_dashboards_configmap(rendered):

@@ -9,11 +9,9 @@ from __future__ import annotations
 import copy
 
 import jsonschema
-import kubernetes_validate
 import pytest
 from chart_testkit import (
     COMPONENTS,
-    KUBE_VERSION,
     RELEASE,
     SERVICE_MONITOR_SCHEMA,
     WORKERS,
@@ -22,6 +20,7 @@ from chart_testkit import (
     golden_text,
     load_values,
     render,
+    validate,
 )
 
 from pdserve import cli
@@ -85,10 +84,7 @@ def test_gpu_production_turns_tls_on(rendered_gpu):
 
 def test_tls_renders_valid_objects(tls_rendered):
     for obj in tls_rendered.objects:
-        if obj["kind"] == "ServiceMonitor":
-            jsonschema.validate(obj, SERVICE_MONITOR_SCHEMA)
-        else:
-            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        validate(obj)
 
 
 def test_every_container_gets_the_secret_and_flags_to_its_files(tls_rendered):

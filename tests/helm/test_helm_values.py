@@ -8,17 +8,16 @@ import json
 
 import helm_python as helm
 import jsonschema
-import kubernetes_validate
 import pytest
 from chart_testkit import (
     CHART_DIR,
     COMPONENTS,
-    KUBE_VERSION,
     RELEASE,
     VALUES_FILES,
     flag_values,
     load_values,
     render,
+    validate,
 )
 
 
@@ -79,9 +78,11 @@ def test_schema_rejects_bad_values(chart, values, where, why):
      "redis.tls.enabled needs redis.tls.secretName"),
     ({"redis": {"auth": {"enabled": True}}}, "needs redis.auth.password or"),
     ({"model": {"pvc": {"claimName": "models"}}}, "model.pvc.claimName needs model.path"),
-    ({"prefill": {"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}},
+    ({"prefill": {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": 80},
+                  "resources": {"requests": {"cpu": None}}}},
      "prefill.autoscaling.targetCPUUtilizationPercentage needs prefill.resources.requests.cpu"),
-    ({"decode": {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}}},
+    ({"decode": {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None,
+                                 "metrics": []}}},
      "decode.autoscaling is enabled without a metric"),
     ({"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
      "gateway.autoscaling.minReplicas is above maxReplicas"),
@@ -102,8 +103,7 @@ def test_templates_refuse_inconsistent_values(chart, values, why):
 
 def validate_all(objects) -> None:
     for obj in objects:
-        if obj["kind"] != "ServiceMonitor":
-            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        validate(obj)
 
 
 def test_bundled_redis_with_a_password(chart):

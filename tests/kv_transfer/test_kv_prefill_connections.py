@@ -9,6 +9,7 @@ and a decode-side KV receiver on loopback (tests/kv_transfer/conftest.py)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from kv_helpers import LAYOUTS, same_bits, wait_until
@@ -93,3 +94,29 @@ def test_the_handoff_commits_behind_the_last_layer_and_the_loop_awaits_it(make_r
             with pytest.raises(TransferError, match=r"layers \[2, 3\] never sent"):
                 asyncio.run(_committed(target.session, 5.0))
             assert wait_until(lambda: len(rig.releases_of(lease.lease_id)) == 1)
+
+
+def test_after_forward_nothing_leaves_before_the_step_ends(make_rig):
+    """--kv-push after-forward (the layer-wise push's baseline): nothing begins or ships during
+    the forward (the lease waits no forward for its first layer); the step's end begins the
+    transfer, hands every layer over and commits; the receiver gets the same bits."""
+    layout = LAYOUTS[1]
+    rig = make_rig("grpc", layout)
+    lease = rig.open(3)
+    src_kv, src_ids = rig.source(3)
+    sent = []
+    with connect("grpc", rig.target, layout) as conn:
+        target = HandoffTarget(conn, lease.lease_id, list(lease.block_ids), 0,
+                               lambda session, error: sent.append((session, error)),
+                               src_block_ids=src_ids)
+        step = HandoffStep([target], src_kv, is_layerwise=False)
+        for layer in range(layout.num_layers):
+            step.save_layer(layer)
+        time.sleep(0.3)  # a layer-wise push would have delivered by now
+        assert target.session is None
+        assert rig.table.get(lease.lease_id).state is LeaseState.RESERVED
+        step.finish()
+        stats = asyncio.run(_committed(target.session, 5.0))
+        assert sent == [(target.session, None)]
+        assert stats.num_bytes == layout.num_layers * 3 * layout.block_nbytes
+        assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])

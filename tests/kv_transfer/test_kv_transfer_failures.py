@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from kv_transfer import (
     LayoutMismatchError,
     LeaseEndedError,
     LeaseState,
+    SenderOptions,
     TransferError,
     TransportRefusedError,
     connect,
@@ -239,7 +241,7 @@ from tests.kv_transfer.kv_helpers import LAYOUTS
 target, lease_id, src_ids, dst_ids, src_path = sys.argv[1:]
 src = torch.load(src_path)
 with connect("auto", target, LAYOUTS[0]) as conn:
-    print("chosen", conn.kind, flush=True)
+    print("chosen", conn.kind, "fallback from", conn.fallback_from, flush=True)
     session = conn.begin(lease_id, eval(src_ids), eval(dst_ids))
     for layer in range(LAYOUTS[0].num_layers):
         session.send_layer(layer, src)
@@ -266,7 +268,7 @@ def test_auto_uses_grpc_where_the_shm_pool_is_out_of_reach(make_rig, tmp_path):
     done = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=root, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "chosen grpc" in done.stdout
+    assert "chosen grpc fallback from shm" in done.stdout
     assert "shm cannot map the receiver's pool here" in done.stderr
     assert "cannot be opened here" in done.stderr  # the reason, in the sender's log
     assert rig.table.get(lease.lease_id).state is LeaseState.COMPLETE
@@ -385,3 +387,24 @@ def test_a_sender_killed_mid_transfer_releases_the_lease(make_rig, kind):
     expected = {"grpc": LeaseState.ABORTED, "shm": LeaseState.EXPIRED}[kind]
     assert released.state is expected, reason
     assert rig.table.num_blocks_held == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_forward_longer_than_the_ttl_completes_while_each_layer_comes_in_time(make_rig,
+                                                                                 kind):
+    """Each layer delivered gives the lease its ttl again, so a slow forward (a long prompt
+    on a CPU) whose layers each come within the ttl completes, however long it takes in all:
+    the sender's stream and waits follow that, not the deadline the lease had at Begin."""
+    layout = KVLayout("slow", "float32", block_size=16, num_layers=8, num_kv_heads=2,
+                      head_dim=32)
+    rig = make_rig(kind, layout)
+    lease = rig.open(2, ttl_s=1.0)
+    src_kv, src_ids = rig.source(2)
+    with connect(kind, rig.target, layout, options=SenderOptions(rpc_timeout_s=1.0)) as conn:
+        session = conn.begin(lease.lease_id, src_ids, list(lease.block_ids))
+        for layer in range(layout.num_layers):  # 8 x 0.4 s: 3.2 s, past ttl + rpc timeout
+            time.sleep(0.4)
+            assert session.send_layer(layer, src_kv), f"layer {layer} refused"
+        session.commit(timeout=5)
+    assert rig.table.get(lease.lease_id).state is LeaseState.COMPLETE
+    assert same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])

@@ -34,6 +34,7 @@ through `int` or `toString` so that large values never render as 1e+06.
 - --grace
 - {{ $v.grace | toString | quote }}
 {{- include "pdserve.tlsArgs" (list . "gateway") }}
+{{- include "pdserve.tracingArgs" . }}
 {{- include "pdserve.modelArgs" . }}
 {{- end }}
 
@@ -55,6 +56,7 @@ through `int` or `toString` so that large values never render as 1e+06.
 - --worker-id
 - $(POD_NAME)
 {{- include "pdserve.tlsArgs" (list $root $name) }}
+{{- include "pdserve.tracingArgs" $root }}
 {{- if eq $name "decode" }}
 - --transports
 - {{ join "," $v.transports | quote }}
@@ -84,4 +86,12 @@ through `int` or `toString` so that large values never render as 1e+06.
 {{- end }}
 - --grace
 - {{ $v.grace | toString | quote }}
+{{- end }}
+
+{{/* --otlp-traces-endpoint on every component when tracing.otlpTracesEndpoint is set. */}}
+{{- define "pdserve.tracingArgs" -}}
+{{- with .Values.tracing.otlpTracesEndpoint }}
+- --otlp-traces-endpoint
+- {{ . | quote }}
+{{- end }}
 {{- end }}

@@ -214,16 +214,25 @@ class WorkerStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_num_accepted: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("decode", "prefill_locally", "fork", "abort")
+    __slots__ = ("decode", "prefill_locally", "fork", "abort", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     DECODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     decode: DecodeRequest
     prefill_locally: LocalPrefillRequest
     fork: ForkRequest
     abort: AbortRequestRequest
-    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., prefill_locally: _Optional[_Union[LocalPrefillRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequestRequest, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., prefill_locally: _Optional[_Union[LocalPrefillRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequestRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("request_ids", "num_tokens", "token_ids", "texts", "num_logprobs", "logprobs", "ends")
