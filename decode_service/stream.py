@@ -15,7 +15,10 @@ waits for the gateway (flow control), later steps merge into `pending`: the engi
 waits for a stream, and a slow gateway gets fewer, larger messages. The stream's end (the
 gateway went away, or the worker stops) aborts every request still open on it, so their
 blocks are freed. A start message with a trace context (the gateway traces the request) opens
-the request's SERVER span here, named for the RPC it stands for; its last entry ends it.
+the request's SERVER span here, named for the RPC it stands for; its last entry ends it, with
+its phases here as children: `claim` (start message -> in the engine: for a decode, the wait
+for its KV's commit), `first_decode_step` (first token -> second) and `stream` (first token ->
+last entry).
 """
 
 from __future__ import annotations
@@ -228,6 +231,7 @@ class OutputStream:
                                                                             _Pending())
         entry.end = end
         if rec.span is not None:
+            _trace_phases(rec)
             tracing.end_call(rec.span, end.error or None)
             rec.span = None
         if self.requests.get(rec.req_id) is rec:
@@ -270,6 +274,16 @@ class OutputStream:
         self.requests.clear()
         self.pending.clear()
 
+
+
+def _trace_phases(rec: _Request) -> None:
+    now = time.monotonic()
+    if rec.t_add:
+        tracing.phase("claim", rec.t_start, rec.t_add, parent=rec.span)
+    if rec.t_first is not None:
+        if rec.t_second is not None:
+            tracing.phase("first_decode_step", rec.t_first, rec.t_second, parent=rec.span)
+        tracing.phase("stream", rec.t_first, now, parent=rec.span)
 
 
 class _Aborted(Exception):

@@ -102,16 +102,21 @@ def wall_ns(t_monotonic: float) -> int:
     return time.time_ns() - int((time.monotonic() - t_monotonic) * 1e9)
 
 
-def phase(name: str, start: float, end: float, **attributes: Any) -> None:
-    """A finished child span of the current span, from `start` to `end` (time.monotonic()
-    seconds); nothing when tracing is off or no span is current."""
+def phase(name: str, start: float, end: float, parent: Any = None, **attributes: Any) -> None:
+    """A finished child span of `parent` (default: the current span), from `start` to `end`
+    (time.monotonic() seconds); nothing when tracing is off or there is no parent."""
     if _tracer is None:
         return
     from opentelemetry import trace
 
-    if not trace.get_current_span().get_span_context().is_valid:
-        return
-    span = _tracer.start_span(name, start_time=wall_ns(start), attributes=attributes)
+    if parent is None:
+        if not trace.get_current_span().get_span_context().is_valid:
+            return
+        context = None
+    else:
+        context = trace.set_span_in_context(parent)
+    span = _tracer.start_span(name, context=context, start_time=wall_ns(start),
+                              attributes=attributes)
     span.end(end_time=wall_ns(max(start, end)))
 
 

@@ -43,7 +43,9 @@ def test_autos_decision_follows_the_link(cluster):
             "kv_transfer_bytes_per_s", 1) for w in gateway_status(cluster)["workers"]
             if w["role"] == "prefill"), 10, "the gateway to see the measured speeds")
         fast = [placed(cluster, i) for i in range(1, 3)]
-        assert fast[-1] == ("remote", "cheaper_remote"), fast
+        assert fast[-1] == ("remote", "cheaper_remote"), (
+            fast, gateway_status(cluster)["prefill_placement"]["last"],
+            gateway_status(cluster)["prefill_placement"]["handoff_s"])
         cluster.net.shape(prefill.host, SLOW_LINK)
         try:
             slow = []

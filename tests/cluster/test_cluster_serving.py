@@ -128,6 +128,7 @@ def test_one_requests_spans_from_the_three_processes_share_its_trace(cluster, re
         *(m for _, m, _ in calls))}
     expected |= {(s, m) for s, m, _ in calls}
     expected |= {("pdserve-prefill", n) for n in ("queue", "prefill", "kv_transfer")}
+    expected |= {("pdserve-decode", n) for n in ("claim", "first_decode_step", "stream")}
 
     def complete():  # (the processes export in batches, each in its own time)
         got = spans.of_trace(request.trace_id)
@@ -158,3 +159,7 @@ def test_one_requests_spans_from_the_three_processes_share_its_trace(cluster, re
     _, prefill_call = one("pdserve-prefill", "pdserve.internal.Prefill/Prefill")
     for phase in ("queue", "prefill", "kv_transfer"):
         assert one("pdserve-prefill", phase)[1].parent_span_id == prefill_call.span_id, phase
+    # the decode worker's phases, under its span of the request's start on the output stream
+    _, decode_call = one("pdserve-decode", "pdserve.internal.Decode/Decode")
+    for phase in ("claim", "first_decode_step", "stream"):
+        assert one("pdserve-decode", phase)[1].parent_span_id == decode_call.span_id, phase
