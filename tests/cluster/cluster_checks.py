@@ -38,14 +38,17 @@ class Outcome:
 
 
 def generate(target: str, prompt: list[int], max_tokens: int, timeout_s: float,
-             on_token: Callable[[], None] | None = None) -> Outcome:
-    """One greedy streamed request (EOS ignored) by token ids; never raises for a failure."""
+             on_token: Callable[[], None] | None = None,
+             prompt_logprobs: int | None = None) -> Outcome:
+    """One greedy streamed request (EOS ignored) by token ids; never raises for a failure.
+    prompt_logprobs set: the prompt's too (which only the prefill pool computes)."""
     out = Outcome(prompt)
     t0 = time.monotonic()
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParameters(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+            prompt_logprobs=prompt_logprobs))
         try:
             for msg in stub.Generate(req, timeout=timeout_s):
                 out.t_first = out.t_first or time.monotonic() - t0

@@ -2,8 +2,8 @@
 (gateway/prefill_policy.py): on a cluster of one prefill and one decode host, with three
 streams decoding all along (what a local prefill stalls), an 800-token prompt goes to the
 prefill pool while the link is fast, and to the decode worker once the prefill host's link is
-shaped to 10 Mbit/s and a transfer or two have measured it (its 0.8 MB of KV takes 0.65 s
-there, against ~0.1 s of prefill here: the first token comes ~4x sooner locally)."""
+shaped to 5 Mbit/s and a few transfers have measured it (its 0.8 MB of KV takes 1.3 s
+there, against ~0.1 s of prefill here: the first token comes several times sooner locally)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-SLOW_LINK = 10e6  # bits/s
+SLOW_LINK = 5e6  # bits/s
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,10 @@ def cluster(cluster_factory):
         "4096"))
 
 
-def placed(cluster, i: int) -> tuple[str, str]:
+def placed(cluster, i: int, prompt_logprobs: int | None = None) -> tuple[str, str]:
     """Where the gateway prefilled a fresh 800-token prompt, and why."""
-    o = generate(cluster.grpc_addr, [3 + (31 * i + j) % 500 for j in range(800)], 2, 60)
+    o = generate(cluster.grpc_addr, [3 + (31 * i + j) % 500 for j in range(800)], 2, 60,
+                 prompt_logprobs=prompt_logprobs)
     assert o.code is None, o.details
     return o.timing.prefill_where, o.timing.prefill_reason
 
@@ -39,6 +40,12 @@ def test_autos_decision_follows_the_link(cluster):
     prefill = cluster.workers["prefill-0"]
     try:
         placed(cluster, 0)  # remote ("unmeasured"): measures the prefill speed and the link
+        # The first remote requests are cold (connections opened, transport chosen, first
+        # forwards): what they teach the speeds and the hop's learnt cost is an outlier that
+        # only later remote requests wear off. Warm them up with requests only the prefill
+        # pool can serve (prompt logprobs), as a running stack's traffic would.
+        for i in range(1, 9):
+            assert placed(cluster, 100 + i, prompt_logprobs=0) == ("remote", "prompt_logprobs")
         wait_until(lambda: all(w["prefill_tokens_per_s"] and w.get(
             "kv_transfer_bytes_per_s", 1) for w in gateway_status(cluster)["workers"]
             if w["role"] == "prefill"), 10, "the gateway to see the measured speeds")
