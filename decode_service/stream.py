@@ -251,7 +251,10 @@ class OutputStream:
             if self.pending:
                 pending, self.pending = self.pending, {}
                 await context.write(_message(pending))
-            elif (not self._is_reading or self.is_draining) and not self.requests:
+            # (checked after a write too: the last request's end may be what was just sent,
+            # and no later wake-up would come)
+            if not self.pending and (not self._is_reading or self.is_draining) \
+                    and not self.requests:
                 return
 
     def drain(self) -> None:

@@ -47,7 +47,8 @@ def run(body, step_s: float = 0.002):
             lease, why))
         worker = holder["w"] = DecodeWorker(engine, table)
         server = grpc.aio.server()
-        pb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, "x"), server)
+        engine.servicer = DecodeServicer(worker, "x")  # (the fake engine carries it to body)
+        pb_grpc.add_DecodeServicer_to_server(engine.servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -176,3 +177,21 @@ def test_a_slow_reader_gets_merged_steps_and_every_token():
     assert tokens == [1, *range(2, 31)]
     assert len(rest) < 29  # merged: fewer deltas than tokens
     assert FINISH_REASON_NAMES.get(rest[-1].finish_reason) == "length"
+
+
+def test_a_draining_worker_ends_the_stream_once_its_last_request_has():
+    """The worker shuts down (drain) while a request runs: the request finishes, and the
+    stream's call then ends by itself, also when that last request's end is the last thing
+    written (no later wake-up comes), so the server's stop never waits out its grace."""
+    async def body(worker, table, engine, stub, stream):
+        await reserved(worker, table, "d", 20)
+        channel = start(stream, "d", 1)
+        await anext(channel)
+        engine.servicer.drain()
+        tokens, reason = await drain(channel)
+        code = await asyncio.wait_for(stream._connection.call.code(), 2.0)
+        return tokens, reason, code
+
+    tokens, reason, code = run(body)
+    assert reason == "length" and len(tokens) == 19
+    assert code == grpc.StatusCode.OK
