@@ -56,7 +56,7 @@ def test_autos_decision_follows_the_link(cluster):
         cluster.net.shape(prefill.host, SLOW_LINK)
         try:
             slow = []
-            while len(slow) < 6 and (not slow or slow[-1][0] == "remote"):
+            while len(slow) < 12 and (not slow or slow[-1][0] == "remote"):
                 slow.append(placed(cluster, 10 + len(slow)))
             measured = status(prefill).kv_transfer_bytes_per_s * 8
         finally:
