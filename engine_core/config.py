@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine_core.model import architectures
 from engine_core.model.architectures import hf_layer_pattern
-from engine_core.model.rope import inv_frequencies, served_positions
+from engine_core.model.rope_scaling import check_rope_scaling, served_positions
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # torch only where a dtype is resolved: the gateway reads configs without it
+    import torch
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 # the gated MLP's act(gate, up): silu(gate) * up, gelu_tanh(gate) * up, or GPT-OSS's clamped
@@ -35,21 +42,24 @@ def cpu_has_fast_bf16() -> bool:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """`None`/"auto": bfloat16 on GPUs and on CPUs with native bf16 matmuls, else float32."""
+    import torch
+
+    dtypes = _dtypes()
     if dtype is None or dtype == "auto":
         if device.type == "cpu" and not cpu_has_fast_bf16():
             return torch.float32
         return torch.bfloat16
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+        if dtype not in dtypes.values():
+            raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype}")
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
-    return DTYPES[dtype]
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {sorted(dtypes)} or 'auto', got {dtype!r}")
+    return dtypes[dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
+    return next(k for k, v in _dtypes().items() if v == dtype)
 
 
 @dataclass(frozen=True)
@@ -172,7 +182,7 @@ class ModelConfig:
             raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for "
                              f"{self.num_layers} layers")
         # an unsupported or incomplete rope_scaling fails here, before any weight is read
-        inv_frequencies(self.rotary_dim or self.head_dim, self.rope_theta, self.rope_scaling)
+        check_rope_scaling(self.rotary_dim or self.head_dim, self.rope_scaling)
 
     @property
     def rope_kind(self) -> str | None:

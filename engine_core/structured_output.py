@@ -21,11 +21,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # kind -> how `StructuredOutput.spec` is read
 KINDS = {
@@ -169,6 +172,8 @@ def fill_draft_masks(matchers: Sequence[llguidance.LLMatcher], drafts: Sequence[
 
 def unpack_masks(masks: np.ndarray, vocab_size: int) -> torch.Tensor:
     """[R, W] int32 bitmasks -> [R, vocab_size] bool, True = allowed."""
+    import torch  # the engine's side; the gateway validates grammars without torch
+
     bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")  # [R, 32 W]
     return torch.from_numpy(bits[:, :vocab_size].astype(bool))
 

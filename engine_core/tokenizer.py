@@ -2,19 +2,24 @@
 
 For a GGUF model, transformers builds a fast tokenizer from the file's BPE vocabulary and
 merges (slow: ~10 s); we save it once as tokenizer.json under $PDSERVE_HOME and load that
-afterwards.
+afterwards. A saved fast tokenizer loads through the class its tokenizer_config.json names,
+not AutoTokenizer: AutoTokenizer brings in transformers' model configurations and with them
+torch (~3 s of every gateway start, and the gateway never needs torch).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from engine_core.model_files import ModelSource, pdserve_home
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +126,15 @@ def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = (),
                    chat_template: str | None = None) -> Tokenizer:
     """The model's tokenizer; chat_template (a template's text) replaces the model's own."""
     if source.kind == "hf":
-        return Tokenizer(AutoTokenizer.from_pretrained(str(source.path)), eos_token_ids,
-                         chat_template)
+        return Tokenizer(pretrained_tokenizer(source.path), eos_token_ids, chat_template)
     stat = source.path.stat()
     cache = pdserve_home() / "tokenizers" / f"{source.path.stem}-{stat.st_size}"
     if (cache / "tokenizer.json").exists():
-        return Tokenizer(AutoTokenizer.from_pretrained(str(cache)), eos_token_ids, chat_template)
+        return Tokenizer(pretrained_tokenizer(cache), eos_token_ids, chat_template)
     logger.info("building the tokenizer from %s (once; cached in %s)", source.path, cache)
-    from engine_core.weights.gguf_loader import transformers_parses_plainly  # torch: only here
+    from transformers import AutoTokenizer
+
+    from engine_core.weights.gguf_file import transformers_parses_plainly  # torch: only here
 
     with transformers_parses_plainly():
         hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
@@ -139,6 +145,25 @@ def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = (),
         f.replace(cache / f.name)
     Path(tmp).rmdir()
     return Tokenizer(hf, eos_token_ids, chat_template)
+
+
+def pretrained_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `directory`. A fast one (tokenizer.json) whose
+    tokenizer_config.json names its class loads through that transformers class, as
+    AutoTokenizer would pick it; anything else goes through AutoTokenizer."""
+    import transformers
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if ((directory / "tokenizer.json").is_file() and isinstance(cls, type)
+            and issubclass(cls, TokenizersBackend)):
+        return cls.from_pretrained(str(directory))
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
 
 
 class StreamDetokenizer:

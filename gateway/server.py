@@ -147,9 +147,9 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
         redis_config = RedisConfig.from_args(args)  # bad flags fail here, before the loop
     source = resolve_model(args.model)
     if source.kind == "gguf":
-        from engine_core.weights.gguf_loader import GGUFFile
+        from engine_core.weights.gguf_file import GGUFMetadata
 
-        config = GGUFFile(source.path).model_config()
+        config = GGUFMetadata(source.path).model_config()
     else:
         from engine_core.weights.safetensors_loader import load_hf_config
 

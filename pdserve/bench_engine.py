@@ -57,7 +57,7 @@ class HFGenerate:
         from transformers import AutoModelForCausalLM
 
         self.device = device
-        from engine_core.weights.gguf_loader import transformers_parses_plainly
+        from engine_core.weights.gguf_file import transformers_parses_plainly
 
         if source.kind == "gguf":
             folder, kw = source.path.parent, {"gguf_file": source.path.name}

@@ -32,9 +32,9 @@ def _cmd_model(args: argparse.Namespace) -> int:
         return 0
     source = resolve_model(args.model)
     if source.kind == "gguf":
-        from engine_core.weights.gguf_loader import GGUFFile
+        from engine_core.weights.gguf_file import GGUFMetadata
 
-        config = GGUFFile(source.path).model_config()
+        config = GGUFMetadata(source.path).model_config()
     else:
         from engine_core.weights.safetensors_loader import load_hf_config
 

@@ -35,7 +35,7 @@ def hf_reference(model_path):
     """transformers' own GGUF loading of the same file: the reference implementation."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from engine_core.weights.gguf_loader import transformers_parses_plainly
+    from engine_core.weights.gguf_file import transformers_parses_plainly
 
     with transformers_parses_plainly():  # the same gguf parse, through a plain view
         model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -28,12 +28,8 @@ from engine_core.model.feed_forward import (
     split_stacked_experts,
 )
 from engine_core.model.forward_context import current, use
-from engine_core.model.rope import (
-    apply_rope,
-    cos_sin_cache,
-    partial_rotary_rows,
-    uses_long_factors,
-)
+from engine_core.model.rope import apply_rope, cos_sin_cache, partial_rotary_rows
+from engine_core.model.rope_scaling import uses_long_factors
 from kernels import native
 
 

@@ -8,10 +8,17 @@ from typing import Any
 
 import torch
 
+from engine_core.model.rope_scaling import (
+    attention_factor,
+    check_rope_scaling,
+    yarn_factor,
+)
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
                     long: bool = True) -> torch.Tensor:
     """long: LongRoPE's long factors, else its short ones (see uses_long_factors)."""
+    check_rope_scaling(head_dim, scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv_freq
@@ -32,36 +39,9 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
     if kind == "yarn":
         return _yarn_inv_frequencies(inv_freq, head_dim, theta, scaling)
     if kind == "longrope":  # Phi-3 128k, Phi-3.5: each frequency divided by its own factor
-        for key in ("long_factor", "short_factor", "original_max_position_embeddings"):
-            if scaling.get(key) is None:
-                raise ValueError(f"rope_scaling 'longrope' needs {key}")
         factors = scaling["long_factor" if long else "short_factor"]
-        if len(factors) != head_dim // 2:
-            raise ValueError(f"rope_scaling 'longrope' has {len(factors)} factors for a rope "
-                             f"over {head_dim} dimensions (partial rotary is not supported)")
         return inv_freq / torch.tensor(factors, dtype=torch.float64)
-    if kind in ("default", None):
-        return inv_freq
-    raise ValueError(f"rope_scaling type {kind!r} is not supported ({', '.join(SCALINGS)})")
-
-
-SCALINGS = ("linear", "llama3", "yarn", "longrope")
-
-
-def uses_long_factors(scaling: dict[str, Any] | None, served_len: int) -> bool:
-    """LongRoPE's choice, made once for the engine as llama.cpp makes it (by the context it
-    serves): the long factors when it serves more than the original context. transformers
-    chooses per forward by the sequence's length and recomputes the cache when a sequence
-    crosses over; within the original context on a short-context engine, and past it on a
-    long-context one, the two agree."""
-    return served_len > int(scaling["original_max_position_embeddings"]) if scaling else True
-
-
-def _yarn_factor(scaling: dict[str, Any]) -> float:
-    factor = scaling.get("factor")
-    if factor is None:
-        raise ValueError("rope_scaling 'yarn' needs a factor")
-    return float(factor)
+    return inv_freq  # "default"
 
 
 def _yarn_inv_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
@@ -70,9 +50,7 @@ def _yarn_inv_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
     beta_slow times over the original context are divided by `factor` (interpolated), those
     that turn more than beta_fast times are kept, with a linear ramp over the dimensions
     between."""
-    factor = _yarn_factor(scaling)
-    if "original_max_position_embeddings" not in scaling:
-        raise ValueError("rope_scaling 'yarn' needs original_max_position_embeddings")
+    factor = yarn_factor(scaling)
     old_len = float(scaling["original_max_position_embeddings"])
     beta_fast = float(scaling.get("beta_fast") or 32)
     beta_slow = float(scaling.get("beta_slow") or 1)
@@ -88,41 +66,6 @@ def _yarn_inv_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
-
-
-def attention_factor(scaling: dict[str, Any] | None, max_positions: int = 0) -> float:
-    """The factor on cos and sin (so on every attention logit, twice): YaRN's
-    0.1 ln(factor) + 1, LongRoPE's sqrt(1 + ln(factor) / ln(original context)) (factor:
-    max_positions over the original context where the config gives none), unless the config
-    states it; 1 for every other scaling."""
-    kind = (scaling.get("rope_type") or scaling.get("type")) if scaling else None
-    if kind not in ("yarn", "longrope"):
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    if kind == "longrope":
-        original = float(scaling["original_max_position_embeddings"])
-        factor = float(scaling.get("factor") or max_positions / original)
-        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    factor = _yarn_factor(scaling)
-    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-
-    def m(scale: float, k: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
-
-    if mscale and mscale_all_dim:
-        return m(factor, float(mscale)) / m(factor, float(mscale_all_dim))
-    return m(factor)
-
-
-def served_positions(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
-    """The positions a model serves: YaRN stretches its original context by `factor` (as
-    vLLM derives it; Qwen's configs keep max_position_embeddings at the original length)."""
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "yarn" \
-            and scaling.get("original_max_position_embeddings"):
-        stretched = int(float(scaling["original_max_position_embeddings"]) * _yarn_factor(scaling))
-        return max(max_position_embeddings, stretched)
-    return max_position_embeddings
 
 
 def cos_sin_cache(

@@ -11,17 +11,17 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine_core.config import ModelConfig
-from engine_core.model.rope import served_positions
+from engine_core.model.rope_scaling import served_positions
 
 if TYPE_CHECKING:
-    from engine_core.weights.gguf_loader import GGUFFile
+    from engine_core.weights.gguf_file import GGUFMetadata
 
 ROPE_FREQS = "rope_freqs.weight"
 # rope tensors, read into the config rather than the model: Llama 3's and LongRoPE's factors
 ROPE_TENSORS = {ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def model_config(f: GGUFFile) -> ModelConfig:
+def model_config(f: GGUFMetadata) -> ModelConfig:
     """ModelConfig from a GGUF's metadata, as llama.cpp writes it per architecture."""
     a = f.arch
     names = {t.name for t in f.reader.tensors}
@@ -126,7 +126,7 @@ def model_config(f: GGUFFile) -> ModelConfig:
         **experts,
     )
 
-def _yarn_fields(f: GGUFFile, a: str) -> dict[str, Any]:
+def _yarn_fields(f: GGUFMetadata, a: str) -> dict[str, Any]:
     """YaRN's keys as llama.cpp writes them, under transformers' names. Its attention factor
     is refused where the file states one: llama.cpp multiplies it into YaRN's own, where
     transformers' replaces it."""
@@ -146,7 +146,7 @@ def _yarn_fields(f: GGUFFile, a: str) -> dict[str, Any]:
                              f"supported (YaRN with its own attention factor only)")
     return out
 
-def _longrope(f: GGUFFile, a: str, scaling: dict[str, Any] | None) -> dict[str, Any]:
+def _longrope(f: GGUFMetadata, a: str, scaling: dict[str, Any] | None) -> dict[str, Any]:
     """LongRoPE as llama.cpp's converter writes it: the factors as rope_factors_long and
     _short tensors, the original context, and the attention factor it computed."""
     tensors = {t.name: t for t in f.reader.tensors}
@@ -165,7 +165,7 @@ def _longrope(f: GGUFFile, a: str, scaling: dict[str, Any] | None) -> dict[str, 
         out["attention_factor"] = float(attn)
     return {**(scaling or {}), **out}
 
-def _experts(f: GGUFFile, a: str, names: set[str], num_layers: int) -> dict[str, Any]:
+def _experts(f: GGUFMetadata, a: str, names: set[str], num_layers: int) -> dict[str, Any]:
     """ModelConfig's expert fields as llama.cpp writes them: the counts, an expert's width
     (Mixtral's is feed_forward_length), the shared expert's, and the layers with a router.
     Whether the chosen weights are renormalized is fixed per architecture in llama.cpp

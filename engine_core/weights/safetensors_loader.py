@@ -6,11 +6,14 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from engine_core.config import ModelConfig
+
+if TYPE_CHECKING:  # safetensors gives torch tensors; the gateway reads load_hf_config only
+    import torch
 
 
 def load_hf_config(folder: Path) -> ModelConfig:

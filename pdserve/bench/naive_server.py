@@ -229,7 +229,7 @@ def load(model: str | None, dtype: str) -> NaiveServer:
 
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import load_tokenizer
-    from engine_core.weights.gguf_loader import transformers_parses_plainly
+    from engine_core.weights.gguf_file import transformers_parses_plainly
 
     source = resolve_model(model)
     if source.kind == "gguf":

@@ -25,7 +25,7 @@ def gemma_path():
 def gemma_hf(gemma_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from engine_core.weights.gguf_loader import transformers_parses_plainly
+    from engine_core.weights.gguf_file import transformers_parses_plainly
 
     with transformers_parses_plainly():  # the same gguf parse, through a plain view: 2x faster
         return transformers.AutoModelForCausalLM.from_pretrained(

@@ -33,7 +33,7 @@ def test_transformers_parses_the_file_plainly_to_the_same_result(model_path):
     import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from engine_core.weights.gguf_loader import transformers_parses_plainly
+    from engine_core.weights.gguf_file import transformers_parses_plainly
 
     reader = gguf.GGUFReader
     expected = load_gguf_checkpoint(str(model_path), return_tensors=False)
