@@ -23,7 +23,8 @@ A 2,048-token prompt's last layer in the default model's layout (bf16, 128 block
 Each is called --calls times after a warm-up; the median and 90th percentile of the host's
 wall time per call are printed (each call ends with its result on the host, so the device's
 time is inside). On the H200 the tail's write and checksum took 0.47 ms and the receiver's
-check 0.68 ms (BENCHMARKS.md, ninth session): this says which of these steps that is.
+check 0.68 ms (docs/benchmarks.md, KV handoff over cuda_ipc, 2026-11-27): this says which of
+these steps that is.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 # microseconds of a core per region gap, taken from the Python between two steps and from the
 # stack's other processes. 3,000 still spans the gaps inside one C call; on a shared 2-core
 # machine it halved a loaded batch-1 decode step and cut the offline engine's CPU per token
-# by a third (BENCHMARKS.md, host cost). Set before torch loads libgomp; a user's value wins.
+# by a third (docs/benchmarks.md, host cost per token). Set before torch loads libgomp; a
+# user's value wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from engine_core.outputs import CompletionOutput, RequestOutput

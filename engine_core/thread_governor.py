@@ -3,7 +3,7 @@
 A decode step of a small model is ~100 short OpenMP regions (pd_decode_layers: several per
 layer), each ending at a barrier. When another process takes one of this machine's cores, the
 region's other thread waits at every barrier for the descheduled one: a one-row Gemma 3 270M
-step went from 9 ms on one thread to ~190 ms on two (BENCHMARKS.md, 2026-11-26). The right
+step went from 9 ms on one thread to ~190 ms on two (docs/benchmarks.md, 2026-11-26). The right
 count is whichever is faster *now*, which only a measurement can say, so the governor runs the
 current count (first 1: a loaded machine's 2-thread step can take a second) and, every so
 often, one step on the other, and keeps the faster:

@@ -168,7 +168,7 @@ def _paged_decode_kernel(
 
 def default_block_n(head_dim: int) -> int:
     """The context tile: 128 positions up to head_dim 128, else 64. On an H200, in a CUDA
-    graph, 32 sequences x 2,048 positions (bench_gpu.py --sweep, BENCHMARKS.md): 128 read
+    graph, 32 sequences x 2,048 positions (bench_gpu.py --sweep, docs/benchmarks.md): 128 read
     Llama-3-8B's KV (8 heads of 128) at 94 % of the copy bandwidth against 80 % for 64, and
     SmolLM2's (3 of 64) in 31 us against 50. A 128 x 256 tile of K and one of V, pipelined
     three deep, would pass the SM's shared memory, so head_dim 256 (Gemma) keeps 64."""

@@ -13,6 +13,7 @@ neither the engine nor one service's own logic.
     worker_registration.py  a worker's entry in Redis: register, heartbeat, publish prefixes
     metrics/                metric names, the workers' exporters, GPU telemetry
 
-It sits below the gateway and the two services and above kv_transfer (README.md, "Layers"):
+It sits below the gateway and the two services and above kv_transfer
+(docs/architecture/code-layout.md, "Layers"):
 nothing here imports the gateway, a service or the program.
 """

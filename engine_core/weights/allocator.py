@@ -4,7 +4,7 @@ Building the decode weights frees buffers of many sizes (each tensor's integers,
 into its projection's matrix) and allocates others (the fused matrices). glibc serves buffers
 under 32 MiB from its heap once larger ones have come and gone, and memory freed there stays
 in the process, in holes the next sizes do not fit: on a GGUF of TinyLlama's widths the load's
-peak grew by 0.3 GB (BENCHMARKS.md). malloc_trim hands the free pages back. Elsewhere (another
+peak grew by 0.3 GB (docs/benchmarks.md, GGUF types). malloc_trim hands the free pages back. Elsewhere (another
 C library) it does nothing.
 """
 

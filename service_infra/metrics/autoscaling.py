@@ -1,5 +1,5 @@
 """Per-pool saturation signals, for autoscalers (Kubernetes HPAs through prometheus-adapter:
-helm/prometheus-adapter-values.yaml, helm/README.md). Each pool exports what tracks its own
+helm/prometheus-adapter-values.yaml, docs/operations/autoscaling.md). Each pool exports what tracks its own
 bottleneck, so that one pool's saturation does not read as the other's (requests that wait
 for a decode worker wait at the gateway, where no worker gauge sees them):
 

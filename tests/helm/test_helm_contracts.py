@@ -21,7 +21,8 @@ from pdserve import cli
 GPU = "nvidia.com/gpu"
 SHUTDOWN_MARGIN_S = 5  # after draining, the process closes its engine and unregisters
 
-# The flags agreed for each command (helm/README.md); a rendered flag outside them is a typo.
+# The flags agreed for each command (docs/deployment/helm.md); a rendered flag outside them is a
+# typo.
 REDIS_FLAGS = {"--redis-url", "--redis-namespace", "--redis-tls-ca", "--redis-tls-cert",
                "--redis-tls-key"}
 ENGINE_FLAGS = {"--model", "--dtype", "--kv-cache-memory-gb", "--max-num-seqs",
@@ -326,7 +327,7 @@ def test_command_lines_parse_with_the_cli(rendered):
 
 def test_decode_flags(rendered, values_name):
     flags = flag_values(rendered.container("decode")["args"])
-    assert flags["--transports"] == "grpc"  # no cuda_ipc between pods (helm/README.md)
+    assert flags["--transports"] == "grpc"  # no cuda_ipc between pods (docs/deployment/helm.md)
     if values_name == "gpu-production":
         assert (flags["--speculative"], flags["--num-speculative-tokens"]) == ("ngram", "4")
         assert flags["--dtype"] == flag_values(rendered.container("prefill")["args"])["--dtype"]
