@@ -42,7 +42,7 @@ from google.protobuf.message import DecodeError
 
 from kv_transfer import wire
 from kv_transfer.errors import TransferError, TransportRefusedError, status_name
-from kv_transfer.shm_transport import DEFAULT_DIR
+from kv_transfer.transports.shm import DEFAULT_DIR
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:  # the receiver imports the sender's modules; this module is both sides'

@@ -42,12 +42,12 @@ from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.blocks import block_rows
 from kv_transfer.checksum import checksum_blocks_as, checksum_kind
-from kv_transfer.cuda_ipc_transport import CudaIpcHandle, export_handle
 from kv_transfer.errors import LayoutMismatchError, TransportRefusedError, VerificationError
 from kv_transfer.lease import LeaseTable
 from kv_transfer.send_options import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
-from kv_transfer.shm_transport import SharedKVPool
 from kv_transfer.transport import KINDS, host_id, select_transport
+from kv_transfer.transports.cuda_ipc import CudaIpcHandle, export_handle
+from kv_transfer.transports.shm import SharedKVPool
 
 log = logging.getLogger("pdserve.kv_transfer")
 

@@ -30,9 +30,9 @@ import logging
 import grpc
 
 from kv_transfer import wire
-from kv_transfer.cuda_ipc_transport import handle_to_proto
 from kv_transfer.errors import status_name
 from kv_transfer.receiver import KVReceiver
+from kv_transfer.transports.cuda_ipc import handle_to_proto
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
 

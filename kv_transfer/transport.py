@@ -39,11 +39,11 @@ import torch
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.errors import LayoutMismatchError, TransferError, TransportRefusedError
-from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GrpcSendSession
 from kv_transfer.local_control import LocalControlClient
-from kv_transfer.one_sided import OneSidedSendSession
 from kv_transfer.send_options import SenderOptions
 from kv_transfer.session import SendSession
+from kv_transfer.transports.grpc import GRPC_CHANNEL_OPTIONS, GrpcSendSession
+from kv_transfer.transports.one_sided import OneSidedSendSession
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
 
@@ -267,13 +267,13 @@ def _open_local_control(kind: str, reply: pb.HandshakeResponse, options: SenderO
 def _attach(kind: str, reply: pb.HandshakeResponse, layout: KVLayout):
     """Map the receiver's pool for one-sided transports: (tensor, owner of the mapping)."""
     if kind == "shm":
-        from kv_transfer.shm_transport import SharedKVPool
+        from kv_transfer.transports.shm import SharedKVPool
 
         pool = SharedKVPool.attach(reply.shm.path, layout, reply.num_blocks,
                                    identity=(reply.shm.st_dev, reply.shm.st_ino))
         return pool.tensor, pool
     if kind == "cuda_ipc":
-        from kv_transfer.cuda_ipc_transport import handle_from_proto, open_handle
+        from kv_transfer.transports.cuda_ipc import handle_from_proto, open_handle
 
         handle = handle_from_proto(reply.cuda_ipc)
         try:

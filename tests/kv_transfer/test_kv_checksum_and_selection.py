@@ -19,7 +19,7 @@ from kv_transfer.checksum import (
     checksum_tensor_as,
     weighted_sum32,
 )
-from kv_transfer.grpc_transport import plan_chunks
+from kv_transfer.transports.grpc import plan_chunks
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)

@@ -20,8 +20,8 @@ from kv_transfer import (
     TransferError,
     connect,
 )
-from kv_transfer.grpc_transport import plan_chunks
-from kv_transfer.one_sided import MAX_LAYER_DONE_IN_FLIGHT
+from kv_transfer.transports.grpc import plan_chunks
+from kv_transfer.transports.one_sided import MAX_LAYER_DONE_IN_FLIGHT
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from tests.threads import CheckedThread, join_checked
 
