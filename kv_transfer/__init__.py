@@ -30,10 +30,10 @@ from kv_transfer.errors import (
     VerificationError,
 )
 from kv_transfer.lease import Lease, LeaseState, LeaseTable
-from kv_transfer.local_control import LocalControlServer
-from kv_transfer.receiver import CommitResult, KVReceiver
+from kv_transfer.receiver.control_server import LocalControlServer
+from kv_transfer.receiver.kv_receiver import CommitResult, KVReceiver
+from kv_transfer.receiver.servicer import KVTransferServicer, add_kv_transfer_servicer
 from kv_transfer.send_options import SenderOptions, SendState, TransferStats
-from kv_transfer.servicer import KVTransferServicer, add_kv_transfer_servicer
 from kv_transfer.session import SendSession
 from kv_transfer.transport import Connection, connect, host_id, select_transport
 from kv_transfer.transports.grpc import GRPC_CHANNEL_OPTIONS, GRPC_SERVER_OPTIONS

@@ -17,7 +17,7 @@ An explicit choice that cannot work raises TransportRefusedError (a ValueError);
 silent fallback. Both ends log the transport in use; `Connection.kind` is the metric label.
 The control plane (Begin, LayerDone, Commit, Abort) is the same gRPC service for all three;
 shm and cuda_ipc send LayerDone and Commit over the receiver's Unix socket instead when they
-reach it (local_control.py; `Connection.control` is "unix" then, else "grpc").
+reach it (control_client.py; `Connection.control` is "unix" then, else "grpc").
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import torch
 
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import wire
+from kv_transfer.control_client import LocalControlClient
 from kv_transfer.errors import LayoutMismatchError, TransferError, TransportRefusedError
-from kv_transfer.local_control import LocalControlClient
 from kv_transfer.send_options import SenderOptions
 from kv_transfer.session import SendSession
 from kv_transfer.transports.grpc import GRPC_CHANNEL_OPTIONS, GrpcSendSession

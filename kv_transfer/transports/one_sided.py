@@ -10,7 +10,7 @@ straight into the receiver's pool, mapped into this process, then reports it wit
 
 The checksum is XXH3 on the host over shm and a device-side sum over cuda_ipc (checksum.py).
 LayerDone and Commit travel on the receiver's Unix socket when the connection reached it
-(local_control.py: a round trip of tens of microseconds), else as unary gRPC calls.
+(control_client.py: a round trip of tens of microseconds), else as unary gRPC calls.
 
 LayerDone calls are pipelined (a unary gRPC round trip costs 0.3-1 ms here, more than copying
 a layer). That is safe because the receiver frees an aborted one-sided lease only on an explicit
@@ -36,8 +36,8 @@ import torch
 
 from kv_transfer.blocks import scatter_blocks
 from kv_transfer.checksum import checksum_kind, checksum_tensor_as
+from kv_transfer.control_client import LocalChannel, LocalControlClient
 from kv_transfer.errors import TransferError
-from kv_transfer.local_control import LocalChannel, LocalControlClient
 from kv_transfer.session import WRITE_MARGIN_S, SendSession, _Layer
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
@@ -52,7 +52,7 @@ class OneSidedSendSession(SendSession):
                  local: LocalControlClient | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kind = kind
-        # LayerDone and Commit over the receiver's Unix socket (local_control.py), on one
+        # LayerDone and Commit over the receiver's Unix socket (control_client.py), on one
         # connection taken for the session; None: as unary gRPC calls
         self._local = local
         self._channel: LocalChannel | None = None

@@ -192,8 +192,8 @@ def test_commit_runs_on_the_event_loop_when_only_a_short_check_is_left(make_rig,
     checks the last layer itself (a few KB here), with no thread hop; over
     QUICK_HOST_CHECK_BYTES it goes to a thread. Both verify the same way. (Control over gRPC:
     the same-host socket runs every commit on its connection's thread.)"""
-    import kv_transfer.receiver as receiver_module
-    import kv_transfer.servicer as servicer_module
+    import kv_transfer.receiver.kv_receiver as receiver_module
+    import kv_transfer.receiver.servicer as servicer_module
 
     hops: list[str] = []
     to_thread = asyncio.to_thread

@@ -1,5 +1,5 @@
 """The KVTransfer gRPC service (grpc.aio): protobuf <-> KVReceiver calls, errors -> status codes
-(errors.status_name, which the same-host socket of local_control.py answers with too):
+(errors.status_name, which the same-host socket of control_server.py answers with too):
 
     LayoutMismatchError, TransportRefusedError, LeaseError   FAILED_PRECONDITION
     UnknownLeaseError                                        NOT_FOUND
@@ -8,7 +8,7 @@
     ValueError (malformed request)                           INVALID_ARGUMENT
 
 Serve it next to the decode service's other services, with the same-host socket beside it
-(local_control.py) when one-sided transports are enabled:
+(control_server.py) when one-sided transports are enabled:
 
     local = LocalControlServer(receiver).start()
     server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS.items()))
@@ -31,7 +31,7 @@ import grpc
 
 from kv_transfer import wire
 from kv_transfer.errors import status_name
-from kv_transfer.receiver import KVReceiver
+from kv_transfer.receiver.kv_receiver import KVReceiver
 from kv_transfer.transports.cuda_ipc import handle_to_proto
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
@@ -139,7 +139,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 result = await asyncio.to_thread(receiver.commit, *args)
         except Exception as e:
             await _abort_with(context, e)
-        return wire.commit_to_proto(result)
+        return wire.commit_to_proto(result.num_bytes_verified, result.verify_seconds)
 
     async def Abort(self, request, context):
         was_live, state = self.receiver.abort(request.lease_id, request.reason,
