@@ -11,10 +11,17 @@ Decode side (receiver):                         Prefill side (sender):
     lease = table.open(req_id, block_ids, ttl_s)  -> ticket (lease_id, block ids) to prefill
     ... table.get(lease_id).state is COMPLETE -> table.claim(lease_id) -> decode
 
-Modules: lease (state machine), checksum, session (sender pipeline) and send_options (its
-options, states and stats), transport (connect, select_transport, host_id), grpc_transport /
-shm_transport / cuda_ipc_transport (data planes), receiver + servicer (decode side),
-local_control (LayerDone and Commit on a Unix socket, same host), wire (proto conversions).
+Layout, each layer importing only those below it (pyproject.toml's import-linter contracts):
+
+    sender.py | receiver/       the two sides: connect() and Connection | KVReceiver with its
+                                gRPC service (servicer.py) and same-host socket (control_server.py)
+    negotiation.py              transport kinds on the wire, host identity, select_transport
+    transports/                 one module per transport, and the registry (names(), get())
+    session.py | control_client.py | lease.py
+                                the sender's per-request pipeline, its same-host control socket;
+                                the receiver's lease state machine
+    send_options, wire, checksum, blocks, process, errors
+
 Loopback servers for tests and benchmarks: tests/kv_transfer/loopback.py.
 """
 
@@ -30,12 +37,13 @@ from kv_transfer.errors import (
     VerificationError,
 )
 from kv_transfer.lease import Lease, LeaseState, LeaseTable
+from kv_transfer.negotiation import host_id, select_transport
 from kv_transfer.receiver.control_server import LocalControlServer
 from kv_transfer.receiver.kv_receiver import CommitResult, KVReceiver
 from kv_transfer.receiver.servicer import KVTransferServicer, add_kv_transfer_servicer
 from kv_transfer.send_options import SenderOptions, SendState, TransferStats
+from kv_transfer.sender import Connection, connect
 from kv_transfer.session import SendSession
-from kv_transfer.transport import Connection, connect, host_id, select_transport
 from kv_transfer.transports.grpc import GRPC_CHANNEL_OPTIONS, GRPC_SERVER_OPTIONS
 from kv_transfer.transports.shm import SharedKVPool, reap_stale_pools
 

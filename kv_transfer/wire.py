@@ -29,28 +29,6 @@ def protocol_mismatch(sender: int, receiver: int) -> list[str]:
 MAX_CONTROL_MESSAGE_BYTES = 1 << 16
 
 
-KINDS = ("grpc", "shm", "cuda_ipc")  # the transports, in no particular order
-_KIND_TO_PROTO = {
-    "auto": pb.TRANSPORT_KIND_AUTO,
-    "grpc": pb.TRANSPORT_KIND_GRPC,
-    "shm": pb.TRANSPORT_KIND_SHM,
-    "cuda_ipc": pb.TRANSPORT_KIND_CUDA_IPC,
-}
-_PROTO_TO_KIND = {v: k for k, v in _KIND_TO_PROTO.items()}
-
-
-def kind_to_proto(kind: str) -> int:
-    if kind not in _KIND_TO_PROTO:
-        raise ValueError(f"unknown transport {kind!r}; choose one of {sorted(_KIND_TO_PROTO)}")
-    return _KIND_TO_PROTO[kind]
-
-
-def kind_from_proto(value: int) -> str:
-    if value not in _PROTO_TO_KIND:
-        raise ValueError(f"unknown TransportKind {value}")
-    return _PROTO_TO_KIND[value]
-
-
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
                        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
