@@ -83,8 +83,8 @@ def select_transport(requested: str, sender_host: str, receiver_host: str,
     allowed = known if allowed is None else allowed
     pair = Pair(sender_host, receiver_host, sender_device, receiver_device)
     if requested == AUTO:
-        candidates = sorted((t for t in transports.all_transports() if t.auto_rank is not None),
-                            key=lambda t: t.auto_rank)
+        candidates = sorted((t for t in transports.all_transports(include_tests=False)
+                             if t.auto_rank is not None), key=lambda t: t.auto_rank)
         reasons = {t.name: t.unavailable_reason(pair) for t in candidates}
         for transport in candidates:
             if transport.name in allowed and reasons[transport.name] is None:

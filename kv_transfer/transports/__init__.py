@@ -2,15 +2,10 @@
 selection (negotiation.py), both sides of the handoff, the CLIs' --transport(s) choices, the
 metric labels, and the helm chart's schema (tests/helm checks its enum against names()).
 
-    grpc.py       any two hosts: chunks over a PushBlocks stream
-    shm.py        same host, a decode pool in host shared memory
-    cuda_ipc.py   same host, both KV caches on CUDA
-    one_sided.py  what shm and cuda_ipc share (not a transport)
-    base.py       what a transport declares: Transport, Pair, ReceiverPool
-
-A transport is one module here defining TRANSPORT (a base.Transport subclass' instance), named
-as the transport, plus its name in one of the tuples below. The registry imports a module on
-first use: the CLIs read names() without importing torch or grpc.
+A transport is a module here, named as the transport, that defines TRANSPORT (an instance of a
+base.Transport subclass: what it declares is listed in base.py), plus its name in one of the
+tuples below. one_sided.py is what the one-sided transports share, not a transport. The
+registry imports a module on first use: the CLIs read names() without importing torch or grpc.
 """
 
 from __future__ import annotations
