@@ -17,7 +17,7 @@ from kv_transfer.transports.base import Transport
 # What users choose from, in listing order (CLI choices, metric labels, the chart's enum).
 _TRANSPORTS = ("grpc", "shm", "cuda_ipc")
 # In-process transports for tests: hidden from names() and never chosen by "auto".
-_FOR_TESTS: tuple[str, ...] = ()
+_FOR_TESTS: tuple[str, ...] = ("fake",)
 
 _loaded: dict[str, Transport] = {}
 
