@@ -42,12 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from engine_core.kv_cache.layout import KVLayout  # noqa: E402
+from kv_transfer import transports  # noqa: E402
 from kv_transfer.blocks import gather_blocks, scatter_blocks  # noqa: E402
-from kv_transfer.checksum import (  # noqa: E402
-    checksum_blocks_as,
-    checksum_kind,
-    checksum_tensor_as,
-)
+from kv_transfer.checksum import checksum_blocks_as, checksum_tensor_as  # noqa: E402
 
 
 def timed(fn: Callable[[], object], calls: int) -> tuple[float, float]:
@@ -75,7 +72,7 @@ def steps(device: torch.device, prompt_tokens: int) -> dict[str, Callable[[], ob
     # the ids as each side holds them: tensors on the device under CUDA, lists on the host
     src_index = src_ids.to(device) if on_gpu else src_ids.tolist()
     dst_index = dst_ids.to(device) if on_gpu else dst_ids.tolist()
-    kind = checksum_kind("cuda_ipc" if on_gpu else "shm")
+    kind = transports.get("cuda_ipc" if on_gpu else "shm").checksum_kind
     stream = torch.cuda.Stream(device) if on_gpu else None
     snapshot = gather_blocks(src, 0, src_index)
     spare = None if on_gpu else torch.empty_like(snapshot)
@@ -106,7 +103,7 @@ def steps(device: torch.device, prompt_tokens: int) -> dict[str, Callable[[], ob
 
 def _peer(conn, device: str, numel: int) -> None:
     """The other process: on each message, one checksum of its own tensor, synchronized."""
-    kind = checksum_kind("cuda_ipc")
+    kind = transports.get("cuda_ipc").checksum_kind
     t = torch.randn(numel, device=device).to(torch.bfloat16)
     while conn.recv():
         checksum_tensor_as(kind, t)
@@ -121,7 +118,7 @@ def after_peer(device: torch.device, prompt_tokens: int, calls: int) -> tuple[fl
     n = -(-prompt_tokens // layout.block_size)
     dst = torch.randn(layout.cache_shape(2 * n), device=device).to(layout.torch_dtype)
     index = torch.randperm(2 * n, device=device)[:n]
-    kind = checksum_kind("cuda_ipc")
+    kind = transports.get("cuda_ipc").checksum_kind
     parent, child = mp.get_context("spawn").Pipe()
     peer = mp.get_context("spawn").Process(
         target=_peer, args=(child, str(device), n * layout.block_numel), daemon=True)

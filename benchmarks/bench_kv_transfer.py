@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from engine_core.kv_cache.layout import KVLayout  # noqa: E402
-from kv_transfer import SenderOptions, connect  # noqa: E402
+from kv_transfer import SenderOptions, connect, transports  # noqa: E402
 from tests.kv_transfer.loopback import ReceiverProcess  # noqa: E402
 
 PROMPT_TOKENS = 512  # --prompt-tokens; sender and receiver pools hold twice its blocks
@@ -163,7 +163,8 @@ def plot(results: list[dict], path: Path, prompt_tokens: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", nargs="+", default=["grpc", "shm"])
+    parser.add_argument("--kinds", nargs="+", default=["grpc", "shm"],
+                        choices=transports.names())
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--controls", nargs="+", default=["unix", "grpc"],
                         help="shm / cuda_ipc: LayerDone and Commit over the receiver's Unix "

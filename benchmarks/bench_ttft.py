@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
+from kv_transfer import transports
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -112,7 +113,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--requests", type=int, default=5)
-    p.add_argument("--transports", nargs="+", default=["shm", "grpc"])
+    p.add_argument("--transports", nargs="+", default=["shm", "grpc"],
+                   choices=transports.names())
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="bench_results/ttft")
     args = p.parse_args()

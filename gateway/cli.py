@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from kv_transfer import transports
 from service_infra.tls import add_tls_arguments
 from service_infra.tracing import add_tracing_argument
 from service_infra.worker_args import (
@@ -100,7 +101,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                       help="prefill workers (disaggregated mode)")
     mode.add_argument("--decode", nargs="+", default=[], metavar="HOST:PORT",
                       help="decode workers (disaggregated mode)")
-    mode.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
+    mode.add_argument("--transport", default="auto", choices=["auto", *transports.names()],
                       help="KV transport between the pools (auto: by locality)")
     add_admission_arguments(mode)
     add_prefill_policy_arguments(mode)

@@ -11,63 +11,56 @@ Decode side (receiver):                         Prefill side (sender):
     lease = table.open(req_id, block_ids, ttl_s)  -> ticket (lease_id, block ids) to prefill
     ... table.get(lease_id).state is COMPLETE -> table.claim(lease_id) -> decode
 
-Modules: lease (state machine), checksum, session (sender pipeline) and send_options (its
-options, states and stats), transport (connect, select_transport, host_id), grpc_transport /
-shm_transport / cuda_ipc_transport (data planes), receiver + servicer (decode side),
-local_control (LayerDone and Commit on a Unix socket, same host), wire (proto conversions).
+Layout, each layer importing only those below it (pyproject.toml's import-linter contracts):
+
+    sender.py | receiver/       the two sides: connect() and Connection | KVReceiver with its
+                                gRPC service (servicer.py) and same-host socket (control_server.py)
+    negotiation.py              transport kinds on the wire, host identity, select_transport
+    transports/                 one module per transport, and the registry (names(), get())
+    session.py | control_client.py | lease.py
+                                the sender's per-request pipeline, its same-host control socket;
+                                the receiver's lease state machine
+    send_options, wire, checksum, blocks, process, errors
+
 Loopback servers for tests and benchmarks: tests/kv_transfer/loopback.py.
 """
 
-from kv_transfer.checksum import checksum_blocks, checksum_tensor
-from kv_transfer.errors import (
-    KVTransferError,
-    LayoutMismatchError,
-    LeaseEndedError,
-    LeaseError,
-    TransferError,
-    TransportRefusedError,
-    UnknownLeaseError,
-    VerificationError,
-)
-from kv_transfer.grpc_transport import GRPC_CHANNEL_OPTIONS, GRPC_SERVER_OPTIONS
-from kv_transfer.lease import Lease, LeaseState, LeaseTable
-from kv_transfer.local_control import LocalControlServer
-from kv_transfer.receiver import CommitResult, KVReceiver
-from kv_transfer.send_options import SenderOptions, SendState, TransferStats
-from kv_transfer.servicer import KVTransferServicer, add_kv_transfer_servicer
-from kv_transfer.session import SendSession
-from kv_transfer.shm_transport import SharedKVPool, reap_stale_pools
-from kv_transfer.transport import Connection, connect, host_id, select_transport
+from __future__ import annotations
 
-__all__ = [
-    "GRPC_CHANNEL_OPTIONS",
-    "GRPC_SERVER_OPTIONS",
-    "CommitResult",
-    "Connection",
-    "KVReceiver",
-    "KVTransferError",
-    "KVTransferServicer",
-    "LayoutMismatchError",
-    "Lease",
-    "LeaseEndedError",
-    "LeaseError",
-    "LeaseState",
-    "LeaseTable",
-    "LocalControlServer",
-    "SendSession",
-    "SendState",
-    "SenderOptions",
-    "SharedKVPool",
-    "TransferError",
-    "TransferStats",
-    "TransportRefusedError",
-    "UnknownLeaseError",
-    "VerificationError",
-    "add_kv_transfer_servicer",
-    "checksum_blocks",
-    "checksum_tensor",
-    "connect",
-    "host_id",
-    "reap_stale_pools",
-    "select_transport",
-]
+import importlib
+
+# The public names, by the module that defines them. Each is imported on first use (PEP 562):
+# `import kv_transfer` costs nothing, so the CLIs read the transports' names
+# (kv_transfer.transports.names()) without importing torch or grpc.
+_EXPORTS = {
+    "kv_transfer.checksum": ("checksum_blocks", "checksum_tensor"),
+    "kv_transfer.errors": ("KVTransferError", "LayoutMismatchError", "LeaseEndedError",
+                           "LeaseError", "TransferError", "TransportRefusedError",
+                           "UnknownLeaseError", "VerificationError"),
+    "kv_transfer.lease": ("Lease", "LeaseState", "LeaseTable"),
+    "kv_transfer.negotiation": ("host_id", "select_transport"),
+    "kv_transfer.receiver.control_server": ("LocalControlServer",),
+    "kv_transfer.receiver.kv_receiver": ("CommitResult", "KVReceiver"),
+    "kv_transfer.receiver.servicer": ("KVTransferServicer", "add_kv_transfer_servicer"),
+    "kv_transfer.send_options": ("SenderOptions", "SendState", "TransferStats"),
+    "kv_transfer.sender": ("Connection", "connect"),
+    "kv_transfer.session": ("SendSession",),
+    "kv_transfer.transports.grpc": ("GRPC_CHANNEL_OPTIONS", "GRPC_SERVER_OPTIONS"),
+    "kv_transfer.transports.shm": ("SharedKVPool", "reap_stale_pools"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access skips this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -26,8 +26,8 @@ order-sensitive (a block in the wrong destination moves its words to other weigh
 change to one half-word changes it (an odd weight times a non-zero change below 2^16 is not
 0 mod 2^32). On a GPU one fused Triton kernel computes it (kernels/weighted_sum.py), reading
 the receiver's destination blocks in place; the torch code here is its reference and the CPU
-path. Which checksum a transfer uses follows from its transport (`checksum_kind`), which
-both ends know, so the wire's crc32 fields carry either.
+path. Which checksum a transfer uses follows from its transport (Transport.checksum_kind,
+transports/base.py), which both ends know, so the wire's crc32 fields carry either.
 """
 
 from __future__ import annotations
@@ -111,12 +111,6 @@ def _weighted_sum32_torch(words32: torch.Tensor) -> int:
             if part.numel():
                 total += ((part & 0xFFFF) * low[:count]).sum() + ((part >> 16) * high[:count]).sum()
     return int(total.item()) & 0xFFFFFFFF
-
-
-def checksum_kind(transport: str) -> str:
-    """The checksum a transfer over `transport` carries: "sum32" (on the device) for
-    cuda_ipc, else "xxh3" (on the host)."""
-    return "sum32" if transport == "cuda_ipc" else "xxh3"
 
 
 def checksum_tensor_as(kind: str, blocks: torch.Tensor) -> int:

@@ -9,9 +9,9 @@
         ├── UnknownLeaseError   no such lease (never opened, or forgotten long ago)
         └── LeaseEndedError     the lease has ended (claimed, failed, aborted, expired)
 
-The receiver's two edges, the gRPC servicer (servicer.py) and the same-host socket
-(local_control.py), answer them with the status names of `status_name`; nothing deeper knows
-about gRPC.
+The receiver's two edges, the gRPC servicer (receiver/servicer.py) and the same-host socket
+(receiver/control_server.py), answer them with the status names of `status_name`; nothing
+deeper knows about gRPC.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class Lease:
     deadline: float  # table clock (time.monotonic), seconds; expired when now >= deadline
     ttl_s: float = 0.0  # as opened: each phase (queued, transferring) gets this long
     state: LeaseState = LeaseState.RESERVED
-    transport: str = ""  # "grpc" | "shm" | "cuda_ipc" once a sender has begun
+    transport: str = ""  # the transport's name (transports/) once a sender has begun
     is_one_sided: bool = False  # the sender writes into the pool directly (shm, cuda_ipc)
     is_writer_active: bool = False  # a one-sided sender may be writing right now
     writer: tuple[int, int] = (0, 0)  # one-sided sender's (pid, start ticks); (0, 0): unknown

@@ -25,7 +25,7 @@ class SenderOptions:
     rpc_timeout_s: float = 5.0  # deadline of each unary control RPC
     commit_timeout_s: float = 30.0  # default wait in commit(), including verification
     # shm / cuda_ipc: LayerDone and Commit over the receiver's Unix socket when it is reachable
-    # (local_control.py); False keeps them on gRPC
+    # (control_client.py); False keeps them on gRPC
     local_control: bool = True
 
     def __post_init__(self) -> None:

@@ -36,7 +36,6 @@ import grpc
 import torch
 
 from engine_core.kv_cache.layout import KVLayout
-from kv_transfer import wire
 from kv_transfer.blocks import gather_blocks
 from kv_transfer.errors import TransferError
 from kv_transfer.process import my_identity
@@ -64,16 +63,17 @@ class _Stopped(Exception):
 
 
 class SendSession:
-    """Base of the transports' sessions; subclasses implement `_pump` (and `_interrupt`)."""
+    """Base of the transports' sessions; subclasses implement `_pump` (and `_interrupt`).
+    kind, wire_kind: the transport's name and TransportKind (transports/base.py)."""
 
-    kind = ""
     # The receiver writes our bytes itself (grpc), under its lease lock: an Abort can never
     # race a write. One-sided senders write into the pool and must stop before aborting.
     is_two_sided = False
 
     def __init__(self, stub, layout: KVLayout, lease_id: str, src_block_ids: Sequence[int],
                  dst_block_ids: Sequence[int], options: SenderOptions,
-                 receiver_instance: str = "") -> None:
+                 receiver_instance: str = "", *, kind: str, wire_kind: int) -> None:
+        self.kind, self._wire_kind = kind, wire_kind
         self.lease_id = lease_id
         self._receiver_instance = receiver_instance  # checked by the receiver at Begin
         self._stub, self._layout, self._options = stub, layout, options
@@ -231,7 +231,7 @@ class SendSession:
             pid, ticks = (0, 0) if self.is_two_sided else my_identity()
             reply = self._stub.Begin(pb.BeginRequest(
                 lease_id=self.lease_id, dst_block_ids=self._dst_ids,
-                transport=wire.kind_to_proto(self.kind), sender_pid=pid,
+                transport=self._wire_kind, sender_pid=pid,
                 sender_start_ticks=ticks, receiver_instance=self._receiver_instance),
                 timeout=self._options.rpc_timeout_s)
             self._lease_deadline = sent + reply.remaining_ms / 1000

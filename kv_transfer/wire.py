@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from engine_core.kv_cache.layout import KVLayout
 from protos.pdserve.internal import kv_transfer_pb2 as pb
-
-if TYPE_CHECKING:
-    from kv_transfer.receiver import CommitResult
 
 # The handoff's protocol version: what a transfer's bytes, checksums and control messages
 # mean. A change that a peer of the previous version would misread bumps it (the checksum's
@@ -29,26 +24,9 @@ def protocol_mismatch(sender: int, receiver: int) -> list[str]:
             f"release)"]
 
 
-KINDS = ("grpc", "shm", "cuda_ipc")  # the transports, in no particular order
-_KIND_TO_PROTO = {
-    "auto": pb.TRANSPORT_KIND_AUTO,
-    "grpc": pb.TRANSPORT_KIND_GRPC,
-    "shm": pb.TRANSPORT_KIND_SHM,
-    "cuda_ipc": pb.TRANSPORT_KIND_CUDA_IPC,
-}
-_PROTO_TO_KIND = {v: k for k, v in _KIND_TO_PROTO.items()}
-
-
-def kind_to_proto(kind: str) -> int:
-    if kind not in _KIND_TO_PROTO:
-        raise ValueError(f"unknown transport {kind!r}; choose one of {sorted(_KIND_TO_PROTO)}")
-    return _KIND_TO_PROTO[kind]
-
-
-def kind_from_proto(value: int) -> str:
-    if value not in _PROTO_TO_KIND:
-        raise ValueError(f"unknown TransportKind {value}")
-    return _PROTO_TO_KIND[value]
+# A LocalControlRequest or LocalControlReply datagram on the same-host control socket, at most
+# (receiver/control_server.py, control_client.py); a Commit of 1,000 layers is ~5 KB.
+MAX_CONTROL_MESSAGE_BYTES = 1 << 16
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
@@ -69,7 +47,7 @@ def to_ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
 
-def commit_to_proto(result: CommitResult) -> pb.CommitResponse:
+def commit_to_proto(num_bytes_verified: int, verify_seconds: float) -> pb.CommitResponse:
     """A verified commit's reply (the gRPC service's and the same-host socket's)."""
-    return pb.CommitResponse(num_bytes_verified=result.num_bytes_verified,
-                             verify_us=int(result.verify_seconds * 1e6))
+    return pb.CommitResponse(num_bytes_verified=num_bytes_verified,
+                             verify_us=int(verify_seconds * 1e6))

@@ -36,6 +36,7 @@ from gateway.cli import (
     add_reasoning_parser_argument,
     add_served_model_name_argument,
 )
+from kv_transfer import transports
 from pdserve.supervisor import Child, RestartPolicy, supervise
 from service_infra.tracing import add_tracing_argument
 from service_infra.worker_args import (
@@ -56,7 +57,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_tracing_argument(p)  # passed to every process it starts
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm", "cuda_ipc"],
+    p.add_argument("--transport", default="auto", choices=["auto", *transports.names()],
                    help="KV transport (auto: shared memory on one host's CPUs, CUDA IPC "
                         "between its GPUs, else grpc)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
@@ -214,14 +215,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
-    transports = {"auto": "auto", "grpc": "grpc", "shm": "grpc,shm",
-                  "cuda_ipc": "grpc,cuda_ipc"}[args.transport]
+    # the decode workers accept grpc beside a transport named ("grpc,shm"), or their default
+    accepted = args.transport if args.transport in ("auto", "grpc") else f"grpc,{args.transport}"
     try:
         for i in range(args.prefill):
             stack.add_worker(f"prefill-{i}", ["prefill", *kv, *common], pre_cores)
         for i in range(args.decode):
             stack.add_worker(f"decode-{i}", [
-                "decode", "--transports", transports, "--max-num-seqs", str(args.max_num_seqs),
+                "decode", "--transports", accepted, "--max-num-seqs", str(args.max_num_seqs),
                 *kv, *speculative_argv(args), *common,
                 "--cache-decoded-blocks" if args.cache_decoded_blocks
                 else "--no-cache-decoded-blocks",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kv_transfer import transports
 from service_infra.tls import add_tls_arguments
 from service_infra.tracing import add_tracing_argument
 
@@ -188,6 +189,7 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_arguments(p)
     add_decode_step_arguments(p)
     p.add_argument("--transports", default="auto",
-                   help="KV transports this worker accepts, comma-separated (grpc, shm, "
-                        "cuda_ipc); auto: grpc,shm on CPU, grpc,cuda_ipc on CUDA (shm is a "
-                        "host-memory pool, so a CUDA worker refuses it)")
+                   help=f"KV transports this worker accepts, comma-separated "
+                        f"({', '.join(transports.names())}); auto: grpc,shm on CPU, "
+                        f"grpc,cuda_ipc on CUDA (shm is a host-memory pool, so a CUDA worker "
+                        f"refuses it)")

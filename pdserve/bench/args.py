@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kv_transfer import transports
+
 # servers.py starts them; conditional and always-remote are `pdserve up` with that
 # --prefill-policy (auto and always-remote), disagg with the stack's default policy
 BACKENDS = ("naive", "colocated", "disagg", "conditional", "always-remote")
@@ -42,7 +44,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                       help="extra flags for the naive server, e.g. \"--threads 1\"")
     what.add_argument("--prefill", type=int, default=1, help="disagg: prefill workers")
     what.add_argument("--decode", type=int, default=1, help="disagg: decode workers")
-    what.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"],
+    what.add_argument("--transport", default="auto", choices=["auto", *transports.names()],
                       help="disagg: KV transport")
 
     load = p.add_argument_group("workload")

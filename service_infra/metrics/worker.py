@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine_core.stats import ITERATION_TOKENS_BUCKETS
+from kv_transfer import transports
 from service_infra.metrics.autoscaling import AutoscalingCollector
 from service_infra.metrics.gpu import GPUCollector
 from service_infra.metrics.http import serve_metrics
@@ -134,7 +135,7 @@ class EngineCollector:
 class KVTransferMetrics:
     """Observed by the sender (prefill worker) once per transfer, labelled by transport."""
 
-    TRANSPORTS = ("grpc", "shm", "cuda_ipc")
+    TRANSPORTS = transports.names()  # the registry's (tests' transports are not offered)
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.model_name = model_name

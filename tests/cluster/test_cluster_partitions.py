@@ -14,7 +14,7 @@ The invariants, for every fault:
   the next requests succeed (the healed worker serves again where the fault took it out).
 
 The bounds follow from the design: a peer that stops answering is found by gRPC keepalive
-within DETECT_S (kv_transfer/grpc_transport.py), a stalled transfer's lease expires after the
+within DETECT_S (kv_transfer/transports/grpc.py), a stalled transfer's lease expires after the
 gateway's --lease-ttl, and the retry runs the request again elsewhere."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kv_transfer.grpc_transport import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
+from kv_transfer.transports.grpc import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
 from pdserve.cluster.stack import ClusterStack
 from tests.cluster.cluster_checks import (
     Load,

@@ -20,11 +20,21 @@ from chart_testkit import (
     validate,
 )
 
+from kv_transfer import transports
+
 
 def test_schema_is_valid_draft_7():
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     jsonschema.Draft7Validator.check_schema(schema)
     assert schema["additionalProperties"] is False  # a misspelt top-level key is an error
+
+
+def test_schema_offers_the_registry_s_transports():
+    """values.schema.json is static; the transports a decode worker may accept are the
+    registry's (kv_transfer/transports/), in its order."""
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    decode = schema["properties"]["decode"]["properties"]
+    assert decode["transports"]["items"]["enum"] == list(transports.names())
 
 
 @pytest.mark.parametrize("name", list(VALUES_FILES))

@@ -21,8 +21,8 @@ import grpc
 import torch
 
 from engine_core.kv_cache.layout import KVLayout
-from kv_transfer.grpc_transport import GRPC_SERVER_OPTIONS
-from kv_transfer.servicer import KVTransferServicer, add_kv_transfer_servicer
+from kv_transfer.receiver.servicer import KVTransferServicer, add_kv_transfer_servicer
+from kv_transfer.transports.grpc import GRPC_SERVER_OPTIONS
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -77,9 +77,9 @@ class LoopbackServer:
 def _receiver_main(conn, layout: KVLayout, num_blocks: int, use_shm: bool, device: str) -> None:
     """Child process: a decode-side receiver answering commands from the parent's pipe."""
     from kv_transfer.lease import LeaseTable
-    from kv_transfer.local_control import LocalControlServer
-    from kv_transfer.receiver import KVReceiver
-    from kv_transfer.shm_transport import SharedKVPool
+    from kv_transfer.receiver.control_server import LocalControlServer
+    from kv_transfer.receiver.kv_receiver import KVReceiver
+    from kv_transfer.transports.shm import SharedKVPool
 
     torch.set_num_threads(1)
     pool = SharedKVPool.create(layout, num_blocks) if use_shm else None

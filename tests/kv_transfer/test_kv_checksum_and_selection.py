@@ -10,16 +10,11 @@ import pytest
 import torch
 from kv_helpers import LAYOUTS, random_cache
 
-from kv_transfer import TransportRefusedError, checksum_blocks, checksum_tensor, host_id
+from kv_transfer import TransportRefusedError, checksum_blocks, checksum_tensor, host_id, transports
 from kv_transfer import select_transport as select
 from kv_transfer.blocks import gather_blocks, scatter_blocks
-from kv_transfer.checksum import (
-    checksum_blocks_as,
-    checksum_kind,
-    checksum_tensor_as,
-    weighted_sum32,
-)
-from kv_transfer.grpc_transport import plan_chunks
+from kv_transfer.checksum import checksum_blocks_as, checksum_tensor_as, weighted_sum32
+from kv_transfer.transports.grpc import plan_chunks
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)
@@ -85,7 +80,8 @@ def test_weighted_sum32_past_its_weights_period_and_across_chunks(monkeypatch):
 
 
 def test_only_cuda_ipc_uses_the_device_checksum():
-    assert [checksum_kind(k) for k in ("grpc", "shm", "cuda_ipc")] == ["xxh3", "xxh3", "sum32"]
+    kinds = [transports.get(k).checksum_kind for k in ("grpc", "shm", "cuda_ipc")]
+    assert kinds == ["xxh3", "xxh3", "sum32"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.dtype)

@@ -12,7 +12,7 @@ from kv_helpers import LAYOUTS, same_bits
 from torch.multiprocessing import reductions
 
 from kv_transfer import TransportRefusedError, connect
-from kv_transfer.cuda_ipc_transport import (
+from kv_transfer.transports.cuda_ipc import (
     REBUILD_PARAMS,
     CudaIpcHandle,
     export_handle,

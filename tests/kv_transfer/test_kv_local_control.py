@@ -1,6 +1,7 @@
-"""The same-host control socket (kv_transfer/local_control.py): an shm sender's LayerDone and
-Commit go over it instead of gRPC, its errors carry the RPCs' status names, every failure frees
-the lease, and a sender that cannot reach it keeps its control on gRPC."""
+"""The same-host control socket (kv_transfer/receiver/control_server.py, control_client.py):
+an shm sender's LayerDone and Commit go over it instead of gRPC, its errors carry the RPCs'
+status names, every failure frees the lease, and a sender that cannot reach it keeps its
+control on gRPC."""
 
 from __future__ import annotations
 
@@ -23,12 +24,9 @@ from kv_transfer import (
     TransferError,
     connect,
 )
-from kv_transfer.local_control import (
-    MAX_MESSAGE_BYTES,
-    SOCKET_PREFIX,
-    LocalControlClient,
-    reap_stale_sockets,
-)
+from kv_transfer.control_client import LocalControlClient
+from kv_transfer.receiver.control_server import SOCKET_PREFIX, reap_stale_sockets
+from kv_transfer.wire import MAX_CONTROL_MESSAGE_BYTES
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from tests.threads import CheckedThread, join_checked
 
@@ -164,7 +162,7 @@ def test_errors_come_back_with_the_status_names_of_the_rpcs(make_rig):
     for data, message in ((b"\xff\xff not a protobuf", "Error parsing message"),
                           (b"\x78\x01", "empty LocalControlRequest")):
         raw.send(data)
-        reply = pb.LocalControlReply.FromString(raw.recv(MAX_MESSAGE_BYTES))
+        reply = pb.LocalControlReply.FromString(raw.recv(MAX_CONTROL_MESSAGE_BYTES))
         assert reply.error.code == "INVALID_ARGUMENT" and message in reply.error.message
     raw.close()
     with pytest.raises(TransferError, match="FAILED_PRECONDITION.* not someone-else"):

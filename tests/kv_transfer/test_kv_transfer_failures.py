@@ -145,7 +145,7 @@ def test_each_layer_is_checked_on_arrival_and_commit_only_collects(make_rig, kin
     """The receiver checks a layer when it is reported done, off the caller's thread; once the
     checks are in, commit computes a checksum only of a layer reported by the commit itself (a
     one-sided sender's last). An abort drops a lease's checks."""
-    import kv_transfer.receiver as receiver_module
+    import kv_transfer.receiver.kv_receiver as receiver_module
 
     rig = make_rig(kind, LAYOUTS[1])
     n = rig.layout.num_layers

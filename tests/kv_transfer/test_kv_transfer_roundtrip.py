@@ -20,8 +20,8 @@ from kv_transfer import (
     TransferError,
     connect,
 )
-from kv_transfer.grpc_transport import plan_chunks
-from kv_transfer.one_sided import MAX_LAYER_DONE_IN_FLIGHT
+from kv_transfer.transports.grpc import plan_chunks
+from kv_transfer.transports.one_sided import MAX_LAYER_DONE_IN_FLIGHT
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from tests.threads import CheckedThread, join_checked
 
@@ -192,8 +192,8 @@ def test_commit_runs_on_the_event_loop_when_only_a_short_check_is_left(make_rig,
     checks the last layer itself (a few KB here), with no thread hop; over
     QUICK_HOST_CHECK_BYTES it goes to a thread. Both verify the same way. (Control over gRPC:
     the same-host socket runs every commit on its connection's thread.)"""
-    import kv_transfer.receiver as receiver_module
-    import kv_transfer.servicer as servicer_module
+    import kv_transfer.receiver.kv_receiver as receiver_module
+    import kv_transfer.receiver.servicer as servicer_module
 
     hops: list[str] = []
     to_thread = asyncio.to_thread

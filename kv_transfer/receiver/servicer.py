@@ -1,5 +1,5 @@
 """The KVTransfer gRPC service (grpc.aio): protobuf <-> KVReceiver calls, errors -> status codes
-(errors.status_name, which the same-host socket of local_control.py answers with too):
+(errors.status_name, which the same-host socket of control_server.py answers with too):
 
     LayoutMismatchError, TransportRefusedError, LeaseError   FAILED_PRECONDITION
     UnknownLeaseError                                        NOT_FOUND
@@ -8,7 +8,7 @@
     ValueError (malformed request)                           INVALID_ARGUMENT
 
 Serve it next to the decode service's other services, with the same-host socket beside it
-(local_control.py) when one-sided transports are enabled:
+(control_server.py) when one-sided transports are enabled:
 
     local = LocalControlServer(receiver).start()
     server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS.items()))
@@ -29,10 +29,10 @@ import logging
 
 import grpc
 
-from kv_transfer import wire
-from kv_transfer.cuda_ipc_transport import handle_to_proto
+from kv_transfer import transports, wire
 from kv_transfer.errors import status_name
-from kv_transfer.receiver import KVReceiver
+from kv_transfer.negotiation import kind_from_proto, kind_to_proto
+from kv_transfer.receiver.kv_receiver import KVReceiver
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
 
@@ -59,30 +59,26 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
     async def Handshake(self, request, context):
         try:
             result = self.receiver.handshake(
-                wire.layout_from_proto(request.layout), wire.kind_from_proto(request.transport),
+                wire.layout_from_proto(request.layout), kind_from_proto(request.transport),
                 request.sender_host_id, request.sender_device, request.protocol_version)
         except Exception as e:
             await _abort_with(context, e)
         r = self.receiver
         reply = pb.HandshakeResponse(
-            transport=wire.kind_to_proto(result.kind), receiver_host_id=r.host_id,
+            transport=kind_to_proto(result.kind), receiver_host_id=r.host_id,
             receiver_device=r.device, num_blocks=r.num_blocks,
             layout_fingerprint=r.layout.fingerprint(), max_chunk_bytes=r.max_chunk_bytes,
             receiver_instance=r.instance_id, protocol_version=wire.PROTOCOL_VERSION)
-        if result.shm_pool is not None:
-            pool = result.shm_pool
-            reply.shm.CopyFrom(pb.ShmPool(path=pool.path, size_bytes=pool.size_bytes,
-                                          st_dev=pool.identity[0], st_ino=pool.identity[1]))
-        if result.cuda_ipc is not None:
-            reply.cuda_ipc.CopyFrom(handle_to_proto(result.cuda_ipc))
-        if result.kind != "grpc":
+        transport = transports.get(result.kind)
+        transport.export_to_proto(result.export, reply)
+        if transport.is_one_sided:
             reply.local_control_path = self.local_control_path
         return reply
 
     async def Begin(self, request, context):
         try:
             remaining_s = self.receiver.begin(request.lease_id, list(request.dst_block_ids),
-                                              wire.kind_from_proto(request.transport),
+                                              kind_from_proto(request.transport),
                                               (request.sender_pid, request.sender_start_ticks),
                                               request.receiver_instance)
         except Exception as e:
@@ -139,7 +135,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 result = await asyncio.to_thread(receiver.commit, *args)
         except Exception as e:
             await _abort_with(context, e)
-        return wire.commit_to_proto(result)
+        return wire.commit_to_proto(result.num_bytes_verified, result.verify_seconds)
 
     async def Abort(self, request, context):
         was_live, state = self.receiver.abort(request.lease_id, request.reason,

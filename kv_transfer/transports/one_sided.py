@@ -1,5 +1,6 @@
-"""The session of the one-sided transports (shm, cuda_ipc): the sender writes each layer
+"""The one-sided transports' common half (shm, cuda_ipc): the sender writes each layer
 straight into the receiver's pool, mapped into this process, then reports it with LayerDone.
+OneSidedTransport is their base (transports/base.py), OneSidedSendSession their session.
 
     for each queued layer snapshot:
         stop if the lease deadline is within WRITE_MARGIN_S (the receiver may free the blocks)
@@ -8,9 +9,10 @@ straight into the receiver's pool, mapped into this process, then reports it wit
         LayerDone(layer, checksum), not waited for  # up to MAX_LAYER_DONE_IN_FLIGHT pending
     Commit(every layer's checksum)                  # reports the last layer itself
 
-The checksum is XXH3 on the host over shm and a device-side sum over cuda_ipc (checksum.py).
+The checksum is the transport's `checksum_kind`: XXH3 on the host over shm, a device-side
+sum over cuda_ipc (checksum.py).
 LayerDone and Commit travel on the receiver's Unix socket when the connection reached it
-(local_control.py: a round trip of tens of microseconds), else as unary gRPC calls.
+(control_client.py: a round trip of tens of microseconds), else as unary gRPC calls.
 
 LayerDone calls are pipelined (a unary gRPC round trip costs 0.3-1 ms here, more than copying
 a layer). That is safe because the receiver frees an aborted one-sided lease only on an explicit
@@ -35,28 +37,41 @@ import grpc
 import torch
 
 from kv_transfer.blocks import scatter_blocks
-from kv_transfer.checksum import checksum_kind, checksum_tensor_as
+from kv_transfer.checksum import checksum_tensor_as
+from kv_transfer.control_client import LocalChannel, LocalControlClient
 from kv_transfer.errors import TransferError
-from kv_transfer.local_control import LocalChannel, LocalControlClient
 from kv_transfer.session import WRITE_MARGIN_S, SendSession, _Layer
+from kv_transfer.transports.base import Transport
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
 MAX_LAYER_DONE_IN_FLIGHT = 8
 
 
-class OneSidedSendSession(SendSession):
-    """shm and cuda_ipc: the sender writes each layer straight into the receiver's pool
-    (`dst`, mapped into this process), then reports it with a LayerDone RPC."""
+class OneSidedTransport(Transport):
+    """Base of the transports whose sender writes into the receiver's pool (attach() maps
+    it); their sessions are OneSidedSendSession."""
 
-    def __init__(self, *args, dst: torch.Tensor, kind: str,
+    is_one_sided = True
+
+    def new_session(self, *args, pool: torch.Tensor | None,
+                    local: LocalControlClient | None) -> SendSession:
+        assert pool is not None, f"{self.name}: attach() maps the receiver's pool first"
+        return OneSidedSendSession(*args, kind=self.name, wire_kind=self.wire_kind,
+                                   checksum_kind=self.checksum_kind, dst=pool, local=local)
+
+
+class OneSidedSendSession(SendSession):
+    """The sender writes each layer straight into the receiver's pool (`dst`, mapped into
+    this process), then reports it with a LayerDone RPC."""
+
+    def __init__(self, *args, dst: torch.Tensor, checksum_kind: str,
                  local: LocalControlClient | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.kind = kind
-        # LayerDone and Commit over the receiver's Unix socket (local_control.py), on one
+        # LayerDone and Commit over the receiver's Unix socket (control_client.py), on one
         # connection taken for the session; None: as unary gRPC calls
         self._local = local
         self._channel: LocalChannel | None = None
-        self._checksum_kind = checksum_kind(kind)
+        self._checksum_kind = checksum_kind
         self._dst = dst  # [num_layers, num_blocks, 2, block_size, heads, dim], the pool
         # cuda_ipc: copies and checksums on a stream of their own (see the module docstring)
         self._stream = torch.cuda.Stream(dst.device) if dst.is_cuda else None

@@ -37,12 +37,49 @@ import torch
 
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer.errors import TransportRefusedError
+from kv_transfer.transports.base import Pair, ReceiverPool, device_type
+from kv_transfer.transports.one_sided import OneSidedTransport
+from protos.pdserve.internal import kv_transfer_pb2 as pb
 
 log = logging.getLogger("pdserve.kv_transfer")
 
 DEFAULT_DIR = "/dev/shm"
 POOL_PREFIX = "pdserve-kv"
 _TMP_GRACE_S = 60.0  # a half-created pool file younger than this is left alone by the reaper
+
+
+class ShmTransport(OneSidedTransport):
+    """Same host, a decode pool in host memory (a SharedKVPool): the sender maps its file and
+    copies each layer into the reserved blocks."""
+
+    name = "shm"
+    wire_kind = pb.TRANSPORT_KIND_SHM
+    auto_rank = 20
+
+    def unavailable_reason(self, pair: Pair) -> str | None:
+        if reason := pair.other_host_reason():
+            return reason
+        if device_type(pair.receiver_device) == "cuda":
+            return f"the decode KV pool is on {pair.receiver_device}, not in host shared memory"
+        return None
+
+    def can_receive(self, pool: ReceiverPool) -> bool:
+        return pool.shm_pool is not None
+
+    def export(self, pool: ReceiverPool) -> SharedKVPool:
+        assert isinstance(pool.shm_pool, SharedKVPool)
+        return pool.shm_pool
+
+    def export_to_proto(self, export: SharedKVPool, reply: pb.HandshakeResponse) -> None:
+        reply.shm.CopyFrom(pb.ShmPool(path=export.path, size_bytes=export.size_bytes,
+                                      st_dev=export.identity[0], st_ino=export.identity[1]))
+
+    def attach(self, reply: pb.HandshakeResponse, layout: KVLayout) -> torch.Tensor:
+        return SharedKVPool.attach(reply.shm.path, layout, reply.num_blocks,
+                                   identity=(reply.shm.st_dev, reply.shm.st_ino)).tensor
+
+
+TRANSPORT = ShmTransport()
 
 
 class SharedKVPool:

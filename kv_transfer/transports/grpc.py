@@ -20,8 +20,10 @@ import grpc
 import torch
 
 from kv_transfer.checksum import checksum_bytes, host_bytes
+from kv_transfer.control_client import LocalControlClient
 from kv_transfer.send_options import MAX_CHUNK_BYTES
 from kv_transfer.session import SendSession, _Stopped
+from kv_transfer.transports.base import Transport
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
 # A chunk message is its payload plus a few bytes per block id and framing; 1 MiB of headroom.
@@ -84,8 +86,23 @@ def plan_chunks(num_blocks: int, block_nbytes: int,
             yield block, 1, offset, start, start + min(chunk_bytes, block_nbytes - offset)
 
 
+class GrpcTransport(Transport):
+    """Any two hosts: the sender streams each layer in chunks and the receiver writes them
+    (KVReceiver.write_chunk). Never refused, so "auto" falls back to it last."""
+
+    name = "grpc"
+    wire_kind = pb.TRANSPORT_KIND_GRPC
+    auto_rank = 100
+
+    def new_session(self, *args, pool: torch.Tensor | None,
+                    local: LocalControlClient | None) -> SendSession:
+        return GrpcSendSession(*args, kind=self.name, wire_kind=self.wire_kind)
+
+
+TRANSPORT = GrpcTransport()
+
+
 class GrpcSendSession(SendSession):
-    kind = "grpc"
     is_two_sided = True
 
     def __init__(self, *args, **kwargs) -> None:

@@ -39,15 +39,15 @@ import numpy as np
 import torch
 
 from engine_core.kv_cache.layout import KVLayout
-from kv_transfer import wire
+from kv_transfer import transports, wire
 from kv_transfer.blocks import block_rows
-from kv_transfer.checksum import checksum_blocks_as, checksum_kind
-from kv_transfer.cuda_ipc_transport import CudaIpcHandle, export_handle
+from kv_transfer.checksum import checksum_blocks_as
 from kv_transfer.errors import LayoutMismatchError, TransportRefusedError, VerificationError
 from kv_transfer.lease import LeaseTable
+from kv_transfer.negotiation import host_id, select_transport
 from kv_transfer.send_options import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
-from kv_transfer.shm_transport import SharedKVPool
-from kv_transfer.transport import KINDS, host_id, select_transport
+from kv_transfer.transports.base import ReceiverPool
+from kv_transfer.transports.shm import SharedKVPool
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -58,8 +58,7 @@ QUICK_HOST_CHECK_BYTES = 4 << 20
 @dataclass(frozen=True)
 class HandshakeResult:
     kind: str  # the transport chosen for this sender
-    shm_pool: SharedKVPool | None  # set iff kind == "shm"
-    cuda_ipc: CudaIpcHandle | None  # set iff kind == "cuda_ipc" (a fresh export)
+    export: object | None  # what the sender needs to reach the pool (Transport.export)
 
 
 @dataclass(frozen=True)
@@ -84,21 +83,21 @@ class KVReceiver:
             raise ValueError("kv_cache must be shm_pool.tensor when a shared pool is given")
         if not 0 < max_chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes must be in (0, {MAX_CHUNK_BYTES}]")
-        capable = {"grpc"} | ({"shm"} if shm_pool else set()) | (
-            {"cuda_ipc"} if kv_cache.is_cuda else set())
-        allowed = capable if allowed_kinds is None else set(allowed_kinds)
-        if not allowed <= set(KINDS) or not allowed <= capable:
+        # this process's receiver: a sender's mapping of the pool is only valid for it
+        self.instance_id = secrets.token_hex(8)
+        self._pool = ReceiverPool(kv_cache, shm_pool, self.instance_id)
+        capable = {t.name for t in transports.all_transports() if t.can_receive(self._pool)}
+        allowed = (capable & set(transports.names()) if allowed_kinds is None
+                   else set(allowed_kinds))
+        if not allowed <= capable:
             raise ValueError(f"this receiver can serve {sorted(capable)}, asked for "
                              f"{sorted(allowed)} (shm needs shm_pool, cuda_ipc a CUDA cache)")
         self.layout, self.kv_cache, self.leases = layout, kv_cache, lease_table
         self.allowed_kinds = frozenset(allowed)
         self.host_id = host or host_id()
-        # this process's receiver: a sender's mapping of the pool is only valid for it
-        self.instance_id = secrets.token_hex(8)
         self.device = str(kv_cache.device)
         self.num_blocks = kv_cache.shape[1]
         self.max_chunk_bytes = max_chunk_bytes
-        self._shm_pool = shm_pool
         # [num_layers, num_blocks, block bytes]: one row per (layer, block), K and V together
         self._rows = kv_cache.view(torch.uint8).view(layout.num_layers, self.num_blocks, -1)
         self._rows_np = block_rows(kv_cache)
@@ -108,7 +107,7 @@ class KVReceiver:
         self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self._staging_lock = threading.Lock()
         self._staging = self._staging_ids = None
-        if kv_cache.is_cuda and "grpc" in allowed:
+        if kv_cache.is_cuda and any(not transports.get(k).is_one_sided for k in allowed):
             self._staging = torch.empty(max_chunk_bytes, dtype=torch.uint8, pin_memory=True)
             max_ids = max_chunk_bytes // layout.block_nbytes + 1
             self._staging_ids = torch.empty(max_ids, dtype=torch.long, pin_memory=True)
@@ -135,8 +134,7 @@ class KVReceiver:
                                 self.device, allowed=self.allowed_kinds)
         log.info("kv transfer from host %s (%s) uses %s (requested %s)", sender_host,
                  sender_device, kind, requested)
-        return HandshakeResult(kind, self._shm_pool if kind == "shm" else None,
-                               export_handle(self.kv_cache) if kind == "cuda_ipc" else None)
+        return HandshakeResult(kind, transports.get(kind).export(self._pool))
 
     def begin(self, lease_id: str, dst_block_ids: Sequence[int], kind: str,
               writer: tuple[int, int] = (0, 0), receiver_instance: str = "") -> float:
@@ -151,7 +149,8 @@ class KVReceiver:
                 f"{receiver_instance}, now {self.instance_id}): handshake again")
         if kind not in self.allowed_kinds:
             raise TransportRefusedError(f"transport {kind} is not enabled on this receiver")
-        lease = self.leases.begin(lease_id, dst_block_ids, kind, is_one_sided=kind != "grpc",
+        lease = self.leases.begin(lease_id, dst_block_ids, kind,
+                                  is_one_sided=transports.get(kind).is_one_sided,
                                   writer=writer)
         return lease.deadline - self.leases.now()
 
@@ -217,7 +216,7 @@ class KVReceiver:
         """A layer is complete in the destination blocks; returns seconds left on the lease."""
         self._check_layer(layer)
         lease = self.leases.record_layer(lease_id, layer, crc32)
-        check = self._verifier.submit(self._checksum, checksum_kind(lease.transport), layer,
+        check = self._verifier.submit(self._checksum, _checksum_kind(lease.transport), layer,
                                       lease_id, lease.block_ids)
         with self._checks_lock:
             self._checks.setdefault(lease_id, {})[layer] = check
@@ -253,7 +252,7 @@ class KVReceiver:
             if not all(check.done() for check in checks.values()):
                 return False
             unreported = self.layout.num_layers - len(checks)
-        if checksum_kind(lease.transport) == "sum32":
+        if _checksum_kind(lease.transport) == "sum32":
             return True
         nbytes = unreported * len(lease.block_ids) * self.layout.block_nbytes
         return nbytes == 0 or (not self.kv_cache.is_cuda and nbytes <= QUICK_HOST_CHECK_BYTES)
@@ -274,7 +273,7 @@ class KVReceiver:
         if not lease.is_one_sided and lease.num_bytes_received != num_layers * nbytes:
             problems.append(f"received {lease.num_bytes_received} bytes, "
                             f"expected {num_layers * nbytes}")
-        kind = checksum_kind(lease.transport)  # the sender chose the same from the transport
+        kind = _checksum_kind(lease.transport)  # the sender chose the same from the transport
         # the layers never reported done first, while the verifier finishes the others
         unreported = {} if problems else {
             layer: self._checksum(kind, layer, lease_id, lease.block_ids)
@@ -340,3 +339,8 @@ class KVReceiver:
                 self._drop_ended_checks()
             except Exception:
                 log.exception("lease reaper failed")
+
+
+def _checksum_kind(transport: str) -> str:
+    """The checksum a transfer over `transport` carries (its sender computes the same)."""
+    return transports.get(transport).checksum_kind

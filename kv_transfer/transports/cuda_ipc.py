@@ -31,6 +31,8 @@ from torch.multiprocessing import reductions
 
 from engine_core.kv_cache.layout import KVLayout
 from kv_transfer.errors import TransportRefusedError
+from kv_transfer.transports.base import Pair, ReceiverPool, device_type
+from kv_transfer.transports.one_sided import OneSidedTransport
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
@@ -38,6 +40,49 @@ IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 # bytes under torch 2.11 on an H200, where a type tag comes first. Opaque here, but bounded.
 MAX_MEM_HANDLE_BYTES = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CudaIpcTransport(OneSidedTransport):
+    """Same host, both KV caches on CUDA: the sender opens the pool's IPC handle and copies
+    each layer device to device. Its checksum is computed on the device (checksum.py: a host
+    checksum would copy every layer off the GPU)."""
+
+    name = "cuda_ipc"
+    wire_kind = pb.TRANSPORT_KIND_CUDA_IPC
+    checksum_kind = "sum32"
+    auto_rank = 10
+
+    def unavailable_reason(self, pair: Pair) -> str | None:
+        if reason := pair.other_host_reason():
+            return reason
+        if device_type(pair.sender_device) != "cuda" or device_type(pair.receiver_device) != "cuda":
+            return (f"needs CUDA on both sides (sender {pair.sender_device}, receiver "
+                    f"{pair.receiver_device})")
+        return None
+
+    def sender_refusal(self, device: str) -> str | None:
+        return None if torch.cuda.is_available() else "no CUDA in the sender"
+
+    def can_receive(self, pool: ReceiverPool) -> bool:
+        return pool.kv_cache.is_cuda
+
+    def export(self, pool: ReceiverPool) -> CudaIpcHandle:
+        return export_handle(pool.kv_cache)  # a fresh ref-counter slot per handshake
+
+    def export_to_proto(self, export: CudaIpcHandle, reply: pb.HandshakeResponse) -> None:
+        reply.cuda_ipc.CopyFrom(handle_to_proto(export))
+
+    def attach(self, reply: pb.HandshakeResponse, layout: KVLayout) -> torch.Tensor:
+        handle = handle_from_proto(reply.cuda_ipc)
+        try:
+            return open_handle(handle, layout, reply.num_blocks)
+        except (RuntimeError, OSError) as e:  # cudaIpcOpenMemHandle, or the ref-counter file
+            raise TransportRefusedError(
+                f"cuda_ipc cannot open the receiver's pool (GPU {handle.device_index}) here: "
+                f"{e}; the workers must share /dev/shm and see each other's GPUs") from e
+
+
+TRANSPORT = CudaIpcTransport()
 # rebuild_cuda_tensor's parameters, in order; a test checks them against the installed torch.
 REBUILD_PARAMS = (
     "tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype",
