@@ -45,7 +45,7 @@ _EXPORTS = {
     "kv_transfer.send_options": ("SenderOptions", "SendState", "TransferStats"),
     "kv_transfer.sender": ("Connection", "connect"),
     "kv_transfer.session": ("SendSession",),
-    "kv_transfer.transports.grpc": ("GRPC_CHANNEL_OPTIONS", "GRPC_SERVER_OPTIONS"),
+    "kv_transfer.grpc_options": ("GRPC_CHANNEL_OPTIONS", "GRPC_SERVER_OPTIONS"),
     "kv_transfer.transports.shm": ("SharedKVPool", "reap_stale_pools"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

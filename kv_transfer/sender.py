@@ -33,11 +33,11 @@ from engine_core.kv_cache.layout import KVLayout
 from kv_transfer import transports, wire
 from kv_transfer.control_client import LocalControlClient
 from kv_transfer.errors import LayoutMismatchError, TransferError, TransportRefusedError
+from kv_transfer.grpc_options import GRPC_CHANNEL_OPTIONS
 from kv_transfer.negotiation import host_id, kind_from_proto, kind_to_proto, select_transport
 from kv_transfer.send_options import SenderOptions
 from kv_transfer.session import SendSession
 from kv_transfer.transports.base import Transport
-from kv_transfer.transports.grpc import GRPC_CHANNEL_OPTIONS
 from protos.pdserve.internal import kv_transfer_pb2 as pb
 from protos.pdserve.internal import kv_transfer_pb2_grpc as pb_grpc
 

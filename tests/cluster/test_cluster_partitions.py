@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kv_transfer.transports.grpc import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
+from kv_transfer.grpc_options import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
 from pdserve.cluster.stack import ClusterStack
 from tests.cluster.cluster_checks import (
     Load,

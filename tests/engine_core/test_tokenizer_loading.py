@@ -52,16 +52,22 @@ def test_a_config_naming_no_fast_class_goes_through_auto_tokenizer(tmp_path):
     assert_same_tokenizer(pretrained_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path))
 
 
-def test_the_gateway_reads_the_model_without_torch(model_path):
-    """What the gateway loads at start (gateway/server.py disaggregated_backend_factory): the
-    tokenizer and the model's config, in a process where torch cannot be imported."""
+def test_the_gateway_starts_without_torch(model_path):
+    """A gateway's start (gateway/server.py): its modules, the tokenizer and the model's config
+    (disaggregated_backend_factory), and the disaggregated backend's own modules, in a process
+    where torch cannot be imported."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import gateway.server\n"
+        "from pdserve.cli import build_parser\n"
+        "from gateway.server import disaggregated_backend_factory\n"
+        "import gateway.disaggregated, gateway.worker_pools, gateway.canary\n"
         "from engine_core.model_files import resolve_model\n"
         "from engine_core.tokenizer import load_tokenizer\n"
         "from engine_core.weights.gguf_file import GGUFMetadata\n"
-        f"source = resolve_model({str(model_path)!r})\n"
+        f"args = build_parser().parse_args(['gateway', '--model', {str(model_path)!r},\n"
+        "    '--prefill', '127.0.0.1:1', '--decode', '127.0.0.1:2'])\n"
+        "disaggregated_backend_factory(args)\n"
+        "source = resolve_model(args.model)\n"
         "config = GGUFMetadata(source.path).model_config()\n"
         "tok = load_tokenizer(source, config.eos_token_ids)\n"
         "ids = tok.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"

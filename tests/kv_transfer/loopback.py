@@ -21,8 +21,8 @@ import grpc
 import torch
 
 from engine_core.kv_cache.layout import KVLayout
+from kv_transfer.grpc_options import GRPC_SERVER_OPTIONS
 from kv_transfer.receiver.servicer import KVTransferServicer, add_kv_transfer_servicer
-from kv_transfer.transports.grpc import GRPC_SERVER_OPTIONS
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
