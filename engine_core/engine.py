@@ -29,7 +29,7 @@ from engine_core.decode_graphs import init_decode_graphs
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_connector import KVConnector
-from engine_core.model.decode_quant import resolve_activations
+from engine_core.model.decode_quant import check_quantization, resolve_activations
 from engine_core.model_files import resolve_model
 from engine_core.model_loader import load_model
 from engine_core.model_runner import ModelRunner
@@ -69,9 +69,15 @@ class LLMEngine:
         enforce_eager: bool = False,
         prefill_weights: str = "auto",
         async_scheduling: bool | None = None,
+        quantization: str | None = None,
     ) -> None:
-        """quantize_decode: decode tokens use 4/8-bit weight matmuls (model/decode_quant.py);
-        None means on for CPU. Pass False for exact dense math in every row.
+        """quantization: None computes the weights as loaded: a GGUF's 4/5/6/8-bit blocks as
+        stored, float weights (safetensors; a GGUF's F32/F16/BF16 tensors) as floats. "int8"
+        (CPU only) also requantizes float weights to int8 per 32 for decode rows (faster,
+        lossy; model/decode_quant.py), vLLM's --quantization.
+        quantize_decode: decode rows use the quantized matmuls (the file's blocks, and with
+        quantization "int8" the requantized floats); None means on for CPU where there is
+        anything to use them for. Pass False for exact dense math in every row.
         decode_activations: what those matmuls multiply the weights with, "float32" or "int8"
         (lossy, as llama.cpp's); "auto"/None: int8 for bfloat16 on a VNNI CPU.
         kv_allocator(layout, num_blocks): where the KV cache tensor lives (default: a plain
@@ -97,6 +103,7 @@ class LLMEngine:
                               if device_check.is_enabled() else None)
         self.dtype = resolve_dtype(dtype, self.device)
         self.source = resolve_model(model)
+        self.quantization = check_quantization(quantization, self.device)
         if quantize_decode is None:
             quantize_decode = self.device.type == "cpu"
         # what the CPU's decode matmuls multiply with ("float32" or "int8"); None: dense rows
@@ -104,8 +111,11 @@ class LLMEngine:
                                    if quantize_decode and self.device.type == "cpu" else None)
         self.model, self.model_config, quantization = load_model(
             self.source, self.dtype, self.device, quantize_decode,
-            self.decode_activations or "float32", prefill_weights
+            self.decode_activations or "float32", prefill_weights,
+            requantize=self.quantization == "int8",
         )
+        if quantization is None:  # nothing held in blocks: every row is dense
+            self.decode_activations = None
         # what prefill_weights resolved to: "quantized" where projections have no dense copy
         self.prefill_weights = ("quantized" if any(getattr(m, "quant_only", False)
                                                    for m in self.model.modules()) else "dense")

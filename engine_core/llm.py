@@ -40,8 +40,12 @@ class LLM:
         enforce_eager: bool = False,
         prefill_weights: str = "auto",
         async_scheduling: bool | None = None,
+        quantization: str | None = None,
     ) -> None:
-        """speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
+        """quantization: None computes the weights as loaded (a GGUF's blocks as stored, float
+        weights as floats); "int8" requantizes float weights to int8 for the CPU's decode rows
+        (faster, lossy), as vLLM's --quantization names it.
+        speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
         {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig.
         decode_activations: "auto", "float32" or "int8", for the CPU's quantized decode
         matmuls (see model/decode_quant.resolve_activations).
@@ -60,6 +64,7 @@ class LLM:
             dtype=dtype,
             device=device,
             quantize_decode=quantize_decode,
+            quantization=quantization,
             decode_activations=decode_activations,
             enforce_eager=enforce_eager,
             prefill_weights=prefill_weights,

@@ -32,13 +32,15 @@ PREFILL_WEIGHTS = ("auto", "dense", "quantized")
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, quantize_decode: bool = False,
-    decode_activations: str = "float32", prefill_weights: str = "dense",
+    decode_activations: str = "float32", prefill_weights: str = "dense", requantize: bool = False,
 ) -> tuple[DecoderForCausalLM, ModelConfig, DecodeQuantization | None]:
     """The model with real weights. On CPU, attention runs in the C kernels where they load
     (native_cpu.py). With quantize_decode (CPU only), decode rows of every
     matmul use 4/8-bit weights (see decode_quant.py), with "float32" or "int8" activations
     (decode_activations, as decode_quant.resolve_activations gives it); the
-    DecodeQuantization is returned for the runner's ForwardContext.
+    DecodeQuantization is returned for the runner's ForwardContext. Float weights are
+    requantized to int8 for decode only with `requantize` (--quantization int8); without it a
+    model with nothing in blocks gets no quantized decode at all (None returned).
 
     prefill_weights: what the other rows' matmuls read. "dense": a float copy in `dtype`
     beside the 4/8-bit one (fast prefill, about twice the memory of a 4-bit file's weights
@@ -69,6 +71,9 @@ def load_model(
             experts = mxfp4_experts(source.path)
             if experts is not None:
                 q4, q8 = {}, experts
+        if not (requantize or q4 or q8):
+            quantize_decode = False  # nothing held in blocks: the floats are computed as loaded
+            q4 = q8 = None
     blocks_only = _blocks_only(model, q4, q8, prefill_weights, source, dtype)
     model = model.to_empty(device=device)
     for module, attr in blocks_only:  # never loaded: the quantized matmul holds the weight
@@ -90,10 +95,23 @@ def load_model(
         stack_experts(model)
     quantization = None
     if quantize_decode:
-        quantization = quantize_for_decode(model, q4, decode_activations, q8)
+        quantization = quantize_for_decode(model, q4, decode_activations, q8,
+                                           requantize_floats=requantize,
+                                           head_in_blocks=_head_in_blocks(gguf, config))
     logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
                 time.perf_counter() - t0)
     return model, config, quantization
+
+
+def _head_in_blocks(gguf: GGUFFile | None, config: ModelConfig) -> bool:
+    """Whether the lm_head (or the embedding it is tied to) is a GGUF's block-quantized
+    tensor, which the decode rows then screen with (quantize_for_decode)."""
+    if gguf is None:
+        return False
+    types = gguf.tensor_types()
+    name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head = types.get(name, types.get("model.embed_tokens.weight"))
+    return head is not None and (head in Q4_TYPES or head in Q8_TYPES)
 
 
 def _blocks_only(model: DecoderForCausalLM, q4: Mapping | None, q8: Mapping | None,

@@ -13,6 +13,7 @@ from service_infra.worker_args import (
     add_decode_activations_argument,
     add_decode_step_arguments,
     add_prefill_weights_argument,
+    add_quantization_argument,
     add_redis_arguments,
     add_speculative_arguments,
 )
@@ -112,6 +113,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     add_reasoning_parser_argument(mode)
     add_served_model_name_argument(mode)
     add_decode_activations_argument(mode)
+    add_quantization_argument(mode)
     add_prefill_weights_argument(mode)
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     add_cache_decoded_blocks_argument(mode)

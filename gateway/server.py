@@ -109,6 +109,7 @@ def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     chat_template = chat_template_of(args)
     engine = LLMEngine(
         model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
+        quantization=args.quantization,
         prefill_weights=args.prefill_weights, speculative_config=speculative_config(args),
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,

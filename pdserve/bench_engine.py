@@ -202,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
     llm = LLM(args.model, dtype=args.dtype, device=str(device),
               decode_activations=args.decode_activations, enable_prefix_caching=False,
+              quantization=args.quantization,
               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               max_num_seqs=max(args.concurrency),
               kv_cache_memory_gb=1.0, prefill_weights=args.prefill_weights)
@@ -210,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = dtype_name(llm.engine.dtype)  # what "auto" resolved to on this machine
     results = {"model": llm.engine.source.name, "dtype": dtype,
                "quantize_decode": llm.engine.runner.quantization is not None,
+               "quantization": llm.engine.quantization or "none",
                "decode_activations": llm.engine.decode_activations,
                "prefill_weights": llm.engine.prefill_weights,
                "decode_mode": llm.engine.decode_mode,

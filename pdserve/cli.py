@@ -14,6 +14,7 @@ from service_infra.worker_args import (
     add_decode_activations_argument,
     add_decode_step_arguments,
     add_prefill_weights_argument,
+    add_quantization_argument,
 )
 
 
@@ -49,6 +50,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     from engine_core.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, decode_activations=args.decode_activations,
+              quantization=args.quantization,
               enforce_eager=args.enforce_eager, prefill_weights=args.prefill_weights,
               async_scheduling=args.async_scheduling)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model", default=None)
     o.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_decode_activations_argument(o)
+    add_quantization_argument(o)
     add_prefill_weights_argument(o)
     add_decode_step_arguments(o)
     o.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -163,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: bfloat16 on CUDA and where the CPU has native bf16, "
                         "else float32")
     add_decode_activations_argument(b)
+    add_quantization_argument(b)
     add_prefill_weights_argument(b)
     add_decode_step_arguments(b)
     b.add_argument("--prompt-len", type=int, default=128)

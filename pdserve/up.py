@@ -44,6 +44,7 @@ from service_infra.worker_args import (
     add_decode_activations_argument,
     add_decode_step_arguments,
     add_prefill_weights_argument,
+    add_quantization_argument,
     add_speculative_arguments,
     async_scheduling_argv,
     speculative_argv,
@@ -66,6 +67,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     add_reasoning_parser_argument(p)  # passed to the gateway
     add_served_model_name_argument(p)  # passed to the gateway
     add_decode_activations_argument(p)
+    add_quantization_argument(p)
     add_prefill_weights_argument(p)  # auto: chosen here, once for every worker's copy
     p.add_argument("--host", default="127.0.0.1", help="the gateway's interface")
     p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (0: any free)")
@@ -201,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
               + (["--otlp-traces-endpoint", args.otlp_traces_endpoint]
                  if args.otlp_traces_endpoint else [])
               + ["--decode-activations", args.decode_activations,
+                 "--quantization", args.quantization,
                  "--prefill-weights", prefill_weights(args, source)]]
     cores = sorted(os.sched_getaffinity(0))
     pre_cores, dec_cores = (None, None) if args.no_pin else split_cores(cores)

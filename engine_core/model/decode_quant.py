@@ -288,6 +288,23 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
     return setting
 
 
+QUANTIZATIONS = ("int8",)  # what --quantization may ask for (none: the weights as loaded)
+
+
+def check_quantization(setting: str | None, device: torch.device) -> str | None:
+    """--quantization: None (or "none") computes the weights as loaded; "int8" requantizes
+    float weights to int8 per 32 for the CPU's decode rows."""
+    if setting in (None, "none"):
+        return None
+    if setting not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be none or one of {', '.join(QUANTIZATIONS)}, "
+                         f"got {setting!r}")
+    if device.type != "cpu":
+        raise ValueError(f"quantization={setting!r} requantizes float weights for the CPU's "
+                         f"decode matmuls; on {device} leave it unset")
+    return setting
+
+
 def projections(model: DecoderForCausalLM,
                 in_file: Set[str] = frozenset()) -> dict[tuple[nn.Module, str], list[str]]:
     """Every projection of the decoder layers, (module, attribute) -> the Hugging Face names of
@@ -314,7 +331,7 @@ def projections(model: DecoderForCausalLM,
 def quantize_for_decode(
     model: DecoderForCausalLM, q4: dict[str, Q4Weight] | None = None,
     activations: str = "float32", q8: dict[str, Q8Weight] | None = None,
-    lm_head_screen: str = "auto",
+    lm_head_screen: str = "auto", requantize_floats: bool = True, head_in_blocks: bool = False,
 ) -> DecodeQuantization:
     """Give every projection and the lm_head a quantized twin for decode rows, in place.
 
@@ -326,7 +343,10 @@ def quantize_for_decode(
     exactly the file's values (the native kernels only). One that mixes them with float parts
     keeps its dense weight, since a shared requantization would not be exact.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
-    Float weights (safetensors, F16/BF16/F32 tensors) are requantized to int8 per 32.
+    requantize_floats: float weights (safetensors, F16/BF16/F32 tensors) are requantized to
+    int8 per 32 (--quantization int8); else a projection with a float part, and a float
+    lm_head (head_in_blocks False: not a GGUF's block-quantized head or tied embedding), stay
+    dense: computed as loaded.
     lm_head_screen: "int4" (the native kernels): the lm_head, unless the file has it in 4 bits
     already, is requantized to 4 bits per 32 (requantize_int4) rather than kept as its file's
     8-bit (or requantized int8) blocks: its quantized logits only pick the REFINE_TOP_K
@@ -363,6 +383,8 @@ def quantize_for_decode(
         in_file = [p in q8 for p in parts]
         if lib is not None and any(in_file) and not all(p in q4 or p in q8 for p in parts):
             continue  # see q8
+        if not requantize_floats and not all(p in q4 or p in q8 for p in parts):
+            continue  # a float part: computed as loaded
         linear = getattr(module, attr)
         setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts)))
         if i % TRIM_EVERY == TRIM_EVERY - 1:  # the parts' freed buffers back to the OS
@@ -374,8 +396,8 @@ def quantize_for_decode(
     screen4 = lm_head_screen == "int4" or (lm_head_screen == "auto" and int8)
     is_small = (not head.weight.is_meta and head.weight.numel() * head.weight.element_size()
                 <= DENSE_LM_HEAD_MAX_BYTES)
-    if is_small:
-        pass  # dense for every row: exact logits, cheaper than a screen (see the bound)
+    if is_small or not (requantize_floats or head_in_blocks):
+        pass  # dense for every row: exact logits (cheaper than a screen for a small head)
     elif (lib is not None and screen4 and head.weight.shape[1] % GROUP_SIZE == 0
             and not all(p in q4 for p in lm_head_parts or ["-"])):
         # the head only screens candidates (DecodeQuantLMHead): half the bytes of int8

@@ -113,7 +113,8 @@ def check_against_hf(hf, path, vocab: int = tm.SIZES["vocab_size"], device: str 
     prompts.append(prompts[2][:64] + prompts[0])
     # a 16-token budget chunks every prompt longer than 16 (the prefill chunks attend over
     # earlier chunks' KV, across the window)
-    eng = tm.engine(path, max_num_batched_tokens=16, device=device)
+    # the engine's defaults (quantize_decode None): float weights are computed as loaded
+    eng = tm.engine(path, max_num_batched_tokens=16, device=device, quantize_decode=None)
     for p in prompts[1:3]:
         rel = tm.relative_error(tm.prompt_logits(eng, p), tm.hf_logits(hf, p))
         assert rel < 1e-3, f"logits differ by {rel:.2e} (prompt of {len(p)})"

@@ -234,7 +234,7 @@ def test_one_call_c_decode_layers(case, tmp_path):
         pytest.skip("the C kernels do not load here")
     config_cls, overrides = CASES[case]
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
-    eng = tm.engine(tmp_path, quantize_decode=True)
+    eng = tm.engine(tmp_path, quantize_decode=True, quantization="int8")
     window = overrides.get("sliding_window")
     types = overrides.get("layer_types") or (
         hf.config.layer_types if case == "gemma2"
@@ -315,13 +315,15 @@ def test_gguf_in_every_type_gguf_writes(case, qtype, tmp_path):
                                   "qwen2-moe", "qwen3-moe", "granite", "gpt-oss", "olmo2",
                                   "olmo3", "olmoe", "exaone4", "seed-oss", "glm4",
                                   "ernie4_5", "granitemoe"])
-def test_cpu_defaults_run_every_architecture(case, tmp_path):
-    """The CPU engine's defaults (quantized decode matmuls, C kernels where they apply) on
-    every architecture: it runs, and the first token (from the dense prefill) and the next
-    few (int8 decode weights, refined top candidates) follow transformers."""
+def test_int8_quantization_runs_every_architecture(case, tmp_path):
+    """--quantization int8 on the CPU (float weights requantized for the decode matmuls, C
+    kernels where they apply) on every architecture: it runs, and the first token (from the
+    dense prefill) and the next few (int8 decode weights, refined top candidates) follow
+    transformers."""
     config_cls, overrides = CASES[case]
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
-    eng = tm.engine(tmp_path, quantize_decode=True)
+    eng = tm.engine(tmp_path, quantize_decode=None, quantization="int8")
+    assert eng.runner.quantization is not None
     prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
     got = tm.greedy(eng, [prompt], 8)[0]
     assert len(got) == 8
@@ -332,10 +334,10 @@ def test_cpu_defaults_run_every_architecture(case, tmp_path):
                                   "qwen3-moe", "gpt-oss", "olmo2", "olmo3", "olmoe",
                                   "exaone4", "seed-oss", "glm4", "ernie4_5", "granitemoe"])
 def test_user_defaults_run_the_newer_architectures(case, tmp_path):
-    """The configuration a user gets on this CPU: bfloat16 weights, quantized decode matmuls
-    with int8 activations where the CPU has VNNI (LLMEngine's own choices, nothing forced):
-    prompt logits within bf16's reach of transformers' own bf16 run (GPT-OSS: its float32 run),
-    and its first token."""
+    """The configuration a user gets on this CPU with bfloat16 weights (LLMEngine's own
+    choices, nothing forced): the float weights computed as loaded in every row: prompt logits
+    within bf16's reach of transformers' own bf16 run (GPT-OSS: its float32 run), and its
+    first token."""
     config_cls, overrides = CASES[case]
     if case == "gemma2":  # its real caps: the test's 1.5 and 4 turn bf16 noise into errors
         overrides = {**overrides, "attn_logit_softcapping": 50.0,
@@ -347,7 +349,8 @@ def test_user_defaults_run_the_newer_architectures(case, tmp_path):
     if case not in ("gpt-oss", "olmoe"):
         hf = hf.to(torch.bfloat16)
     eng = tm.engine(tmp_path, dtype="bfloat16", quantize_decode=None)
-    assert eng.dtype == torch.bfloat16 and eng.runner.quantization is not None
+    assert eng.dtype == torch.bfloat16
+    assert eng.runner.quantization is None  # nothing in blocks
     prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
     ours, theirs = tm.prompt_logits(eng, prompt), tm.hf_logits(hf, prompt).float()
     assert tm.relative_error(ours, theirs) < 0.05

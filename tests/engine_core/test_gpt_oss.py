@@ -138,7 +138,9 @@ def test_gguf_mxfp4_experts_decode_from_the_files_values(tmp_path):
     held = write_gpt_oss_gguf(hf, tmp_path / "m.gguf", Q.MXFP4)
     tm.use_held_weights(hf, held)
     prompt = tm.prompts(tm.SIZES["vocab_size"], [40])[0]
-    eng = tm.engine(tmp_path / "m.gguf", quantize_decode=True, decode_activations="float32")
+    # the F32 attention requantized too (--quantization int8): every layer in one C call
+    eng = tm.engine(tmp_path / "m.gguf", quantize_decode=True, decode_activations="float32",
+                    quantization="int8")
     if native.load() is not None:
         for layer in eng.model.layers:
             for e in layer.mlp.experts:
@@ -195,7 +197,7 @@ def test_hf_checkpoint_with_mxfp4_experts(tmp_path):
     assert dense_copy_bytes(source, torch.bfloat16) == 2 * num
     for prefill in ("dense", "quantized") if native.load() is not None else ("dense",):
         eng = tm.engine(folder, quantize_decode=True, decode_activations="float32",
-                        prefill_weights=prefill)
+                        prefill_weights=prefill, quantization="int8")
         for layer in eng.model.layers if native.load() is not None else ():
             for e in layer.mlp.experts:
                 quant = e.gate_up_proj.quant

@@ -26,7 +26,7 @@ def test_experts_decode_quantized_whatever_shares_the_step(case, tmp_path):
     config_cls, overrides = CASES[case]
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
     eng = tm.engine(tmp_path, quantize_decode=True, decode_activations="float32",
-                    max_num_batched_tokens=16)
+                    max_num_batched_tokens=16, quantization="int8")
     moe = eng.model.layers[0].mlp
     assert isinstance(moe.gate, nn.Linear)
     assert all(type(e.gate_up_proj).__name__ == "DecodeQuantLinear"
@@ -114,7 +114,8 @@ def test_experts_in_the_one_call_c_decode_layers(case, tmp_path):
         pytest.skip("the C kernels do not load here")
     config_cls, overrides = CASES[case]
     hf = tm.build_hf(config_cls, tmp_path, **overrides)
-    eng = tm.engine(tmp_path, quantize_decode=True, max_num_batched_tokens=16)
+    eng = tm.engine(tmp_path, quantize_decode=True, max_num_batched_tokens=16,
+                    quantization="int8")
     decode_layers = eng.runner.quantization.decode_layers
     assert decode_layers is not None
     moe_layers = [bool(layer.moe) for layer in decode_layers.layers]

@@ -47,10 +47,12 @@ def build_hf(config_cls, folder: Path, seed: int = 0, **overrides):
 def engine(path: Path, block_size: int = 8, max_num_batched_tokens: int = 2048,
            quantize_decode: bool = False, decode_activations: str | None = None,
            device: str | torch.device = "cpu", max_model_len: int | None = None,
-           dtype: str = "float32", prefill_weights: str = "auto", **kw) -> LLMEngine:
+           dtype: str = "float32", prefill_weights: str = "auto",
+           quantization: str | None = None, **kw) -> LLMEngine:
     return LLMEngine(
         model=str(path), dtype=dtype, device=device, load_tokenizer_=False,
         quantize_decode=quantize_decode, decode_activations=decode_activations,
+        quantization=quantization,
         prefill_weights=prefill_weights,
         cache_config=CacheConfig(block_size=block_size, num_blocks=96, **kw),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_model_len=max_model_len,

@@ -44,6 +44,22 @@ def test_decode_activations_reach_every_engine_that_decodes():
         parser.parse_args(["decode", "--decode-activations", "int4"])
 
 
+def test_quantization_reaches_every_engine():
+    import pytest
+
+    from service_infra.worker_args import engine_kwargs
+
+    parser = build_parser()
+    for cmd in (["decode"], ["prefill"], ["gateway", "--colocated"], ["up"], ["offline", "x"],
+                ["bench-engine"]):
+        assert parser.parse_args(cmd).quantization == "none"
+        assert parser.parse_args([*cmd, "--quantization", "int8"]).quantization == "int8"
+    assert engine_kwargs(parser.parse_args(["decode", "--quantization", "int8"]))[
+        "quantization"] == "int8"
+    with pytest.raises(SystemExit):  # argparse names the choices on stderr
+        parser.parse_args(["decode", "--quantization", "fp8"])
+
+
 def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers():
     """--prefill-weights reaches every engine; `pdserve up` settles "auto" once for all its
     workers, counting each worker's copy of the weights (model_loader.resolve_prefill_weights,

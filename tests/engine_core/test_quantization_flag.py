@@ -1,0 +1,53 @@
+"""Weights are computed as loaded unless --quantization asks otherwise: float weights stay float
+for every row on the CPU's defaults, a GGUF's blocks are multiplied as stored, and
+quantization="int8" requantizes float weights for the decode rows (vLLM's --quantization)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from engine_core.model.decode_quant import DecodeQuantLinear, check_quantization
+from tests.engine_core import tiny_models as tm
+
+
+def quantized_linears(eng) -> int:
+    return sum(isinstance(m, DecodeQuantLinear) for m in eng.model.modules())
+
+
+def test_float_weights_stay_float_on_the_defaults(tmp_path):
+    tm.build_hf(transformers.LlamaConfig, tmp_path)
+    eng = tm.engine(tmp_path, quantize_decode=None)  # the engine's own defaults
+    assert eng.runner.quantization is None and eng.decode_activations is None
+    assert quantized_linears(eng) == 0
+    assert eng.quantization is None
+
+
+def test_int8_requantizes_float_weights_for_decode(tmp_path):
+    tm.build_hf(transformers.LlamaConfig, tmp_path)
+    eng = tm.engine(tmp_path, quantize_decode=None, quantization="int8")
+    assert eng.runner.quantization is not None and eng.decode_activations is not None
+    layers = len(eng.model.layers)
+    assert quantized_linears(eng) == 4 * layers  # qkv, o, gate_up and down of every layer
+    assert eng.quantization == "int8"
+
+
+@pytest.mark.parametrize("qtype, blocks", [(Q.F16, False), (Q.Q4_1, True), (Q.Q8_0, True)])
+def test_a_gguf_is_computed_as_stored(tmp_path, qtype, blocks):
+    """A float GGUF decodes on its floats; a block-quantized one on its blocks, defaults."""
+    hf = tm.build_hf(transformers.LlamaConfig, tmp_path / "hf")
+    tm.write_gguf(hf, tmp_path / "m.gguf", qtype=qtype)
+    eng = tm.engine(tmp_path / "m.gguf", quantize_decode=None)
+    assert (eng.runner.quantization is not None) == blocks
+    assert (quantized_linears(eng) > 0) == blocks
+
+
+def test_bad_settings_are_refused_by_name():
+    assert check_quantization("none", torch.device("cpu")) is None
+    assert check_quantization(None, torch.device("cuda", 0)) is None
+    with pytest.raises(ValueError, match="quantization must be none or one of int8, got 'fp8'"):
+        check_quantization("fp8", torch.device("cpu"))
+    with pytest.raises(ValueError, match="on cuda:0 leave it unset"):
+        check_quantization("int8", torch.device("cuda", 0))
