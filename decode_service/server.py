@@ -21,8 +21,9 @@ from kv_transfer import (
     KVTransferServicer,
     LeaseTable,
     LocalControlServer,
-    SharedKVPool,
     add_kv_transfer_servicer,
+    negotiation,
+    transports,
 )
 from protos.pdserve.internal import kv_transfer_pb2, workers_pb2
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
@@ -41,17 +42,12 @@ logger = logging.getLogger(__name__)
 
 
 def accepted_transports(flag: str, device: torch.device) -> list[str]:
-    """The KV transports a decode worker on `device` accepts, from its --transports flag."""
-    if flag.strip() == "auto":
-        return ["grpc", "cuda_ipc"] if device.type == "cuda" else ["grpc", "shm"]
-    kinds = [k.strip() for k in flag.split(",") if k.strip()]
-    if "shm" in kinds and device.type != "cpu":
-        raise SystemExit(f"--transports {flag}: shm is a host-memory pool, but this decode "
-                         f"worker's KV cache is on {device}; use grpc or cuda_ipc")
-    if "cuda_ipc" in kinds and device.type != "cuda":
-        raise SystemExit(f"--transports {flag}: cuda_ipc needs a KV cache on CUDA, this "
-                         f"decode worker's is on {device}")
-    return kinds
+    """The KV transports a decode worker on `device` accepts, from its --transports flag
+    (kv_transfer.negotiation.accepted_transports; SystemExit saying why one cannot work)."""
+    try:
+        return negotiation.accepted_transports(flag, str(device))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -59,14 +55,16 @@ async def _serve(args: argparse.Namespace) -> None:
     tracing.setup("decode", tracing.instance_id(args), args.otlp_traces_endpoint)
     tls = tls_from_args(args, is_public=False)
     kinds: list[str] = []  # set by allocate(), once the engine's device is known
-    pools: list[SharedKVPool] = []
+    pools: list = []  # the pool the KV cache lives in, when a transport made it (shm)
 
     def allocate(layout, num_blocks, device):
         kinds.extend(accepted_transports(args.transports, device))
-        if "shm" not in kinds:
-            return layout.allocate(num_blocks, device)
-        pools.append(SharedKVPool.create(layout, num_blocks))
-        return pools[0].tensor
+        for kind in kinds:  # a transport may need the KV cache in its own pool (shm)
+            pool = transports.get(kind).receiver_pool(layout, num_blocks)
+            if pool is not None:
+                pools.append(pool)
+                return pool.tensor
+        return layout.allocate(num_blocks, device)
 
     engine = LLMEngine(kv_allocator=allocate, **engine_kwargs(args))
     holder: dict[str, DecodeWorker] = {}
@@ -79,7 +77,8 @@ async def _serve(args: argparse.Namespace) -> None:
     receiver = KVReceiver(engine.layout, engine.runner.kv_cache, table, kinds,
                           shm_pool=pools[0] if pools else None)
     # LayerDone and Commit of same-host senders on a Unix socket: a gRPC round trip less
-    local = LocalControlServer(receiver).start() if set(kinds) - {"grpc"} else None
+    local = (LocalControlServer(receiver).start()
+             if any(transports.get(k).is_one_sided for k in kinds) else None)
     servicer_box: dict[str, DecodeServicer] = {}
 
     def add(server) -> list[str]:

@@ -98,3 +98,18 @@ def select_transport(requested: str, sender_host: str, receiver_host: str,
         raise TransportRefusedError(f"transport {requested} is not enabled on the receiver "
                                     f"(enabled: {sorted(allowed)})")
     return requested
+
+
+def accepted_transports(flag: str, device: str) -> list[str]:
+    """The transports a decode worker whose KV cache is on `device` accepts, from its
+    --transports: "auto" is every transport that can receive there (those for tests
+    excepted), in listing order; a named one that cannot is a ValueError saying why."""
+    if flag.strip() == AUTO:
+        return [t.name for t in transports.all_transports(include_tests=False)
+                if t.receiver_refusal(device) is None]
+    kinds = [k.strip() for k in flag.split(",") if k.strip()]
+    for kind in kinds:
+        reason = transports.get(kind).receiver_refusal(device)  # an unknown one: ValueError
+        if reason is not None:
+            raise ValueError(f"--transports {flag}: {reason}")
+    return kinds

@@ -13,6 +13,8 @@ subclass; the registry (transports/__init__.py) lists it.
 
     unavailable_reason(pair)      why it cannot serve this (sender, receiver) pair, or None
     sender_refusal(device)        why this process cannot send over it at all, or None
+    receiver_refusal(device)      why a decode worker on `device` cannot accept it, or None
+    receiver_pool(layout, n)      the pool the decode worker's KV cache must live in, or None
     can_receive(pool)             whether a receiver with this pool can serve it
     export(pool)                  receiver, per handshake: what a sender needs to reach the pool
     export_to_proto(export, reply)  ... written into the HandshakeResponse
@@ -86,6 +88,17 @@ class Transport:
     def sender_refusal(self, device: str) -> str | None:
         """Why a sender whose KV cache is on `device` cannot use this transport whatever the
         receiver (checked before any network call), or None."""
+        return None
+
+    def receiver_refusal(self, device: str) -> str | None:
+        """Why a decode worker whose KV cache is on `device` cannot accept this transport (its
+        --transports naming it fails with this), or None."""
+        return None
+
+    def receiver_pool(self, layout: KVLayout, num_blocks: int) -> object | None:
+        """The pool a decode worker's KV cache must live in to accept this transport (an
+        object with a `tensor` and a `close()`: shm's SharedKVPool), or None: the worker
+        allocates its own."""
         return None
 
     def can_receive(self, pool: ReceiverPool) -> bool:

@@ -63,6 +63,11 @@ class CudaIpcTransport(OneSidedTransport):
     def sender_refusal(self, device: str) -> str | None:
         return None if torch.cuda.is_available() else "no CUDA in the sender"
 
+    def receiver_refusal(self, device: str) -> str | None:
+        if device_type(device) == "cuda":
+            return None
+        return f"cuda_ipc needs a KV cache on CUDA, this decode worker's is on {device}"
+
     def can_receive(self, pool: ReceiverPool) -> bool:
         return pool.kv_cache.is_cuda
 

@@ -63,6 +63,15 @@ class ShmTransport(OneSidedTransport):
             return f"the decode KV pool is on {pair.receiver_device}, not in host shared memory"
         return None
 
+    def receiver_refusal(self, device: str) -> str | None:
+        if device_type(device) == "cpu":
+            return None
+        return (f"shm is a host-memory pool, but this decode worker's KV cache is on {device}; "
+                f"use grpc or cuda_ipc")
+
+    def receiver_pool(self, layout: KVLayout, num_blocks: int) -> SharedKVPool:
+        return SharedKVPool.create(layout, num_blocks)
+
     def can_receive(self, pool: ReceiverPool) -> bool:
         return pool.shm_pool is not None
 

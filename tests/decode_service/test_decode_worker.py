@@ -130,6 +130,7 @@ def test_accepted_transports_follow_the_engine_device(flag, device, want):
 @pytest.mark.parametrize(("flag", "device", "match"), [
     ("grpc,shm", "cuda", "shm is a host-memory pool"),
     ("cuda_ipc", "cpu", "cuda_ipc needs a KV cache on CUDA"),
+    ("grpc,bogus", "cpu", "unknown transport 'bogus'"),
 ])
 def test_accepted_transports_refuse_what_cannot_work(flag, device, match):
     with pytest.raises(SystemExit, match=match):
