@@ -1,4 +1,4 @@
-"""Decode routing: the order decode workers are asked to reserve a prompt (gateway/routing.py's
+"""Decode routing: the order decode workers are asked to reserve a prompt (gateway/disagg/routing.py's
 rank_decode, with exact orders), the leading overlap of chain hashes, the record of prefix
 blocks a decode worker publishes (service_infra/prefix_record.py), and the gateway's order
 over a real Redis where one decode worker published a prompt's blocks."""
@@ -10,9 +10,9 @@ import asyncio
 import pytest
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.redis_discovery import RedisDiscovery
-from gateway.routing import DECODE_QUEUE_WEIGHT_BLOCKS, leading_overlap, rank_decode
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.redis_discovery import RedisDiscovery
+from gateway.disagg.routing import DECODE_QUEUE_WEIGHT_BLOCKS, leading_overlap, rank_decode
 from service_infra.prefix_record import PrefixRecord
 from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration

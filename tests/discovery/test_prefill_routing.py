@@ -1,4 +1,4 @@
-"""Prefill routing: the pure cost model (gateway/routing.py) with exact choices, then the
+"""Prefill routing: the pure cost model (gateway/disagg/routing.py) with exact choices, then the
 gateway's choice over a real Redis where one worker published a prompt's blocks."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import zlib
 import pytest
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.redis_discovery import RedisDiscovery
-from gateway.routing import QUEUE_WEIGHT_BLOCKS, pick_prefill
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.redis_discovery import RedisDiscovery
+from gateway.disagg.routing import QUEUE_WEIGHT_BLOCKS, pick_prefill
 from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 
@@ -107,7 +107,7 @@ def test_without_redis_prefill_workers_status_routes_and_prices_a_remote_prefill
     counts only what that worker lacks: a chat whose history the decode worker holds (its
     replies' KV, computed there) is dearer to prefill remotely than its local rest."""
     from engine_core.sampling_params import SamplingParams
-    from gateway.discovery import StaticDiscovery
+    from gateway.disagg.discovery import StaticDiscovery
     from protos.pdserve.internal import workers_pb2 as wpb
     from service_infra.backend import GenerateInput
 

@@ -14,9 +14,9 @@ import grpc
 import pytest
 import redis
 
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import WorkerAddress
-from gateway.redis_discovery import RedisDiscovery
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.discovery import WorkerAddress
+from gateway.disagg.redis_discovery import RedisDiscovery
 from service_infra.redis_registry import RedisConfig, RedisUnavailable, block_member
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 from tests.discovery.conftest import PASSWORD

@@ -1,4 +1,4 @@
-"""The canary's verdicts (gateway/canary.py) as a pure state machine: pairs marked and cleared,
+"""The canary's verdicts (gateway/disagg/canary.py) as a pure state machine: pairs marked and cleared,
 readiness lost after K failed rounds or a round of timeouts, restored by one success; and the
 prefill worker routing picks for a decode worker avoiding a pair the canary marked."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from gateway.canary import CanaryConfig, CanaryState
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import StaticDiscovery
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.canary import CanaryConfig, CanaryState
+from gateway.disagg.discovery import StaticDiscovery
 
 P0, P1, D0 = "p0:1", "p1:1", "d0:1"
 

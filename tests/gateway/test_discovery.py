@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import StaticDiscovery, WorkerAddress
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.discovery import StaticDiscovery, WorkerAddress
 
 
 class ChangingDiscovery:

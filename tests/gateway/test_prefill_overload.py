@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from engine_core.sampling_params import SamplingParams
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import StaticDiscovery
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.discovery import StaticDiscovery
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.backend import GenerateInput, Overloaded

@@ -1,22 +1,22 @@
 """The gateway's half of conditional prefill: once a decode worker has reserved a prompt's
 blocks (and said how much of it it caches), gather what the cost model needs from the pools'
-measured Status and decide local or remote (gateway/prefill_policy.py); count every decision
+measured Status and decide local or remote (gateway/disagg/prefill_policy.py); count every decision
 and learn the remote path's fixed cost from finished requests. Part of DisaggregatedBackend
-(gateway/disaggregated.py), whose pools it reads."""
+(gateway/disagg/backend.py), whose pools it reads."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
 
-from gateway.prefill_policy import (
+from gateway.disagg.prefill_policy import (
     PrefillCosts,
     PrefillDecision,
     PrefillPolicy,
     decide,
     exposed_transfer_s,
 )
-from gateway.worker_pools import Worker
+from gateway.disagg.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import GenerateInput, Timing
 

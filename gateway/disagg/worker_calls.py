@@ -1,4 +1,4 @@
-"""What the disaggregated backend's steps share (gateway/disaggregated.py, decode_admission.py,
+"""What the disaggregated backend's steps share (gateway/disagg/backend.py, decode_admission.py,
 prefill_handoff.py): a lost worker, a request's time left, a worker's gRPC error as the
 gateway's, and ending a request on a decode worker."""
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import grpc
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.routing import MAX_ROUTING_BLOCKS, leading_overlap
-from gateway.worker_pools import Worker
+from gateway.disagg.routing import MAX_ROUTING_BLOCKS, leading_overlap
+from gateway.disagg.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput
 

@@ -5,7 +5,7 @@
       whole remote path: D.Reserve -> P.Prefill (KV over the transport in use, committed and
       verified) -> D.Decode (on the gateway's output stream to D); bounded by timeout_s, aborted on D if it does not finish
       a pair that fails is marked bad: routing gives D another prefill worker while one is left
-      (gateway/prefill_handoff.py); its next success clears the mark
+      (gateway/disagg/prefill_handoff.py); its next success clears the mark
     readiness: NOT_SERVING once `failures` rounds in a row had no pair succeed, or a round's
       canaries all timed out (a frozen worker keeps its connections: only time shows it);
       the next round with a success restores it. Liveness is not the canary's business.
@@ -17,16 +17,20 @@ DisaggregatedBackend, which sends each request through CanaryCalls.canary (mixed
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from engine_core.sampling_params import SamplingParams
-from gateway.worker_calls import WorkerCalls
-from gateway.worker_pools import Worker
+from gateway.disagg.worker_calls import WorkerCalls
+from gateway.disagg.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import GenerateInput
 from service_infra.proto_convert import sampling_to_proto
@@ -34,6 +38,7 @@ from service_infra.proto_convert import sampling_to_proto
 logger = logging.getLogger(__name__)
 CHECK_S = 1.0  # how often the monitor looks at the idle time
 READY_TIMEOUT_S = 5.0  # Decode's wait for the committed KV (normally already complete)
+VERDICT_FILE = "canary.json"  # in the API servers' shared directory (gateway/api_servers.py)
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,7 @@ class Canary:
 
 class CanaryCalls(WorkerCalls):
     """Mixed into DisaggregatedBackend: its canary_monitor, tokenizer, lease_ttl_s and the
-    prefill step (gateway/prefill_handoff.py)."""
+    prefill step (gateway/disagg/prefill_handoff.py)."""
 
     @property
     def is_ready(self) -> bool:
@@ -183,7 +188,7 @@ class CanaryCalls(WorkerCalls):
                 request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
                 lease_ttl_s=self.lease_ttl_s), timeout=self._remaining(inp))
             pre = await self._prefill_on(prefill, inp, sampling, decode, reservation)
-            # the output stream, as every request's tokens (gateway/decode_stream.py)
+            # the output stream, as every request's tokens (gateway/disagg/decode_stream.py)
             channel = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
                 request_id=inp.req_id, first_token_id=pre.first_token_id,
                 ready_timeout_s=READY_TIMEOUT_S))
@@ -196,3 +201,27 @@ class CanaryCalls(WorkerCalls):
             decode.in_flight -= 1
             if not is_done:
                 await self._abort_on(decode, inp.req_id)
+
+
+class CanaryVerdict:
+    """The canary's verdict, as API server 0 (which runs it) writes it for the others
+    (gateway/api_servers.py)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / VERDICT_FILE
+        self._read_at = 0.0
+        self._is_ready = True
+
+    def write(self, is_ready: bool, status: dict) -> None:
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"ready": is_ready, "status": status}))
+        tmp.replace(self.path)  # atomic: a reader sees the old or the new verdict
+
+    def is_ready(self) -> bool:
+        """Child 0's last verdict, re-read at most every 0.2 s (ready until one exists)."""
+        now = time.monotonic()
+        if now - self._read_at >= 0.2:
+            self._read_at = now
+            with contextlib.suppress(OSError, ValueError):
+                self._is_ready = bool(json.loads(self.path.read_text())["ready"])
+        return self._is_ready

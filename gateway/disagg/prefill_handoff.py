@@ -1,6 +1,6 @@
-"""The prefill step of a disaggregated request: pick a prefill worker (gateway/routing.py), send
+"""The prefill step of a disaggregated request: pick a prefill worker (gateway/disagg/routing.py), send
 it the prompt with the decode worker's reservation (it pushes the KV there), and watch the
-reservation's lease while it runs. Part of DisaggregatedBackend (gateway/disaggregated.py),
+reservation's lease while it runs. Part of DisaggregatedBackend (gateway/disagg/backend.py),
 whose state it uses."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from gateway.routing import pick_prefill
-from gateway.worker_calls import WorkerCalls, WorkerLost
-from gateway.worker_pools import Worker
+from gateway.disagg.routing import pick_prefill
+from gateway.disagg.worker_calls import WorkerCalls, WorkerLost
+from gateway.disagg.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import BackendUnavailable, GenerateInput, Overloaded
 
@@ -29,9 +29,9 @@ class PrefillHandoff(WorkerCalls):
     async def _pick_prefill(self, prompt: list[int], full: Sequence[Worker] = (),
                             decode: Worker | None = None,
                             held: dict[str, int] | None = None) -> Worker:
-        """gateway/routing.py's choice among the workers not in `full` (their queues refused
+        """gateway/disagg/routing.py's choice among the workers not in `full` (their queues refused
         this request) and, while others are left, not paired badly with `decode` (the canary
-        saw that pair fail: gateway/canary.py); overlaps from `held` (the placement's, by
+        saw that pair fail: gateway/disagg/canary.py); overlaps from `held` (the placement's, by
         address) or else from Redis or the workers' Status (WorkerCalls._overlaps; unknown
         when Redis fails: queue depth alone)."""
         live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
@@ -53,7 +53,7 @@ class PrefillHandoff(WorkerCalls):
 
     def _pick_of(self, prompt: list[int], live: Sequence[Worker],
                  overlap: Sequence[int] | None) -> int:
-        """gateway/routing.py's pick_prefill among `live` (in_flight read now: other
+        """gateway/disagg/routing.py's pick_prefill among `live` (in_flight read now: other
         requests' picks during an await are counted)."""
         key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker
         return pick_prefill([w.in_flight for w in live], overlap, key, self.prefix_queue_weight)

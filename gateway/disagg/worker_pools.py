@@ -17,9 +17,9 @@ from typing import Any
 
 import grpc
 
-from gateway.decode_stream import DecodeStream
-from gateway.discovery import Discovery, WorkerAddress
-from gateway.pair_health import PairHealth
+from gateway.disagg.decode_stream import DecodeStream
+from gateway.disagg.discovery import Discovery, WorkerAddress
+from gateway.disagg.pair_health import PairHealth
 from kv_transfer import GRPC_CHANNEL_OPTIONS
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc

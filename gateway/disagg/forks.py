@@ -28,9 +28,9 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from gateway.decode_stream import RequestChannel
-from gateway.prefill_policy import PrefillDecision
-from gateway.worker_pools import Worker
+from gateway.disagg.decode_stream import RequestChannel
+from gateway.disagg.prefill_policy import PrefillDecision
+from gateway.disagg.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import DeadlineExceeded, GenerateInput
 

@@ -1,9 +1,9 @@
 """Admission on the decode pool: a request reserves KV blocks on the first decode worker (in
-routing order, gateway/routing.py's rank_decode: the longest prefix of the prompt held there,
+routing order, gateway/disagg/routing.py's rank_decode: the longest prefix of the prompt held there,
 as decode workers publish it, against requests in flight from this gateway, then most free
 blocks) that has room; when none has, it waits here, bounded in number (max_waiting) and time
 (max_queue_wait_s or its deadline), woken when a request ends. Part of DisaggregatedBackend
-(gateway/disaggregated.py), whose state it uses."""
+(gateway/disagg/backend.py), whose state it uses."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import time
 
 import grpc
 
-from gateway.routing import rank_decode
-from gateway.worker_calls import WorkerCalls
-from gateway.worker_pools import REFRESH_S, Worker
+from gateway.disagg.routing import rank_decode
+from gateway.disagg.worker_calls import WorkerCalls
+from gateway.disagg.worker_pools import REFRESH_S, Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import BackendUnavailable, DeadlineExceeded, GenerateInput, Overloaded
 
@@ -32,7 +32,7 @@ class DecodeAdmission(WorkerCalls):
         # in_flight is read after the await: other requests' picks meanwhile are counted
         order = rank_decode([w.in_flight for w in live],
                             [w.status.num_free_blocks if w.status else 0 for w in live], overlap)
-        # last: workers no prefill worker could hand KV to lately (gateway/pair_health.py)
+        # last: workers no prefill worker could hand KV to lately (gateway/disagg/pair_health.py)
         prefills = [w.address for w in self.prefill if w.is_healthy] or [
             w.address for w in self.prefill]
         now = time.monotonic()

@@ -4,16 +4,16 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
     generate(inp):
       order decode workers (the longest prefix of the prompt each holds, as they publish it,
                                           against requests in flight from here, then most
-                                          free KV blocks: gateway/routing.py rank_decode)
+                                          free KV blocks: gateway/disagg/routing.py rank_decode)
       D.Reserve(prompt)                -> lease + destination blocks (a prefix D caches is
                                           not sent again); RESOURCE_EXHAUSTED -> next D;
                                           all full -> wait for a request to end (bounded)
-      local or remote? (gateway/prefill_placement.py: the cost model of prefill_policy.py
+      local or remote? (gateway/disagg/prefill_placement.py: the cost model of prefill_policy.py
                                           over the tokens D lacks and the pools' measured
                                           speeds) local -> D.PrefillLocally(lease): D's engine
                                           prefills in the reserved blocks and streams; done
       pick prefill P (most leading prompt blocks cached there, as the Redis registry knows,
-                                          against the queue from here: gateway/routing.py;
+                                          against the queue from here: gateway/disagg/routing.py;
                                           equal: the prompt's first block picks one, so shared
                                           prefixes land on the same cache)
       while P runs it: D.RenewLease every lease_ttl / 3 (queues may be long; a gateway that
@@ -24,15 +24,15 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
       D.Decode(first token)            -> stream of chunks to the client: sent as a start on
                                           this gateway's output stream to D, which carries
                                           every request's tokens, one message per engine step
-                                          (gateway/decode_stream.py)
+                                          (gateway/disagg/decode_stream.py)
     Samples 1..n-1 of a prompt (fork_of) skip all of it: D.Fork on sample 0's decode worker
-    shares its prompt KV there (gateway/forks.py).
+    shares its prompt KV there (gateway/disagg/forks.py).
     Cancellation or a deadline at any point: the pending call is cancelled (gRPC propagates it
     to the worker, which aborts) and D.Abort ends the reservation or the decode.
 
-The pools themselves (following discovery, health from Status) are gateway/worker_pools.py;
-this backend is one. Admission on the decode pool is gateway/decode_admission.py, the prefill
-step gateway/prefill_handoff.py, the choice of where to prefill gateway/prefill_placement.py.
+The pools themselves (following discovery, health from Status) are gateway/disagg/worker_pools.py;
+this backend is one. Admission on the decode pool is gateway/disagg/decode_admission.py, the prefill
+step gateway/disagg/prefill_handoff.py, the choice of where to prefill gateway/disagg/prefill_placement.py.
 
 Timing (seconds since arrival): queue = routing and reservation + the prefill worker's queue,
 prefill = its compute, kv_transfer = first token sampled -> first token delivered by D (the
@@ -53,18 +53,17 @@ from typing import Any
 
 import grpc
 
-from gateway.api_servers import CanaryVerdict
-from gateway.canary import Canary, CanaryCalls, CanaryConfig
-from gateway.decode_admission import DecodeAdmission
-from gateway.decode_stream import RequestChannel
-from gateway.discovery import Discovery
-from gateway.forks import FORK_DECISION, ForkPlacements
-from gateway.prefill_handoff import PrefillHandoff
-from gateway.prefill_placement import PrefillPlacement
-from gateway.prefill_policy import PrefillPolicy
-from gateway.routing import QUEUE_WEIGHT_BLOCKS
-from gateway.worker_calls import WorkerLost
-from gateway.worker_pools import Worker, WorkerPools
+from gateway.disagg.canary import Canary, CanaryCalls, CanaryConfig, CanaryVerdict
+from gateway.disagg.decode_admission import DecodeAdmission
+from gateway.disagg.decode_stream import RequestChannel
+from gateway.disagg.discovery import Discovery
+from gateway.disagg.forks import FORK_DECISION, ForkPlacements
+from gateway.disagg.prefill_handoff import PrefillHandoff
+from gateway.disagg.prefill_placement import PrefillPlacement
+from gateway.disagg.prefill_policy import PrefillPolicy
+from gateway.disagg.routing import QUEUE_WEIGHT_BLOCKS
+from gateway.disagg.worker_calls import WorkerLost
+from gateway.disagg.worker_pools import Worker, WorkerPools
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import (
     BackendUnavailable,
@@ -122,7 +121,7 @@ class DisaggregatedBackend(DecodeAdmission, PrefillHandoff, PrefillPlacement, Ca
         # verdict there, the others follow it
         self.canary_verdict_out: CanaryVerdict | None = None
         self.canary_verdict_in: CanaryVerdict | None = None
-        self.prefix_queue_weight = prefix_queue_weight  # see gateway/routing.py
+        self.prefix_queue_weight = prefix_queue_weight  # see gateway/disagg/routing.py
         # admission: requests no decode worker has room for wait here (at most max_waiting at
         # once, each at most max_queue_wait_s or its deadline), else RESOURCE_EXHAUSTED
         if max_waiting < 0 or max_queue_wait_s < 0:
