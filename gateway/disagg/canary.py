@@ -11,7 +11,7 @@
       the next round with a success restores it. Liveness is not the canary's business.
 
 A pure state machine (CanaryState) holds the verdicts; Canary runs the rounds against the
-DisaggregatedBackend, which sends each request through CanaryCalls.canary (mixed in).
+DisaggregatedBackend, which sends each request through probe().
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from pathlib import Path
 import grpc
 
 from engine_core.sampling_params import SamplingParams
-from gateway.disagg.worker_calls import WorkerCalls
+from gateway.disagg.prefill_handoff import PrefillHandoff
+from gateway.disagg.worker_calls import abort_on, gateway_error, time_left
 from gateway.disagg.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import GenerateInput
@@ -160,47 +161,36 @@ class Canary:
                 "last_latency_s": s.last_latency_s}
 
 
-class CanaryCalls(WorkerCalls):
-    """Mixed into DisaggregatedBackend: its canary_monitor, tokenizer, lease_ttl_s and the
-    prefill step (gateway/disagg/prefill_handoff.py)."""
-
-    @property
-    def is_ready(self) -> bool:
-        """Readiness as the canary sees it (always True with the canary off); an API server
-        other than the first follows the first's canary (gateway/api_servers.py)."""
-        if self.canary_verdict_in is not None:
-            return self.canary_verdict_in.is_ready()
-        return self.canary_monitor.state.is_ready
-
-    async def canary(self, prefill: Worker, decode: Worker, timeout_s: float) -> None:
-        """One synthetic request through the whole remote path of this pair: Reserve on
-        decode, Prefill on prefill (the KV over the transport in use), Decode of one token.
-        Raises what the path raised; whatever it leaves on decode is aborted."""
-        prompt = (self.tokenizer.encode("ping") if self.tokenizer is not None else [1])[:1]
-        inp = GenerateInput(f"canary-{uuid.uuid4().hex[:12]}", prompt,
-                            SamplingParams(max_tokens=1, temperature=0.0),
-                            deadline=time.monotonic() + timeout_s)
-        sampling = sampling_to_proto(inp.params)
-        is_done = False
-        decode.in_flight += 1
-        try:
-            reservation = await decode.stub.Reserve(pb.ReserveRequest(
-                request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
-                lease_ttl_s=self.lease_ttl_s), timeout=self._remaining(inp))
-            pre = await self._prefill_on(prefill, inp, sampling, decode, reservation)
-            # the output stream, as every request's tokens (gateway/disagg/decode_stream.py)
-            channel = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
-                request_id=inp.req_id, first_token_id=pre.first_token_id,
-                ready_timeout_s=READY_TIMEOUT_S))
-            async for _ in channel:
-                pass
-            is_done = True
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e, inp) from None
-        finally:
-            decode.in_flight -= 1
-            if not is_done:
-                await self._abort_on(decode, inp.req_id)
+async def probe(handoff: PrefillHandoff, tokenizer, prefill: Worker, decode: Worker,
+                timeout_s: float) -> None:
+    """One synthetic request through the whole remote path of this pair: Reserve on decode,
+    Prefill on prefill through `handoff` (the KV over the transport in use), Decode of one
+    token. Raises what the path raised; whatever it leaves on decode is aborted."""
+    prompt = (tokenizer.encode("ping") if tokenizer is not None else [1])[:1]
+    inp = GenerateInput(f"canary-{uuid.uuid4().hex[:12]}", prompt,
+                        SamplingParams(max_tokens=1, temperature=0.0),
+                        deadline=time.monotonic() + timeout_s)
+    sampling = sampling_to_proto(inp.params)
+    is_done = False
+    decode.in_flight += 1
+    try:
+        reservation = await decode.stub.Reserve(pb.ReserveRequest(
+            request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
+            lease_ttl_s=handoff.lease_ttl_s), timeout=time_left(inp))
+        pre = await handoff.prefill_on(prefill, inp, sampling, decode, reservation)
+        # the output stream, as every request's tokens (gateway/disagg/decode_stream.py)
+        channel = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
+            request_id=inp.req_id, first_token_id=pre.first_token_id,
+            ready_timeout_s=READY_TIMEOUT_S))
+        async for _ in channel:
+            pass
+        is_done = True
+    except grpc.aio.AioRpcError as e:
+        raise gateway_error(e, inp) from None
+    finally:
+        decode.in_flight -= 1
+        if not is_done:
+            await abort_on(decode, inp.req_id)
 
 
 class CanaryVerdict:

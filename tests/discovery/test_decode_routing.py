@@ -83,18 +83,18 @@ def test_the_gateway_asks_the_decode_worker_that_published_the_prefix_first(redi
             await reg.start(port)
         discovery = await RedisDiscovery.connect(config)
         backend = DisaggregatedBackend(discovery, tokenizer=None)
-        backend.block_size = block_size
-        await backend._discover()
+        backend.pools.block_size = block_size
+        await backend.pools.discover()
         for w in backend.decode:
             w.is_healthy = True
-        assert [w.worker_id for w in await backend._decode_order(prompt)] == [
+        assert [w.worker_id for w in await backend.admission.decode_order(prompt)] == [
             "decode-0", "decode-1"]  # nothing published: list order
         regs[1].publish_prefix(hash_full_blocks(prompt, block_size))  # as DecodeWorker does
         await asyncio.sleep(0.2)
-        assert [w.worker_id for w in await backend._decode_order(prompt)] == [
+        assert [w.worker_id for w in await backend.admission.decode_order(prompt)] == [
             "decode-1", "decode-0"]
         backend.decode[1].in_flight = 3  # 4 - 6 < 0: the idle worker first
-        assert [w.worker_id for w in await backend._decode_order(prompt)] == [
+        assert [w.worker_id for w in await backend.admission.decode_order(prompt)] == [
             "decode-0", "decode-1"]
         for reg in regs:
             await reg.stop()

@@ -91,7 +91,7 @@ def test_samples_fork_on_the_parents_decode_worker_and_an_early_abort_reaches_no
         server, address = await _serve(prefill, decode)
         backend = DisaggregatedBackend(StaticDiscovery([address], [address]), tokenizer=None)
         try:
-            await backend._discover()
+            await backend.pools.discover()
             for w in backend.prefill + backend.decode:
                 w.is_healthy = True
             params = SamplingParams(max_tokens=1)
