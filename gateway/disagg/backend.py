@@ -41,6 +41,10 @@ The backend is built of collaborators, each an object with its own state:
     forks      ForkPlacements    where parents reserved, for their forks (gateway/disagg/forks.py)
     canary_monitor  Canary       synthetic requests per pair (gateway/disagg/canary.py)
 
+Each attempt of a request is a DisaggRequest (gateway/disagg/request.py) whose phase names how
+far it got: RESERVED -> PLACED -> [PREFILLED, remote only] -> DECODING -> DONE; _run moves it
+through them, one method per step, and _end releases it in whichever phase it stopped.
+
 Timing (seconds since arrival): queue = routing and reservation + the prefill worker's queue,
 prefill = its compute, kv_transfer = first token sampled -> first token delivered by D (the
 un-overlapped transfer tail, verification and admission), so queue + prefill + kv_transfer =
@@ -63,12 +67,12 @@ import grpc
 
 from gateway.disagg.canary import Canary, CanaryConfig, CanaryVerdict, probe
 from gateway.disagg.decode_admission import DecodeAdmission
-from gateway.disagg.decode_stream import RequestChannel
 from gateway.disagg.discovery import Discovery
 from gateway.disagg.forks import FORK_DECISION, ForkPlacements
 from gateway.disagg.prefill_handoff import PrefillHandoff
 from gateway.disagg.prefill_placement import PrefillPlacement
 from gateway.disagg.prefill_policy import PrefillPolicy
+from gateway.disagg.request import DisaggRequest, Phase
 from gateway.disagg.routing import QUEUE_WEIGHT_BLOCKS
 from gateway.disagg.worker_calls import WorkerLost, abort_on, gateway_error
 from gateway.disagg.worker_pools import Worker, WorkerPools
@@ -240,98 +244,130 @@ class DisaggregatedBackend:
                                "streamed so far)", inp.req_id, e, len(emitted))
 
     async def _run(self, inp: GenerateInput, client_id: str) -> AsyncIterator[GenerateChunk]:
-        """One attempt: reserve, prefill, decode; inp.req_id is this attempt's id on the
-        workers, client_id the gateway's (what abort() is called with)."""
-        sampling = sampling_to_proto(inp.params)
-        parent = await self.forks.parent_placement(inp) if inp.fork_of is not None else None
-        if client_id in self._aborted:  # aborted while it waited for its parent
-            self._aborted.discard(client_id)
+        """One attempt, a DisaggRequest through its phases (gateway/disagg/request.py):
+        reserve, place, prefill, decode; inp.req_id is this attempt's id on the workers,
+        client_id the gateway's (what abort() is called with)."""
+        req = await self._reserve(inp, client_id)
+        if req is None:  # aborted while it waited for its parent
             yield GenerateChunk([], "", None, "abort", len(inp.prompt_token_ids), 0)
             return
-        if parent is not None:  # shares its parent's prompt KV on the parent's decode worker
-            decode, reservation = parent.decode, None
-            decode.in_flight += 1
-        else:
-            decode, reservation = await self.admission.admit(inp, sampling)  # counted in flight
-            if inp.req_id == client_id:  # the first attempt: its forks may follow it there
-                self.forks.placed(client_id, decode, inp.req_id)
-        self._running[client_id] = (decode, inp.req_id)
-        is_done = False
-        num_local = 0  # prompt tokens of this local prefill until its first token
-        call: RequestChannel | None = None  # on the decode worker's output stream
+        self._running[client_id] = (req.decode, inp.req_id)
         try:
-            decision, held = ((FORK_DECISION, None) if reservation is None
-                              else await self.placement.place(inp, decode, reservation))
-            t_prefill_call = time.monotonic()
-            if reservation is None:
-                pre = None
-                call = self.forks.start(inp, sampling, parent)
-            elif decision.where == "local":
-                pre = None
-                num_local = len(inp.prompt_token_ids) - reservation.num_cached_tokens
-                decode.num_local_tokens_in_flight += num_local
-                call = decode.outputs.start(inp.req_id, inp.deadline,
-                                            prefill_locally=pb.LocalPrefillRequest(
-                    request_id=inp.req_id, lease_id=reservation.lease_id,
-                    max_chunk_tokens=self.placement.policy.local_chunk_tokens))
-            else:
-                pre = await self.handoff.prefill(inp, sampling, decode, reservation, held)
-                call = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
-                    request_id=inp.req_id, first_token_id=pre.first_token_id,
-                    first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
-                    ready_timeout_s=READY_TIMEOUT_S))
-            num_out, t_first = 0, None
-            prompt_lps = (prompt_logprobs_from_proto(pre.prompt_logprobs)
-                          if pre is not None and pre.prompt_logprobs else None)  # the prefill's
+            await self._place(req)
+            await self._start_decoding(req)
             try:
-                async for msg in call:
-                    now = time.monotonic()
-                    t_first = t_first or now
-                    decode.num_local_tokens_in_flight -= num_local
-                    num_local = 0
-                    num_out += len(msg.token_ids)
-                    reason = FINISH_REASON_NAMES.get(msg.finish_reason)
-                    chunk = GenerateChunk(msg.token_ids, msg.text, msg.logprobs, reason,
-                                          len(inp.prompt_token_ids), num_out,
-                                          msg.num_cached_tokens)
-                    chunk.prompt_logprobs, prompt_lps = prompt_lps, None  # on the first
-                    if reason is not None:
-                        queue_s, prefill_s = ((msg.queue_s, msg.prefill_s) if pre is None
-                                              else (pre.queue_s, pre.compute_s))
-                        queue = (t_prefill_call - inp.arrival) + queue_s
-                        ttft = t_first - inp.arrival
-                        chunk.timing = Timing(queue, prefill_s, ttft - queue - prefill_s,
-                                              msg.first_decode_step_s, ttft, now - inp.arrival,
-                                              decision.where, decision.reason)
-                        if reason != "abort":
-                            self.last_success = now
-                        if pre is not None:
-                            self.placement.learn_handoff(chunk.timing, decode, len(
-                                inp.prompt_token_ids) - reservation.num_cached_tokens)
-                        is_done = True
-                    yield chunk
+                async for msg in req.call:
+                    yield self._output(req, msg)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and client_id not in self._aborted:
-                    decode.is_healthy = False
-                    raise WorkerLost("decode", f"decode worker {decode.address}: "
+                    req.decode.is_healthy = False
+                    raise WorkerLost("decode", f"decode worker {req.decode.address}: "
                                            f"{e.details()}") from None
                 raise
         except (grpc.aio.AioRpcError, WorkerLost) as e:
             if client_id not in self._aborted:  # (the client's abort also ends the handoff)
                 raise e if isinstance(e, WorkerLost) else gateway_error(e, inp) from None
-            is_done = True  # aborted before decoding began: end the stream like the engine does
-            yield GenerateChunk([], "", None, "abort", len(inp.prompt_token_ids), 0)
+            req.phase = Phase.DONE  # aborted before decoding began: ends like the engine's
+            yield GenerateChunk([], "", None, "abort", req.num_prompt_tokens, 0)
         finally:
-            decode.num_local_tokens_in_flight -= num_local
+            await self._end(req)
+
+    async def _reserve(self, inp: GenerateInput, client_id: str) -> DisaggRequest | None:
+        """-> RESERVED: a fork on its parent's decode worker, any other request on the decode
+        worker admission finds room on (its forks may follow it there). None: the client
+        aborted a fork while it waited for its parent."""
+        sampling = sampling_to_proto(inp.params)
+        parent = await self.forks.parent_placement(inp) if inp.fork_of is not None else None
+        if client_id in self._aborted:
             self._aborted.discard(client_id)
-            decode.in_flight -= 1
-            self._running.pop(client_id, None)
-            if not is_done:  # cancelled, deadline, or a failure: free it on the decode worker
-                if call is not None and not call.is_done:  # open on the output stream
-                    decode.outputs.abort(call, "ended at the gateway")
-                else:  # a reservation, or a start that failed
-                    await abort_on(decode, inp.req_id)
-            self.admission.request_ended()  # wakes the requests waiting for decode capacity
+            return None
+        if parent is not None:  # shares its parent's prompt KV on the parent's decode worker
+            parent.decode.in_flight += 1
+            return DisaggRequest(inp, client_id, sampling, parent.decode, None, parent)
+        decode, reservation = await self.admission.admit(inp, sampling)  # counted in flight
+        if inp.req_id == client_id:  # the first attempt: its forks may follow it there
+            self.forks.placed(client_id, decode, inp.req_id)
+        return DisaggRequest(inp, client_id, sampling, decode, reservation)
+
+    async def _place(self, req: DisaggRequest) -> None:
+        """RESERVED -> PLACED: local, remote, or (a fork) on its parent's KV."""
+        if req.reservation is None:
+            req.decision = FORK_DECISION
+        else:
+            req.decision, req.held = await self.placement.place(req.inp, req.decode,
+                                                                req.reservation)
+        req.t_placed = time.monotonic()
+        req.advance(Phase.PLACED)
+
+    async def _start_decoding(self, req: DisaggRequest) -> None:
+        """PLACED -> [PREFILLED ->] DECODING: a remote prefill first, then the request's
+        start on the decode worker's output stream."""
+        inp, decode = req.inp, req.decode
+        if req.reservation is None:
+            req.call = self.forks.start(inp, req.sampling, req.parent)
+        elif req.decision.where == "local":
+            req.num_local_tokens = req.num_prompt_tokens - req.reservation.num_cached_tokens
+            decode.num_local_tokens_in_flight += req.num_local_tokens
+            req.call = decode.outputs.start(inp.req_id, inp.deadline,
+                                            prefill_locally=pb.LocalPrefillRequest(
+                request_id=inp.req_id, lease_id=req.reservation.lease_id,
+                max_chunk_tokens=self.placement.policy.local_chunk_tokens))
+        else:
+            pre = await self.handoff.prefill(inp, req.sampling, decode, req.reservation,
+                                             req.held)
+            req.prefill_reply = pre
+            req.prompt_logprobs = (prompt_logprobs_from_proto(pre.prompt_logprobs)
+                                   if pre.prompt_logprobs else None)
+            req.advance(Phase.PREFILLED)
+            req.call = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
+                request_id=inp.req_id, first_token_id=pre.first_token_id,
+                first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None,
+                ready_timeout_s=READY_TIMEOUT_S))
+        req.advance(Phase.DECODING)
+
+    def _output(self, req: DisaggRequest, msg) -> GenerateChunk:
+        """One output of the decode worker as the client's chunk; its finish -> DONE, with
+        the request's timing."""
+        inp, decode, pre = req.inp, req.decode, req.prefill_reply
+        now = time.monotonic()
+        req.t_first = req.t_first or now
+        decode.num_local_tokens_in_flight -= req.num_local_tokens
+        req.num_local_tokens = 0
+        req.num_output_tokens += len(msg.token_ids)
+        reason = FINISH_REASON_NAMES.get(msg.finish_reason)
+        chunk = GenerateChunk(msg.token_ids, msg.text, msg.logprobs, reason,
+                              req.num_prompt_tokens, req.num_output_tokens, msg.num_cached_tokens)
+        chunk.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # on the first
+        if reason is not None:
+            queue_s, prefill_s = ((msg.queue_s, msg.prefill_s) if pre is None
+                                  else (pre.queue_s, pre.compute_s))
+            queue = (req.t_placed - inp.arrival) + queue_s
+            ttft = req.t_first - inp.arrival
+            chunk.timing = Timing(queue, prefill_s, ttft - queue - prefill_s,
+                                  msg.first_decode_step_s, ttft, now - inp.arrival,
+                                  req.decision.where, req.decision.reason)
+            if reason != "abort":
+                self.last_success = now
+            if pre is not None:
+                self.placement.learn_handoff(chunk.timing, decode, req.num_prompt_tokens
+                                             - req.reservation.num_cached_tokens)
+            req.advance(Phase.DONE)
+        return chunk
+
+    async def _end(self, req: DisaggRequest) -> None:
+        """The attempt is over, in whatever phase: its counts released; unless DONE
+        (cancelled, deadline, a failure), ended on the decode worker."""
+        decode = req.decode
+        decode.num_local_tokens_in_flight -= req.num_local_tokens
+        self._aborted.discard(req.client_id)
+        decode.in_flight -= 1
+        self._running.pop(req.client_id, None)
+        if req.phase is not Phase.DONE:
+            if req.call is not None and not req.call.is_done:  # open on the output stream
+                decode.outputs.abort(req.call, "ended at the gateway")
+            else:  # a reservation, or a start that failed
+                await abort_on(decode, req.inp.req_id)
+        self.admission.request_ended()  # wakes the requests waiting for decode capacity
 
     async def abort(self, req_id: str) -> bool:
         if self.forks.is_waiting(req_id):  # ends as soon as its parent's placement is known
