@@ -5,7 +5,7 @@ prompt KV arrives from a prefill worker under a lease.
               -> lease on the blocks to be written -> (lease id, block ids) to the gateway
     ...prefill worker writes the blocks and commits; the receiver verifies checksums...
     Decode:   lease COMPLETE -> claim -> engine.admit_prefilled(first token) -> stream
-    PrefillLocally (the gateway's choice, gateway/prefill_policy.py): the lease is withdrawn
+    PrefillLocally (the gateway's choice, gateway/disagg/prefill_policy.py): the lease is withdrawn
               before any sender began, the engine computes the prompt in the reserved
               blocks (chunked beside the running decodes) and samples the first token
     Fork:     another sample of a reserved or running request: the engine forks it from
@@ -36,7 +36,7 @@ from service_infra.prefix_record import PrefixRecord
 logger = logging.getLogger(__name__)
 READY_POLL_S = 0.002
 MAX_RECORDED_BLOCKS = 128  # leading blocks of a prompt recorded for routing (the gateway's
-#                            gateway/routing.py MAX_ROUTING_BLOCKS: longer overlaps count equal)
+#                            gateway/disagg/routing.py MAX_ROUTING_BLOCKS: longer overlaps count equal)
 
 
 def fork_input(req_id: str, parent_req_id: str, prompt_token_ids: list[int],

@@ -26,7 +26,7 @@ class EngineStats:
     # measured live, moving averages over steps (0.0: not measured yet). A step's time is
     # modelled as decode_step_s + num_prompt_tokens / prefill_tokens_per_s, so a step mixing
     # decode rows and a prefill chunk measures the prefill speed from what the decode rows
-    # leave of it (the gateway's prefill placement reads both: gateway/prefill_policy.py)
+    # leave of it (the gateway's prefill placement reads both: gateway/disagg/prefill_policy.py)
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0  # a step of decode rows only
     # async scheduling (engine_core/async_step.py): steps run ahead, and steps that could

@@ -12,7 +12,7 @@ What N processes must agree on is shared through a directory the supervisor make
 removes): Prometheus' multiprocess files (PROMETHEUS_MULTIPROC_DIR: /metrics on any child is
 the sum over all of them; the scrape-time gauges are mirrored into it each second, see
 MetricsMirror), and the canary, which only child 0 runs, its verdict written there for the
-others' readiness (CanaryVerdict). /internal/status answers for the child that took it.
+others' readiness (gateway/disagg/canary.py's CanaryVerdict). /internal/status answers for the child that took it.
 The disaggregated mode only: a colocated gateway's engine lives in its own process.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -41,7 +40,6 @@ _READY = re.compile(r"pdserve gateway: gRPC (\S+)\s+HTTP (\S+)")
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 MIRROR_S = 1.0
-VERDICT_FILE = "canary.json"
 
 
 def shared_dir() -> Path | None:
@@ -155,29 +153,6 @@ def _drain_output(child: subprocess.Popen, metrics_dir: Path) -> int:
     code = child.wait()
     multiprocess.mark_process_dead(child.pid, str(metrics_dir))  # its live gauges leave the sums
     return code
-
-
-class CanaryVerdict:
-    """The canary's verdict, as child 0 (which runs it) writes it for the others."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / VERDICT_FILE
-        self._read_at = 0.0
-        self._is_ready = True
-
-    def write(self, is_ready: bool, status: dict) -> None:
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"ready": is_ready, "status": status}))
-        tmp.replace(self.path)  # atomic: a reader sees the old or the new verdict
-
-    def is_ready(self) -> bool:
-        """Child 0's last verdict, re-read at most every 0.2 s (ready until one exists)."""
-        now = time.monotonic()
-        if now - self._read_at >= 0.2:
-            self._read_at = now
-            with contextlib.suppress(OSError, ValueError):
-                self._is_ready = bool(json.loads(self.path.read_text())["ready"])
-        return self._is_ready
 
 
 class MetricsMirror:

@@ -1,5 +1,5 @@
 """The gateway's ASGI plumbing around FastAPI: what every request passes, kept to plain ASGI
-so that nothing wraps a streamed response's `send` (gateway/sse.py sends each event as one
+so that nothing wraps a streamed response's `send` (gateway/openai/sse.py sends each event as one
 body message).
 
     Authorize          API keys on /v1/*, /tokenize, /detokenize (only with keys)

@@ -38,7 +38,7 @@ def add_admission_arguments(p) -> None:
 
 def add_prefill_policy_arguments(p) -> None:
     """Where the disaggregated gateway prefills each prompt (also `pdserve up`'s, passed on;
-    gateway/prefill_policy.py)."""
+    gateway/disagg/prefill_policy.py)."""
     p.add_argument("--prefill-policy", default="always-remote",
                    choices=["auto", "always-remote", "always-local"],
                    help="auto: per request, by the cost model (the decode worker prefills a "
@@ -51,7 +51,7 @@ def add_prefill_policy_arguments(p) -> None:
 
 
 def add_canary_arguments(p) -> None:
-    """The disaggregated gateway's canary (also `pdserve up`'s, passed on; gateway/canary.py)."""
+    """The disaggregated gateway's canary (also `pdserve up`'s, passed on; gateway/disagg/canary.py)."""
     p.add_argument("--canary-idle-s", type=float, default=10.0,
                    help="after this many seconds without a successful request, send a "
                         "one-token request through every prefill->decode pair (Reserve, "
@@ -79,7 +79,7 @@ def add_served_model_name_argument(p) -> None:
 
 
 def add_reasoning_parser_argument(p) -> None:
-    """(also `pdserve up`'s, passed to the gateway; gateway/reasoning.py)"""
+    """(also `pdserve up`'s, passed to the gateway; gateway/openai/reasoning.py)"""
     p.add_argument("--reasoning-parser", default="auto",
                    choices=["auto", "think", "seed_oss", "harmony", "none"],
                    help="chat completions return the model's reasoning apart, as "

@@ -26,12 +26,17 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway import validation
 from gateway.auth import APIKeys, key_from_metadata
-from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams, check_num_choices, fan_out
-from gateway.grpc_chat import render, split_output
-from gateway.reasoning import resolve_parser
-from gateway.validation import ValidationError
+from gateway.openai import validation
+from gateway.openai.choices import (
+    DEFAULT_MAX_NUM_CHOICES,
+    ChoiceStreams,
+    check_num_choices,
+    fan_out,
+)
+from gateway.openai.grpc_chat import render, split_output
+from gateway.openai.reasoning import resolve_parser
+from gateway.openai.validation import ValidationError
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import (
     Backend,
@@ -69,7 +74,7 @@ class GenerationServicer:
         self.backend = backend
         self.api_keys = api_keys or APIKeys()
         self.max_num_choices = max_num_choices  # GenerateRequest.n at most
-        # chats' reasoning apart from content (gateway/reasoning.py): auto, think, harmony, none
+        # chats' reasoning apart from content (gateway/openai/reasoning.py): auto, think, harmony, none
         self.reasoning_parser = reasoning_parser
         self._samples: dict[str, ChoiceStreams] = {}  # request id with n > 1 -> its samples
 

@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP API on FastAPI, over a Backend.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
-    POST /v1/responses (OpenAI's Responses API over the chat path: gateway/responses_api.py)
-    POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; gateway/tokenize_api.py)
+    POST /v1/responses (OpenAI's Responses API over the chat path: gateway/openai/responses_api.py)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; gateway/openai/tokenize_api.py)
     GET  /v1/models   GET /health (= /health/ready)   GET /health/live   GET /internal/status (counts and free KV blocks)
     GET  /metrics (Prometheus; gateway/metrics.py)
 
@@ -24,15 +24,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from gateway import openai_protocol as oai
-from gateway import openai_responses as responses
-from gateway import responses_api, responses_stream, tokenize_api
 from gateway.asgi import Authorize, GenerationRoutes, error
 from gateway.auth import APIKeys
-from gateway.chat_output import ChatStream
-from gateway.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
-from gateway.reasoning import resolve_parser
-from gateway.sse import (
+from gateway.openai import protocol as oai
+from gateway.openai import response_objects as responses
+from gateway.openai import responses_api, responses_stream, tokenize_api
+from gateway.openai.chat_output import ChatStream
+from gateway.openai.choices import DEFAULT_MAX_NUM_CHOICES, ChoiceStreams
+from gateway.openai.reasoning import resolve_parser
+from gateway.openai.sse import (
     PLACEHOLDER,
     ChunkTemplate,
     Disconnect,
@@ -40,7 +40,7 @@ from gateway.sse import (
     event_bytes,
     named_event_bytes,
 )
-from gateway.validation import UnknownModelError, ValidationError
+from gateway.openai.validation import UnknownModelError, ValidationError
 from service_infra.backend import (
     Backend,
     BackendUnavailable,
@@ -68,7 +68,7 @@ def _backend_error(e: Exception) -> JSONResponse:
 
 
 class _Generation(ChoiceStreams):
-    """The request's choice streams (gateway/choices.py), ended when the HTTP client leaves:
+    """The request's choice streams (gateway/openai/choices.py), ended when the HTTP client leaves:
     its task (the handler's, which streams the response too) is cancelled, which closes a
     single choice's stream; the choices' own tasks are cancelled (n > 1)."""
 
@@ -108,7 +108,7 @@ def build_app(backend: Backend, is_serving: Callable[[], bool],
     /metrics.
     With API keys, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401
     otherwise). A request may ask for at most `max_num_choices` choices (n x prompts).
-    `reasoning_parser`: auto, think, harmony or none (gateway/reasoning.py), resolved against
+    `reasoning_parser`: auto, think, harmony or none (gateway/openai/reasoning.py), resolved against
     the chat template when a chat request comes."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     keys = api_keys or APIKeys()

@@ -242,7 +242,7 @@ class _GatewayCollector:
         if decisions is not None:
             placed = CounterMetricFamily(PREFIX + "prefill_decisions", "Where prompts were "
                                          "prefilled (local: the decode worker; remote: the "
-                                         "prefill pool) and why (gateway/prefill_policy.py).",
+                                         "prefill pool) and why (gateway/disagg/prefill_policy.py).",
                                          labels=["model_name", "where", "reason"])
             for (where, reason), n in sorted(decisions.items()):
                 placed.add_metric([name, where, reason], n)
@@ -260,7 +260,7 @@ class _GatewayCollector:
 
 
 def _canary_families(name: str, state):
-    """The canary's verdicts (gateway/canary.py): latency, failures, last success, ready."""
+    """The canary's verdicts (gateway/disagg/canary.py): latency, failures, last success, ready."""
     g, c = GaugeMetricFamily, CounterMetricFamily
     for cls, metric, doc, value in (
             (g, "canary_latency_seconds", "Seconds the last successful canary took (Reserve, "

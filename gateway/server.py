@@ -30,11 +30,11 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
 from gateway import grpc_server
-from gateway.api_servers import CanaryVerdict, MetricsMirror, reuse_port_socket, shared_dir
+from gateway.api_servers import MetricsMirror, reuse_port_socket, shared_dir
 from gateway.auth import APIKeys
 from gateway.http_api import build_app
 from gateway.metrics import GatewayMetrics, MeteredBackend
-from gateway.reasoning import resolve_parser
+from gateway.openai.reasoning import resolve_parser
 from gateway.tracing_backend import traced
 from service_infra import tracing
 from service_infra.backend import Backend, BackendUnavailable
@@ -59,7 +59,7 @@ class GatewayConfig:
     api_keys: APIKeys = field(default_factory=APIKeys)  # none: the public APIs are open
     tls: TLSConfig | None = None  # TLS on both public ports (service_infra/tls.py); None: plaintext
     max_num_choices: int = 64  # n x prompts of one OpenAI request; more is a 400
-    reasoning_parser: str = "auto"  # gateway/reasoning.py: auto, think or none
+    reasoning_parser: str = "auto"  # gateway/openai/reasoning.py: auto, think or none
     # what clients may pass as `model`, the first in responses (empty: the model's own name)
     served_model_names: tuple[str, ...] = ()
     # one of several API servers on the same ports (gateway/api_servers.py); None: alone
@@ -131,10 +131,10 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     are found at static addresses or, with --redis-url, in the Redis registry."""
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import load_tokenizer
-    from gateway.canary import CanaryConfig
-    from gateway.disaggregated import DisaggregatedBackend
-    from gateway.discovery import StaticDiscovery
-    from gateway.prefill_policy import PrefillPolicy
+    from gateway.disagg.backend import DisaggregatedBackend
+    from gateway.disagg.canary import CanaryConfig
+    from gateway.disagg.discovery import StaticDiscovery
+    from gateway.disagg.prefill_policy import PrefillPolicy
 
     policy = PrefillPolicy(args.prefill_policy, args.local_prefill_max_tokens)  # bad: fails now
     # with several API servers, one canary per gateway: the first's (gateway/api_servers.py)
@@ -142,7 +142,7 @@ def disaggregated_backend_factory(args: argparse.Namespace) -> BackendFactory:
                           args.canary_timeout_s, args.canary_failures)
     redis_config = None
     if args.redis_url:
-        from gateway.redis_discovery import RedisDiscovery
+        from gateway.disagg.redis_discovery import RedisDiscovery
         from service_infra.redis_registry import RedisConfig
 
         redis_config = RedisConfig.from_args(args)  # bad flags fail here, before the loop
@@ -239,6 +239,8 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
     shared = shared_dir() if config.api_server_index is not None else None
     inner = await make_backend()
     if shared is not None:  # one canary per gateway: the first API server's verdict
+        from gateway.disagg.canary import CanaryVerdict
+
         verdict = CanaryVerdict(shared)
         if config.api_server_index == 0:
             inner.canary_verdict_out = verdict
@@ -324,7 +326,7 @@ def _https(tls: TLSConfig | None) -> dict:
 
 async def _watch_backend(backend: Backend, health_: _Health) -> None:
     """Health (readiness) follows the backend: NOT_SERVING while it cannot serve (engine
-    failure, no worker left) or its canary fails (gateway/canary.py: the whole path, not just
+    failure, no worker left) or its canary fails (gateway/disagg/canary.py: the whole path, not just
     Status), SERVING again when both are well. The canary's verdict is followed within
     CANARY_FOLLOW_S; the backend's status (which waits for slow workers) every
     HEALTH_PROBE_INTERVAL_S."""

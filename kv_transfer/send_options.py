@@ -65,6 +65,6 @@ class TransferStats:
         the link is the bottleneck, and about the rest of the forward plus the tail when the
         compute is (a layer-wise push then keeps up with the layers). Either way, this time
         minus the forward it overlaps is what the transfer adds to the first token
-        (gateway/prefill_policy.py exposed_transfer_s). Not the bytes handed to the transport:
+        (gateway/disagg/prefill_policy.py exposed_transfer_s). Not the bytes handed to the transport:
         HTTP/2 buffers a window's worth of them at once, whatever the link."""
         return self.seconds - (self.layer_queued_s[0] if self.layer_queued_s else 0.0)

@@ -189,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.decode}")
     from engine_core.model_files import resolve_model
     from engine_core.tokenizer import read_chat_template
-    from gateway.canary import CanaryConfig
-    from gateway.prefill_policy import PrefillPolicy
+    from gateway.disagg.canary import CanaryConfig
+    from gateway.disagg.prefill_policy import PrefillPolicy
 
     PrefillPolicy(args.prefill_policy, args.local_prefill_max_tokens)  # bad flags fail here
     CanaryConfig(args.canary_idle_s, args.canary_timeout_s, args.canary_failures)

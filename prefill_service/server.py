@@ -14,6 +14,7 @@ from engine_core.model_files import resolve_model
 from engine_core.model_loader import settle_prefill_weights
 from prefill_service.engine import PrefillEngine
 from prefill_service.service import PrefillServicer
+from prefill_service.worker import PrefillWorker
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra import tracing
@@ -61,7 +62,8 @@ async def _serve(args: argparse.Namespace) -> None:
             prefix.add(hashes)
 
     transfer_metrics = KVTransferMetrics(registry, engine.source.name)
-    servicer = PrefillServicer(engine, backend, transfer_metrics, on_prefilled, tls, prefix)
+    worker = PrefillWorker(engine, backend, transfer_metrics, on_prefilled, tls, prefix)
+    servicer = PrefillServicer(worker)
 
     async def on_bound(port: int) -> None:  # the `prefill` label of kv_transport_info
         transfer_metrics.set_prefill(
@@ -72,7 +74,7 @@ async def _serve(args: argparse.Namespace) -> None:
         return [pb.DESCRIPTOR.services_by_name["Prefill"].full_name]
 
     async def close() -> None:
-        servicer.close()
+        worker.close()
         await backend.close()
 
     await serve_worker("prefill", f"{args.host}:{args.port}", add, close, args.grace,

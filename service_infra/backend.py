@@ -99,7 +99,7 @@ class Timing:
     ttft_s: float  # arrival -> first token
     total_s: float  # arrival -> end
     # where the prompt was prefilled ("remote", "local" or "colocated") and why
-    # (gateway/prefill_policy.py's reasons; "" colocated)
+    # (gateway/disagg/prefill_policy.py's reasons; "" colocated)
     prefill_where: str = "colocated"
     prefill_reason: str = ""
 

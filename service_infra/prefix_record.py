@@ -1,7 +1,7 @@
 """The prefix blocks a worker holds recently, for routing: a multi-turn chat returns to the
-decode worker that holds its history (gateway/decode_admission.py), a prompt goes to the
+decode worker that holds its history (gateway/disagg/decode_admission.py), a prompt goes to the
 prefill worker that caches its prefix, and a remote prefill's cost counts only what that
-worker lacks (gateway/prefill_placement.py).
+worker lacks (gateway/disagg/prefill_placement.py).
 
     add(hashes)   the full blocks of a prompt whose KV is now in this worker's prefix cache
                   (claimed from a transfer or prefilled, on a decode worker; prefilled, on a

@@ -1,5 +1,5 @@
 """Discovery through Redis: the key schema and connection config that both sides share. The
-workers' side is service_infra/worker_registration.py, the gateway's gateway/redis_discovery.py.
+workers' side is service_infra/worker_registration.py, the gateway's gateway/disagg/redis_discovery.py.
 
 Keys (ns = --redis-namespace; three per worker, so cardinality follows the number of workers):
 

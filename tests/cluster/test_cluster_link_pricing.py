@@ -1,5 +1,5 @@
 """`--prefill-policy auto` prices a remote prefill's KV transfer at the link's measured speed
-(gateway/prefill_policy.py): on a cluster of one prefill and one decode host, with three
+(gateway/disagg/prefill_policy.py): on a cluster of one prefill and one decode host, with three
 streams decoding all along (what a local prefill stalls), an 800-token prompt goes to the
 prefill pool while the link is fast, and to the decode worker once the prefill host's link is
 shaped to 5 Mbit/s and a few transfers have measured it (its 0.8 MB of KV takes 1.3 s

@@ -186,7 +186,7 @@ def test_the_gateway_cut_from_redis(cluster, tiny_offline):
 def test_redis_cut_from_everyone(cluster, tiny_offline):
     """Longer than the registration ttl: every entry expires in Redis, as nobody can
     heartbeat. Serving goes on; after the heal the workers write their entries back, and the
-    gateway keeps them meanwhile (gateway/redis_discovery.py), so readiness never drops.
+    gateway keeps them meanwhile (gateway/disagg/redis_discovery.py), so readiness never drops.
     Bound: SLACK_S."""
     import redis
 
@@ -207,11 +207,11 @@ def test_redis_cut_from_everyone(cluster, tiny_offline):
 
 def test_a_decode_host_isolated_from_the_prefill_pool_only(cluster, tiny_offline):
     """The gateway still reaches decode-0 (its Status and Reserve succeed), its prefill
-    workers do not: each failed handoff marks the pair (gateway/pair_health.py) and routing
+    workers do not: each failed handoff marks the pair (gateway/disagg/pair_health.py) and routing
     puts a decode worker without a working pair last. Bound: SLACK_S + the prefill worker's
     handshake timeout for each of the two pairs. After the heal, decode-0 is tried again once
     the marks expire (HOLD_S) and serves."""
-    from gateway.pair_health import HOLD_S
+    from gateway.disagg.pair_health import HOLD_S
     from kv_transfer.send_options import SenderOptions
 
     d0 = cluster.workers["decode-0"].host

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from gateway.worker_pools import REFRESH_S
+from gateway.disagg.worker_pools import REFRESH_S
 from tests.cluster.cluster_checks import (
     Load,
     SteadyLoad,

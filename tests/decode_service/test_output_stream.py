@@ -1,5 +1,5 @@
 """The decode worker's output stream (decode_service/stream.py) and the gateway's side of it
-(gateway/decode_stream.py), over a real gRPC server on loopback, the engine a fake (one token
+(gateway/disagg/decode_stream.py), over a real gRPC server on loopback, the engine a fake (one token
 per step, milliseconds): every request's tokens arrive as the per-request Decode RPC gives
 them; an abort ends one request and leaves the others; a start that cannot start is its own
 error; the stream's end aborts what still runs on it."""
@@ -14,7 +14,7 @@ import pytest
 
 from decode_service.service import DecodeServicer
 from engine_core.sampling_params import SamplingParams
-from gateway.decode_stream import DecodeStream
+from gateway.disagg.decode_stream import DecodeStream
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.proto_convert import FINISH_REASON_NAMES

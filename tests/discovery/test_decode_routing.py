@@ -1,4 +1,4 @@
-"""Decode routing: the order decode workers are asked to reserve a prompt (gateway/routing.py's
+"""Decode routing: the order decode workers are asked to reserve a prompt (gateway/disagg/routing.py's
 rank_decode, with exact orders), the leading overlap of chain hashes, the record of prefix
 blocks a decode worker publishes (service_infra/prefix_record.py), and the gateway's order
 over a real Redis where one decode worker published a prompt's blocks."""
@@ -10,9 +10,9 @@ import asyncio
 import pytest
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.redis_discovery import RedisDiscovery
-from gateway.routing import DECODE_QUEUE_WEIGHT_BLOCKS, leading_overlap, rank_decode
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.redis_discovery import RedisDiscovery
+from gateway.disagg.routing import DECODE_QUEUE_WEIGHT_BLOCKS, leading_overlap, rank_decode
 from service_infra.prefix_record import PrefixRecord
 from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
@@ -83,18 +83,18 @@ def test_the_gateway_asks_the_decode_worker_that_published_the_prefix_first(redi
             await reg.start(port)
         discovery = await RedisDiscovery.connect(config)
         backend = DisaggregatedBackend(discovery, tokenizer=None)
-        backend.block_size = block_size
-        await backend._discover()
+        backend.pools.block_size = block_size
+        await backend.pools.discover()
         for w in backend.decode:
             w.is_healthy = True
-        assert [w.worker_id for w in await backend._decode_order(prompt)] == [
+        assert [w.worker_id for w in await backend.admission.decode_order(prompt)] == [
             "decode-0", "decode-1"]  # nothing published: list order
         regs[1].publish_prefix(hash_full_blocks(prompt, block_size))  # as DecodeWorker does
         await asyncio.sleep(0.2)
-        assert [w.worker_id for w in await backend._decode_order(prompt)] == [
+        assert [w.worker_id for w in await backend.admission.decode_order(prompt)] == [
             "decode-1", "decode-0"]
         backend.decode[1].in_flight = 3  # 4 - 6 < 0: the idle worker first
-        assert [w.worker_id for w in await backend._decode_order(prompt)] == [
+        assert [w.worker_id for w in await backend.admission.decode_order(prompt)] == [
             "decode-0", "decode-1"]
         for reg in regs:
             await reg.stop()

@@ -1,4 +1,4 @@
-"""Prefill routing: the pure cost model (gateway/routing.py) with exact choices, then the
+"""Prefill routing: the pure cost model (gateway/disagg/routing.py) with exact choices, then the
 gateway's choice over a real Redis where one worker published a prompt's blocks."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import zlib
 import pytest
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.redis_discovery import RedisDiscovery
-from gateway.routing import QUEUE_WEIGHT_BLOCKS, pick_prefill
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.redis_discovery import RedisDiscovery
+from gateway.disagg.routing import QUEUE_WEIGHT_BLOCKS, pick_prefill
 from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 
@@ -62,15 +62,15 @@ def test_the_gateway_routes_to_the_worker_that_published_the_prefix(redis_server
             await reg.start(port)
         discovery = await RedisDiscovery.connect(config)
         backend = DisaggregatedBackend(discovery, tokenizer=None)
-        backend.block_size = BLOCK_SIZE
-        await backend._discover()
+        backend.pools.block_size = BLOCK_SIZE
+        await backend.pools.discover()
         workers = {w.worker_id: w for w in backend.prefill}
         for w in workers.values():
             w.is_healthy = True
         # a prompt nobody published: the first block decides, as without Redis
         key = zlib.crc32(bytes(str(other[:16]), "ascii"))
         expected = backend.prefill[pick_prefill([0, 0], None, key)]
-        assert await backend._pick_prefill(other) is expected
+        assert await backend.handoff.pick_prefill(other) is expected
         # the worker the first block does not pick holds the prompt: it gets it
         key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))
         holder = backend.prefill[1 - pick_prefill([0, 0], None, key)]
@@ -79,20 +79,20 @@ def test_the_gateway_routes_to_the_worker_that_published_the_prefix(redis_server
         assert await discovery.prefix_overlap(list(workers), hash_full_blocks(
             prompt, BLOCK_SIZE)) == {holder.worker_id: 5, (set(workers) - {
                 holder.worker_id}).pop(): 0}
-        assert await backend._pick_prefill(prompt) is holder
+        assert await backend.handoff.pick_prefill(prompt) is holder
         holder.in_flight = 1  # 5 - 8 < 0: the idle worker wins despite the overlap
-        assert await backend._pick_prefill(prompt) is not holder
+        assert await backend.handoff.pick_prefill(prompt) is not holder
         holder.in_flight = 0
         # Redis gone: routing by queue depth (no error, one warning)
         redis_server.proc.terminate()
         redis_server.proc.wait()
         idle = next(w for w in backend.prefill if w is not holder)
         idle.in_flight = 1
-        assert await backend._pick_prefill(prompt) is holder
+        assert await backend.handoff.pick_prefill(prompt) is holder
         holder.in_flight = 2
-        assert await backend._pick_prefill(prompt) is idle
+        assert await backend.handoff.pick_prefill(prompt) is idle
         assert [w.worker_id for w in backend.prefill] == ["prefill-0", "prefill-1"]
-        await backend._discover()  # discovery keeps what it last saw
+        await backend.pools.discover()  # discovery keeps what it last saw
         assert [w.worker_id for w in backend.prefill] == ["prefill-0", "prefill-1"]
         for reg in regs:
             await reg.stop()  # bounded, logs that the key will expire
@@ -107,7 +107,7 @@ def test_without_redis_prefill_workers_status_routes_and_prices_a_remote_prefill
     counts only what that worker lacks: a chat whose history the decode worker holds (its
     replies' KV, computed there) is dearer to prefill remotely than its local rest."""
     from engine_core.sampling_params import SamplingParams
-    from gateway.discovery import StaticDiscovery
+    from gateway.disagg.discovery import StaticDiscovery
     from protos.pdserve.internal import workers_pb2 as wpb
     from service_infra.backend import GenerateInput
 
@@ -117,8 +117,8 @@ def test_without_redis_prefill_workers_status_routes_and_prices_a_remote_prefill
     async def scenario() -> None:
         backend = DisaggregatedBackend(StaticDiscovery(["p0:1", "p1:1"], ["d0:1"]),
                                        tokenizer=None)
-        backend.block_size = BLOCK_SIZE
-        await backend._discover()
+        backend.pools.block_size = BLOCK_SIZE
+        await backend.pools.discover()
         (decode,) = backend.decode
         for w in backend.prefill + backend.decode:
             w.is_healthy = True
@@ -129,20 +129,20 @@ def test_without_redis_prefill_workers_status_routes_and_prices_a_remote_prefill
         inp = GenerateInput("r", prompt, SamplingParams())
         # the decode worker holds all 8 full blocks; nobody lists the history yet
         res = wpb.ReserveResponse(num_cached_tokens=8 * BLOCK_SIZE)
-        costs = backend._costs(inp, decode, res, await backend._prefix_held(prompt))
+        costs = backend.placement.costs(inp, decode, res, await backend.placement.prefix_held(prompt))
         assert (costs.num_local_tokens, costs.num_remote_tokens) == (3, len(prompt))
         holder.prefix_hashes = frozenset(hash_full_blocks(history, BLOCK_SIZE))
-        assert await backend._pick_prefill(prompt) is holder
-        costs = backend._costs(inp, decode, res, await backend._prefix_held(prompt))
+        assert await backend.handoff.pick_prefill(prompt) is holder
+        costs = backend.placement.costs(inp, decode, res, await backend.placement.prefix_held(prompt))
         assert (costs.num_local_tokens, costs.num_remote_tokens) == (3, len(prompt) - 80)
-        decision, _ = await backend._place(inp, decode, res)
+        decision, _ = await backend.placement.place(inp, decode, res)
         assert decision.as_dict()["num_remote_tokens"] == len(prompt) - 80
         assert decision.where == "local" and decision.local_cost_s < decision.remote_cost_s
         # a prompt the prefill worker holds whole still computes its last token there
         holder.prefix_hashes = frozenset(hash_full_blocks(prompt, BLOCK_SIZE))
         whole = GenerateInput("w", prompt[:8 * BLOCK_SIZE], SamplingParams())
-        held = await backend._prefix_held(whole.prompt_token_ids)
-        assert backend._costs(whole, decode, res, held).num_remote_tokens == 1
+        held = await backend.placement.prefix_held(whole.prompt_token_ids)
+        assert backend.placement.costs(whole, decode, res, held).num_remote_tokens == 1
         await backend.close()
 
     asyncio.run(scenario())

@@ -14,9 +14,9 @@ import grpc
 import pytest
 import redis
 
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import WorkerAddress
-from gateway.redis_discovery import RedisDiscovery
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.discovery import WorkerAddress
+from gateway.disagg.redis_discovery import RedisDiscovery
 from service_infra.redis_registry import RedisConfig, RedisUnavailable, block_member
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 from tests.discovery.conftest import PASSWORD
@@ -127,18 +127,18 @@ def test_restart_bumps_the_epoch_and_the_gateway_reconnects(redis_server):
         backend = DisaggregatedBackend(discovery, tokenizer=None)
         first = registration(redis_server.url)
         await first.start(5555)
-        await backend._discover()
+        await backend.pools.discover()
         (old,) = backend.prefill
         assert (old.worker_id, old.epoch) == ("prefill-a", 1)
         crash(first)  # the process died; it comes back at the same address before expiry
         second = registration(redis_server.url)
         await second.start(5555)
         assert second.epoch == 2
-        await backend._discover()
+        await backend.pools.discover()
         (new,) = backend.prefill
         assert new is not old and new.epoch == 2
         assert old.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
-        await backend._discover()
+        await backend.pools.discover()
         assert backend.prefill == [new]  # the same epoch again: kept
         await second.stop()  # a graceful restart counts as well
         third = registration(redis_server.url)
@@ -177,13 +177,13 @@ def test_a_killed_worker_expires_and_the_gateway_drops_it(redis_server):
             discovery = await RedisDiscovery.connect(RedisConfig(redis_server.url))
             backend = DisaggregatedBackend(discovery, tokenizer=None)
             await asyncio.sleep(2 * ttl)  # heartbeats from the other process keep it listed
-            await backend._discover()
+            await backend.pools.discover()
             assert [w.address for w in backend.decode] == ["127.0.0.1:6001"]
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             gone_after = await wait_listed(discovery, [], timeout_s=ttl + 2)
             assert gone_after <= ttl + 0.5, gone_after
-            await backend._discover()
+            await backend.pools.discover()
             assert backend.decode == []
             await backend.close()
 

@@ -358,7 +358,7 @@ def check_repeat_hits_decode_cache(stack: Stack, ref: References, transport: str
 
 
 # -- a stream that moved to another decode worker ----------------------------------------------
-# the gateway's log line when it runs a request again elsewhere (gateway/disaggregated.py)
+# the gateway's log line when it runs a request again elsewhere (gateway/disagg/backend.py)
 RESUMED = re.compile(r"request (\S+): .*; running it again elsewhere \((\d+) tokens streamed "
                      r"so far\)")
 

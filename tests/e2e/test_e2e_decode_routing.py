@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine_core.kv_cache.block_hash import hash_full_blocks
-from gateway.routing import leading_overlap
+from gateway.disagg.routing import leading_overlap
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.e2e.extra_gateway import ExtraGateway
 from tests.e2e.stack import (

@@ -60,7 +60,7 @@ def test_the_gateway_starts_without_torch(model_path):
         "import sys; sys.modules['torch'] = None\n"
         "from pdserve.cli import build_parser\n"
         "from gateway.server import disaggregated_backend_factory\n"
-        "import gateway.disaggregated, gateway.worker_pools, gateway.canary\n"
+        "import gateway.disagg.backend, gateway.disagg.worker_pools, gateway.disagg.canary\n"
         "from engine_core.model_files import resolve_model\n"
         "from engine_core.tokenizer import load_tokenizer\n"
         "from engine_core.weights.gguf_file import GGUFMetadata\n"

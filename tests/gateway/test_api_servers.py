@@ -9,7 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-from gateway.api_servers import CanaryVerdict, _without
+from gateway.api_servers import _without
+from gateway.disagg.canary import CanaryVerdict
 
 
 def test_the_supervisor_passes_on_every_flag_but_its_own():

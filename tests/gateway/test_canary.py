@@ -1,4 +1,4 @@
-"""The canary's verdicts (gateway/canary.py) as a pure state machine: pairs marked and cleared,
+"""The canary's verdicts (gateway/disagg/canary.py) as a pure state machine: pairs marked and cleared,
 readiness lost after K failed rounds or a round of timeouts, restored by one success; and the
 prefill worker routing picks for a decode worker avoiding a pair the canary marked."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from gateway.canary import CanaryConfig, CanaryState
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import StaticDiscovery
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.canary import CanaryConfig, CanaryState
+from gateway.disagg.discovery import StaticDiscovery
 
 P0, P1, D0 = "p0:1", "p1:1", "d0:1"
 
@@ -58,19 +58,19 @@ def test_routing_gives_a_decode_worker_another_prefill_worker_than_a_bad_pair():
     async def scenario() -> None:
         backend = DisaggregatedBackend(StaticDiscovery(["p0:1", "p1:1"], ["d0:1", "d1:1"]),
                                        tokenizer=None)
-        await backend._discover()  # channels are lazy: nothing is dialled
+        await backend.pools.discover()  # channels are lazy: nothing is dialled
         for w in backend.prefill + backend.decode:
             w.is_healthy = True
         d0, d1 = backend.decode
         prompt = list(range(40))
-        picked = await backend._pick_prefill(prompt, decode=d0)
+        picked = await backend.handoff.pick_prefill(prompt, decode=d0)
         other = next(w for w in backend.prefill if w is not picked)
         backend.canary_monitor.state.bad_pairs.add((picked.address, d0.address))
-        assert await backend._pick_prefill(prompt, decode=d0) is other
-        assert await backend._pick_prefill(prompt, decode=d1) is picked  # only that pair
+        assert await backend.handoff.pick_prefill(prompt, decode=d0) is other
+        assert await backend.handoff.pick_prefill(prompt, decode=d1) is picked  # only that pair
         # every pair of d0 bad: it still gets a prefill worker (the canary may be wrong)
         backend.canary_monitor.state.bad_pairs.add((other.address, d0.address))
-        assert await backend._pick_prefill(prompt, decode=d0) in backend.prefill
+        assert await backend.handoff.pick_prefill(prompt, decode=d0) in backend.prefill
         await backend.close()
 
     asyncio.run(scenario())

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import StaticDiscovery, WorkerAddress
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.discovery import StaticDiscovery, WorkerAddress
 
 
 class ChangingDiscovery:
@@ -40,15 +40,15 @@ def test_backend_follows_joins_and_leaves():
         disc = ChangingDiscovery([WorkerAddress("prefill", "127.0.0.1:1"),
                                   WorkerAddress("decode", "127.0.0.1:2")])
         backend = DisaggregatedBackend(disc, tokenizer=None)
-        await backend._discover()
+        await backend.pools.discover()
         first_decode = backend.decode[0]
         assert [w.address for w in backend.prefill] == ["127.0.0.1:1"]
         disc.now = disc.now + [WorkerAddress("decode", "127.0.0.1:3")]
-        await backend._discover()
+        await backend.pools.discover()
         assert [w.address for w in backend.decode] == ["127.0.0.1:2", "127.0.0.1:3"]
         assert backend.decode[0] is first_decode  # kept, not reconnected
         disc.now = [w for w in disc.now if w.address != "127.0.0.1:2"]
-        await backend._discover()
+        await backend.pools.discover()
         assert [w.address for w in backend.decode] == ["127.0.0.1:3"]
         await backend.close()
         assert disc.is_closed

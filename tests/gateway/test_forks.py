@@ -1,4 +1,4 @@
-"""The disaggregated backend's forks (gateway/forks.py) against fake workers on loopback: the
+"""The disaggregated backend's forks (gateway/disagg/forks.py) against fake workers on loopback: the
 samples of a prompt reserve and prefill once and fork on the parent's decode worker; a fork
 aborted while it waits for its parent never reaches a worker; the in-flight counts return to
 zero."""
@@ -10,8 +10,8 @@ import asyncio
 import grpc
 
 from engine_core.sampling_params import SamplingParams
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import StaticDiscovery
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.discovery import StaticDiscovery
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.backend import GenerateInput
@@ -91,7 +91,7 @@ def test_samples_fork_on_the_parents_decode_worker_and_an_early_abort_reaches_no
         server, address = await _serve(prefill, decode)
         backend = DisaggregatedBackend(StaticDiscovery([address], [address]), tokenizer=None)
         try:
-            await backend._discover()
+            await backend.pools.discover()
             for w in backend.prefill + backend.decode:
                 w.is_healthy = True
             params = SamplingParams(max_tokens=1)

@@ -1,9 +1,9 @@
-"""gateway/pair_health.py: a (prefill, decode) pair whose handoff failed is avoided for
+"""gateway/disagg/pair_health.py: a (prefill, decode) pair whose handoff failed is avoided for
 HOLD_S, cleared by a success, and a decode worker with no good pair left is known as such."""
 
 from __future__ import annotations
 
-from gateway.pair_health import PairHealth
+from gateway.disagg.pair_health import PairHealth
 
 
 def test_a_failed_pair_is_avoided_until_it_expires_or_succeeds():

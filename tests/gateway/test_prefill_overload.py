@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from engine_core.sampling_params import SamplingParams
-from gateway.disaggregated import DisaggregatedBackend
-from gateway.discovery import StaticDiscovery
+from gateway.disagg.backend import DisaggregatedBackend
+from gateway.disagg.discovery import StaticDiscovery
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra.backend import GenerateInput, Overloaded
@@ -54,7 +54,7 @@ def _prefill_with(full: list[bool], in_flight: tuple[int, ...] = ()
         backend = DisaggregatedBackend(StaticDiscovery([a for _, a in servers],
                                                        ["127.0.0.1:1"]), tokenizer=None)
         try:
-            await backend._discover()
+            await backend.pools.discover()
             for i, w in enumerate(backend.prefill):
                 w.is_healthy = True
                 w.in_flight = in_flight[i] if in_flight else 0
@@ -62,7 +62,7 @@ def _prefill_with(full: list[bool], in_flight: tuple[int, ...] = ()
             reservation = pb.ReserveResponse(lease_id="l1", block_ids=[1, 2, 3],
                                              transfer_address="127.0.0.1:1")
             try:
-                return await backend._prefill(inp, sampling_to_proto(inp.params),
+                return await backend.handoff.prefill(inp, sampling_to_proto(inp.params),
                                               backend.decode[0], reservation)
             except Overloaded as e:
                 return e

@@ -1,4 +1,4 @@
-"""The cost model that places a prompt's prefill (gateway/prefill_policy.py), over a table of
+"""The cost model that places a prompt's prefill (gateway/disagg/prefill_policy.py), over a table of
 cases: each row changes one input of a base case and names the verdict it must give."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.prefill_policy import (
+from gateway.disagg.prefill_policy import (
     PrefillCosts,
     PrefillPolicy,
     decide,

@@ -1,4 +1,4 @@
-"""A chat answer's reasoning apart from its content (gateway/reasoning.py): the split itself,
+"""A chat answer's reasoning apart from its content (gateway/openai/reasoning.py): the split itself,
 streamed in any pieces, against a plain reference; and through a real `pdserve gateway
 --colocated` whose chat template writes <think> (so `auto` picks the think parser), with the
 real model's output held to a thinking shape by a regex (structured outputs), the `openai`
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.reasoning import CLOSE, OPEN, TAGS, ReasoningSplit, resolve_parser, split
+from gateway.openai.reasoning import CLOSE, OPEN, TAGS, ReasoningSplit, resolve_parser, split
 from tests.gateway.conftest import openai_client
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -87,7 +87,7 @@ def test_a_thinking_chats_grammar_starts_after_its_reasoning():
 
     from engine_core.structured_output import StructuredOutput
     from engine_core.tokenizer import Tokenizer
-    from gateway.reasoning import grammar_after_reasoning
+    from gateway.openai.reasoning import grammar_after_reasoning
 
     words = ["<unk>", "hi", "assistant", "<", "/", "think", ">"]
     rust = RustTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -119,7 +119,7 @@ def test_a_gpt_oss_response_format_starts_after_the_final_header():
 
     from engine_core.structured_output import StructuredOutput
     from engine_core.tokenizer import Tokenizer
-    from gateway.reasoning import chat_prompt
+    from gateway.openai.reasoning import chat_prompt
 
     words = ["<unk>", "hi", "assistant", "final", "analysis", "<", "|", "channel", "message",
              ">"]
@@ -276,7 +276,7 @@ def test_tool_calls_come_from_the_content_after_the_reasoning(client):
             "get_weather", {"city": "Paris"}, "tool_calls")
 
 
-# -- GPT-OSS's harmony channels (gateway/harmony.py) ------------------------------------------
+# -- GPT-OSS's harmony channels (gateway/openai/harmony.py) ------------------------------------------
 H_PIECES = ["<|channel|>analysis<|message|>", "<|channel|>final<|message|>",
             "<|channel|>commentary<|message|>",
             "<|channel|>commentary to=functions.f <|constrain|>json<|message|>",
@@ -316,7 +316,7 @@ def harmony_reference(text: str, tools: frozenset[str]):
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.sampled_from(H_PIECES), max_size=10), st.data())
 def test_harmony_streamed_equals_the_reference_whatever_the_pieces(pieces, data):
-    from gateway.harmony import HarmonyStream, parse
+    from gateway.openai.harmony import HarmonyStream, parse
 
     text = "".join(pieces)
     tools = frozenset({"f"})

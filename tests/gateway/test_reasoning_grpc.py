@@ -1,4 +1,4 @@
-"""A thinking chat over the gRPC API (gateway/grpc_chat.py): GenerateResponse.reasoning apart
+"""A thinking chat over the gRPC API (gateway/openai/grpc_chat.py): GenerateResponse.reasoning apart
 from the content in `text`, per sample, tool calls from the content after the reasoning,
 chat_template_kwargs_json and reasoning_effort reaching the template, GPT-OSS's harmony
 channels; through the real gateways of tests/gateway/conftest.py (the real model held to a

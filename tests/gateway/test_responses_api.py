@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (POST /v1/responses, gateway/responses_api.py) through a real gateway
+"""OpenAI's Responses API (POST /v1/responses, gateway/openai/responses_api.py) through a real gateway
 and the official `openai` client: the same output as the chat completion it stands for, its
 stream accumulated by the client's own strict helper (`client.responses.stream`) into the
 non-streamed response, logprobs, structured output, function calls and their results,

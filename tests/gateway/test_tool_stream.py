@@ -1,4 +1,4 @@
-"""Tool calls streamed as deltas (gateway/tool_stream.py), fed any way the text is cut: the
+"""Tool calls streamed as deltas (gateway/openai/tool_stream.py), fed any way the text is cut: the
 deltas join into the calls a non-streamed response parses, the first delta of a call
 carries its index, id, type and name, content streams before the first call."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from gateway.tool_stream import ToolStream, scan_calls
-from gateway.tools import ToolChoice, parse_output
+from gateway.openai.tool_stream import ToolStream, scan_calls
+from gateway.openai.tools import ToolChoice, parse_output
 
 NAMES = ("get_weather", "get_time")
 AUTO = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '

@@ -11,8 +11,8 @@ import pytest
 
 from engine_core.model_files import resolve_model
 from engine_core.tokenizer import Tokenizer, load_tokenizer
-from gateway.tool_stream import ToolStream
-from gateway.tools import ToolChoice, generic_messages, parse_output
+from gateway.openai.tool_stream import ToolStream
+from gateway.openai.tools import ToolChoice, generic_messages, parse_output
 
 TOOL = {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
                                          "parameters": {"type": "object", "properties": {

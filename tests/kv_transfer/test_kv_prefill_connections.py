@@ -3,7 +3,7 @@ the last layer and awaited on the loop; and its connections to decode workers wh
 decode worker restarts at its address: a reservation made on the new process replaces the
 connection to the old one; a reservation made on the old process, arriving late (it waited
 in the prefill queue), fails alone and leaves the current connection, which other requests'
-transfers use, open. Real parts: a PrefillServicer over a tiny random model's PrefillEngine,
+transfers use, open. Real parts: a PrefillWorker over a tiny random model's PrefillEngine,
 and a decode-side KV receiver on loopback (tests/kv_transfer/conftest.py)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kv_helpers import LAYOUTS, same_bits, wait_until
 from engine_core.config import CacheConfig
 from kv_transfer import LeaseState, TransferError, connect
 from prefill_service.engine import HandoffStep, HandoffTarget, PrefillEngine
-from prefill_service.service import PrefillServicer, _committed
+from prefill_service.worker import PrefillWorker, _committed
 from service_infra.metrics.worker import KVTransferMetrics, worker_registry
 from tests.tiny_model import write_tiny_llama
 
@@ -33,20 +33,20 @@ def engine(tmp_path_factory) -> PrefillEngine:
 def test_a_late_reservation_of_a_restarted_decode_worker_fails_alone(engine, make_rig, kind):
     rig = make_rig(kind, engine.layout)
     name = engine.source.name
-    servicer = PrefillServicer(engine, None, KVTransferMetrics(
+    worker = PrefillWorker(engine, None, KVTransferMetrics(
         worker_registry("prefill", name, engine), name))
     old = rig.receiver.instance_id
 
     async def scenario():
-        first = await servicer._connection(rig.target, kind, old)
-        assert await servicer._connection(rig.target, kind, old) is first  # cached
+        first = await worker._connection(rig.target, kind, old)
+        assert await worker._connection(rig.target, kind, old) is first  # cached
         rig.receiver.instance_id = "restarted"  # what the new process at the address has
-        current = await servicer._connection(rig.target, kind, "restarted")
+        current = await worker._connection(rig.target, kind, "restarted")
         assert current is not first and current.receiver_instance == "restarted"
         with pytest.raises(TransferError, match="reservation was made on a previous decode "
                                                 "worker.*now restarted"):
-            await servicer._connection(rig.target, kind, old)  # a late one of the old process
-        assert await servicer._connection(rig.target, kind, "restarted") is current
+            await worker._connection(rig.target, kind, old)  # a late one of the old process
+        assert await worker._connection(rig.target, kind, "restarted") is current
         return first, current
 
     first, current = asyncio.run(scenario())
@@ -59,7 +59,7 @@ def test_a_late_reservation_of_a_restarted_decode_worker_fails_alone(engine, mak
         assert session.send_layer(layer, src_kv)
     session.commit(timeout=5)
     assert wait_until(lambda: rig.table.get(lease.lease_id).state is LeaseState.COMPLETE)
-    servicer.close()
+    worker.close()
 
 
 @pytest.mark.parametrize("layers_computed", ["all", "some"])

@@ -141,7 +141,7 @@ def test_enforce_eager_reaches_every_engine_that_decodes():
 def test_the_canary_is_on_by_default_for_every_disaggregated_gateway():
     """The canary's idle time defaults to 10 s on `pdserve up` (passed on to its gateway) and on
     a disaggregated gateway; 0 turns it off. The e2e stacks turn it off (tests/e2e/stack.py)."""
-    from gateway.canary import CanaryConfig
+    from gateway.disagg.canary import CanaryConfig
 
     parser = build_parser()
     for cmd in (["up"], ["gateway", "--prefill", "p:1", "--decode", "d:1"]):

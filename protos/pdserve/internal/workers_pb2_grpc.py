@@ -224,7 +224,7 @@ class DecodeServicer:
 
     def PrefillLocally(self, request, context):
         """Compute a reserved prompt here instead of on a prefill worker (a local prefill: the
-        gateway's choice, gateway/prefill_policy.py), chunked beside the running decodes in the
+        gateway's choice, gateway/disagg/prefill_policy.py), chunked beside the running decodes in the
         blocks Reserve holds, then stream every token from the first on, as Decode does.
         FAILED_PRECONDITION if the lease has ended or a sender has begun writing into it.
         Cancelling the call aborts the request.

@@ -18,9 +18,9 @@ structured output of such a chat starts after </think> (grammar_after_reasoning)
 chat's response format after its final channel's header (grammar_after_analysis). `pdserve
 gateway --reasoning-parser` picks it: auto (the default) uses "think" where the chat template
 writes <think> (a thinking model's template does), "seed_oss" where it writes <seed:think>
-and "harmony" (GPT-OSS's channels: gateway/harmony.py) where it writes <|channel|>; none
+and "harmony" (GPT-OSS's channels: gateway/openai/harmony.py) where it writes <|channel|>; none
 leaves every output whole. Only chat
-completions are split (gateway/chat_output.py).
+completions are split (gateway/openai/chat_output.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine_core.structured_output import MAX_AFTER_TOKENS, StructuredOutput
-from gateway.harmony import CHANNEL, MESSAGE
+from gateway.openai.harmony import CHANNEL, MESSAGE
 
 OPEN, CLOSE = "<think>", "</think>"
 # the tag pair of each parser that splits at tags: ByteDance's Seed-OSS writes its own
@@ -40,7 +40,7 @@ PARSERS = ("auto", "think", "seed_oss", "harmony", "none")
 
 
 def resolve_parser(setting: str, chat_template: str | None) -> str | None:
-    """The parser a server uses: "think", "harmony" (GPT-OSS: gateway/harmony.py) or None."""
+    """The parser a server uses: "think", "harmony" (GPT-OSS: gateway/openai/harmony.py) or None."""
     if setting not in PARSERS:
         raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got "
                          f"{setting!r}")

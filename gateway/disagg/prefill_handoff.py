@@ -1,7 +1,6 @@
-"""The prefill step of a disaggregated request: pick a prefill worker (gateway/routing.py), send
-it the prompt with the decode worker's reservation (it pushes the KV there), and watch the
-reservation's lease while it runs. Part of DisaggregatedBackend (gateway/disaggregated.py),
-whose state it uses."""
+"""The prefill step of a disaggregated request: pick a prefill worker (gateway/disagg/routing.py),
+send it the prompt with the decode worker's reservation (it pushes the KV there), and watch the
+reservation's lease while it runs."""
 
 from __future__ import annotations
 
@@ -13,32 +12,41 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from gateway.routing import pick_prefill
-from gateway.worker_calls import WorkerCalls, WorkerLost
-from gateway.worker_pools import Worker
+from gateway.disagg.routing import pick_prefill
+from gateway.disagg.worker_calls import WorkerLost, time_left
+from gateway.disagg.worker_pools import Worker, WorkerPools
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import BackendUnavailable, GenerateInput, Overloaded
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillHandoff(WorkerCalls):
-    """Mixed into DisaggregatedBackend: its prefill pool, discovery, block_size,
-    prefix_queue_weight, transport, lease_ttl_s and canary_monitor."""
+class PrefillHandoff:
+    """Prefills on the prefill pool of `pools`, the KV pushed to a decode worker's reservation.
+    `bad_pairs`: the (prefill, decode) addresses the canary saw fail (gateway/disagg/canary.py's
+    CanaryState.bad_pairs, the same set), avoided while others are left."""
 
-    async def _pick_prefill(self, prompt: list[int], full: Sequence[Worker] = (),
+    def __init__(self, pools: WorkerPools, transport: str, lease_ttl_s: float,
+                 prefix_queue_weight: float, bad_pairs: set[tuple[str, str]]) -> None:
+        self.pools = pools
+        self.transport = transport
+        self.lease_ttl_s = lease_ttl_s
+        self.prefix_queue_weight = prefix_queue_weight  # see gateway/disagg/routing.py
+        self.bad_pairs = bad_pairs
+
+    async def pick_prefill(self, prompt: list[int], full: Sequence[Worker] = (),
                             decode: Worker | None = None,
                             held: dict[str, int] | None = None) -> Worker:
-        """gateway/routing.py's choice among the workers not in `full` (their queues refused
+        """gateway/disagg/routing.py's choice among the workers not in `full` (their queues refused
         this request) and, while others are left, not paired badly with `decode` (the canary
-        saw that pair fail: gateway/canary.py); overlaps from `held` (the placement's, by
-        address) or else from Redis or the workers' Status (WorkerCalls._overlaps; unknown
+        saw that pair fail: gateway/disagg/canary.py); overlaps from `held` (the placement's, by
+        address) or else from Redis or the workers' Status (WorkerPools.prefix_overlaps; unknown
         when Redis fails: queue depth alone)."""
-        live = [w for w in self.prefill if w.is_healthy] or list(self.prefill)
+        live = [w for w in self.pools.prefill if w.is_healthy] or list(self.pools.prefill)
         if decode is not None:  # pairs the canary or recent handoffs found failing
-            bad, now = self.canary_monitor.state.bad_pairs, time.monotonic()
+            bad, now = self.bad_pairs, time.monotonic()
             live = [w for w in live if (w.address, decode.address) not in bad
-                    and not self.pair_health.is_bad(w.address, decode.address, now)] or live
+                    and not self.pools.pair_health.is_bad(w.address, decode.address, now)] or live
         if not live:
             raise BackendUnavailable("no prefill worker is known (discovery lists none)")
         live = [w for w in live if all(w is not f for f in full)]
@@ -48,17 +56,17 @@ class PrefillHandoff(WorkerCalls):
         overlap = None
         if len(live) > 1:
             overlap = [held.get(w.address, 0) for w in live] if held is not None \
-                else await self._overlaps(prompt, live)
-        return live[self._pick_of(prompt, live, overlap)]
+                else await self.pools.prefix_overlaps(prompt, live)
+        return live[self.pick_of(prompt, live, overlap)]
 
-    def _pick_of(self, prompt: list[int], live: Sequence[Worker],
+    def pick_of(self, prompt: list[int], live: Sequence[Worker],
                  overlap: Sequence[int] | None) -> int:
-        """gateway/routing.py's pick_prefill among `live` (in_flight read now: other
+        """gateway/disagg/routing.py's pick_prefill among `live` (in_flight read now: other
         requests' picks during an await are counted)."""
         key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker
         return pick_prefill([w.in_flight for w in live], overlap, key, self.prefix_queue_weight)
 
-    async def _prefill(self, inp: GenerateInput, sampling, decode: Worker,
+    async def prefill(self, inp: GenerateInput, sampling, decode: Worker,
                        res: pb.ReserveResponse,
                        held: dict[str, int] | None = None) -> pb.PrefillResponse:
         """Prefill on the best prefill worker whose queue takes the request (a full queue
@@ -66,18 +74,18 @@ class PrefillHandoff(WorkerCalls):
         `held`: the prefix blocks the placement found on each prefill worker."""
         full: list[Worker] = []
         while True:
-            prefill = await self._pick_prefill(inp.prompt_token_ids, full, decode,
+            prefill = await self.pick_prefill(inp.prompt_token_ids, full, decode,
                                                held)  # bounded
             try:
-                return await self._prefill_on(prefill, inp, sampling, decode, res)
+                return await self.prefill_on(prefill, inp, sampling, decode, res)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
                 full.append(prefill)
 
-    async def _prefill_on(self, prefill: Worker, inp: GenerateInput, sampling, decode: Worker,
+    async def prefill_on(self, prefill: Worker, inp: GenerateInput, sampling, decode: Worker,
                           res: pb.ReserveResponse) -> pb.PrefillResponse:
-        first = res.num_cached_tokens // self.block_size
+        first = res.num_cached_tokens // self.pools.block_size
         prefill.in_flight += 1
         prefill.num_tokens_in_flight += len(inp.prompt_token_ids)
         call = prefill.stub.Prefill(pb.PrefillRequest(
@@ -87,7 +95,7 @@ class PrefillHandoff(WorkerCalls):
                                dst_block_ids=res.block_ids[first:], first_block=first,
                                transport=self.transport,
                                transfer_instance=res.transfer_instance)),
-            timeout=self._remaining(inp))
+            timeout=time_left(inp))
         # why the watcher gave up on this call, and whether the transfer (not the prefill
         # worker) failed: a lease that ended unfinished says nothing about the worker's other
         # requests, so it is not marked unhealthy for it (that would give them all up)
@@ -96,14 +104,14 @@ class PrefillHandoff(WorkerCalls):
         def give_up(why: str, is_transfer: bool = False) -> None:
             lost.append((why, is_transfer))
             if is_transfer:  # the lease ended unfinished: the pair's transfer stalled
-                self.pair_health.failed(prefill.address, decode.address, time.monotonic())
+                self.pools.pair_health.failed(prefill.address, decode.address, time.monotonic())
             call.cancel()
 
         watcher = asyncio.create_task(self._watch_lease(decode, prefill, inp.req_id,
                                                         res.lease_id, give_up))
         try:
             reply = await call
-            self.pair_health.ok(prefill.address, decode.address)
+            self.pools.pair_health.ok(prefill.address, decode.address)
             return reply
         except asyncio.CancelledError:
             if not lost:  # our own task is being cancelled (client gone, deadline)
@@ -120,7 +128,7 @@ class PrefillHandoff(WorkerCalls):
             if not (e.details() or "").startswith("kv transfer failed"):
                 prefill.is_healthy = False  # routing avoids it until it answers Status again
             else:  # both answer us, not each other (or D is gone): avoid the pair a while
-                self.pair_health.failed(prefill.address, decode.address, time.monotonic())
+                self.pools.pair_health.failed(prefill.address, decode.address, time.monotonic())
             raise WorkerLost("prefill", f"prefill worker {prefill.address}: "
                                         f"{e.details()}") from None
         finally:

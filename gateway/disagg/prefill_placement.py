@@ -1,22 +1,22 @@
 """The gateway's half of conditional prefill: once a decode worker has reserved a prompt's
 blocks (and said how much of it it caches), gather what the cost model needs from the pools'
-measured Status and decide local or remote (gateway/prefill_policy.py); count every decision
-and learn the remote path's fixed cost from finished requests. Part of DisaggregatedBackend
-(gateway/disaggregated.py), whose pools it reads."""
+measured Status and decide local or remote (gateway/disagg/prefill_policy.py); count every decision
+and learn the remote path's fixed cost from finished requests."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
 
-from gateway.prefill_policy import (
+from gateway.disagg.prefill_handoff import PrefillHandoff
+from gateway.disagg.prefill_policy import (
     PrefillCosts,
     PrefillDecision,
     PrefillPolicy,
     decide,
     exposed_transfer_s,
 )
-from gateway.worker_pools import Worker
+from gateway.disagg.worker_pools import Worker, WorkerPools
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import GenerateInput, Timing
 
@@ -24,42 +24,44 @@ HANDOFF_EWMA_WEIGHT = 0.2  # of the newest remote request in the measured handof
 
 
 class PrefillPlacement:
-    """Mixed into DisaggregatedBackend: its prefill pool, block_size, _overlaps (worker_calls.py)
-    and _pick_of (prefill_handoff.py)."""
+    """Decides where each prompt is prefilled, from the measured Status of `pools`; a remote
+    prefill's worker as `handoff` would pick it."""
 
-    def _init_placement(self, policy: PrefillPolicy) -> None:
-        self.prefill_policy = policy
-        self.num_prefill_decisions: Counter[tuple[str, str]] = Counter()  # (where, reason)
-        self.last_prefill_decision: PrefillDecision | None = None
+    def __init__(self, pools: WorkerPools, handoff: PrefillHandoff, policy: PrefillPolicy) -> None:
+        self.pools = pools
+        self.handoff = handoff
+        self.policy = policy
+        self.num_decisions: Counter[tuple[str, str]] = Counter()  # (where, reason)
+        self.last_decision: PrefillDecision | None = None
         # the remote path's cost beyond prefill compute and transfer (RPCs, commit, admission),
         # learnt from finished remote requests; 0 until the first
         self.handoff_s = 0.0
 
-    async def _place(self, inp: GenerateInput, decode: Worker, reservation: pb.ReserveResponse
+    async def place(self, inp: GenerateInput, decode: Worker, reservation: pb.ReserveResponse
                      ) -> tuple[PrefillDecision, dict[str, int] | None]:
         """Local or remote, and the prefix blocks each healthy prefill worker holds (by
         address; None: unknown), which a remote prefill's pick reuses."""
-        held = await self._prefix_held(inp.prompt_token_ids)
+        held = await self.prefix_held(inp.prompt_token_ids)
         if inp.params.prompt_logprobs is not None:  # only a prefill worker computes them
             decision = PrefillDecision("remote", "prompt_logprobs")
         else:
-            costs = self._costs(inp, decode, reservation, held)
-            decision = replace(decide(costs, self.prefill_policy),
+            costs = self.costs(inp, decode, reservation, held)
+            decision = replace(decide(costs, self.policy),
                                num_local_tokens=costs.num_local_tokens,
                                num_remote_tokens=costs.num_remote_tokens)
-        self.num_prefill_decisions[decision.where, decision.reason] += 1
-        self.last_prefill_decision = decision
+        self.num_decisions[decision.where, decision.reason] += 1
+        self.last_decision = decision
         return decision, held
 
-    async def _prefix_held(self, prompt: list[int]) -> dict[str, int] | None:
+    async def prefix_held(self, prompt: list[int]) -> dict[str, int] | None:
         """The prompt's leading blocks each healthy prefill worker caches, by address (Redis
-        or Status: WorkerCalls._overlaps); None where unknown."""
-        live = [w for w in self.prefill if w.is_healthy]
-        overlap = await self._overlaps(prompt, live) if live else None
+        or Status: WorkerPools.prefix_overlaps); None where unknown."""
+        live = [w for w in self.pools.prefill if w.is_healthy]
+        overlap = await self.pools.prefix_overlaps(prompt, live) if live else None
         return None if overlap is None else {
             w.address: n for w, n in zip(live, overlap, strict=True)}
 
-    def _costs(self, inp: GenerateInput, decode: Worker, reservation: pb.ReserveResponse,
+    def costs(self, inp: GenerateInput, decode: Worker, reservation: pb.ReserveResponse,
                held: dict[str, int] | None) -> PrefillCosts:
         prompt = inp.prompt_token_ids
         n_prompt = len(prompt)
@@ -69,15 +71,15 @@ class PrefillPlacement:
         # lacks what the decode worker computed itself (replies' KV, local prefills), so a
         # chat's history hit there is often far shorter. Where that is unknown (Redis
         # unreachable), assume it caches what the decode worker does.
-        live = [w for w in self.prefill if w.is_healthy]
+        live = [w for w in self.pools.prefill if w.is_healthy]
         overlap = None if held is None else [held.get(w.address, 0) for w in live]
-        pick = self._pick_of(prompt, live, overlap) if live else None
+        pick = self.handoff.pick_of(prompt, live, overlap) if live else None
         prefill = live[pick] if pick is not None else None
         n_remote = (n_local if overlap is None or pick is None
-                    else max(1, n_prompt - overlap[pick] * self.block_size))
+                    else max(1, n_prompt - overlap[pick] * self.pools.block_size))
         ds = decode.status
         ps = prefill.status if prefill is not None else None
-        measured = [w.status.prefill_tokens_per_s for w in self.prefill
+        measured = [w.status.prefill_tokens_per_s for w in self.pools.prefill
                     if w.status is not None and w.status.prefill_tokens_per_s > 0]
         return PrefillCosts(
             num_local_tokens=n_local,
@@ -99,10 +101,10 @@ class PrefillPlacement:
     def _likely_prefill(self) -> Worker | None:
         """The prefill worker a remote prefill would most likely get: the shortest queue
         from here (routing may still prefer another for its prefix cache)."""
-        live = [w for w in self.prefill if w.is_healthy]
+        live = [w for w in self.pools.prefill if w.is_healthy]
         return min(live, key=lambda w: w.num_tokens_in_flight, default=None)
 
-    def _learn_handoff(self, timing: Timing, decode: Worker, num_transfer_tokens: int) -> None:
+    def learn_handoff(self, timing: Timing, decode: Worker, num_transfer_tokens: int) -> None:
         """A remote request's first token arrived: what its tail (kv_transfer_s) took beyond
         the modelled transfer (the wire time its forward did not cover) is the hop's fixed
         cost."""
@@ -114,14 +116,14 @@ class PrefillPlacement:
         w = HANDOFF_EWMA_WEIGHT
         self.handoff_s = sample if self.handoff_s == 0.0 else (1 - w) * self.handoff_s + w * sample
 
-    def placement_status(self) -> dict:
+    def status(self) -> dict:
         """For /internal/status."""
         return {
-            "policy": self.prefill_policy.mode,
-            "local_prefill_max_tokens": self.prefill_policy.max_local_tokens,
-            "local_chunk_tokens": self.prefill_policy.local_chunk_tokens,
+            "policy": self.policy.mode,
+            "local_prefill_max_tokens": self.policy.max_local_tokens,
+            "local_chunk_tokens": self.policy.local_chunk_tokens,
             "handoff_s": self.handoff_s,
             "decisions": [{"where": w, "reason": r, "count": n}
-                          for (w, r), n in sorted(self.num_prefill_decisions.items())],
-            "last": (self.last_prefill_decision.as_dict()
-                     if self.last_prefill_decision is not None else None)}
+                          for (w, r), n in sorted(self.num_decisions.items())],
+            "last": (self.last_decision.as_dict()
+                     if self.last_decision is not None else None)}

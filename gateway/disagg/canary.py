@@ -5,28 +5,33 @@
       whole remote path: D.Reserve -> P.Prefill (KV over the transport in use, committed and
       verified) -> D.Decode (on the gateway's output stream to D); bounded by timeout_s, aborted on D if it does not finish
       a pair that fails is marked bad: routing gives D another prefill worker while one is left
-      (gateway/prefill_handoff.py); its next success clears the mark
+      (gateway/disagg/prefill_handoff.py); its next success clears the mark
     readiness: NOT_SERVING once `failures` rounds in a row had no pair succeed, or a round's
       canaries all timed out (a frozen worker keeps its connections: only time shows it);
       the next round with a success restores it. Liveness is not the canary's business.
 
 A pure state machine (CanaryState) holds the verdicts; Canary runs the rounds against the
-DisaggregatedBackend, which sends each request through CanaryCalls.canary (mixed in).
+DisaggregatedBackend, which sends each request through probe().
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from engine_core.sampling_params import SamplingParams
-from gateway.worker_calls import WorkerCalls
-from gateway.worker_pools import Worker
+from gateway.disagg.prefill_handoff import PrefillHandoff
+from gateway.disagg.worker_calls import abort_on, gateway_error, time_left
+from gateway.disagg.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import GenerateInput
 from service_infra.proto_convert import sampling_to_proto
@@ -34,6 +39,7 @@ from service_infra.proto_convert import sampling_to_proto
 logger = logging.getLogger(__name__)
 CHECK_S = 1.0  # how often the monitor looks at the idle time
 READY_TIMEOUT_S = 5.0  # Decode's wait for the committed KV (normally already complete)
+VERDICT_FILE = "canary.json"  # in the API servers' shared directory (gateway/api_servers.py)
 
 
 @dataclass(frozen=True)
@@ -155,44 +161,57 @@ class Canary:
                 "last_latency_s": s.last_latency_s}
 
 
-class CanaryCalls(WorkerCalls):
-    """Mixed into DisaggregatedBackend: its canary_monitor, tokenizer, lease_ttl_s and the
-    prefill step (gateway/prefill_handoff.py)."""
+async def probe(handoff: PrefillHandoff, tokenizer, prefill: Worker, decode: Worker,
+                timeout_s: float) -> None:
+    """One synthetic request through the whole remote path of this pair: Reserve on decode,
+    Prefill on prefill through `handoff` (the KV over the transport in use), Decode of one
+    token. Raises what the path raised; whatever it leaves on decode is aborted."""
+    prompt = (tokenizer.encode("ping") if tokenizer is not None else [1])[:1]
+    inp = GenerateInput(f"canary-{uuid.uuid4().hex[:12]}", prompt,
+                        SamplingParams(max_tokens=1, temperature=0.0),
+                        deadline=time.monotonic() + timeout_s)
+    sampling = sampling_to_proto(inp.params)
+    is_done = False
+    decode.in_flight += 1
+    try:
+        reservation = await decode.stub.Reserve(pb.ReserveRequest(
+            request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
+            lease_ttl_s=handoff.lease_ttl_s), timeout=time_left(inp))
+        pre = await handoff.prefill_on(prefill, inp, sampling, decode, reservation)
+        # the output stream, as every request's tokens (gateway/disagg/decode_stream.py)
+        channel = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
+            request_id=inp.req_id, first_token_id=pre.first_token_id,
+            ready_timeout_s=READY_TIMEOUT_S))
+        async for _ in channel:
+            pass
+        is_done = True
+    except grpc.aio.AioRpcError as e:
+        raise gateway_error(e, inp) from None
+    finally:
+        decode.in_flight -= 1
+        if not is_done:
+            await abort_on(decode, inp.req_id)
 
-    @property
+
+class CanaryVerdict:
+    """The canary's verdict, as API server 0 (which runs it) writes it for the others
+    (gateway/api_servers.py)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / VERDICT_FILE
+        self._read_at = 0.0
+        self._is_ready = True
+
+    def write(self, is_ready: bool, status: dict) -> None:
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"ready": is_ready, "status": status}))
+        tmp.replace(self.path)  # atomic: a reader sees the old or the new verdict
+
     def is_ready(self) -> bool:
-        """Readiness as the canary sees it (always True with the canary off); an API server
-        other than the first follows the first's canary (gateway/api_servers.py)."""
-        if self.canary_verdict_in is not None:
-            return self.canary_verdict_in.is_ready()
-        return self.canary_monitor.state.is_ready
-
-    async def canary(self, prefill: Worker, decode: Worker, timeout_s: float) -> None:
-        """One synthetic request through the whole remote path of this pair: Reserve on
-        decode, Prefill on prefill (the KV over the transport in use), Decode of one token.
-        Raises what the path raised; whatever it leaves on decode is aborted."""
-        prompt = (self.tokenizer.encode("ping") if self.tokenizer is not None else [1])[:1]
-        inp = GenerateInput(f"canary-{uuid.uuid4().hex[:12]}", prompt,
-                            SamplingParams(max_tokens=1, temperature=0.0),
-                            deadline=time.monotonic() + timeout_s)
-        sampling = sampling_to_proto(inp.params)
-        is_done = False
-        decode.in_flight += 1
-        try:
-            reservation = await decode.stub.Reserve(pb.ReserveRequest(
-                request_id=inp.req_id, prompt_token_ids=prompt, sampling=sampling,
-                lease_ttl_s=self.lease_ttl_s), timeout=self._remaining(inp))
-            pre = await self._prefill_on(prefill, inp, sampling, decode, reservation)
-            # the output stream, as every request's tokens (gateway/decode_stream.py)
-            channel = decode.outputs.start(inp.req_id, inp.deadline, decode=pb.DecodeRequest(
-                request_id=inp.req_id, first_token_id=pre.first_token_id,
-                ready_timeout_s=READY_TIMEOUT_S))
-            async for _ in channel:
-                pass
-            is_done = True
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e, inp) from None
-        finally:
-            decode.in_flight -= 1
-            if not is_done:
-                await self._abort_on(decode, inp.req_id)
+        """Child 0's last verdict, re-read at most every 0.2 s (ready until one exists)."""
+        now = time.monotonic()
+        if now - self._read_at >= 0.2:
+            self._read_at = now
+            with contextlib.suppress(OSError, ValueError):
+                self._is_ready = bool(json.loads(self.path.read_text())["ready"])
+        return self._is_ready

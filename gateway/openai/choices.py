@@ -7,7 +7,7 @@ seed + i, and runs as backend request f"{req_id}-{index}" (the request's own id 
 one choice). The samples of a prompt share its KV: every sample starts at once, sample 0
 (the parent) first, the others as forks of it (`GenerateInput.fork_of`): the backend
 prefills the prompt once and the children take its blocks (engine_core/scheduler.py; in
-disaggregated mode on the parent's decode worker, gateway/forks.py).
+disaggregated mode on the parent's decode worker, gateway/disagg/forks.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
-from gateway.validation import ValidationError
+from gateway.openai.validation import ValidationError
 from service_infra.backend import Backend, BackendUnavailable, GenerateChunk, GenerateInput
 
 DEFAULT_MAX_NUM_CHOICES = 64  # n x prompts per request; `pdserve gateway --max-num-choices`

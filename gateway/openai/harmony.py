@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.tool_stream import new_call_id
+from gateway.openai.tool_stream import new_call_id
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 ENDS = (END, "<|return|>", "<|call|>")

@@ -21,7 +21,7 @@ import jinja2
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_output import StructuredOutput
 from engine_core.tokenizer import NoChatTemplateError
-from gateway.structured import compile_error
+from gateway.openai.structured import compile_error
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend, GenerateInput
 from service_infra.proto_convert import structured_from_proto
@@ -95,7 +95,7 @@ async def encode_chat(backend: Backend, messages: Sequence[dict[str, Any]],
                       field: str, add_generation_prompt: bool = True,
                       tools: list[dict[str, Any]] | None = None,
                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """`tools` go to a template with a tool section (gateway/tools.py renders the others);
+    """`tools` go to a template with a tool section (gateway/openai/tools.py renders the others);
     `template_kwargs`: the request's chat_template_kwargs (check_template_kwargs)."""
     if not messages:
         raise ValidationError(field, f"{field} must contain at least 1 message, got 0")
@@ -205,7 +205,7 @@ def check_lengths(backend: Backend, num_prompt_tokens: int, params: SamplingPara
 async def from_proto(req: pb.GenerateRequest, backend: Backend,
                      deadline: float | None = None, field: str | None = None) -> GenerateInput:
     """A gRPC GenerateRequest as a GenerateInput (raises ValidationError). A chat comes
-    rendered to token ids (gateway/grpc_chat.py); `field`: the prompt's name in errors, where
+    rendered to token ids (gateway/openai/grpc_chat.py); `field`: the prompt's name in errors, where
     it was not the token ids (a rendered chat)."""
     arrival = time.monotonic()
     check_model(req.model, backend)

@@ -3,7 +3,7 @@
 The disaggregated backend asks `workers()` on every status refresh (once a second), so an
 implementation that changes its answer makes workers join and leave without a restart. The
 static list is what `pdserve up` and `pdserve gateway --prefill ... --decode ...` use;
-`pdserve gateway --redis-url` uses the Redis registry (gateway/redis_discovery.py), where workers
+`pdserve gateway --redis-url` uses the Redis registry (gateway/disagg/redis_discovery.py), where workers
 register themselves with heartbeats and also publish which prompt blocks they hold.
 """
 
@@ -17,7 +17,7 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class WorkerAddress:
-    """A worker to route to. Past role and address: what a registry (gateway/redis_discovery.py)
+    """A worker to route to. Past role and address: what a registry (gateway/disagg/redis_discovery.py)
     knows about it; a static list leaves the defaults."""
 
     role: str  # "prefill" | "decode"

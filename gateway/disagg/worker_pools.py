@@ -6,20 +6,24 @@
     Status every REFRESH_S -> health, free blocks, queue depths for routing; a worker is
                              unhealthy when unreachable, or after STALL_STATUS_TIMEOUTS slow
                              answers in a row (one slow answer is a busy worker)
+    prefix_overlaps()      -> the prompt blocks each worker caches (Redis, else Status)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from gateway.decode_stream import DecodeStream
-from gateway.discovery import Discovery, WorkerAddress
-from gateway.pair_health import PairHealth
+from engine_core.kv_cache.block_hash import hash_full_blocks
+from gateway.disagg.decode_stream import DecodeStream
+from gateway.disagg.discovery import Discovery, WorkerAddress
+from gateway.disagg.pair_health import PairHealth
+from gateway.disagg.routing import MAX_ROUTING_BLOCKS, leading_overlap
 from kv_transfer import GRPC_CHANNEL_OPTIONS
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
@@ -63,12 +67,13 @@ class WorkerPools:
         self.prefill: list[Worker] = []  # as discovery last answered
         self.decode: list[Worker] = []
         self.layout_fingerprint = ""  # the workers' (from their status at start)
+        self.block_size = 16  # the workers' (from their status at start)
         self.pair_health = PairHealth()  # (prefill, decode) pairs whose handoffs failed
         self._refused: set[tuple[str, int]] = set()  # (address, epoch) of another layout
         self._discovering = asyncio.Lock()
         self._refresher: asyncio.Task | None = None
 
-    async def _discover(self) -> None:
+    async def discover(self) -> None:
         """Follow discovery: connect to workers that joined, drop those that left, reconnect
         to those that restarted (same address, new worker id or epoch)."""
         async with self._discovering:  # the refresh loop and status() both call this
@@ -124,6 +129,23 @@ class WorkerPools:
             worker.close()
             await worker.channel.close()
 
+    def start_refreshing(self) -> None:
+        self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def prefix_overlaps(self, prompt: list[int], workers: Sequence[Worker]
+                              ) -> list[int] | None:
+        """How many of the prompt's leading full blocks (up to MAX_ROUTING_BLOCKS) each worker
+        caches: from Redis when discovery has it (one round trip, bounded; None when it
+        fails), else from the workers' Status."""
+        hashes = hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size], self.block_size)
+        if not hashes:
+            return [0] * len(workers)
+        query = getattr(self.discovery, "prefix_overlap", None)
+        if query is None:
+            return [leading_overlap(hashes, w.prefix_hashes) for w in workers]
+        held = await query([w.worker_id for w in workers], hashes)
+        return None if held is None else [held.get(w.worker_id, 0) for w in workers]
+
     async def _refresh_loop(self) -> None:
         """Routing reads free blocks and health from here: refreshed every REFRESH_S."""
         while True:
@@ -131,7 +153,7 @@ class WorkerPools:
             await self.refresh()
 
     async def refresh(self) -> None:
-        await self._discover()
+        await self.discover()
 
         async def one(w: Worker) -> None:
             try:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.openai_protocol import chat_messages
-from gateway.validation import (
+from gateway.openai.protocol import chat_messages
+from gateway.openai.validation import (
     MAX_INLINE_TOKENIZE_CHARS,
     ValidationError,
     check_model,

@@ -1,5 +1,5 @@
-"""The Responses API's stream (gateway/responses_api.py): OpenAI's typed server-sent events,
-numbered by sequence_number, as the chat output is split (gateway/chat_output.py).
+"""The Responses API's stream (gateway/openai/responses_api.py): OpenAI's typed server-sent events,
+numbered by sequence_number, as the chat output is split (gateway/openai/chat_output.py).
 
     response.created, response.in_progress
     for each output item, in the order generated (reasoning, message, function calls):
@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from gateway.chat_output import ChatStream
-from gateway.responses_api import (
+from gateway.openai.chat_output import ChatStream
+from gateway.openai.responses_api import (
     ReasoningTokens,
     ResponsesRequest,
     call_item,

@@ -28,9 +28,10 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from gateway.decode_stream import RequestChannel
-from gateway.prefill_policy import PrefillDecision
-from gateway.worker_pools import Worker
+from gateway.disagg.decode_stream import RequestChannel
+from gateway.disagg.prefill_policy import PrefillDecision
+from gateway.disagg.worker_calls import time_left
+from gateway.disagg.worker_pools import Worker
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import DeadlineExceeded, GenerateInput
 
@@ -44,15 +45,15 @@ class Placement:
 
 
 class ForkPlacements:
-    """Mixed into DisaggregatedBackend."""
+    """Where each running parent reserved, for its forks; the forks waiting to know."""
 
-    def _init_forks(self) -> None:
+    def __init__(self) -> None:
         # client request id of a running parent -> its placement, once it has reserved
         self._placements: dict[str, asyncio.Future[Placement | None]] = {}
         self._waiting_forks: set[str] = set()  # children waiting for their parent's placement
 
     @contextlib.contextmanager
-    def _as_parent(self, inp: GenerateInput):
+    def as_parent(self, inp: GenerateInput):
         """While the request runs, its forks can find where it is."""
         if inp.fork_of is not None:
             yield
@@ -67,12 +68,12 @@ class ForkPlacements:
             if not fut.done():
                 fut.set_result(None)
 
-    def _placed(self, client_id: str, decode: Worker, worker_req_id: str) -> None:
+    def placed(self, client_id: str, decode: Worker, worker_req_id: str) -> None:
         fut = self._placements.get(client_id)
         if fut is not None and not fut.done():
             fut.set_result(Placement(decode, worker_req_id))
 
-    async def _parent_placement(self, inp: GenerateInput) -> Placement | None:
+    async def parent_placement(self, inp: GenerateInput) -> Placement | None:
         """Where the child's parent reserved; None when it runs nowhere (the child runs on
         its own). DeadlineExceeded if the child's deadline passes first."""
         fut = self._placements.get(inp.fork_of) if inp.fork_of is not None else None
@@ -80,14 +81,19 @@ class ForkPlacements:
             return None
         self._waiting_forks.add(inp.req_id)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self._remaining(inp))
+            return await asyncio.wait_for(asyncio.shield(fut), time_left(inp))
         except TimeoutError:
             raise DeadlineExceeded(f"request {inp.req_id!r} passed its deadline") from None
         finally:
             self._waiting_forks.discard(inp.req_id)
 
+    def is_waiting(self, req_id: str) -> bool:
+        """The fork waits for its parent's placement (not running anywhere yet)."""
+        return req_id in self._waiting_forks
+
     @staticmethod
-    def _fork_call(inp: GenerateInput, sampling, placement: Placement) -> RequestChannel:
+    def start(inp: GenerateInput, sampling, placement: Placement) -> RequestChannel:
+        """The fork's start on its parent's decode worker's output stream."""
         return placement.decode.outputs.start(inp.req_id, inp.deadline, fork=pb.ForkRequest(
             request_id=inp.req_id, parent_request_id=placement.worker_req_id,
             prompt_token_ids=inp.prompt_token_ids, sampling=sampling))

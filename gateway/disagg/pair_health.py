@@ -10,7 +10,7 @@ Reserve, and only its handoffs fail. Routing learns it from those failures.
 
 A pure state machine (no I/O, times given by the caller). Routing only orders by it: when every
 choice is marked, the marked ones are still tried (the gateway's canary keeps its own marks:
-gateway/canary.py).
+gateway/disagg/canary.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Structured outputs in an OpenAI request body: OpenAI's response_format (json_object,
 json_schema), vLLM's structured_outputs {json | regex | choice | grammar | json_object} or its
 older guided_* fields, at most one of them, into a StructuredOutput and the body field it came
-from (what a compile error names: gateway/structured.py checks that it compiles)."""
+from (what a compile error names: gateway/openai/structured.py checks that it compiles)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from engine_core.structured_output import StructuredOutput
-from gateway.validation import ValidationError
+from gateway.openai.validation import ValidationError
 
 # vLLM's structured_outputs constraints -> StructuredOutput kinds (exactly one per request)
 _STRUCTURED_KINDS = {"json": "json", "regex": "regex", "choice": "choice",

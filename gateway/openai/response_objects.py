@@ -1,5 +1,5 @@
 """OpenAI's response objects, from the backend's GenerateChunks for an OpenAIRequest (parsed
-by gateway/openai_protocol.py; gateway/http_api.py collects or streams the chunks).
+by gateway/openai/protocol.py; gateway/http_api.py collects or streams the chunks).
 
     response_object      the non-streamed response, every choice with its text and logprobs
     chunk_object         one server-sent chunk of one choice
@@ -19,8 +19,8 @@ import dataclasses
 import time
 from typing import Any
 
-from gateway.chat_output import chat_message
-from gateway.openai_protocol import OpenAIRequest
+from gateway.openai.chat_output import chat_message
+from gateway.openai.protocol import OpenAIRequest
 from service_infra.backend import Backend, GenerateChunk, Timing
 
 
@@ -148,8 +148,8 @@ def chunk_object(req: OpenAIRequest, index: int, delta: str | None, finish_reaso
                  reasoning: str | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index`; `delta` None means an empty delta (the final
     chunk of a chat). `tool_calls`: OpenAI's tool_calls deltas, each with its call's index
-    (chat only; gateway/tool_stream.py). `reasoning`: a reasoning_content delta (chat with a
-    reasoning parser; gateway/reasoning.py)."""
+    (chat only; gateway/openai/tool_stream.py). `reasoning`: a reasoning_content delta (chat with a
+    reasoning parser; gateway/openai/reasoning.py)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
                               "logprobs": logprobs}
     if req.is_chat:

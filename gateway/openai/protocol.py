@@ -1,5 +1,5 @@
 """OpenAI's request bodies -> OpenAIRequest, one GenerateInput per choice (the response
-objects: gateway/openai_responses.py).
+objects: gateway/openai/response_objects.py).
 
 Covers /v1/completions (one prompt, or a batch: a list of strings or of token-id lists) and
 /v1/chat/completions, with `n` samples per prompt: one backend request per choice, choice
@@ -11,7 +11,7 @@ min_tokens, ignore_eos, stop_token_ids, skip_special_tokens) are taken from the 
 (json_object, json_schema) or vLLM's structured_outputs (json, regex, choice, grammar), one
 per request, compiled (off the event loop, cached) before anything runs. Chat requests take
 vLLM's chat_template_kwargs (more variables for the template, e.g. Qwen3's enable_thinking)
-and, with the server's reasoning parser, get their reasoning apart (gateway/reasoning.py).
+and, with the server's reasoning parser, get their reasoning apart (gateway/openai/reasoning.py).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
-from gateway.openai_structured import parse_structured
-from gateway.reasoning import chat_prompt
-from gateway.tools import ToolChoice, encode_tool_chat, parse_tools
-from gateway.validation import (
+from gateway.openai.choices import DEFAULT_MAX_NUM_CHOICES, check_num_choices, fan_out
+from gateway.openai.reasoning import chat_prompt
+from gateway.openai.structured_fields import parse_structured
+from gateway.openai.tools import ToolChoice, encode_tool_chat, parse_tools
+from gateway.openai.validation import (
     DEFAULT_MAX_TOKENS,
     ValidationError,
     check_lengths,
@@ -62,7 +62,7 @@ class OpenAIRequest:
     num_prompt_logprobs: int | None = None
     # chat with tools (not tool_choice none): how the output becomes tool_calls
     tool_choice: ToolChoice | None = None
-    # chat with a reasoning parser ("think" or "harmony"; gateway/chat_output.py): the
+    # chat with a reasoning parser ("think" or "harmony"; gateway/openai/chat_output.py): the
     # output's reasoning apart from its content; reasoning_open: the prompt already opened it
     # (ends with <think>)
     reasoning: str | None = None

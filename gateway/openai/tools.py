@@ -20,7 +20,7 @@ tool_choice:
 A request with tool calls finishes with finish_reason "tool_calls". Streamed, content is sent
 as it comes (holding back what may start a `<tool_call>` tag) and each call as OpenAI
 `tool_calls` deltas while it is generated: its id, type and name first, then fragments of its
-arguments (gateway/tool_stream.py). A call's `arguments` is the model's own text of the
+arguments (gateway/openai/tool_stream.py). A call's `arguments` is the model's own text of the
 arguments value, streamed or not.
 """
 
@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_core.structured_output import StructuredOutput
-from gateway.tool_stream import (
+from gateway.openai.tool_stream import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     new_call_id,
     raw_arguments,
     scan_calls,
 )
-from gateway.validation import ValidationError, encode_chat
+from gateway.openai.validation import ValidationError, encode_chat
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend
 

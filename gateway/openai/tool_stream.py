@@ -7,7 +7,7 @@
                             "function": {"name": ..., "arguments": ""}}
     its arguments grow  -> {"index": k, "function": {"arguments": <the new characters>}}
 
-Where calls are (gateway/tools.py's tool_choice modes): `auto` writes
+Where calls are (gateway/openai/tools.py's tool_choice modes): `auto` writes
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after optional content;
 `required` writes a JSON array of {"name", "arguments"} objects; a named function's output is
 its arguments object alone. The arguments fragments are the model's own text of the
@@ -152,9 +152,9 @@ class _Sent:
 
 @dataclass
 class ToolStream:
-    """One streamed choice of a chat with tools (gateway/tools.py's ToolChoice)."""
+    """One streamed choice of a chat with tools (gateway/openai/tools.py's ToolChoice)."""
 
-    tc: Any  # gateway.tools.ToolChoice (mode, names, name, parallel)
+    tc: Any  # gateway.openai.tools.ToolChoice (mode, names, name, parallel)
     text: str = ""
     num_sent: int = 0  # characters of `text` sent as content
     calls: list[_Sent] = field(default_factory=list)

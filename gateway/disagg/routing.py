@@ -21,7 +21,7 @@ Decode workers are ranked the same way, with their own weight:
 
 overlap(d) is the leading prompt blocks d holds (published by decode workers: Redis, or their
 Status). Holding them saves their transfer, and lets a short follow-up be prefilled on d
-itself (gateway/prefill_policy.py); one more request in a decode batch costs far less than one
+itself (gateway/disagg/prefill_policy.py); one more request in a decode batch costs far less than one
 in a prefill queue (a decode row is one token), so the weight is lower. Ties go to the
 shorter queue, then to the most free KV blocks. A multi-turn chat thus returns to the worker
 that holds its history unless that worker is DECODE_QUEUE_WEIGHT_BLOCKS blocks per request

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from gateway.discovery import WorkerAddress
+from gateway.disagg.discovery import WorkerAddress
 from service_infra.redis_registry import REDIS_ERRORS, OutageLog, RedisConfig, block_member
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ DEFAULT_REGISTRATION_TTL_S = 10.0
 
 
 class RedisDiscovery:
-    """The gateway's Discovery (gateway/discovery.py) over the registered workers, and which
+    """The gateway's Discovery (gateway/disagg/discovery.py) over the registered workers, and which
     prefill workers hold a prompt's leading blocks. While Redis is down, workers() answers
     what it last saw and prefix_overlap() None (routing by queue depth); each outage is
     logged once.

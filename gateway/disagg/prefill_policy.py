@@ -23,7 +23,7 @@ first token; transfer_bytes_per_s is the link's speed as the prefill worker's tr
 it (bytes over the time it was shipping: kv_transfer/send_options.py wire_seconds). The last
 layer's share and the commit, which never overlap, are in handoff_s, learnt from the remote
 requests' measured tail beyond this model. Every speed is measured live by the workers
-(engine_core/stats.py, prefill_service/service.py): none is configured. A decode worker that
+(engine_core/stats.py, prefill_service/worker.py): none is configured. A decode worker that
 has never prefilled is assumed as fast as the prefill pool (the same model and kernels).
 
 The cheaper side wins (ties go remote, the path the pools are sized for). Overrides:

@@ -1,6 +1,6 @@
-"""A chat choice's output text as OpenAI's message: its reasoning (gateway/reasoning.py's
-think parser, or GPT-OSS's harmony channels: gateway/harmony.py), its content and its tool
-calls (gateway/tools.py, gateway/tool_stream.py), whole or as it streams.
+"""A chat choice's output text as OpenAI's message: its reasoning (gateway/openai/reasoning.py's
+think parser, or GPT-OSS's harmony channels: gateway/openai/harmony.py), its content and its tool
+calls (gateway/openai/tools.py, gateway/openai/tool_stream.py), whole or as it streams.
 
     parser    reasoning from               tool calls from
     none      -                            the content (<tool_call> blocks, required/named)
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway import harmony
-from gateway.reasoning import TAGS, ReasoningSplit
-from gateway.reasoning import split as split_think
-from gateway.tool_stream import ToolStream
-from gateway.tools import ToolChoice, parse_output
+from gateway.openai import harmony
+from gateway.openai.reasoning import TAGS, ReasoningSplit
+from gateway.openai.reasoning import split as split_think
+from gateway.openai.tool_stream import ToolStream
+from gateway.openai.tools import ToolChoice, parse_output
 
 
 def _harmony_tools(tc: ToolChoice | None) -> frozenset[str]:

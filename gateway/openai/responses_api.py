@@ -1,5 +1,5 @@
 """OpenAI's Responses API (POST /v1/responses) over the chat path: a request becomes the chat
-completion it means, validated and run as one (gateway/openai_protocol.py), and its output
+completion it means, validated and run as one (gateway/openai/protocol.py), and its output
 becomes the Responses API's output items, whole or as a stream of typed events.
 
     request                               chat completion
@@ -14,10 +14,10 @@ becomes the Responses API's output items, whole or as a stream of typed events.
     max_output_tokens                     max_completion_tokens
 
     output items, in the order generated: a reasoning item (the reasoning parser's,
-    gateway/reasoning.py), a message with one output_text part (the content), a function_call
+    gateway/openai/reasoning.py), a message with one output_text part (the content), a function_call
     per tool call. Status "incomplete" (incomplete_details.reason "max_output_tokens") for an
     output cut by the length limit; usage's reasoning_tokens, the tokens whose text went to
-    the reasoning (ReasoningTokens). Streamed: gateway/responses_stream.py.
+    the reasoning (ReasoningTokens). Streamed: gateway/openai/responses_stream.py.
 
 Nothing is stored: `store` is accepted and answered false, and previous_response_id,
 conversation, background and stored prompts are refused (400 naming the field). Only function
@@ -37,10 +37,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import openai_protocol as oai
-from gateway import openai_responses as oai_responses
-from gateway.chat_output import ChatStream, chat_message
-from gateway.validation import ValidationError
+from gateway.openai import protocol as oai
+from gateway.openai import response_objects as oai_responses
+from gateway.openai.chat_output import ChatStream, chat_message
+from gateway.openai.validation import ValidationError
 from service_infra.backend import Backend, GenerateChunk
 
 # copied as they are into the chat completion (the sampling fields both APIs share, and

@@ -1,6 +1,6 @@
 """A gRPC chat (GenerateRequest.chat) as /v1/chat/completions serves one: rendered here with
 its tools and template variables, and its output split into reasoning, content and tool calls
-as it streams (gateway/chat_output.py).
+as it streams (gateway/openai/chat_output.py).
 
     render   ChatMessages -> token ids (the chat template, through the tool section or the
              generic tool format; chat_template_kwargs_json and reasoning_effort as template
@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.chat_output import ChatStream
-from gateway.reasoning import chat_prompt
-from gateway.structured import compile_error
-from gateway.tools import ToolChoice, encode_tool_chat, parse_tools, tool_calls_to_proto
-from gateway.validation import ValidationError, structured_of, template_kwargs
+from gateway.openai.chat_output import ChatStream
+from gateway.openai.reasoning import chat_prompt
+from gateway.openai.structured import compile_error
+from gateway.openai.tools import ToolChoice, encode_tool_chat, parse_tools, tool_calls_to_proto
+from gateway.openai.validation import ValidationError, structured_of, template_kwargs
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend
 from service_infra.proto_convert import structured_to_proto
