@@ -5,6 +5,7 @@ generated stubs stay a leaf that imports nothing of ours."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_output import StructuredOutput
@@ -63,20 +64,32 @@ def structured_from_proto(m: pb.StructuredOutput) -> StructuredOutput | None:
     return StructuredOutput(kind, getattr(m, kind), after)
 
 
-def sampling_from_proto(m: pb.SamplingParameters) -> SamplingParams:
-    """The engine's parameters; fields left unset take the engine defaults. Raises ValueError
-    naming the field for values out of bounds."""
-    kwargs = dict(
+def sampling_kwargs_from_proto(m: pb.SamplingParameters,
+                               max_tokens_default: int | None = None) -> dict[str, Any]:
+    """SamplingParams keyword arguments of a SamplingParameters message: the one conversion
+    of the proto's sampling parameters, for the workers and the gateway. An `optional` field
+    left unset is left out, so it takes SamplingParams's default; max_tokens takes
+    `max_tokens_default` where one is given (the gateway's). ValueError naming the problem
+    for a structured constraint that cannot be read; bounds are SamplingParams's to check."""
+    kwargs: dict[str, Any] = dict(
         min_tokens=m.min_tokens, top_k=m.top_k, min_p=m.min_p,
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
         logit_bias=dict(m.logit_bias), structured=structured_from_proto(m.structured),
     )
+    if max_tokens_default is not None:
+        kwargs["max_tokens"] = max_tokens_default
     for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed",
                  "logprobs", "skip_special_tokens", "prompt_logprobs"):
         if m.HasField(name):
             kwargs[name] = getattr(m, name)
-    return SamplingParams(**kwargs)
+    return kwargs
+
+
+def sampling_from_proto(m: pb.SamplingParameters) -> SamplingParams:
+    """The engine's parameters; fields left unset take the engine defaults. Raises ValueError
+    naming the field for values out of bounds."""
+    return SamplingParams(**sampling_kwargs_from_proto(m))
 
 
 def logprob_to_proto(token_id: int, entry: dict[int, float]) -> pb.TokenLogprob:

@@ -24,7 +24,7 @@ from engine_core.tokenizer import NoChatTemplateError
 from gateway.openai.structured import compile_error
 from protos.pdserve.v1 import generate_pb2 as pb
 from service_infra.backend import Backend, GenerateInput
-from service_infra.proto_convert import structured_from_proto
+from service_infra.proto_convert import sampling_kwargs_from_proto, structured_from_proto
 
 DEFAULT_MAX_TOKENS = 16  # gRPC and /v1/completions when max_tokens is unset (OpenAI's default)
 MAX_REQUEST_ID_LEN = 128
@@ -229,23 +229,13 @@ async def from_proto(req: pb.GenerateRequest, backend: Backend,
 
 
 def proto_sampling_kwargs(s: pb.SamplingParameters) -> dict[str, Any]:
-    """SamplingParams keyword arguments; unset `optional` fields take their documented
-    defaults."""
-
-    def opt(name: str, default: Any) -> Any:
-        return getattr(s, name) if s.HasField(name) else default
-
-    return dict(
-        max_tokens=opt("max_tokens", DEFAULT_MAX_TOKENS), min_tokens=s.min_tokens,
-        temperature=opt("temperature", 1.0), top_p=opt("top_p", 1.0), top_k=s.top_k,
-        min_p=s.min_p, repetition_penalty=opt("repetition_penalty", 1.0),
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        seed=opt("seed", None), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, logprobs=opt("logprobs", None),
-        skip_special_tokens=opt("skip_special_tokens", True), logit_bias=dict(s.logit_bias),
-        prompt_logprobs=opt("prompt_logprobs", None),
-        structured=structured_of(s),
-    )
+    """SamplingParams keyword arguments (service_infra.proto_convert's one conversion); an
+    unset max_tokens takes the gateway's default, an unreadable structured constraint is a
+    ValidationError naming it."""
+    try:
+        return sampling_kwargs_from_proto(s, max_tokens_default=DEFAULT_MAX_TOKENS)
+    except ValueError as e:
+        raise ValidationError("sampling.structured", f"sampling.structured: {e}") from None
 
 
 def structured_of(s: pb.SamplingParameters) -> StructuredOutput | None:
