@@ -1,8 +1,9 @@
-"""A mixture of experts served by `pdserve up` on the defaults a user gets here: a tiny random
-Qwen3-MoE (tests/tiny_model.py, 4 experts, 2 per token, a word-level tokenizer) in the dtype
-the CPU picks, the prefill worker dense, the decode worker's experts on 4/8-bit matmuls, the
-KV handed over by the default transport. Greedy completions equal the offline engine's on
-the same defaults."""
+"""A mixture of experts served by `pdserve up --quantization int8`: a tiny random Qwen3-MoE
+(tests/tiny_model.py, 4 experts, 2 per token, a word-level tokenizer, float weights) in the
+dtype the CPU picks, the prefill worker dense, the decode worker's experts requantized to int8
+for decode rows (the flag reaching the workers), the KV handed over by the default transport.
+Greedy completions equal the offline engine's with the same settings. (On the defaults its
+float weights stay float in every row: tests/engine_core/test_moe.py.)"""
 
 from __future__ import annotations
 
@@ -29,15 +30,16 @@ def tiny_moe(tmp_path_factory):
 
 
 def test_pdserve_up_serves_a_mixture_of_experts(tiny_moe):
-    llm = LLM(model=str(tiny_moe), kv_cache_memory_gb=0.05)
+    llm = LLM(model=str(tiny_moe), kv_cache_memory_gb=0.05, quantization="int8")
     assert llm.engine.model_config.num_experts == 4
-    # the defaults quantize every expert for decode rows (the decode worker's too)
+    # every expert requantized for decode rows (the decode worker's too)
     experts = llm.engine.model.layers[0].mlp.experts
     assert all(type(e.down_proj).__name__ == "DecodeQuantLinear" for e in experts)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate([words(p) for p in PROMPTS],
                                                              params)]
-    stack = wait_stack(*spawn_stack("--kv-cache-memory-gb", "0.05", "--model", str(tiny_moe)))
+    stack = wait_stack(*spawn_stack("--kv-cache-memory-gb", "0.05", "--model", str(tiny_moe),
+                                    "--quantization", "int8"))
     try:
         check_word_completions(stack, PROMPTS, expected, MAX_TOKENS)
     finally:
