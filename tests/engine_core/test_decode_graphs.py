@@ -123,15 +123,18 @@ def _initial_kv(shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("variant", ["native", "torch"])
+@pytest.mark.parametrize("variant", ["native", "native-int8", "torch"])
 def test_padded_decode_steps_equal_the_plain_path(tiny, variant, monkeypatch):
-    """native: the CPU default (C kernels, quantized decode rows), whose rows are computed
-    one by one, so padding changes no bit. torch: the torch attention path with dense rows;
-    there torch's CPU matmul rounds a row differently with the number of rows (oneDNN blocks
-    by it: 1e-5 apart on the tiny model), so logits and K/V agree closely, not bitwise, as a
-    GPU's would between a graph's bucket and the eager batch."""
-    exact = variant == "native"
+    """native: the CPU default on float weights (C attention, dense rows through torch's
+    matmul). native-int8: --quantization int8, whose quantized decode rows are computed one by
+    one, so padding changes no bit. torch: the torch attention path with dense rows. Dense
+    rows round differently with the number of rows (oneDNN blocks by it: 1e-5 apart on the
+    tiny model), so there logits and K/V agree closely, not bitwise, as a GPU's would between
+    a graph's bucket and the eager batch."""
+    exact = variant == "native-int8"
     kwargs = {}
+    if variant == "native-int8":
+        kwargs["quantization"] = "int8"
     if variant == "torch":
         monkeypatch.setenv("PDSERVE_ATTN_BACKEND", "torch")
         kwargs["quantize_decode"] = False
