@@ -104,8 +104,8 @@ def implementations(device: torch.device) -> dict[str, dict[str, Callable]]:
 
 def native_cases() -> list[tuple[str, str, Callable, Callable]]:
     """(kind, shape, C kernel, the torch path it replaces) on CPU, float32."""
-    from engine_core.model.decode_quant import Int4Matmul, NativeQ4Matmul
     from engine_core.model.rope import apply_rope, cos_sin_cache
+    from engine_core.platforms.cpu.decode_quant import Int4Matmul, NativeQ4Matmul
     from engine_core.weights.gguf_q4 import Q4Weight
     from kernels import native
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from engine_core.model import decode_quant  # noqa: E402
+from engine_core.platforms.cpu import decode_quant  # noqa: E402
 from engine_core.sampler import Sampler  # noqa: E402
 from kernels import native  # noqa: E402
 

@@ -26,36 +26,17 @@ def _dtypes() -> dict[str, torch.dtype]:
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
 
 
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX).
-
-    Without it torch emulates bf16 matmuls: measured on a 2-core AVX2 EPYC, 0.2 GFLOP/s against
-    68 GFLOP/s in fp32, so bf16 there would be a 300x slowdown, not a speedup.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """`None`/"auto": bfloat16 on GPUs and on CPUs with native bf16 matmuls, else float32."""
-    import torch
-
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype by name ("bfloat16", "float32", ...) or as itself, checked. "auto" is the
+    platform's to settle (engine_core/platforms/)."""
     dtypes = _dtypes()
-    if dtype is None or dtype == "auto":
-        if device.type == "cpu" and not cpu_has_fast_bf16():
-            return torch.float32
-        return torch.bfloat16
-    if isinstance(dtype, torch.dtype):
-        if dtype not in dtypes.values():
-            raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype}")
-        return dtype
-    if dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {sorted(dtypes)} or 'auto', got {dtype!r}")
-    return dtypes[dtype]
+    if isinstance(dtype, str):
+        if dtype not in dtypes:
+            raise ValueError(f"dtype must be one of {sorted(dtypes)} or 'auto', got {dtype!r}")
+        return dtypes[dtype]
+    if dtype not in dtypes.values():
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype}")
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -41,7 +41,6 @@ import torch
 
 from engine_core.model.attention import AttentionMetadata
 from engine_core.scheduler import SchedulerOutput
-from kernels.backends import attention_backend
 
 if TYPE_CHECKING:
     from engine_core.model_runner import ModelRunner
@@ -100,7 +99,7 @@ class DecodeGraphRunner:
                  use_cuda_graphs: bool) -> None:
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"capture sizes must be ascending and >= 1, got {sizes}")
-        if use_cuda_graphs and runner.device.type != "cuda":
+        if use_cuda_graphs and not runner.platform.cuda_graphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the engine is on {runner.device}")
         self.runner = runner
         self.sizes = tuple(sizes)
@@ -111,7 +110,7 @@ class DecodeGraphRunner:
         width = -(-max_model_len // runner.block_size)  # max blocks per sequence
         shapes = {name: (rows, width) if name == "decode_block_tables" else (rows,)
                   for name in _INPUTS}
-        pin = device.type == "cuda"
+        pin = runner.platform.pin_memory
         # host staging, written through numpy, and its device twin the graphs read
         self._staging = {n: torch.zeros(shapes[n], dtype=_INPUTS[n], pin_memory=pin)
                          for n in _INPUTS}
@@ -179,7 +178,7 @@ class DecodeGraphRunner:
             host["decode_block_tables"][:n, : tables.shape[1]] = tables
         for name, static in self._static.items():
             static[:bucket].copy_(self._staging[name][:bucket], non_blocking=True)
-        if self.runner.device.type == "cuda":
+        if self.runner.platform.pin_memory:  # the copies are asynchronous: mark their end
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.runner.device))
 
@@ -239,15 +238,9 @@ def init_decode_graphs(engine, enforce_eager: bool, max_num_seqs: int) -> str:
     them); returns the decode mode in words, for the log. The KV cache is sized by
     kv_cache_memory_gb, not by the free memory, so the graphs' memory (logged) comes on top
     of it rather than out of it."""
-    if engine.device.type != "cuda":
-        return f"eager (no CUDA graphs on {engine.device.type})"
-    if enforce_eager:
-        return "eager (enforce_eager)"
-    backend = attention_backend(engine.device)
-    # the torch path reads lengths back, and routes a mixture of experts' rows from the
-    # host: not capturable (on triton, the experts are grouped matmuls: kernels/fused_moe)
-    if backend != "triton":
-        return f"eager (attention backend {backend!r}: CUDA graphs need 'triton')"
+    refusal = engine.platform.graphs_refusal(enforce_eager)
+    if refusal is not None:
+        return refusal
     graphs = DecodeGraphRunner(engine.runner, capture_sizes(max_num_seqs),
                                engine.max_model_len, use_cuda_graphs=True)
     graphs.capture()

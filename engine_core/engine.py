@@ -16,20 +16,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine_core import device_check
 from engine_core.async_step import RunAhead
-from engine_core.config import (
-    CacheConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    dtype_name,
-    resolve_dtype,
-)
+from engine_core.config import CacheConfig, SchedulerConfig, SpeculativeConfig, dtype_name
 from engine_core.decode_graphs import init_decode_graphs
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_connector import KVConnector
-from engine_core.model.decode_quant import check_quantization, resolve_activations
 from engine_core.model_files import resolve_model
 from engine_core.model_loader import load_model
 from engine_core.model_runner import ModelRunner
@@ -40,6 +32,7 @@ from engine_core.output_processor import (
     record_logprobs,
 )
 from engine_core.outputs import RequestDelta, RequestOutput, RequestOutputs, snapshot
+from engine_core.platforms import device_check, select_platform
 from engine_core.request import Request, RequestStatus
 from engine_core.sampler import skip_draw
 from engine_core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
@@ -74,7 +67,7 @@ class LLMEngine:
         """quantization: None computes the weights as loaded: a GGUF's 4/5/6/8-bit blocks as
         stored, float weights (safetensors; a GGUF's F32/F16/BF16 tensors) as floats. "int8"
         (CPU only) also requantizes float weights to int8 per 32 for decode rows (faster,
-        lossy; model/decode_quant.py), vLLM's --quantization.
+        lossy; platforms/cpu/decode_quant.py), vLLM's --quantization.
         quantize_decode: decode rows use the quantized matmuls (the file's blocks, and with
         quantization "int8" the requantized floats); None means on for CPU where there is
         anything to use them for. Pass False for exact dense math in every row.
@@ -94,23 +87,23 @@ class LLMEngine:
         async_scheduling: schedule and prepare each step while the one before runs on the
         device (async_step.py); None: on for CUDA."""
         self.kv_connector = kv_connector
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one,
-            self.device = torch.device("cuda", torch.cuda.current_device())  # named for steps
+        # every device- and kernel-dependent decision below is the platform's
+        self.platform = select_platform(device)
+        self.device = self.platform.device
         self._use_device()
         # PDSERVE_CHECK_DEVICE=1 (tests): every step's ops read only tensors on self.device
         self._device_check = (device_check.DeviceCheck(self.device)
                               if device_check.is_enabled() else None)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = self.platform.resolve_dtype(dtype)
         self.source = resolve_model(model)
-        self.quantization = check_quantization(quantization, self.device)
-        if quantize_decode is None:
-            quantize_decode = self.device.type == "cpu"
+        self.quantization = self.platform.check_quantization(quantization)
+        quantize_decode = self.platform.quantize_decode(quantize_decode)
         # what the CPU's decode matmuls multiply with ("float32" or "int8"); None: dense rows
-        self.decode_activations = (resolve_activations(decode_activations, self.dtype)
-                                   if quantize_decode and self.device.type == "cpu" else None)
+        self.decode_activations = (self.platform.resolve_activations(decode_activations,
+                                                                     self.dtype)
+                                   if quantize_decode else None)
         self.model, self.model_config, quantization = load_model(
-            self.source, self.dtype, self.device, quantize_decode,
+            self.source, self.dtype, self.platform, quantize_decode,
             self.decode_activations or "float32", prefill_weights,
             requantize=self.quantization == "int8",
         )
@@ -156,7 +149,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.layout, num_blocks,
                                   scheduler_config.max_num_seqs, self.max_model_len,
-                                  self.device, self.eos_token_ids, quantization,
+                                  self.platform, self.eos_token_ids, quantization,
                                   kv_allocator(self.layout, num_blocks, self.device)
                                   if kv_allocator else None)
         self.decode_mode = init_decode_graphs(self, enforce_eager,
@@ -165,7 +158,7 @@ class LLMEngine:
             build_spec_decoder(speculative_config, self) if speculative_config else None
         )
         if async_scheduling is None:
-            async_scheduling = self.device.type == "cuda"
+            async_scheduling = self.platform.async_scheduling
         self.async_scheduling = async_scheduling
         self._ahead = RunAhead(self) if async_scheduling else None
         self.text_states: dict[str, RequestTextState] = {}
@@ -306,8 +299,7 @@ class LLMEngine:
         """Make the engine's CUDA device current on this thread: streams, events and Triton
         launches without a device of their own take the current one, which is per thread
         (0 unless set), and steps may run on another thread than the one that built us."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.platform.use_device()
 
     def step(self) -> list[RequestOutput]:
         """One step; each request that advanced as its whole output so far (vLLM's shape).

@@ -48,7 +48,7 @@ class LLM:
         speculative_config: e.g. {"method": "ngram", "num_speculative_tokens": 4} or
         {"method": "draft"} (the model's first layers as draft); see SpeculativeConfig.
         decode_activations: "auto", "float32" or "int8", for the CPU's quantized decode
-        matmuls (see model/decode_quant.resolve_activations).
+        matmuls (see platforms/cpu/decode_quant.resolve_activations).
         cache_decoded_blocks: see CacheConfig.cache_decoded_blocks.
         enforce_eager: no CUDA graphs for decode steps (engine_core/decode_graphs.py); they
         are only ever used on CUDA.

@@ -18,9 +18,10 @@ import torch
 from engine_core.input_batch import InputBatch
 from engine_core.kv_cache.layout import KVLayout, copy_kv_blocks
 from engine_core.model.attention import AttentionMetadata
-from engine_core.model.decode_quant import DecodeQuantization
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.forward_context import ForwardContext, use
+from engine_core.platforms import Platform
+from engine_core.platforms.cpu.decode_quant import DecodeQuantization
 from engine_core.prompt_logprobs import record_prompt_logprobs
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput
@@ -49,24 +50,25 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, layout: KVLayout, num_blocks: int,
-                 max_num_seqs: int, max_model_len: int, device: torch.device,
+                 max_num_seqs: int, max_model_len: int, platform: Platform,
                  eos_token_ids: tuple[int, ...],
                  quantization: DecodeQuantization | None = None,
                  kv_cache: torch.Tensor | None = None) -> None:
         self.model = model
         self.layout = layout
-        self.device = device
+        self.platform = platform
+        self.device = device = platform.device
         self.block_size = layout.block_size
         if kv_cache is not None and tuple(kv_cache.shape) != layout.cache_shape(num_blocks):
             raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}, expected "
                              f"{layout.cache_shape(num_blocks)}")
         self.kv_cache = kv_cache if kv_cache is not None else layout.allocate(num_blocks, device)
-        self.uploader = StepUploader(device)
+        self.uploader = StepUploader(device, staged=platform.pin_memory)
         # a few spare rows: finished requests release theirs only at the next step
         self.vocab_size = model.config.vocab_size
         self.batch = InputBatch(2 * max_num_seqs + 8, max_model_len, layout.block_size,
                                 self.vocab_size, eos_token_ids)
-        self.sampler = Sampler()
+        self.sampler = Sampler(platform.sampling, staged=platform.pin_memory)
         self.eos_token_ids = eos_token_ids
         # decode rows run quantized matmuls (CPU): the count goes in each step's ForwardContext
         self.quantization = quantization
@@ -81,9 +83,7 @@ class ModelRunner:
         # now (a core taken by another process stalls every OpenMP barrier); steps with
         # prefill rows keep all of them (torch's matmuls, whose bits may depend on the count)
         # (only over the C decode kernels, whose results do not depend on the count)
-        self.threads = ThreadGovernor(torch.get_num_threads()
-                                      if device.type == "cpu" and quantization is not None
-                                      else 1)
+        self.threads = ThreadGovernor(platform.decode_threads(quantization is not None))
 
     def sync(self, out: SchedulerOutput, block_ids: list[list[int]]) -> np.ndarray:
         """Bring the rows of the step's requests up to date (tokens not sampled here, new
@@ -183,20 +183,20 @@ class ModelRunner:
                 on_layer_done=None) -> ForwardContext:
         """The ForwardContext of a forward: the first num_quant_rows rows take the quantized
         decode path where there is one (`quantization`, default this model's)."""
-        q = quantization or self.quantization
-        if q is None:
+        if (quantization or self.quantization) is None:
             return ForwardContext(on_layer_done=on_layer_done)
-        return ForwardContext(num_quant_rows, q.decode_layers, on_layer_done)
+        return ForwardContext(num_quant_rows, on_layer_done)
 
     def forward(self, input_ids, positions, meta, num_quant_rows: int, kv_cache=None,
                 model=None, num_layers=None, quantization=None,
                 on_layer_done=None) -> torch.Tensor:
-        """The model's hidden states; the first num_quant_rows tokens take the decode path.
-        on_layer_done(i): called as each layer's KV lands (the KV connector)."""
-        model = model or self.model
+        """The model's hidden states, through the platform's forward; the first
+        num_quant_rows tokens take the decode path. on_layer_done(i): called as each layer's
+        KV lands (the KV connector)."""
         kv = self.kv_cache if kv_cache is None else kv_cache
-        with use(self.context(num_quant_rows, quantization, on_layer_done)):
-            return model(input_ids, positions, kv, meta, num_layers)
+        return self.platform.forward(model or self.model, input_ids, positions, kv, meta,
+                                     self.context(num_quant_rows, quantization, on_layer_done),
+                                     num_layers, quantization or self.quantization)
 
     def logits(self, hidden: torch.Tensor, num_quant_rows: int, model=None,
                quantization=None) -> torch.Tensor:

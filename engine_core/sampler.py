@@ -34,10 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine_core import device_check
 from engine_core.penalties import apply_penalties
+from engine_core.platforms import device_check
 from engine_core.sampling_batch import SamplingBatch
-from kernels import native
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -59,17 +58,18 @@ def skip_draw(generator: torch.Generator) -> None:
 
 
 def draw_uniform(generators: Sequence[torch.Generator | None],
-                 device: torch.device | str = "cpu") -> Tensor:
+                 device: torch.device | str = "cpu", staged: bool = False) -> Tensor:
     """One u in [0, 1) per row [B] float64 on `device`: seeded rows from their own (host)
     generator, the others from one draw of the default generator. Drawn on the host, so a
-    seeded request draws the same on any device; then one small non-blocking copy."""
+    seeded request draws the same on any device; then (staged: a device that is not the
+    host, its platform's pin_memory) one small non-blocking copy."""
     u = (torch.rand(len(generators), dtype=torch.float64).tolist()
          if any(g is None for g in generators) else [0.0] * len(generators))
     for row, generator in enumerate(generators):
         if generator is not None:
             u[row] = torch.rand((), dtype=torch.float64, generator=generator).item()
     host = torch.tensor(u, dtype=torch.float64)
-    if torch.device(device).type == "cpu":
+    if not staged:  # the host is the device
         return host
     return host.pin_memory().to(device, non_blocking=True)  # no wait on the device's queue
 
@@ -88,7 +88,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Picks one token per row of a [B, V] logits tensor; see the module docstring."""
+    """Picks one token per row of a [B, V] logits tensor; see the module docstring.
+    kernels: the platform's sampling kernels (the CPU's C ones:
+    platforms/cpu.NativeSampling), whose one-pass draw and top-1 take float32 rows in place
+    of torch's ops; None: torch's. staged: the logits' device is not the host (a GPU), so
+    each step's uniform draws are copied to it (draw_uniform)."""
+
+    def __init__(self, kernels=None, staged: bool = False) -> None:
+        self.kernels = kernels
+        self.staged = staged
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """`logits` [B, V] are consumed: the sampler may modify them in place."""
@@ -125,18 +133,16 @@ class Sampler:
         topk_logprobs, topk_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1)  # [B, n]
         return SamplerOutput(sampled, sampled_logprobs, topk_ids, topk_logprobs)
 
-    @staticmethod
-    def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    def _sample(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         if batch.all_greedy:
-            return argmax_rows(logits)
-        u = draw_uniform(batch.generators, logits.device)  # [B]
+            return argmax_rows(logits, self.kernels)
+        u = draw_uniform(batch.generators, logits.device, self.staged)  # [B]
         temperature = batch.temperature  # greedy rows: 0, the kernel's argmax
         if not batch.all_random:
             temperature = temperature.masked_fill(batch.is_greedy, 0.0)
-        lib = native.load() if _native_sample_fits(logits) else None
-        if lib is not None:
-            return native.sample(lib, logits.contiguous(), temperature, batch.top_k,
-                                 batch.top_p, batch.min_p, u)
+        if self.kernels is not None and logits.dtype == torch.float32:
+            return self.kernels.sample(logits.contiguous(), temperature, batch.top_k,
+                                       batch.top_p, batch.min_p, u)
         greedy_ids = None if batch.all_random else logits.argmax(dim=-1)  # [B]
         random_ids = inverse_cdf(Sampler.probs(logits, batch), u)
         if greedy_ids is None:
@@ -253,17 +259,9 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
-def _native_sample_fits(logits: Tensor) -> bool:
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-
-
-def argmax_rows(logits: Tensor) -> Tensor:
-    """Each row's argmax, the lowest index among equal maxima (as torch's). On CPU, the C
-    kernels' one-pass top-1 where they are built: torch's argmax over [32, 49152] float32
-    logits took 0.43 ms here, a tenth of it."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[1] >= native.TOPK_MAX):
-        lib = native.load()
-        if lib is not None:
-            return native.topk(lib, logits.contiguous(), 1)[:, 0]
+def argmax_rows(logits: Tensor, kernels=None) -> Tensor:
+    """Each row's argmax, the lowest index among equal maxima (as torch's), with the
+    platform's sampling kernels where they take the rows (Sampler)."""
+    if kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+        return kernels.argmax(logits)
     return logits.argmax(dim=-1)

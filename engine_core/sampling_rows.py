@@ -94,7 +94,7 @@ class SamplingRows:
 
         def put(a: np.ndarray) -> torch.Tensor:
             t = torch.from_numpy(a)
-            return t if device.type == "cpu" else t.to(device)
+            return t.to(device)  # the array itself where the device is the host
 
         return SamplingBatch(
             temperature=put(self.temperature[rows]),

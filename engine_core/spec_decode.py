@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine_core import device_check
 from engine_core.config import SpeculativeConfig
 from engine_core.kv_cache.layout import copy_kv_blocks
+from engine_core.platforms import device_check
 from engine_core.request import Request
 from engine_core.sampler import Sampler, exponential_race
 from engine_core.sampling_batch import SamplingBatch
@@ -237,8 +237,8 @@ def build_spec_decoder(config: SpeculativeConfig, engine) -> SpecDecoder:
         from engine_core.model_loader import load_model
 
         source = resolve_model(config.draft_model)
-        model, dcfg, quantization = load_model(source, engine.dtype, engine.device,
-                                       engine.runner.quantization is not None)
+        model, dcfg, quantization = load_model(source, engine.dtype, engine.platform,
+                                               engine.runner.quantization is not None)
         if dcfg.vocab_size != cfg.vocab_size:
             raise ValueError(f"draft model {source.name!r} has vocab_size {dcfg.vocab_size}, "
                              f"the target has {cfg.vocab_size}: they must share a vocabulary")

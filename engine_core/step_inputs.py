@@ -43,13 +43,16 @@ def total_size(arrays: dict[str, np.ndarray]) -> int:
 class StepUploader:
     """Moves each step's host arrays to `device` (see the module docstring)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, staged: bool = False) -> None:
+        """staged: through one pinned host buffer, copied asynchronously (the platform's
+        pin_memory: a CUDA device); else the arrays are the tensors (a CPU's)."""
         self.device = torch.device(device)
+        self.staged = staged
         self._staging: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
     def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        if self.device.type == "cpu":
+        if not self.staged:
             return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
         size = total_size(arrays)
         if self._copied is not None:

@@ -51,7 +51,7 @@ def store_kv_torch(
     slot_mapping: torch.Tensor,
     step_cache: dict | None = None,
 ) -> None:
-    """Torch path of `kernels.store_kv`: two `index_copy_` into the cache's row view.
+    """Torch path of `backends.AttentionKernels.store_kv`: two `index_copy_` into the cache's row view.
 
     step_cache: a dict that lives for one model step; index arithmetic that is the same in every
     layer is done in the first layer and reused from it.
@@ -169,7 +169,7 @@ def paged_decode_attention_torch(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch path of `kernels.paged_decode_attention` (see `_decode` for the method).
+    """Torch path of `backends.AttentionKernels.decode` (see `_decode` for the method).
 
     step_cache: see `store_kv_torch`; the gather rows and mask are computed once per step.
     """
@@ -279,7 +279,7 @@ def paged_prefill_attention_torch(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch path of `kernels.paged_prefill_attention` (see `_prefill` for the method)."""
+    """Torch path of `backends.AttentionKernels.prefill` (see `_prefill` for the method)."""
     check_prefill_args(query, kv_layer, block_tables, query_start_loc, seq_lens, scale)
     if query.shape[0] == 0:
         return torch.empty_like(query)

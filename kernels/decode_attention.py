@@ -191,7 +191,7 @@ def paged_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Triton path of `kernels.paged_decode_attention`; `block_n` is the context tile (None:
+    """Triton path of `backends.AttentionKernels.decode`; `block_n` is the context tile (None:
     `default_block_n`), and `num_warps` and `num_stages` the launch's (None: Triton's
     defaults, 4 and 3; bench_gpu.py --sweep times the choices on a card).
     A window starts the walk at the context's last `window` positions. `num_splits`: chunks

@@ -40,7 +40,11 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros(shape: tuple[int, ...], dtype: torch.dtype,
+          device: torch.device | str = "cpu") -> torch.Tensor:
+    """Zeros on huge pages where `device` is the host, else plain zeros on the device."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     return empty(shape, dtype).zero_()
 
 

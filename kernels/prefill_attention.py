@@ -153,7 +153,7 @@ def paged_prefill_attention_triton(
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """Triton path of `kernels.paged_prefill_attention`; `block_m`/`block_n` are the tiles.
+    """Triton path of `backends.AttentionKernels.prefill`; `block_m`/`block_n` are the tiles.
 
     The grid is sized by max(q_len): `max_query_len` where the caller knows it on the host,
     else read from the device (one sync per call). `sinks`: [num_q_heads] float32 (GPT-OSS).

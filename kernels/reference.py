@@ -106,7 +106,7 @@ def paged_prefill_attention_ref(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen causal prefill over a cached prefix (see kernels.paged_prefill_attention)."""
+    """Varlen causal prefill over a cached prefix (see backends.AttentionKernels)."""
     out = torch.empty_like(query)
     for s in range(seq_lens.shape[0]):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])

@@ -80,7 +80,7 @@ def _store_kv_kernel(
 def store_kv_triton(
     key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Triton path of `kernels.store_kv`; checks arguments and launches one program per token."""
+    """Triton path of `backends.AttentionKernels.store_kv`; checks arguments and launches one program per token."""
     check_store_kv_args(key, value, kv_layer, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:

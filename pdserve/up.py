@@ -167,11 +167,11 @@ class Stack:
 def prefill_weights(args: argparse.Namespace, source) -> str:
     """--prefill-weights for the workers. "auto" is settled here, for all of them at once:
     each worker holds its own copy of the weights, so the dense copies must fit
-    (prefill + decode) times over (model_loader.resolve_prefill_weights)."""
+    (prefill + decode) times over (platforms/cpu/weights.resolve_prefill_weights)."""
     import torch
 
-    from engine_core.config import resolve_dtype
-    from engine_core.model_loader import dense_copy_bytes, settle_prefill_weights
+    from engine_core.platforms import resolve_dtype
+    from engine_core.platforms.cpu.weights import dense_copy_bytes, settle_prefill_weights
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     if (args.prefill_weights == "quantized" and source.kind != "gguf"

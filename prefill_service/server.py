@@ -8,10 +8,10 @@ import logging
 import torch
 import uvloop
 
-from engine_core.config import resolve_dtype
 from engine_core.kv_cache.block_hash import hash_full_blocks
 from engine_core.model_files import resolve_model
-from engine_core.model_loader import settle_prefill_weights
+from engine_core.platforms import resolve_dtype
+from engine_core.platforms.cpu.weights import settle_prefill_weights
 from prefill_service.engine import PrefillEngine
 from prefill_service.service import PrefillServicer
 from prefill_service.worker import PrefillWorker

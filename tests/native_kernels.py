@@ -36,3 +36,12 @@ def require_native_kernels(isa: str | None = None) -> ctypes.CDLL:
     if reason is not None:
         pytest.skip(reason)
     return native.require(isa)
+
+
+def native_sampling():
+    """The CPU platform's sampling kernels (engine_core/platforms/cpu.NativeSampling) over the
+    C library, or None where it does not load (why_no_native_kernels says why)."""
+    from engine_core.platforms.cpu import NativeSampling
+
+    lib = native.load()
+    return NativeSampling(lib) if lib is not None else None

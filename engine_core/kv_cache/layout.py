@@ -86,10 +86,7 @@ class KVLayout:
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The zeroed cache; on CPU on 2 MiB pages where the OS allows (kernels/huge_pages.py)."""
-        shape = self.cache_shape(num_blocks)
-        if torch.device(device).type == "cpu":
-            return huge_pages.zeros(shape, self.torch_dtype)
-        return torch.zeros(shape, dtype=self.torch_dtype, device=device)
+        return huge_pages.zeros(self.cache_shape(num_blocks), self.torch_dtype, device)
 
 
 def copy_kv_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels
+from engine_core.model.ops import ModelOps
 
 
 @dataclass
@@ -73,40 +73,41 @@ def paged_attention(
     kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    ops: ModelOps,
     skip_decodes: int = 0,
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """skip_decodes: the step's decode rows were done elsewhere (the native CPU kernel) and
+    """ops: the platform's kernels (ops.py). skip_decodes: the step's decode rows were done elsewhere (the native CPU kernel) and
     q/k/v are its prefill rows only; 0 or meta.num_decode_tokens.
     window: each token attends to the last `window` positions, itself included (None: all).
     softcap: scores capped to softcap * tanh(score / softcap) before the softmax (Gemma 2).
     sinks: [num_heads] float32, each head's sink logit in its softmax (GPT-OSS; None: none)."""
     if skip_decodes:
         cache = meta.kernel_cache.setdefault("prefill_rows", {})
-        kernels.store_kv(k, v, kv_layer, meta.slot_mapping[skip_decodes:], cache)
-        return kernels.paged_prefill_attention(
+        ops.store_kv(k, v, kv_layer, meta.slot_mapping[skip_decodes:], cache)
+        return ops.prefill_attention(
             q, kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
             meta.prefill_seq_lens, scale, window, max_query_len=meta.prefill_max_query_len,
             softcap=softcap, sinks=sinks,
         )
-    kernels.store_kv(k, v, kv_layer, meta.slot_mapping, meta.kernel_cache)
+    ops.store_kv(k, v, kv_layer, meta.slot_mapping, meta.kernel_cache)
     nd = meta.num_decode_tokens
     if meta.num_prefills == 0:
-        return kernels.paged_decode_attention(
+        return ops.decode_attention(
             q, kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
             meta.kernel_cache, window, max_context_len=meta.decode_max_len or None,
             softcap=softcap, sinks=sinks,
         )
-    prefill_out = kernels.paged_prefill_attention(
+    prefill_out = ops.prefill_attention(
         q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_query_start_loc,
         meta.prefill_seq_lens, scale, window, max_query_len=meta.prefill_max_query_len,
         softcap=softcap, sinks=sinks,
     )
     if nd == 0:
         return prefill_out
-    decode_out = kernels.paged_decode_attention(
+    decode_out = ops.decode_attention(
         q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale,
         meta.kernel_cache, window, max_context_len=meta.decode_max_len or None,
         softcap=softcap, sinks=sinks,

@@ -9,7 +9,6 @@ parallelism are applied from outside.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable
 
@@ -27,30 +26,31 @@ from engine_core.model.feed_forward import (
     split_fused_experts,
     split_stacked_experts,
 )
-from engine_core.model.forward_context import current, use
+from engine_core.model.forward_context import current
+from engine_core.model.ops import ModelOps
 from engine_core.model.rope import apply_rope, cos_sin_cache, partial_rotary_rows
 from engine_core.model.rope_scaling import uses_long_factors
-from kernels import native
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, fused=None) -> None:
+        """fused: the platform's fused (add +) RMSNorm (ModelOps.rms_norm), or None."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.native = None  # the C kernels' library, set by native_cpu.use_native_kernels
+        self.fused = fused
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual stream: (norm(residual + x), residual + x).
 
-        The native kernel adds into `residual` in place: the stream belongs to the forward.
+        The fused kernel adds into `residual` in place: the stream belongs to the forward.
         """
-        if self.native is not None:
+        if self.fused is not None:
             if residual is None:
-                return native.add_rms_norm(self.native, x, None, self.weight, self.eps)
-            return native.add_rms_norm(self.native, residual, x, self.weight, self.eps), residual
+                return self.fused(x, None, self.weight, self.eps)
+            return self.fused(residual, x, self.weight, self.eps), residual
         if residual is not None:
             residual = residual + x
             return self._norm(residual), residual
@@ -66,8 +66,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: ModelOps) -> None:
         super().__init__()
+        self.ops = ops
+        # rope, K/V store and attention in one call per kind of row (the CPU's C kernels)
+        self.row_attention = ops.row_attention
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
         )
@@ -92,9 +95,9 @@ class Attention(nn.Module):
         self.qk_norm_whole = cfg.qk_norm_whole
         q_width, k_width = (self.q_size, self.kv_size) if cfg.qk_norm_whole \
             else (cfg.head_dim, cfg.head_dim)
-        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.native = None  # the C kernels' library, set by native_cpu.use_native_kernels
+        norm = ops.rms_norm  # as pd_decode_layers normalises q and k
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -109,24 +112,25 @@ class Attention(nn.Module):
         nd = meta.num_decode_tokens
         # float32 for the kernels (the parameter follows the model's dtype)
         sinks = None if self.sinks is None else self.sinks.float().contiguous()
-        if self.native is None or not kv_layer.is_contiguous():
+        if self.row_attention is None or not kv_layer.is_contiguous():
             return self.o_proj(self._attention(qkv, cos_sin, kv_layer, meta,
                                                nd if meta.decodes_done else 0, sinks))
-        # rope, K/V store and attention in C (kernels/native.py), in float32 over a float32 or
-        # bfloat16 cache: each row over its own context, decode rows and prefill rows alike
-        # (one call for each kind). Rows here are the prefill rows only when decodes_done.
+        # rope, K/V store and attention in one call (the C kernels), in float32 over a
+        # float32 or bfloat16 cache: each row over its own context, decode rows and prefill
+        # rows alike (one call for each kind). Rows here are the prefill rows only when
+        # decodes_done.
         rows = qkv.float()  # rotated in place by the kernel
         first = 0 if meta.decodes_done else nd  # this call's first prefill row
         parts = []
         if first:
-            parts.append(native.row_attention(
-                self.native, rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
+            parts.append(self.row_attention(
+                rows[:nd], cos_sin[:nd], kv_layer, meta.slot_mapping[:nd],
                 meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.scale,
                 meta.decode_max_len, window=self.window, softcap=self.softcap, sinks=sinks,
             ))
         if first < rows.shape[0]:
-            parts.append(native.row_attention(
-                self.native, rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
+            parts.append(self.row_attention(
+                rows[first:], cos_sin[first:], kv_layer, meta.slot_mapping[nd:],
                 meta.prefill_block_tables, meta.prefill_row_lens, self.num_heads, self.scale,
                 meta.prefill_max_len, meta.prefill_row_tables, self.window, self.softcap, sinks,
             ))
@@ -156,8 +160,8 @@ class Attention(nn.Module):
                         cos_sin[:, None, :half], cos_sin[:, None, half:])
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_layer, meta, self.scale, skip_decodes, self.window,
-                              self.softcap, sinks)
+        out = paged_attention(q, k, v, kv_layer, meta, self.scale, self.ops, skip_decodes,
+                              self.window, self.softcap, sinks)
         return out.reshape(n, self.q_size)  # [n, heads * head_dim]
 
 
@@ -171,14 +175,15 @@ class DecoderLayer(nn.Module):
         olmo2:  r += post_attn_norm(attn(r));     r += post_ffw_norm(mlp(r))
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: ModelOps) -> None:
         super().__init__()
         self.post_norms = cfg.post_norms
+        norm = ops.rms_norm  # the norms pd_decode_layers fuses (Gemma's other two stay torch's)
         if not self.post_norms:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg) if cfg.layer_is_moe(layer) else MLP(cfg)
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm)
+        self.self_attn = Attention(cfg, layer, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm)
+        self.mlp = SparseMoE(cfg, ops.grouped_experts) if cfg.layer_is_moe(layer) else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
         if self.sandwich:
@@ -210,15 +215,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModelOps) -> None:
+        """ops: the kernels its modules call, as the platform that builds it chose them."""
         super().__init__()
         self.config = cfg
         # no random init: load_weights fills it (nn.Embedding's normal_ under the meta device
         # of model_loader imports torch._dynamo, ~1.5 s of every start)
         self.embed_tokens = nn.Embedding.from_pretrained(
             torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -261,25 +267,22 @@ class DecoderForCausalLM(nn.Module):
         num_layers: int | None = None,  # run only the first layers (a self-speculative draft)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """The step's ForwardContext (forward_context.py) says which leading rows are decode
-        rows, whether they go through every layer in one C call, and who watches the layers."""
+        rows (the quantized matmuls' rows) and who watches the layers. Every row goes through
+        the layers here; the CPU platform's runner may take the decode rows through all of
+        them in one C call first (platforms/cpu/decode_quant.NativeDecodeLayers) and pass the
+        prefill rows alone (meta.decodes_done)."""
+        x = self.embed(input_ids)
+        residual = None
         cos_sin = self.cos_sin[positions]  # [num_tokens, head_dim] float32
-        nd = meta.num_decode_tokens
-        ctx = current()
-        if (ctx.decode_layers is None or nd == 0 or ctx.on_layer_done is not None
-                or not kv_cache.is_contiguous()):
-            return self._layers(input_ids, positions, cos_sin, kv_cache, meta, num_layers)
-        # decode rows: every layer in one C call, float32 (NativeDecodeLayers); prefill rows
-        # beside them on the torch path, in the model dtype
-        local = self.other_rope(positions[:nd], cos_sin[:nd])
-        decoded = ctx.decode_layers(self.embed(input_ids[:nd]), cos_sin, kv_cache, meta,
-                                    len(self.layers) if num_layers is None else num_layers,
-                                    local)
-        if nd == input_ids.shape[0]:
-            return decoded
-        with use(dataclasses.replace(ctx, num_quant_rows=0)):  # prefill rows: all dense
-            prefilled = self._layers(input_ids[nd:], positions[nd:], cos_sin[nd:], kv_cache,
-                                     dataclasses.replace(meta, decodes_done=True), num_layers)
-        return torch.cat([decoded, prefilled.float()])
+        local = self.other_rope(positions, cos_sin)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        on_layer_done = current().on_layer_done
+        for i, layer in enumerate(layers):
+            rope = local if layer.self_attn.other_rope else cos_sin
+            x, residual = layer(x, residual, rope, kv_cache[i], meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self.norm(x, residual)[0]
 
     def other_rope(self, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
         """The rope rows of the layers with `other_rope`: Gemma 3's local base, or cos 1 and
@@ -291,19 +294,6 @@ class DecoderForCausalLM(nn.Module):
             rows[:, : self.config.head_dim // 2] = 1.0
             return rows
         return None
-
-    def _layers(self, input_ids, positions, cos_sin, kv_cache, meta, num_layers) -> torch.Tensor:
-        x = self.embed(input_ids)
-        residual = None
-        local = self.other_rope(positions, cos_sin)
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
-        on_layer_done = current().on_layer_done
-        for i, layer in enumerate(layers):
-            rope = local if layer.self_attn.other_rope else cos_sin
-            x, residual = layer(x, residual, rope, kv_cache[i], meta)
-            if on_layer_done is not None:
-                on_layer_done(i)
-        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         if isinstance(self.lm_head, nn.Linear):  # decode rows from the C kernels: float32

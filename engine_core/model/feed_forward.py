@@ -14,7 +14,6 @@ from torch import nn
 
 from engine_core.config import ModelConfig
 from engine_core.model.forward_context import current, use
-from kernels import native
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float,
@@ -61,22 +60,25 @@ class SparseMoE(nn.Module):
     Each expert runs once per step on its tokens, gathered in row order, so a step's decode
     rows (the first rows) stay first: the expert's quantized matmuls take exactly those
     (the forward context's num_quant_rows, recounted per expert). Where every expert's
-    matrices are the C kernels' (`native`, set by decode_quant.quantize_for_decode), the
-    decode rows' experts run in one C call per layer instead (pd_moe_experts), float32; and
-    where every layer is in C, pd_decode_layers computes the whole MLP of the decode rows
-    (router included) and this forward sees prefill rows only.
+    matrices are the C kernels' (`decode_experts`, set by the CPU platform's decode
+    quantization: platforms/cpu/decode_quant.py), the decode rows' experts run in one call
+    per layer instead (pd_moe_experts), float32; and where every layer is in C,
+    pd_decode_layers computes the whole MLP of the decode rows (router included) and this
+    forward sees prefill rows only.
 
-    On the Triton backend (a GPU) every row's experts run as two grouped matmuls over the
-    experts' stacked weights instead (`stack_experts`, kernels/fused_moe.py): no host sync,
-    so a decode step's CUDA graph holds the experts too."""
+    With the platform's `grouped` experts (Triton, a GPU: ModelOps.grouped_experts) every
+    row's experts run as two grouped matmuls over the experts' stacked weights instead
+    (`stack_experts`): no host sync, so a decode step's CUDA graph holds the experts too."""
 
-    native = None  # (lib, gate_up Matrix array, down Matrix array, act): see decode_quant
+    # decode_experts(x [nq, hidden], counts, rows, pair_weights) -> [nq, hidden] float32
+    decode_experts = None
     # (w_gate_up [E, 2 * width, hidden], its bias or None, w_down [E, hidden, width], its
-    # bias or None): set by stack_experts, for kernels.fused_moe
+    # bias or None): set by stack_experts, for `grouped`
     stacked = None
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, grouped=None) -> None:
         super().__init__()
+        self.grouped = grouped
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size, cfg.expert_bias)
@@ -94,11 +96,9 @@ class SparseMoE(nn.Module):
         ctx = current()
         nq = min(ctx.num_quant_rows, x.shape[0])
         if self.stacked is not None:
-            from kernels.fused_moe import fused_experts  # imports triton: that backend only
-
-            out = fused_experts(x, *self.stacked, chosen, weights, self.experts[0].glu)
-        elif self.native is not None and nq:  # decode rows in C, the rest below
-            out = self._native_rows(x[:nq], chosen[:nq], weights[:nq]).to(x.dtype)
+            out = self.grouped(x, *self.stacked, chosen, weights, self.experts[0].glu)
+        elif self.decode_experts is not None and nq:  # decode rows in C, the rest below
+            out = self._decode_rows(x[:nq], chosen[:nq], weights[:nq]).to(x.dtype)
             if nq < x.shape[0]:
                 with use(dataclasses.replace(ctx, num_quant_rows=0)):
                     rest = self._routed(x[nq:], chosen[nq:], weights[nq:].to(x.dtype), 0)
@@ -154,20 +154,17 @@ class SparseMoE(nn.Module):
             start += count
         return out
 
-    def _native_rows(self, x: torch.Tensor, chosen: torch.Tensor,
+    def _decode_rows(self, x: torch.Tensor, chosen: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:  # [nq, hidden] float32
-        lib, gate_up, down, act = self.native
         counts, rows, pair_weights = self._grouped(chosen, weights)
-        xf = x.float().contiguous()
-        return native.moe_experts(lib, xf, gate_up, down, self.experts[0].intermediate, act,
-                                  counts, rows.contiguous(), pair_weights.float().contiguous(),
-                                  torch.zeros_like(xf))
+        return self.decode_experts(x.float().contiguous(), counts, rows.contiguous(),
+                                   pair_weights.float().contiguous())
 
 
 def stack_experts(model: nn.Module) -> None:
-    """Every SparseMoE of `model` on the grouped-matmul path (SparseMoE.stack_experts)."""
+    """Every SparseMoE of `model` that has grouped experts on that path (stack_experts)."""
     for m in model.modules():
-        if isinstance(m, SparseMoE):
+        if isinstance(m, SparseMoE) and m.grouped is not None:
             m.stack_experts()
 
 

@@ -1,14 +1,12 @@
 """What one forward pass needs besides its tensors, set per step by whoever runs the model.
 
-    with use(ForwardContext(num_quant_rows=nd, decode_layers=..., on_layer_done=...)):
+    with use(ForwardContext(num_quant_rows=nd, on_layer_done=...)):
         hidden = model(input_ids, positions, kv_cache, meta)
 
 The model reads it with `current()`; outside a `use` block it is the empty context (every row
-dense, no C decode path, nobody watching the layers). Fields:
+dense, nobody watching the layers). Fields:
 - num_quant_rows: the first rows of the batch are decode rows, which take the quantized
-  matmuls (decode_quant.DecodeQuantLinear); the rest are dense.
-- decode_layers: the decode rows through every layer in one C call
-  (decode_quant.NativeDecodeLayers), or None for the layer-by-layer path.
+  matmuls (the CPU platform's DecodeQuantLinear); the rest are dense.
 - on_layer_done: called with each layer's index once its KV is in the cache (the KV
   connector's save_layer: the prefill worker ships that layer while the next computes). A
   forward with an observer runs every row layer by layer.
@@ -20,13 +18,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
 class ForwardContext:
     num_quant_rows: int = 0
-    decode_layers: Any = None  # decode_quant.NativeDecodeLayers (not imported: a cycle)
     on_layer_done: Callable[[int], None] | None = None
 
 

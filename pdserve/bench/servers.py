@@ -31,7 +31,8 @@ import httpx2 as httpx
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_core.config import dtype_name, resolve_dtype
+from engine_core.config import dtype_name
+from engine_core.platforms import resolve_dtype
 from pdserve.bench.args import BACKENDS
 
 READY_TIMEOUT_S = 600.0  # `pdserve up` loads the model in three processes on two cores

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_core.config import dtype_name, resolve_dtype
+from engine_core.config import dtype_name
+from engine_core.platforms import resolve_dtype
 from pdserve.bench import report
 from pdserve.bench.command import configs
 from pdserve.bench.metrics import SLO, RequestResult

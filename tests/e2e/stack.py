@@ -27,7 +27,8 @@ import grpc
 import httpx2 as httpx
 import torch
 
-from engine_core.config import dtype_name, resolve_dtype
+from engine_core.config import dtype_name
+from engine_core.platforms import resolve_dtype
 from protos.pdserve.internal import workers_pb2 as wpb
 from protos.pdserve.internal import workers_pb2_grpc as wpb_grpc
 from protos.pdserve.v1 import generate_pb2 as pb
@@ -144,7 +145,7 @@ def _fmt(statuses: dict[str, wpb.WorkerStatus]) -> str:
 def spawn_stack(*up_args: str, env: dict[str, str] | None = None
                 ) -> tuple[subprocess.Popen, Path]:
     """`pdserve up` on its defaults, on free ports (returns at once; see wait_stack); its
-    engines check that every step computes on their device (engine_core/device_check.py).
+    engines check that every step computes on their device (engine_core/platforms/device_check.py).
     `env` adds to the environment.
 
     The canary (on by default: 10 s idle) is off unless up_args set --canary-idle-s: its

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_core.model.architectures import UnsupportedArchitectureError
-from engine_core.model.decode_quant import DecodeQuantization
+from engine_core.platforms.cpu.decode_quant import DecodeQuantization
 from tests.engine_core import tiny_models as tm
 from tests.engine_core.arch_cases import CASES, GEMMA3_AS_GGUF, check_against_hf, transformers
 
@@ -165,6 +165,7 @@ def test_qwen2_sliding_window_follows_layer_types(tmp_path):
 def test_unknown_hf_architecture_is_refused(tmp_path):
     from engine_core.model_files import ModelSource
     from engine_core.model_loader import load_model
+    from engine_core.platforms import select_platform
 
     hf = tm.build_hf(transformers.LlamaConfig, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -172,7 +173,7 @@ def test_unknown_hf_architecture_is_refused(tmp_path):
     cfg["model_type"] = "phi"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="PhiForCausalLM.*supported: llama"):
-        load_model(ModelSource("hf", tmp_path), torch.float32, torch.device("cpu"))
+        load_model(ModelSource("hf", tmp_path), torch.float32, select_platform("cpu"))
     assert hf is not None
 
 
@@ -241,7 +242,7 @@ def test_one_call_c_decode_layers(case, tmp_path):
         else ["sliding_attention"] * hf.config.num_hidden_layers)
     windows = [window if t == "sliding_attention" else None for t in types]
     assert [layer.self_attn.window for layer in eng.model.layers] == windows
-    assert all(layer.self_attn.native is not None for layer in eng.model.layers)
+    assert all(layer.self_attn.row_attention is not None for layer in eng.model.layers)
     assert eng.runner.quantization.decode_layers is not None
     layers = eng.runner.quantization.decode_layers.layers
     assert [layer.window for layer in layers] == [w or 0 for w in windows]

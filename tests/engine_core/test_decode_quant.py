@@ -1,4 +1,4 @@
-"""Decode rows on weight-only 4/8-bit matmuls (engine_core/model/decode_quant.py), real model."""
+"""Decode rows on weight-only 4/8-bit matmuls (engine_core/platforms/cpu/decode_quant.py), real model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_real_model import PROMPTS, assert_batched_equals_solo  # same folder (rootdir import)
 
-from engine_core.model.decode_quant import (
+from engine_core.model.forward_context import ForwardContext, use
+from engine_core.platforms.cpu.decode_quant import (
     REFINE_TOP_K,
     DecodeQuantization,
     DecodeQuantLinear,
@@ -17,7 +18,6 @@ from engine_core.model.decode_quant import (
     Int8Matmul,
     requantize_int4,
 )
-from engine_core.model.forward_context import ForwardContext, use
 from engine_core.sampling_params import SamplingParams
 from engine_core.weights.gguf_loader import GGUFFile
 from kernels import native
@@ -42,8 +42,8 @@ def llm_quant_bf16(model_path):
 
     llm = LLM(str(model_path), dtype="bfloat16", kv_cache_memory_gb=0.25, quantize_decode=True)
     layer = llm.engine.model.layers[0]
-    assert (layer.self_attn.native is not None) == (native.load() is not None)
-    assert layer.input_layernorm.native is None
+    assert (layer.self_attn.row_attention is not None) == (native.load() is not None)
+    assert layer.input_layernorm.fused is None
     return llm
 
 
@@ -62,7 +62,7 @@ def llm_quant_int8(model_path):
 
 
 def test_decode_activations_setting(model_path):
-    from engine_core.model.decode_quant import resolve_activations
+    from engine_core.platforms.cpu.decode_quant import resolve_activations
 
     vnni = native.has_int8(native.load())
     assert resolve_activations(None, torch.bfloat16) == ("int8" if vnni else "float32")
@@ -159,7 +159,7 @@ def test_requantize_int4_is_min_max_per_32():
 def test_lm_head_screens_in_4_bits_with_int8_activations_only(llm_quant, llm_quant_int8):
     """lm_head_screen="auto": float32 activations keep their 1e-3 log-probabilities (the
     screen's logits enter every normalizer), int8 ones read half the head's bytes."""
-    from engine_core.model.decode_quant import NativeQ4Matmul, NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ4Matmul, NativeQ8Matmul
 
     assert isinstance(llm_quant.engine.model.lm_head.quant, NativeQ8Matmul)
     assert isinstance(llm_quant_int8.engine.model.lm_head.quant, NativeQ4Matmul)

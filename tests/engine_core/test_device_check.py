@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 import torch
 
-from engine_core.device_check import ENV, DeviceCheck, DeviceMisplaced
 from engine_core.llm import LLM
+from engine_core.platforms.device_check import ENV, DeviceCheck, DeviceMisplaced
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_output import StructuredOutput
 from tests.tiny_model import words, write_tiny_llama

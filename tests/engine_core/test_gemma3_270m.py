@@ -65,7 +65,7 @@ def test_cpu_defaults_decode_its_quant_types(gemma_path, gemma_hf, prompts):
     """Quantized decode: every tensor type of the file in C (Q4_K as 4-bit, Q5_0, Q8_0 and
     Q6_K in the q8 family: all layers in one C call); attention in C (head_dim 256, one KV
     head)."""
-    from engine_core.model.decode_quant import DecodeQuantization, NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import DecodeQuantization, NativeQ8Matmul
 
     eng = tm.engine(gemma_path, block_size=16, quantize_decode=True,
                     decode_activations="float32")
@@ -74,7 +74,7 @@ def test_cpu_defaults_decode_its_quant_types(gemma_path, gemma_hf, prompts):
     # float32 activations keep the tied Q8_0 embedding's 8 bits in the lm_head (lm_head_screen)
     assert isinstance(eng.model.lm_head.quant, NativeQ8Matmul)
     assert eng.runner.quantization.decode_layers is not None  # all 18 layers in one C call
-    assert all(layer.self_attn.native is not None for layer in eng.model.layers)
+    assert all(layer.self_attn.row_attention is not None for layer in eng.model.layers)
     got = tm.greedy(eng, prompts[:2], 8)
     for p, tokens in zip(prompts[:2], got, strict=True):
         assert tokens[:2] == tm.hf_greedy(gemma_hf, p, 2)

@@ -66,7 +66,7 @@ def test_quantized_model_matches_transformers(qtype, tmp_path):
 
 
 def test_q4_1_keeps_its_c_decode_path(tmp_path):
-    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ4Matmul
+    from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear, NativeQ4Matmul
     from kernels import native
 
     if native.load() is None:
@@ -96,7 +96,7 @@ def test_q4_k_blocks_expand_to_gguf_dequantize():
 def test_q4_k_decodes_in_c(activations, tmp_path):
     """Q4_K tensors take the C 4-bit decode path (all layers in one call) as Q4_1 does; with
     float32 activations the greedy tokens equal the dense engine's."""
-    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ4Matmul
+    from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear, NativeQ4Matmul
     from kernels import native
 
     lib = native.load()
@@ -120,7 +120,7 @@ def test_q5_0_and_q8_0_decode_in_c_with_the_files_scales(qtype, tmp_path):
     """Q5_0 (d * (q - 16)) and Q8_0 (d * q) are int8 with the file's block scales: the C
     int8 matmul's weights are the file's values exactly (d * q back equals the dense
     weight), and the decode rows' greedy tokens equal the dense engine's."""
-    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear, NativeQ8Matmul
     from kernels import native
 
     if native.load() is None:
@@ -158,7 +158,7 @@ def test_q8_family_expands_to_gguf_dequantize_and_multiplies_in_c(qtype):
     import numpy as np
     from gguf.quants import dequantize
 
-    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
     from engine_core.weights.gguf_q8 import unpack_q8
     from kernels import native
 
@@ -200,7 +200,7 @@ def test_fused_projection_of_q4_k_and_q6_k_parts_is_one_exact_matrix():
 def test_k_quants_and_iq_types_decode_in_c(qtype, tmp_path):
     """Q6_K, Q5_K, Q3_K, Q2_K and the IQ types decode in C from their own integers and scales
     (all layers in one call); float32 activations give the dense engine's tokens."""
-    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear, NativeQ8Matmul
     from kernels import native
 
     if native.load() is None:
@@ -225,7 +225,7 @@ def test_low_bit_types_on_the_cpu_defaults(qtype, tmp_path):
     defaults users get: bf16, int8 decode activations where the CPU has VNNI. Every
     projection and the layers' one C call take the file's integers, and each projection's
     decode rows stay within int8 activations' error of the dense weight's product."""
-    from engine_core.model.decode_quant import DecodeQuantLinear, NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear, NativeQ8Matmul
     from kernels import native
 
     lib = native.load()

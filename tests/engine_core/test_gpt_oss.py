@@ -130,7 +130,7 @@ def test_gguf_mxfp4_experts_decode_from_the_files_values(tmp_path):
     into MXFP4's table), exactly what gguf dequantizes; logits within 1e-3 of transformers
     holding the same weights, greedy equal, and on the CPU defaults (bf16, int8 activations)
     the first tokens too."""
-    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
     from kernels import native
 
     config_cls, overrides = gpt_oss()
@@ -187,9 +187,9 @@ def test_hf_checkpoint_with_mxfp4_experts(tmp_path):
     assert tm.greedy(eng, [prompt], 12)[0] == tm.hf_greedy(hf, prompt, 12)
     # the CPU's quantized decode: each expert's decode rows multiply the checkpoint's own
     # values in C (kind 9); with prefill_weights "quantized" the experts get no dense copy
-    from engine_core.model.decode_quant import NativeQ8Matmul
     from engine_core.model_files import ModelSource
-    from engine_core.model_loader import dense_copy_bytes
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.weights import dense_copy_bytes
     from kernels import native
 
     source = ModelSource("hf", folder)

@@ -36,11 +36,11 @@ def test_experts_decode_quantized_whatever_shares_the_step(case, tmp_path):
     from engine_core.model.forward_context import ForwardContext, use
 
     x = torch.randn(8, tm.SIZES["hidden_size"], generator=torch.Generator().manual_seed(1))
-    c_native = moe.native
+    c_native = moe.decode_experts
     assert c_native is not None  # every expert's matrices are the C kernels'
     outs = {}
     for path, native in (("C", c_native), ("modules", None)):
-        moe.native = native
+        moe.decode_experts = native
         with torch.inference_mode():
             with use(ForwardContext(num_quant_rows=3)):
                 mixed, decoded = moe(x), moe(x[:3])
@@ -49,7 +49,7 @@ def test_experts_decode_quantized_whatever_shares_the_step(case, tmp_path):
         torch.testing.assert_close(mixed[3:], dense, rtol=1e-5, atol=1e-6)
         assert not torch.allclose(decoded, moe(x[:3]), rtol=1e-5, atol=1e-6)  # quantized
         outs[path] = decoded
-    moe.native = c_native
+    moe.decode_experts = c_native
     torch.testing.assert_close(outs["C"], outs["modules"], rtol=1e-4, atol=1e-4)
     prompts = tm.prompts(tm.SIZES["vocab_size"], [9, 40, 70])
     together = tm.greedy(eng, prompts, 12)
@@ -107,7 +107,7 @@ def test_experts_in_the_one_call_c_decode_layers(case, tmp_path):
     weights in C, the routed experts, Qwen2-MoE's gated shared expert; Qwen3-MoE's dense first
     layer as any MLP; GPT-OSS's sinks, biases and clamped SwiGLU), giving the tokens the
     layer-by-layer path gives with the same weights."""
-    from engine_core.model.decode_quant import DecodeQuantization
+    from engine_core.platforms.cpu.decode_quant import DecodeQuantization
     from kernels import native
 
     if native.load() is None:
@@ -124,7 +124,7 @@ def test_experts_in_the_one_call_c_decode_layers(case, tmp_path):
         if c_layer.moe:
             moe = native.Moe.from_address(c_layer.moe)
             assert (moe.num_experts, moe.top_k, moe.norm_topk) == (4, 2, case != "qwen2-moe")
-            assert moe.gate_up == ctypes.addressof(layer.mlp.native[1])  # this layer's experts
+            assert moe.gate_up == ctypes.addressof(layer.mlp.decode_experts.gate_up)  # this layer's experts
             assert moe.shared_width == (64 if case == "qwen2-moe" else 0)
             assert bool(moe.router_bias) == (case == "gpt-oss")
             experts = native.Matrix * 4

@@ -9,8 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from engine_core.model.decode_quant import DecodeQuantLinear, projections
-from engine_core.model_loader import resolve_prefill_weights
+from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear, projections
+from engine_core.platforms.cpu.weights import resolve_prefill_weights
 from tests.engine_core import tiny_models as tm
 from tests.engine_core.arch_cases import CASES
 
@@ -88,7 +88,7 @@ def test_quantized_prefill_needs_a_files_blocks(tmp_path):
 
 
 def test_auto_chooses_by_the_memory_available():
-    from engine_core.model_loader import available_memory_bytes
+    from engine_core.platforms.cpu.weights import available_memory_bytes
 
     available = available_memory_bytes()
     assert available is not None and available > 0  # Linux: /proc/meminfo

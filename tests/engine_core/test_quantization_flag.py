@@ -9,7 +9,9 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
-from engine_core.model.decode_quant import DecodeQuantLinear, check_quantization
+from engine_core.platforms import select_platform
+from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear
+from engine_core.platforms.cuda import CudaPlatform
 from tests.engine_core import tiny_models as tm
 
 
@@ -45,9 +47,14 @@ def test_a_gguf_is_computed_as_stored(tmp_path, qtype, blocks):
 
 
 def test_bad_settings_are_refused_by_name():
-    assert check_quantization("none", torch.device("cpu")) is None
-    assert check_quantization(None, torch.device("cuda", 0)) is None
+    cpu = select_platform("cpu")
+    assert cpu.check_quantization("none") is None
+    assert cpu.check_quantization("int8") == "int8"
     with pytest.raises(ValueError, match="quantization must be none or one of int8, got 'fp8'"):
-        check_quantization("fp8", torch.device("cpu"))
+        cpu.check_quantization("fp8")
+    # a CUDA platform's check, without a GPU here (its kernels are not built for it)
+    cuda = object.__new__(CudaPlatform)
+    cuda.device = torch.device("cuda", 0)
+    assert cuda.check_quantization(None) is None
     with pytest.raises(ValueError, match="on cuda:0 leave it unset"):
-        check_quantization("int8", torch.device("cuda", 0))
+        cuda.check_quantization("int8")

@@ -16,6 +16,7 @@ from engine_core.sampler import (
 )
 from engine_core.sampling_batch import SamplingBatch, min_tokens_blocked_ids
 from engine_core.sampling_params import SamplingParams
+from tests.native_kernels import native_sampling
 
 EOS = 0
 # Chi-square critical values at significance 0.001, by degrees of freedom.
@@ -25,6 +26,9 @@ NUM_DRAWS = 20_000
 # A known 8-token distribution with clear gaps between the cumulative masses.
 PROBS_8 = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005])
 LOGITS_8 = PROBS_8.log()
+
+# the sampler an engine on this CPU builds: the C kernels where they load, else torch's
+SAMPLER = Sampler(native_sampling())
 
 
 def make_batch(
@@ -56,7 +60,7 @@ def sample_many(params: SamplingParams, logits_row: torch.Tensor) -> torch.Tenso
     vocab_size = logits_row.shape[0]
     batch = make_batch([params] * NUM_DRAWS, vocab_size)
     logits = logits_row.expand(NUM_DRAWS, vocab_size).clone()
-    ids = Sampler()(logits, batch).sampled_token_ids
+    ids = SAMPLER(logits, batch).sampled_token_ids
     return torch.bincount(ids, minlength=vocab_size).double()
 
 
@@ -80,7 +84,7 @@ def test_greedy_is_argmax() -> None:
     expected = logits.argmax(dim=-1)
     batch = make_batch([SamplingParams(temperature=0.0)] * 16, 100)
     assert batch.all_greedy
-    out = Sampler()(logits.clone(), batch)
+    out = SAMPLER(logits.clone(), batch)
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids, expected)
     assert out.sampled_logprobs is None and out.topk_token_ids is None
@@ -91,7 +95,7 @@ def test_mixed_batch_greedy_rows_are_argmax() -> None:
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.5, top_p=0.5) for i in range(8)]
     batch = make_batch(params, 100)
     assert not batch.all_greedy and not batch.all_random
-    out = Sampler()(logits.clone(), batch).sampled_token_ids
+    out = SAMPLER(logits.clone(), batch).sampled_token_ids
     assert torch.equal(out[1::2], logits.argmax(dim=-1)[1::2])
 
 
@@ -107,7 +111,7 @@ def test_mixed_batch_greedy_rows_are_argmax() -> None:
 )
 def test_degenerate_filters_equal_greedy(params: SamplingParams) -> None:
     logits = random_logits(64, 500)
-    out = Sampler()(logits.clone(), make_batch([params] * 64, 500)).sampled_token_ids
+    out = SAMPLER(logits.clone(), make_batch([params] * 64, 500)).sampled_token_ids
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
@@ -187,7 +191,7 @@ def test_penalties_exact_values() -> None:
 def test_penalties_steer_greedy_choice() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.9, 1.0]])
     params = [SamplingParams(temperature=0.0, frequency_penalty=0.2)]
-    out = Sampler()(logits, make_batch(params, 4, output_ids=[[1]])).sampled_token_ids
+    out = SAMPLER(logits, make_batch(params, 4, output_ids=[[1]])).sampled_token_ids
     assert out.tolist() == [2]
 
 
@@ -208,7 +212,7 @@ def test_min_tokens_blocks_eos_and_stop_ids() -> None:
         (2, 2),
     ]
     batch = make_batch(params, vocab_size, output_ids=output_ids)
-    out = Sampler()(logits, batch).sampled_token_ids
+    out = SAMPLER(logits, batch).sampled_token_ids
     assert out.tolist() == [2, 3, 0, 0]
 
 
@@ -257,7 +261,7 @@ def run_steps(
         logits = random_logits(len(params), vocab_size, seed=100 + step) / 3
         logits[row] = random_logits(1, vocab_size, seed=step)[0] / 3
         batch = make_batch(params, vocab_size, generators=generators)
-        tokens.append(Sampler()(logits, batch).sampled_token_ids[row].item())
+        tokens.append(SAMPLER(logits, batch).sampled_token_ids[row].item())
     return tokens
 
 
@@ -297,7 +301,7 @@ def test_logprobs_are_raw_and_sorted() -> None:
     ]
     batch = make_batch(params, vocab_size, output_ids=[[3, 3], [7], []])
     assert batch.max_num_logprobs == 5
-    out = Sampler()(raw.clone(), batch)
+    out = SAMPLER(raw.clone(), batch)
     expected = torch.log_softmax(raw, dim=-1)
     ids = out.sampled_token_ids
     assert out.sampled_logprobs is not None and out.sampled_logprobs.dtype == torch.float32
@@ -313,7 +317,7 @@ def test_logprobs_are_raw_and_sorted() -> None:
 
 def test_logprobs_zero_gives_only_sampled() -> None:
     batch = make_batch([SamplingParams(logprobs=0)] * 2, 10)
-    out = Sampler()(random_logits(2, 10), batch)
+    out = SAMPLER(random_logits(2, 10), batch)
     assert out.sampled_logprobs is not None and out.sampled_logprobs.shape == (2,)
     assert out.topk_logprobs is not None and out.topk_logprobs.shape == (2, 0)
     assert math.isfinite(out.sampled_logprobs.sum().item())
@@ -328,10 +332,10 @@ def test_argmax_rows_is_torchs_argmax_ties_included():
     logits[2] = float("-inf")
     logits[2, 12345] = 0.0  # everything else blocked
     logits[3, -1] = 99.0  # the very last
-    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
-    assert argmax_rows(logits)[1] == 7
+    assert torch.equal(argmax_rows(logits, native_sampling()), logits.argmax(dim=-1))
+    assert argmax_rows(logits, native_sampling())[1] == 7
     small = torch.randn(3, 10, generator=g)  # below the native kernel's width: torch's
-    assert torch.equal(argmax_rows(small), small.argmax(dim=-1))
+    assert torch.equal(argmax_rows(small, native_sampling()), small.argmax(dim=-1))
 
 
 def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled() -> None:
@@ -350,7 +354,7 @@ def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled() -> None:
                                                     int(order[4, 1]): -100}),
         SamplingParams(temperature=0.0),
     ]
-    out = Sampler()(logits.clone(), make_batch(params, vocab_size)).sampled_token_ids
+    out = SAMPLER(logits.clone(), make_batch(params, vocab_size)).sampled_token_ids
     assert out[:3].tolist() == [forced] * 3
     assert out[3] == order[3, 1] and out[4] == order[4, 2] and out[5] == order[5, 0]
     # sampled rows never draw a banned token
@@ -364,7 +368,7 @@ def test_logit_bias_leaves_raw_logprobs_alone() -> None:
     logits = random_logits(1, 32, seed=4)
     raw = logits.log_softmax(dim=-1)
     params = SamplingParams(temperature=0.0, logprobs=1, logit_bias={5: 100})
-    out = Sampler()(logits.clone(), make_batch([params], 32))
+    out = SAMPLER(logits.clone(), make_batch([params], 32))
     assert out.sampled_token_ids.tolist() == [5]
     assert torch.allclose(out.sampled_logprobs, raw[0, 5:6])
 

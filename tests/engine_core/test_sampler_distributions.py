@@ -17,7 +17,7 @@ from scipy import stats
 from engine_core.sampler import Sampler, draw_uniform, inverse_cdf
 from engine_core.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
-from tests.native_kernels import why_no_native_kernels
+from tests.native_kernels import native_sampling, why_no_native_kernels
 
 VOCAB = 300
 NUM_DRAWS = 120_000
@@ -76,7 +76,7 @@ def draw_counts(params: SamplingParams, path: str) -> np.ndarray:
                                             [None] * CHUNK, VOCAB, eos_token_ids=())
         logits = LOGITS.expand(CHUNK, VOCAB).clone()
         if path == "native":
-            ids = Sampler()(logits, batch).sampled_token_ids
+            ids = Sampler(native_sampling())(logits, batch).sampled_token_ids
         else:
             ids = inverse_cdf(Sampler.probs(logits, batch), draw_uniform(batch.generators))
         counts += np.bincount(ids.numpy(), minlength=VOCAB)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core.device_check import DeviceCheck
+from engine_core.platforms.device_check import DeviceCheck
 from engine_core.step_inputs import StepUploader, pack, total_size, unpack
 
 
@@ -42,7 +42,7 @@ def test_on_cpu_the_arrays_are_wrapped_without_a_copy():
 
 @pytest.mark.gpu
 def test_on_cuda_one_pinned_buffer_is_reused_across_steps():
-    up = StepUploader(torch.device("cuda"))
+    up = StepUploader(torch.device("cuda"), staged=True)
     first = arrays()
     got = up.upload(first)
     staging = up._staging

@@ -17,6 +17,7 @@ from engine_core.sampler import Sampler
 from engine_core.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_output import StructuredOutput, fill_token_masks
+from tests.native_kernels import native_sampling
 from tests.structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for
 
 
@@ -128,7 +129,7 @@ def test_sampler_masks_exactly_the_disallowed_tokens(llm):
             batch = SamplingBatch.from_requests(
                 params, [[1]] * 2, [[]] * 2, [torch.Generator().manual_seed(seed)] * 2, vocab,
                 eos_token_ids=(), token_masks=([0], masks))
-            out = Sampler()(logits.clone(), batch).sampled_token_ids.tolist()
+            out = Sampler(native_sampling())(logits.clone(), batch).sampled_token_ids.tolist()
             assert out[0] in allowed
             if temperature == 0.0:
                 assert out[1] == int(logits[1].argmax())

@@ -4,7 +4,7 @@ interpreter's speed doesn't matter.
 
 Each engine runs in a fresh process: the interpreter must be on before triton is imported
 (tests/kernels/conftest.py), and PDSERVE_NATIVE=0 keeps the C kernels out of the way so that
-every attention call goes through kernels.dispatch to the backend under test. Greedy output
+every attention call goes to the backend under test (kernels/backends.py). Greedy output
 on the Triton backend must equal the torch backend's and transformers'. This catches
 metadata, stride, dtype and block-table mistakes between the engine and the kernels.
 """
@@ -56,7 +56,7 @@ print(json.dumps({"ids": [o.outputs[0].token_ids for o in first + rest],
                   "triton_modules": triton_modules, "combines": len(combines)}))
 """
 TRITON_MODULES = ["kernels.decode_attention", "kernels.prefill_attention",
-                  "kernels.store_kv_triton"]  # imported by kernels.dispatch on first use
+                  "kernels.store_kv_triton"]  # imported when the engine selects triton
 
 
 def backend_env(backend: str) -> dict[str, str]:

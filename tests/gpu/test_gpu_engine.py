@@ -20,7 +20,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(autouse=True)
 def _check_device(monkeypatch):
-    """Every engine step here asserts it computes on the card (engine_core/device_check.py)."""
+    """Every engine step here asserts it computes on the card (engine_core/platforms/device_check.py)."""
     monkeypatch.setenv("PDSERVE_CHECK_DEVICE", "1")
 
 

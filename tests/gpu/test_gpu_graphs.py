@@ -24,7 +24,7 @@ MAX_TOKENS = [24, 20, 16, 12, 8, 4]
 
 @pytest.fixture(autouse=True)
 def _check_device(monkeypatch):
-    """Every step asserts it computes on the card (engine_core/device_check.py): the graph
+    """Every step asserts it computes on the card (engine_core/platforms/device_check.py): the graph
     path reads no host tensor inside a step."""
     monkeypatch.setenv("PDSERVE_CHECK_DEVICE", "1")
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import cpu_attention, paged_decode_attention
+from kernels import cpu_attention
 from kernels.cpu_attention import _flat_rows, paged_decode_attention_torch
 from kernels.reference import paged_decode_attention_ref
 from tests.helpers import torch_threads
@@ -16,6 +16,7 @@ from tests.kernels.attention_inputs import (
     assert_close_to_reference,
     make_decode_inputs,
 )
+from tests.kernels.selected import paged_decode_attention
 
 # (num_q_heads, num_kv_heads): GQA ratios 1, 3 and 4.
 HEADS = [(4, 4), (6, 2), (8, 2)]

@@ -49,7 +49,7 @@ def random_q4(n: int, k: int, offset: float, seed: int) -> Q4Weight:
 @pytest.mark.parametrize("offset", [8.0, 0.0], ids=["q4_0", "q4_1"])
 @pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (100, 1536)])
 def test_q4_matmul_matches_dequantized_weights(lib, n, k, offset):
-    from engine_core.model.decode_quant import NativeQ4Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ4Matmul
 
     w = random_q4(n, k, offset, seed=n + k)
     layer = NativeQ4Matmul(w, lib)
@@ -66,7 +66,7 @@ def test_q4_nibbles_round_trip_in_file_order():
 
 
 def test_q8_matmul_requantizes_q8_0_exactly(lib):
-    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
 
     g = torch.Generator().manual_seed(5)
     q = torch.randint(-127, 128, (300, 576), generator=g).float()
@@ -100,7 +100,7 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
 @pytest.mark.parametrize("offset", [8.0, 0.0], ids=["q4_0", "q4_1"])
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 1536), (16, 32)])
 def test_int8_q4_matmul_matches_its_reference(vnni_lib, n, k, offset):
-    from engine_core.model.decode_quant import NativeQ4Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ4Matmul
 
     w = random_q4(n, k, offset, seed=n + k)
     layer = NativeQ4Matmul(w, vnni_lib, int8=True)
@@ -121,7 +121,7 @@ def test_int8_q4_matmul_matches_its_reference(vnni_lib, n, k, offset):
 
 @pytest.mark.parametrize("n,k", [(300, 576), (49, 64)])
 def test_int8_q8_matmul_matches_its_reference(vnni_lib, n, k):
-    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
 
     g = torch.Generator().manual_seed(n)
     q = torch.randint(-127, 128, (n, k), generator=g).float()
@@ -155,7 +155,7 @@ def random_q8_family(n: int, k: int, kind: int, seed: int):
 def test_q8_family_matmul_matches_float64_reference(lib, kind, n, k):
     """Float32 activations: the weights expand to q * d (+ c), the product rounded first, as
     gguf's dequantizers compute them; the sums agree with float64 to float32 rounding."""
-    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
 
     w = random_q8_family(n, k, kind, seed=n + kind)
     layer = NativeQ8Matmul(w, lib)
@@ -186,7 +186,7 @@ def int8_reference_half(x: torch.Tensor, w) -> torch.Tensor:
 @pytest.mark.parametrize("kind", [5, 6, 7])
 @pytest.mark.parametrize("n,k", [(100, 576), (16, 32)])
 def test_int8_q8_family_matmul_matches_its_reference(vnni_lib, kind, n, k):
-    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
 
     w = random_q8_family(n, k, kind, seed=n + 10 * kind)
     layer = NativeQ8Matmul(w, vnni_lib, int8=True)
@@ -227,7 +227,7 @@ def test_int8_packing_layout():
 
 @pytest.mark.parametrize("kind", ["q4", "q8", "q8h", "q4-int8", "q8-int8", "q8h-int8"])
 def test_matmul_rows_are_batch_and_thread_invariant(lib, kind):
-    from engine_core.model.decode_quant import NativeQ4Matmul, NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ4Matmul, NativeQ8Matmul
 
     int8 = kind.endswith("int8")
     if int8 and not native.has_int8(lib):

@@ -39,7 +39,7 @@ def test_nl_matmul_matches_float64_reference(lib, table, n, k):
     """Float32 activations: each weight expands to table[q] * d exactly (an integer times d),
     the sums agree with float64 to float32 rounding; int8 activations (the VNNI build): the
     integer dots of pd_i8_matmul's arithmetic, as for the q8 family."""
-    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
 
     w = random_nl(n, k, TABLES[table], seed=n)
     assert torch.equal(w.dequantize(), w.to_q8().dequantize())
@@ -59,7 +59,7 @@ def test_nl_matmul_matches_float64_reference(lib, table, n, k):
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 def test_nl_rows_are_batch_and_thread_invariant(lib, int8):
-    from engine_core.model.decode_quant import NativeQ8Matmul
+    from engine_core.platforms.cpu.decode_quant import NativeQ8Matmul
 
     if int8 and not native.has_int8(lib):
         pytest.skip("int8 activations are in the VNNI build only")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import cpu_attention, paged_decode_attention, paged_prefill_attention
+from kernels import cpu_attention
 from kernels.cpu_attention import paged_prefill_attention_torch
 from kernels.reference import paged_prefill_attention_ref
 from tests.kernels.attention_inputs import (
@@ -15,6 +15,7 @@ from tests.kernels.attention_inputs import (
     assert_close_to_reference,
     make_prefill_inputs,
 )
+from tests.kernels.selected import paged_decode_attention, paged_prefill_attention
 
 HEADS = [(4, 4), (6, 2), (8, 2)]  # GQA ratios 1, 3, 4
 DTYPES = [torch.float32, torch.bfloat16]

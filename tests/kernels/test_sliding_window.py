@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native, paged_decode_attention, paged_prefill_attention
+from kernels import native
 from kernels.cpu_attention import paged_decode_attention_torch, paged_prefill_attention_torch
 from kernels.reference import (
     attention_ref,
@@ -18,6 +18,7 @@ from tests.kernels.attention_inputs import (
     make_decode_inputs,
     make_prefill_inputs,
 )
+from tests.kernels.selected import paged_decode_attention, paged_prefill_attention
 
 DTYPES = [torch.float32, torch.bfloat16]
 # contexts shorter than, equal to and longer than the windows, across block boundaries

@@ -7,11 +7,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import store_kv
 from kernels.cpu_attention import store_kv_torch
 from kernels.reference import store_kv_ref
+from tests.kernels.selected import store_kv
 
 NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM = 7, 3, 40
+
 
 
 def _random_store(

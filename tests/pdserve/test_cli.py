@@ -62,14 +62,14 @@ def test_quantization_reaches_every_engine():
 
 def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers():
     """--prefill-weights reaches every engine; `pdserve up` settles "auto" once for all its
-    workers, counting each worker's copy of the weights (model_loader.resolve_prefill_weights,
+    workers, counting each worker's copy of the weights (platforms/cpu/weights.resolve_prefill_weights,
     with this machine's MemAvailable)."""
     import pytest
     import torch
 
-    from engine_core.config import resolve_dtype
     from engine_core.model_files import ModelSource, resolve_model
-    from engine_core.model_loader import available_memory_bytes, dense_copy_bytes
+    from engine_core.platforms import resolve_dtype
+    from engine_core.platforms.cpu.weights import available_memory_bytes, dense_copy_bytes
     from pdserve.up import prefill_weights
     from service_infra.worker_args import engine_kwargs
 

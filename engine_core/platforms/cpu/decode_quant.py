@@ -22,8 +22,8 @@ Two implementations:
   compiler and AVX2/FMA; AVX-512 where the CPU has it). The 4-bit weights expand to exactly
   the file's dequantized values, int8 has one scale per 32 weights along K (a Q8_0 tensor is
   requantized exactly). Attention runs in C as well, with or without quantized decode
-  (native_cpu.py); with it, a step's decode rows go through all layers in one C call
-  (NativeDecodeLayers). The activations are either
+  (the platform's row_attention: platforms/cpu/__init__.py); with it, a step's decode rows
+  go through all layers in one C call (NativeDecodeLayers). The activations are either
   - float32: decode logits agree with the dense path to float32 rounding; or
   - int8, one scale per 32 along K as llama.cpp's Q8 activations (`decode_activations`, the
     default for bf16 models where the CPU has AVX-512 VNNI, see resolve_activations): a
@@ -55,7 +55,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine_core.model.decode_matmuls import (  # noqa: F401 (the matmuls' names, kept here)
+from engine_core.model.decoder import DecoderForCausalLM
+from engine_core.model.feed_forward import SparseMoE
+from engine_core.model.forward_context import current
+from engine_core.platforms.cpu.decode_matmuls import (  # noqa: F401 (the matmuls' names, kept here)
     ACT_CODES,
     ACT_DTYPE,
     Int4Matmul,
@@ -67,9 +70,6 @@ from engine_core.model.decode_matmuls import (  # noqa: F401 (the matmuls' names
     requantize_int4,
     requantize_int8,
 )
-from engine_core.model.decoder import DecoderForCausalLM
-from engine_core.model.feed_forward import SparseMoE
-from engine_core.model.forward_context import current
 from engine_core.weights.allocator import return_freed_memory
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 from engine_core.weights.gguf_q8 import Q8Weight, cat_blocks
@@ -153,10 +153,30 @@ def in_c_kernels(linear: nn.Module) -> bool:
             and isinstance(linear.quant, NativeQ4Matmul | NativeQ8Matmul))
 
 
+@dataclass(frozen=True)
+class NativeExperts:
+    """A mixture's routed experts for its decode rows in one C call per layer
+    (pd_moe_experts): SparseMoE.decode_experts, set by quantize_for_decode where every
+    expert's matrices are the C kernels'."""
+
+    lib: ctypes.CDLL
+    gate_up: ctypes.Array  # each expert's gate_up Matrix
+    down: ctypes.Array  # each expert's down Matrix
+    width: int  # an expert's intermediate size
+    act: tuple  # (ACT_CODES[hidden_act], swiglu_alpha, swiglu_limit)
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
+                 pair_weights: torch.Tensor) -> torch.Tensor:  # [nq, hidden] float32
+        """x: [nq, hidden] float32; the (row, expert) pairs grouped by expert (counts per
+        expert, each pair's row and weight, rows ascending within a group)."""
+        return native.moe_experts(self.lib, x, self.gate_up, self.down, self.width, self.act,
+                                  counts, rows, pair_weights, torch.zeros_like(x))
+
+
 class NativeDecodeLayers:
     """A step's decode rows through the decoder layers in one C call (pd_decode_layers), float32
     whatever the model dtype: no Python between a layer's operations. The model's prefill rows
-    take the torch path beside it (DecoderForCausalLM.forward)."""
+    take the torch path beside it (CpuPlatform.forward splits the step)."""
 
     def __init__(self, model: DecoderForCausalLM, lib) -> None:
         cfg = model.config
@@ -179,7 +199,7 @@ class NativeDecodeLayers:
             return None if t is None else f32(t).data_ptr()
 
         def moe(mlp: SparseMoE) -> native.Moe:  # the router and the shared gate in float32
-            _, gate_up, down, _ = mlp.native
+            gate_up, down = mlp.decode_experts.gate_up, mlp.decode_experts.down
             shared = mlp.shared_expert
             return native.Moe(
                 ptr(mlp.gate.weight), len(mlp.experts), mlp.top_k,
@@ -233,11 +253,12 @@ class NativeDecodeLayers:
         def mlp_in_c(mlp: nn.Module) -> bool:
             if not isinstance(mlp, SparseMoE):
                 return in_c(mlp, "gate_up_proj") and in_c(mlp, "down_proj")
-            shared = mlp.shared_expert  # the routed experts' C matrices: SparseMoE.native
-            return mlp.native is not None and (shared is None or (
+            shared = mlp.shared_expert  # the routed experts' C matrices: NativeExperts
+            return mlp.decode_experts is not None and (shared is None or (
                 in_c(shared, "gate_up_proj") and in_c(shared, "down_proj")))
 
-        return all(layer.self_attn.native is not None and in_c(layer.self_attn, "qkv_proj")
+        return all(layer.self_attn.row_attention is not None
+                   and in_c(layer.self_attn, "qkv_proj")
                    and in_c(layer.self_attn, "o_proj") and mlp_in_c(layer.mlp)
                    for layer in model.layers)
 
@@ -289,20 +310,6 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
 
 
 QUANTIZATIONS = ("int8",)  # what --quantization may ask for (none: the weights as loaded)
-
-
-def check_quantization(setting: str | None, device: torch.device) -> str | None:
-    """--quantization: None (or "none") computes the weights as loaded; "int8" requantizes
-    float weights to int8 per 32 for the CPU's decode rows."""
-    if setting in (None, "none"):
-        return None
-    if setting not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be none or one of {', '.join(QUANTIZATIONS)}, "
-                         f"got {setting!r}")
-    if device.type != "cpu":
-        raise ValueError(f"quantization={setting!r} requantizes float weights for the CPU's "
-                         f"decode matmuls; on {device} leave it unset")
-    return setting
 
 
 def projections(model: DecoderForCausalLM,
@@ -412,10 +419,11 @@ def quantize_for_decode(
         if isinstance(moe, SparseMoE) and all(
                 in_c_kernels(m) for e in moe.experts for m in (e.gate_up_proj, e.down_proj)):
             cfg = model.config
-            moe.native = (lib, c_matrices([e.gate_up_proj for e in moe.experts]),
-                          c_matrices([e.down_proj for e in moe.experts]),
-                          (ACT_CODES[cfg.hidden_act], cfg.swiglu_alpha, cfg.swiglu_limit))
-    # the layers in one C call need its attention: use_native_kernels (load_model) set it
+            moe.decode_experts = NativeExperts(
+                lib, c_matrices([e.gate_up_proj for e in moe.experts]),
+                c_matrices([e.down_proj for e in moe.experts]), moe.experts[0].intermediate,
+                (ACT_CODES[cfg.hidden_act], cfg.swiglu_alpha, cfg.swiglu_limit))
+    # the layers in one C call need its attention: the platform's row_attention (model_ops)
     decode_layers = NativeDecodeLayers(model, lib) if NativeDecodeLayers.applies(model) else None
     matrices = [m for layer in model.layers
                 for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,

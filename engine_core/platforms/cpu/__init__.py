@@ -1,0 +1,152 @@
+"""The CPU platform: the C kernels (kernels/csrc, loaded by kernels/native.py) where they load,
+torch's ops where they do not.
+
+- Attention: rope, K/V store and attention of every row in C, each row over its own context
+  (ModelOps.row_attention), and with a float32 model the RMSNorms too. A prefill worker, which
+  never decodes, writes the same KV as a colocated engine's prefill, so a prompt handed off
+  continues as it would have colocated.
+- Decode rows: the 4/8-bit matmuls of a GGUF's blocks (and with --quantization int8 of
+  requantized floats), and where every layer is in C, all of a step's decode rows through
+  every layer in one call (decode_quant.py); the runner's forward splits the step for it.
+- Sampling: the C kernels' one-pass sampler and top-k (engine_core/sampler.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+
+from engine_core.model.forward_context import ForwardContext, use
+from engine_core.model.ops import ModelOps
+from engine_core.platforms import Platform
+from kernels import native
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX).
+
+    Without it torch emulates bf16 matmuls: measured on a 2-core AVX2 EPYC, 0.2 GFLOP/s against
+    68 GFLOP/s in fp32, so bf16 there would be a 300x slowdown, not a speedup.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_default_dtype() -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively, else float32."""
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def supports_row_attention(head_dim: int) -> bool:
+    """Whether the C attention kernel takes this head size."""
+    return head_dim % 8 == 0 and head_dim <= 256
+
+
+class NativeSampling:
+    """The C kernels' sampling (kernels/csrc/sample.c), for engine_core/sampler.py: one pass
+    per row selects the candidates of top-k/top-p/min-p and draws; a one-pass top-1 where
+    torch's argmax over [32, 49152] float32 logits took ten times as long."""
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, u) -> torch.Tensor:
+        return native.sample(self.lib, logits, temperature, top_k, top_p, min_p, u)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.shape[1] < native.TOPK_MAX:
+            return logits.argmax(dim=-1)
+        return native.topk(self.lib, logits.contiguous(), 1)[:, 0]
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        # the C kernels sample, whichever attention runs
+        lib = native.load()
+        self.sampling = NativeSampling(lib) if lib is not None else None
+
+    def default_dtype(self) -> torch.dtype:
+        return cpu_default_dtype()
+
+    def model_ops(self, config, dtype: torch.dtype) -> ModelOps:
+        ops = super().model_ops(config, dtype)
+        lib = self.kernels.lib
+        if lib is None:
+            return ops
+        if not supports_row_attention(config.head_dim):
+            logger.info("the C attention kernel does not take head_dim %d: attention runs on "
+                        "the torch path", config.head_dim)
+            return ops
+        norm = functools.partial(native.add_rms_norm, lib) if dtype == torch.float32 else None
+        return dataclasses.replace(ops, row_attention=functools.partial(native.row_attention,
+                                                                        lib), rms_norm=norm)
+
+    def quantize_decode(self, requested: bool | None) -> bool:
+        return True if requested is None else requested
+
+    def decode_blocks(self, model, config, gguf, source, dtype, requantize: bool,
+                      prefill_weights: str):
+        from engine_core.platforms.cpu.weights import decode_blocks
+
+        return decode_blocks(model, config, gguf, source, dtype, requantize, prefill_weights)
+
+    def quantize_for_decode(self, model, blocks, activations: str, requantize: bool):
+        from engine_core.platforms.cpu.decode_quant import quantize_for_decode
+
+        return quantize_for_decode(model, blocks.q4, activations, blocks.q8,
+                                   requantize_floats=requantize,
+                                   head_in_blocks=blocks.head_in_blocks)
+
+    def resolve_activations(self, setting: str | None, dtype: torch.dtype) -> str:
+        from engine_core.platforms.cpu.decode_quant import resolve_activations
+
+        return resolve_activations(setting, dtype)
+
+    def check_quantization(self, setting: str | None) -> str | None:
+        """--quantization: None (or "none") computes the weights as loaded; "int8" requantizes
+        float weights to int8 per 32 for the decode rows (decode_quant.py)."""
+        from engine_core.platforms.cpu.decode_quant import QUANTIZATIONS
+
+        if setting in (None, "none"):
+            return None
+        if setting not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be none or one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {setting!r}")
+        return setting
+
+    def forward(self, model, input_ids, positions, kv_cache, meta, ctx: ForwardContext,
+                num_layers=None, quantization=None) -> torch.Tensor:
+        """With the C layers (quantization.decode_layers), the decode rows go through every
+        layer in one call, float32, and the prefill rows beside them through the model,
+        dense; a forward whose layers are watched (ctx.on_layer_done) runs layer by layer."""
+        layers = None if quantization is None else quantization.decode_layers
+        nd = meta.num_decode_tokens
+        if (layers is None or nd == 0 or ctx.on_layer_done is not None
+                or not kv_cache.is_contiguous()):
+            return super().forward(model, input_ids, positions, kv_cache, meta, ctx, num_layers)
+        cos_sin = model.cos_sin[positions[:nd]]
+        decoded = layers(model.embed(input_ids[:nd]), cos_sin, kv_cache, meta,
+                         len(model.layers) if num_layers is None else num_layers,
+                         model.other_rope(positions[:nd], cos_sin))
+        if nd == input_ids.shape[0]:
+            return decoded
+        with use(dataclasses.replace(ctx, num_quant_rows=0)):  # prefill rows: all dense
+            prefilled = model(input_ids[nd:], positions[nd:], kv_cache,
+                              dataclasses.replace(meta, decodes_done=True), num_layers)
+        return torch.cat([decoded, prefilled.float()])
+
+    def decode_threads(self, quantized: bool) -> int:
+        # decode-only steps over the C kernels, whose results do not depend on the count
+        return torch.get_num_threads() if quantized else 1

@@ -1,0 +1,81 @@
+"""The platform an engine runs on (engine_core/platforms/), chosen once: what it decides, and
+that nothing else in engine_core decides by device or by which kernels loaded."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from engine_core.llm import LLM
+from engine_core.platforms import select_platform
+from engine_core.platforms.cpu import CpuPlatform, cpu_default_dtype
+from engine_core.sampling_params import SamplingParams
+from kernels import native
+from kernels.backends import BACKEND_ENV
+from tests.helpers import ROOT
+from tests.tiny_model import write_tiny_llama
+
+# a device-type or native-availability check: `.type == "cpu"`, `.is_cuda`,
+# `torch.cuda.is_available()`, `native.load()`, `native.has_int8(...)`
+CHECK = re.compile(r"\.type\s*(==|!=|in\b)|\.is_cuda\b|cuda\.is_available\(|native\.(load|has_)")
+
+
+def test_no_device_or_native_checks_in_engine_core_outside_the_platforms():
+    found = []
+    for path in sorted((ROOT / "engine_core").rglob("*.py")):
+        if "platforms" in path.relative_to(ROOT / "engine_core").parts:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if CHECK.search(code):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == []
+
+
+def test_the_cpu_platform_and_its_kernels(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    cpu = select_platform("cpu")
+    assert isinstance(cpu, CpuPlatform) and cpu.device == torch.device("cpu")
+    assert cpu.kernels.name == ("native" if native.load() is not None else "torch")
+    assert cpu.resolve_dtype(None) == cpu.resolve_dtype("auto") == cpu_default_dtype()
+    assert cpu.resolve_dtype("bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        cpu.resolve_dtype("float8")
+    assert not (cpu.pin_memory or cpu.cuda_graphs or cpu.async_scheduling)
+    assert cpu.graphs_refusal(False) == "eager (no CUDA graphs on cpu)"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert select_platform("cpu").kernels.name == "torch"
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        select_platform("meta")
+
+
+def test_the_backend_is_logged_once_per_process(monkeypatch, caplog):
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    with caplog.at_level(logging.INFO, logger="engine_core.platforms"):
+        select_platform("cpu")
+        select_platform("cpu")
+    assert sum("attention on the torch kernels" in r.message for r in caplog.records) <= 1
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_the_platform_builds_the_model_with_its_kernels(tmp_path, monkeypatch, backend):
+    """The model's modules get the platform's kernels at construction (model/ops.py): the C
+    rows' attention (and a float32 model's fused norms) on the native backend, none of them
+    on torch's."""
+    if backend == "native" and native.load() is None:
+        pytest.skip("the C kernels do not load here")
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    tiny = write_tiny_llama(tmp_path)
+    llm = LLM(model=str(tiny), dtype="float32", device="cpu", kv_cache_memory_gb=0.05)
+    layer = llm.engine.model.layers[0]
+    c = backend == "native"
+    assert (layer.self_attn.row_attention is not None) == c
+    assert (layer.input_layernorm.fused is not None) == c
+    assert (llm.engine.model.norm.fused is not None) == c
+    assert llm.engine.platform.kernels.name == backend
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    [out] = llm.generate([[5, 9, 200, 31, 7]], params)
+    assert len(out.outputs[0].token_ids) == 8
