@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from engine_core.model import architectures
@@ -194,42 +194,29 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str) -> ModelConfig:
         """From a Hugging Face `config.json` dict of an architecture in the registry; raises
-        UnsupportedArchitectureError for any other."""
+        UnsupportedArchitectureError for any other.
+
+        The one place a ModelConfig is built: a GGUF's metadata comes here too, mapped to
+        config.json's keys (weights/gguf_config.py), with what config.json has no key for
+        under `gguf`: {field: value} for the ModelConfig fields in GGUF_FIELDS, each taken as
+        given. Its presence also makes a stated `sliding_window` apply whatever the
+        architecture (llama.cpp writes a Mistral GGUF as `llama`, whose HF configs have no
+        window)."""
         arch = architectures.for_hf_config(cfg)
-        if cfg.get("clip_qkv") is not None:  # OLMo 1 and some OLMoE checkpoints
-            raise ValueError(f"clip_qkv = {cfg['clip_qkv']} (q, k and v clamped) is not "
-                             "supported")
-        for key in ("mlp_bias", "use_bias"):  # (Llama's and Seed-OSS's; ERNIE's, o_proj's too)
-            if cfg.get(key):
-                raise ValueError(f"{key} (biases on the MLP's projections) is not supported")
+        _refuse_unsupported(cfg)
+        gguf = dict(cfg.get("gguf") or {})
+        if set(gguf) - set(GGUF_FIELDS):
+            raise ValueError(f"gguf holds {sorted(set(gguf) - set(GGUF_FIELDS))}, not "
+                             f"fields in {GGUF_FIELDS}")
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        window, sliding, rope_layers = hf_layer_pattern(
+            cfg, replace(arch, sliding_window=True) if "gguf" in cfg else arch, num_layers)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        # transformers 5 writes rope_parameters ({"rope_theta", "rope_type", ...}); 4.x wrote
-        # rope_theta and rope_scaling
-        rope = dict(cfg.get("rope_parameters") or {})
-        local_theta = None
-        if arch.local_rope_theta is not None:
-            # transformers 5 gives Gemma 3 one rope block per layer type
-            local = rope.pop("sliding_attention", None) or {}
-            rope = dict(rope.pop("full_attention", None) or rope)
-            local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
-                                or arch.local_rope_theta)
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        partial = float(rope.pop("partial_rotary_factor", None)
-                        or cfg.get("partial_rotary_factor") or 1.0)
-        scaling = rope or cfg.get("rope_scaling")
-        if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
-            scaling = None
-        if (scaling and scaling.get("original_max_position_embeddings") is None
-                and cfg.get("original_max_position_embeddings")):  # Phi-3 states it beside
-            scaling = {**scaling,
-                       "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
-        window, sliding, rope_layers = hf_layer_pattern(cfg, arch, num_layers)
         bias = cfg.get("attention_bias")
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        return cls(**_hf_experts(cfg, arch, num_layers),
+        fields = dict(
             name=name,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -239,10 +226,6 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling or None,
-            max_position_embeddings=served_positions(cfg.get("max_position_embeddings", 2048),
-                                                     scaling or None),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch.qkv_bias if bias is None else bool(bias),
             o_bias=arch.o_bias or bool(cfg.get("attention_out_bias")),  # (Seed-OSS's)
@@ -257,9 +240,7 @@ class ModelConfig:
             swiglu_limit=float(cfg.get("swiglu_limit") or 7.0),
             sliding_window=window,
             sliding_layers=sliding if window else None,
-            local_rope_theta=local_theta,
             rope_layers=rope_layers,
-            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             rope_interleaved=arch.rope_interleaved,
             sandwich_norms=arch.sandwich_norms,
             post_norms=arch.post_norms,
@@ -274,7 +255,58 @@ class ModelConfig:
             logits_scaling=float(cfg.get("logits_scaling") or 1.0),
             attn_softcap=cfg.get("attn_logit_softcapping") or None,
             final_softcap=cfg.get("final_logit_softcapping") or None,
+            **_hf_rope(cfg, arch, head_dim),
+            **_hf_experts(cfg, arch, num_layers),
         )
+        return cls(**{**fields, **gguf})
+
+
+# ModelConfig fields a GGUF states and config.json has no key for, which its mapping
+# (weights/gguf_config.py) passes to from_hf_config under `gguf`: Llama 3's rope_freqs
+# factors; the rotated width (rope.dimension_count, exact where partial_rotary_factor would
+# round); whether the file holds q/k norms and router and expert biases (the tensors, where
+# an HF config's architecture implies them); norms that already hold Gemma's + 1 (0); the
+# windowed layers' rope base, None where no layer slides
+GGUF_FIELDS = ("rope_freq_factors", "rotary_dim", "qk_norm", "router_bias", "expert_bias",
+               "norm_weight_offset", "local_rope_theta")
+
+
+def _refuse_unsupported(cfg: dict[str, Any]) -> None:
+    """Raises ValueError for what the decoder does not compute: clamped q/k/v, MLP biases."""
+    if cfg.get("clip_qkv") is not None:  # OLMo 1 and some OLMoE checkpoints
+        raise ValueError(f"clip_qkv = {cfg['clip_qkv']} (q, k and v clamped) is not supported")
+    for key in ("mlp_bias", "use_bias"):  # (Llama's and Seed-OSS's; ERNIE's, o_proj's too)
+        if cfg.get(key):
+            raise ValueError(f"{key} (biases on the MLP's projections) is not supported")
+
+
+def _hf_rope(cfg: dict[str, Any], arch: architectures.Architecture,
+             head_dim: int) -> dict[str, Any]:
+    """ModelConfig's rope fields, and the positions served, from transformers 5's
+    rope_parameters ({"rope_theta", "rope_type", ...}; Gemma 3's one block per layer type) or
+    4.x's rope_theta and rope_scaling."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    local_theta = None
+    if arch.local_rope_theta is not None:
+        local = rope.pop("sliding_attention", None) or {}
+        rope = dict(rope.pop("full_attention", None) or rope)
+        local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
+                            or arch.local_rope_theta)
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    partial = float(rope.pop("partial_rotary_factor", None)
+                    or cfg.get("partial_rotary_factor") or 1.0)
+    scaling = rope or cfg.get("rope_scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "default":
+        scaling = None
+    if (scaling and scaling.get("original_max_position_embeddings") is None
+            and cfg.get("original_max_position_embeddings")):  # Phi-3 states it beside
+        scaling = {**scaling,
+                   "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    return dict(rope_theta=float(theta), rope_scaling=scaling or None,
+                max_position_embeddings=served_positions(
+                    cfg.get("max_position_embeddings", 2048), scaling or None),
+                local_rope_theta=local_theta,
+                rotary_dim=int(head_dim * partial) if partial != 1.0 else None)
 
 
 def _hf_experts(cfg: dict[str, Any], arch: architectures.Architecture,
