@@ -30,7 +30,7 @@ from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra import tracing
 from service_infra.metrics.worker import start_metrics, worker_registry
 from service_infra.tls import tls_from_args
-from service_infra.worker_args import engine_kwargs
+from service_infra.worker_args import engine_configs
 from service_infra.worker_registration import (
     advertise_host,
     checked_redis_config,
@@ -66,7 +66,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 return pool.tensor
         return layout.allocate(num_blocks, device)
 
-    engine = LLMEngine(kv_allocator=allocate, **engine_kwargs(args))
+    engine = LLMEngine(kv_allocator=allocate, **engine_configs(args))
     holder: dict[str, DecodeWorker] = {}
     table = LeaseTable(on_release=lambda lease, why: holder["w"].on_lease_released(lease, why))
     registration = worker_registration(redis_config, args, "decode", engine)

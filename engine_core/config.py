@@ -330,6 +330,60 @@ def _hf_experts(cfg: dict[str, Any], arch: architectures.Architecture,
                 router_bias=arch.moe_biases, expert_bias=arch.moe_biases)
 
 
+PREFILL_WEIGHTS = ("auto", "dense", "quantized")
+QUANTIZATIONS = ("int8",)  # what --quantization may ask for (none: the weights as loaded)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which model an engine loads and how its weights are computed.
+
+    model: a folder, a .gguf file or a registered name (engine_core/model_files.py; None:
+    the default model). dtype: "auto" (None) is the platform's (engine_core/platforms/).
+    quantization: None (or "none") computes the weights as loaded, a GGUF's 4/5/6/8-bit
+    blocks as stored and float weights as floats; "int8" (CPU only) also requantizes float
+    weights to int8 per 32 for the decode rows (faster, lossy), vLLM's --quantization.
+    quantize_decode: decode rows use the quantized matmuls (the file's blocks, and with
+    "int8" the requantized floats); None: on for the CPU where there is anything to use them
+    for; False: exact dense math in every row. decode_activations: what those matmuls
+    multiply with, "float32" or "int8" (lossy, as llama.cpp's); "auto"/None: int8 for
+    bfloat16 on a VNNI CPU. prefill_weights: whether prefill rows keep a dense float copy of
+    a GGUF's 4/8-bit weights ("dense") or multiply the blocks ("quantized"); "auto": the
+    blocks where the dense copy would not fit (platforms/cpu/weights.py). load_tokenizer:
+    False runs on token ids alone (tests' random models have no tokenizer)."""
+
+    model: str | None = None
+    dtype: str | torch.dtype | None = None
+    quantization: str | None = None
+    quantize_decode: bool | None = None
+    decode_activations: str | None = None
+    prefill_weights: str = "auto"
+    load_tokenizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, "none", *QUANTIZATIONS):
+            raise ValueError(f"quantization must be none or one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.prefill_weights not in PREFILL_WEIGHTS:
+            raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS)}, "
+                             f"got {self.prefill_weights!r}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where an engine runs and how its steps are driven there.
+
+    device: "cpu", "cuda" or "cuda:N" (None: the first CUDA device where there is one, else
+    the CPU); the engine's platform (engine_core/platforms/) follows from it. enforce_eager:
+    never run decode steps from CUDA graphs (engine_core/decode_graphs.py; a CPU has none).
+    async_scheduling: schedule and prepare each step while the one before runs on the device
+    (engine_core/async_step.py); None: the platform's default (on for CUDA)."""
+
+    device: str | None = None
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: how many blocks of how many tokens."""

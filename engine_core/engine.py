@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from engine_core.async_step import RunAhead
-from engine_core.config import CacheConfig, SchedulerConfig, SpeculativeConfig, dtype_name
+from engine_core.config import (
+    CacheConfig,
+    DeviceConfig,
+    LoadConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    dtype_name,
+)
 from engine_core.decode_graphs import init_decode_graphs
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
@@ -48,63 +55,43 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(
         self,
-        model: str | None = None,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
+        load_config: LoadConfig,
+        device_config: DeviceConfig | None = None,
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
-        load_tokenizer_: bool = True,
-        quantize_decode: bool | None = None,
-        kv_allocator: Callable[[KVLayout, int, torch.device], torch.Tensor] | None = None,
         speculative_config: SpeculativeConfig | None = None,
-        decode_activations: str | None = None,
+        *,
+        kv_allocator: Callable[[KVLayout, int, torch.device], torch.Tensor] | None = None,
         kv_connector: KVConnector | None = None,
-        enforce_eager: bool = False,
-        prefill_weights: str = "auto",
-        async_scheduling: bool | None = None,
-        quantization: str | None = None,
     ) -> None:
-        """quantization: None computes the weights as loaded: a GGUF's 4/5/6/8-bit blocks as
-        stored, float weights (safetensors; a GGUF's F32/F16/BF16 tensors) as floats. "int8"
-        (CPU only) also requantizes float weights to int8 per 32 for decode rows (faster,
-        lossy; platforms/cpu/decode_quant.py), vLLM's --quantization.
-        quantize_decode: decode rows use the quantized matmuls (the file's blocks, and with
-        quantization "int8" the requantized floats); None means on for CPU where there is
-        anything to use them for. Pass False for exact dense math in every row.
-        decode_activations: what those matmuls multiply the weights with, "float32" or "int8"
-        (lossy, as llama.cpp's); "auto"/None: int8 for bfloat16 on a VNNI CPU.
-        kv_allocator(layout, num_blocks): where the KV cache tensor lives (default: a plain
-        zeroed tensor; the decode worker passes a shared-memory pool).
-        speculative_config: speculative decoding (spec_decode.py); None decodes plainly.
+        """load_config: the model and how its weights are computed; device_config: where it
+        runs (engine_core/config.py: frozen, checked when made). speculative_config:
+        speculative decoding (spec_decode.py); None decodes plainly.
+        kv_allocator(layout, num_blocks, device): where the KV cache tensor lives (default: a
+        plain zeroed tensor; the decode worker passes a shared-memory pool).
         kv_connector: what moves KV out while a step runs (kv_connector.py): the prefill
-        worker's handoff; None moves nothing.
-        enforce_eager: never run decode steps from CUDA graphs (decode_graphs.py); on CUDA
-        they are captured here, per batch-size bucket up to max_num_seqs. On a CPU there are
-        none either way.
-        prefill_weights: "dense", "quantized" or "auto": whether prefill rows keep a dense
-        float copy of a GGUF's 4/8-bit weights or multiply the blocks themselves
-        (model_loader.load_model; auto: the blocks where the dense copy would not fit).
-        async_scheduling: schedule and prepare each step while the one before runs on the
-        device (async_step.py); None: on for CUDA."""
+        worker's handoff; None moves nothing."""
+        load = load_config
+        device_config = device_config or DeviceConfig()
         self.kv_connector = kv_connector
         # every device- and kernel-dependent decision below is the platform's
-        self.platform = select_platform(device)
+        self.platform = select_platform(device_config.device)
         self.device = self.platform.device
         self._use_device()
         # PDSERVE_CHECK_DEVICE=1 (tests): every step's ops read only tensors on self.device
         self._device_check = (device_check.DeviceCheck(self.device)
                               if device_check.is_enabled() else None)
-        self.dtype = self.platform.resolve_dtype(dtype)
-        self.source = resolve_model(model)
-        self.quantization = self.platform.check_quantization(quantization)
-        quantize_decode = self.platform.quantize_decode(quantize_decode)
+        self.dtype = self.platform.resolve_dtype(load.dtype)
+        self.source = resolve_model(load.model)
+        self.quantization = self.platform.check_quantization(load.quantization)
+        quantize_decode = self.platform.quantize_decode(load.quantize_decode)
         # what the CPU's decode matmuls multiply with ("float32" or "int8"); None: dense rows
-        self.decode_activations = (self.platform.resolve_activations(decode_activations,
+        self.decode_activations = (self.platform.resolve_activations(load.decode_activations,
                                                                      self.dtype)
                                    if quantize_decode else None)
         self.model, self.model_config, quantization = load_model(
             self.source, self.dtype, self.platform, quantize_decode,
-            self.decode_activations or "float32", prefill_weights,
+            self.decode_activations or "float32", load.prefill_weights,
             requantize=self.quantization == "int8",
         )
         if quantization is None:  # nothing held in blocks: every row is dense
@@ -114,7 +101,7 @@ class LLMEngine:
                                                    for m in self.model.modules()) else "dense")
         cfg = self.model_config
         self.tokenizer: Tokenizer | None = (
-            load_tokenizer(self.source, cfg.eos_token_ids) if load_tokenizer_ else None
+            load_tokenizer(self.source, cfg.eos_token_ids) if load.load_tokenizer else None
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else cfg.eos_token_ids
         if outside := [t for t in eos if not 0 <= t < cfg.vocab_size]:
@@ -152,11 +139,12 @@ class LLMEngine:
                                   self.platform, self.eos_token_ids, quantization,
                                   kv_allocator(self.layout, num_blocks, self.device)
                                   if kv_allocator else None)
-        self.decode_mode = init_decode_graphs(self, enforce_eager,
+        self.decode_mode = init_decode_graphs(self, device_config.enforce_eager,
                                               scheduler_config.max_num_seqs)
         self.spec: SpecDecoder | None = (
             build_spec_decoder(speculative_config, self) if speculative_config else None
         )
+        async_scheduling = device_config.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.platform.async_scheduling
         self.async_scheduling = async_scheduling

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from engine_core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from engine_core.config import (
+    CacheConfig,
+    DeviceConfig,
+    LoadConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine_core.engine import LLMEngine
 from engine_core.outputs import RequestOutput, RequestOutputs
 from engine_core.sampling_params import SamplingParams
@@ -59,23 +65,19 @@ class LLM:
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         self.engine = LLMEngine(
-            speculative_config=speculative_config,
-            model=model,
-            dtype=dtype,
-            device=device,
-            quantize_decode=quantize_decode,
-            quantization=quantization,
-            decode_activations=decode_activations,
-            enforce_eager=enforce_eager,
-            prefill_weights=prefill_weights,
-            async_scheduling=async_scheduling,
-            cache_config=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                                     kv_cache_memory_gb=kv_cache_memory_gb,
-                                     enable_prefix_caching=enable_prefix_caching,
-                                     cache_decoded_blocks=cache_decoded_blocks),
-            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                             max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=max_model_len),
+            LoadConfig(model=model, dtype=dtype, quantization=quantization,
+                       quantize_decode=quantize_decode, decode_activations=decode_activations,
+                       prefill_weights=prefill_weights),
+            DeviceConfig(device=device, enforce_eager=enforce_eager,
+                         async_scheduling=async_scheduling),
+            CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                        kv_cache_memory_gb=kv_cache_memory_gb,
+                        enable_prefix_caching=enable_prefix_caching,
+                        cache_decoded_blocks=cache_decoded_blocks),
+            SchedulerConfig(max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len),
+            speculative_config,
         )
 
     @property

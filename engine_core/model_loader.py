@@ -8,13 +8,12 @@ import time
 import torch
 from torch import nn
 
-from engine_core.config import ModelConfig
+from engine_core.config import PREFILL_WEIGHTS, ModelConfig
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.feed_forward import stack_experts
 from engine_core.model_files import ModelSource
 from engine_core.platforms import Platform
 from engine_core.platforms.cpu.decode_quant import DecodeQuantization
-from engine_core.platforms.cpu.weights import PREFILL_WEIGHTS
 from engine_core.weights.gguf_loader import GGUFFile
 from engine_core.weights.safetensors_loader import iter_safetensors, load_hf_config
 

@@ -118,6 +118,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     add_cache_decoded_blocks_argument(mode)
     mode.add_argument("--max-num-seqs", type=int, default=64)
+    mode.add_argument("--max-num-batched-tokens", type=int, default=2048)
     mode.add_argument("--max-model-len", type=int, default=None)
     add_speculative_arguments(p)  # for --colocated (decode workers take their own)
     add_decode_step_arguments(p)  # for --colocated (decode workers take their own)

@@ -101,22 +101,12 @@ def chat_template_of(args: argparse.Namespace) -> str | None:
 
 def colocated_backend_factory(args: argparse.Namespace) -> BackendFactory:
     """Loads the engine now (before the event loop exists), wraps it inside the loop."""
-    from engine_core.config import CacheConfig, SchedulerConfig
     from engine_core.engine import LLMEngine
     from service_infra.colocated import ColocatedBackend
-    from service_infra.worker_args import speculative_config
+    from service_infra.worker_args import engine_configs
 
     chat_template = chat_template_of(args)
-    engine = LLMEngine(
-        model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
-        quantization=args.quantization,
-        prefill_weights=args.prefill_weights, speculative_config=speculative_config(args),
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-        cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
-                                 cache_decoded_blocks=args.cache_decoded_blocks),
-        scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                         max_model_len=args.max_model_len),
-    )
+    engine = LLMEngine(**engine_configs(args))
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
 

@@ -19,11 +19,13 @@ copied what it ships, so nothing waits on the transfer to reuse them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine_core.config import DeviceConfig, LoadConfig
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.manager import cdiv
 from engine_core.scheduler import SchedulerOutput
@@ -130,13 +132,15 @@ class PrefillEngine(LLMEngine):
     """An LLMEngine with a HandoffConnector. Not thread-safe except `set_target`/`pop_target`,
     like LLMEngine."""
 
-    def __init__(self, *args, kv_push: str = "layerwise", **kwargs) -> None:
+    def __init__(self, load_config: LoadConfig, device_config: DeviceConfig | None = None,
+                 *args, kv_push: str = "layerwise", **kwargs) -> None:
         if kv_push not in ("layerwise", "after-forward"):
             raise ValueError(f"kv_push must be layerwise or after-forward, got {kv_push!r}")
         self.connector = HandoffConnector(lambda: self, is_layerwise=kv_push == "layerwise")
         # its requests end at their first token, so it runs no decode steps to capture
-        kwargs["enforce_eager"] = True
-        super().__init__(*args, kv_connector=self.connector, **kwargs)
+        device_config = dataclasses.replace(device_config or DeviceConfig(), enforce_eager=True)
+        super().__init__(load_config, device_config, *args, kv_connector=self.connector,
+                         **kwargs)
 
     def set_target(self, req_id: str, target: HandoffTarget) -> None:
         self.connector.set_target(req_id, target)

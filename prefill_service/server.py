@@ -22,7 +22,7 @@ from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
 from service_infra.prefix_record import PrefixRecord
 from service_infra.tls import tls_from_args
-from service_infra.worker_args import engine_kwargs
+from service_infra.worker_args import engine_configs
 from service_infra.worker_registration import (
     advertise_host,
     checked_redis_config,
@@ -39,11 +39,10 @@ async def _serve(args: argparse.Namespace) -> None:
     tls = tls_from_args(args, is_public=False)
     # a prefill worker never decodes: no 4/8-bit twins, unless its prefill rows multiply the
     # GGUF's blocks (--prefill-weights quantized, or auto choosing it)
-    kwargs = engine_kwargs(args)
-    weights = settle_prefill_weights(kwargs.pop("prefill_weights"), resolve_model(args.model),
+    weights = settle_prefill_weights(args.prefill_weights, resolve_model(args.model),
                                      resolve_dtype(args.dtype, torch.device("cpu")))
-    engine = PrefillEngine(quantize_decode=weights == "quantized", prefill_weights=weights,
-                           kv_push=args.kv_push, **kwargs)
+    engine = PrefillEngine(kv_push=args.kv_push, **engine_configs(
+        args, quantize_decode=weights == "quantized", prefill_weights=weights))
     registry = worker_registry("prefill", engine.source.name, engine)
     start_metrics(registry, "prefill", args)
     backend = ColocatedBackend(engine, max_waiting=args.max_waiting)

@@ -165,20 +165,26 @@ def speculative_config(args: argparse.Namespace):
                              draft_num_layers=args.draft_num_layers)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    from engine_core.config import CacheConfig, SchedulerConfig
+def engine_configs(args: argparse.Namespace, **load: object) -> dict:
+    """A worker's engine configs from its flags (LLMEngine's arguments by name); `load`
+    overrides LoadConfig fields (a prefill worker's quantize_decode and settled
+    prefill_weights)."""
+    from engine_core.config import CacheConfig, DeviceConfig, LoadConfig, SchedulerConfig
 
     return dict(
-        model=args.model, dtype=args.dtype, decode_activations=args.decode_activations,
-        quantization=args.quantization,
-        prefill_weights=args.prefill_weights, speculative_config=speculative_config(args),
-        enforce_eager=getattr(args, "enforce_eager", False),  # decode workers' flags
-        async_scheduling=getattr(args, "async_scheduling", None),
+        load_config=LoadConfig(**{
+            "model": args.model, "dtype": args.dtype,
+            "decode_activations": args.decode_activations, "quantization": args.quantization,
+            "prefill_weights": args.prefill_weights, **load}),
+        device_config=DeviceConfig(
+            enforce_eager=getattr(args, "enforce_eager", False),  # decode workers' flags
+            async_scheduling=getattr(args, "async_scheduling", None)),
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
                                  cache_decoded_blocks=args.cache_decoded_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
                                          max_model_len=args.max_model_len),
+        speculative_config=speculative_config(args),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.config import CacheConfig, SpeculativeConfig
+from engine_core.config import CacheConfig, DeviceConfig, LoadConfig, SpeculativeConfig
 from engine_core.engine import LLMEngine
 from engine_core.sampling_params import SamplingParams
 from tests.tiny_model import write_tiny_llama
@@ -20,8 +20,8 @@ def tiny(tmp_path_factory):
 
 
 def make_engine(tiny, spec: SpeculativeConfig | None = None, **cache) -> LLMEngine:
-    return LLMEngine(str(tiny), dtype="float32", device="cpu", quantize_decode=False,
-                     cache_config=CacheConfig(num_blocks=NUM_BLOCKS, **cache),
+    return LLMEngine(LoadConfig(str(tiny), dtype="float32", quantize_decode=False),
+                     DeviceConfig("cpu"), CacheConfig(num_blocks=NUM_BLOCKS, **cache),
                      speculative_config=spec)
 
 

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from engine_core.config import CacheConfig
+from engine_core.config import CacheConfig, DeviceConfig, LoadConfig
 from engine_core.engine import LLMEngine
 from engine_core.sampling_params import SamplingParams
 from tests.tiny_model import TINY, write_tiny_llama
@@ -18,8 +18,8 @@ VOCAB = TINY["vocab_size"]
 
 
 def make_engine(folder) -> LLMEngine:
-    return LLMEngine(str(folder), dtype="float32", device="cpu", quantize_decode=False,
-                     cache_config=CacheConfig(num_blocks=32))
+    return LLMEngine(LoadConfig(str(folder), dtype="float32", quantize_decode=False),
+                     DeviceConfig("cpu"), CacheConfig(num_blocks=32))
 
 
 def run(engine: LLMEngine, params: SamplingParams) -> list[int]:

@@ -9,6 +9,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
+from engine_core.config import LoadConfig
 from engine_core.platforms import select_platform
 from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear
 from engine_core.platforms.cuda import CudaPlatform
@@ -51,7 +52,7 @@ def test_bad_settings_are_refused_by_name():
     assert cpu.check_quantization("none") is None
     assert cpu.check_quantization("int8") == "int8"
     with pytest.raises(ValueError, match="quantization must be none or one of int8, got 'fp8'"):
-        cpu.check_quantization("fp8")
+        LoadConfig(quantization="fp8")
     # a CUDA platform's check, without a GPU here (its kernels are not built for it)
     cuda = object.__new__(CudaPlatform)
     cuda.device = torch.device("cuda", 0)

@@ -1,6 +1,6 @@
 """Tiny random models built by transformers from a config (no download), saved as safetensors
 or written as GGUF with llama.cpp's conventions, and the helpers that compare our engine with
-them. The engine runs on token ids (LLMEngine(load_tokenizer_=False)): a random model has no
+them. The engine runs on token ids (LoadConfig(load_tokenizer=False)): a random model has no
 vocabulary worth tokenizing."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as _Q
 
-from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.config import CacheConfig, DeviceConfig, LoadConfig, SchedulerConfig
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.model.attention import AttentionMetadata
@@ -50,10 +50,10 @@ def engine(path: Path, block_size: int = 8, max_num_batched_tokens: int = 2048,
            dtype: str = "float32", prefill_weights: str = "auto",
            quantization: str | None = None, **kw) -> LLMEngine:
     return LLMEngine(
-        model=str(path), dtype=dtype, device=device, load_tokenizer_=False,
-        quantize_decode=quantize_decode, decode_activations=decode_activations,
-        quantization=quantization,
-        prefill_weights=prefill_weights,
+        LoadConfig(model=str(path), dtype=dtype, load_tokenizer=False,
+                   quantize_decode=quantize_decode, decode_activations=decode_activations,
+                   quantization=quantization, prefill_weights=prefill_weights),
+        DeviceConfig(device=device),
         cache_config=CacheConfig(block_size=block_size, num_blocks=96, **kw),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_model_len=max_model_len,
                                          max_num_batched_tokens=max_num_batched_tokens),

@@ -14,7 +14,7 @@ import time
 import pytest
 from kv_helpers import LAYOUTS, same_bits, wait_until
 
-from engine_core.config import CacheConfig
+from engine_core.config import CacheConfig, DeviceConfig, LoadConfig
 from kv_transfer import LeaseState, TransferError, connect
 from prefill_service.engine import HandoffStep, HandoffTarget, PrefillEngine
 from prefill_service.worker import PrefillWorker, _committed
@@ -25,8 +25,8 @@ from tests.tiny_model import write_tiny_llama
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> PrefillEngine:
     tiny = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    return PrefillEngine(str(tiny), dtype="float32", device="cpu", quantize_decode=False,
-                         cache_config=CacheConfig(num_blocks=32))
+    return PrefillEngine(LoadConfig(str(tiny), dtype="float32", quantize_decode=False),
+                         DeviceConfig("cpu"), CacheConfig(num_blocks=32))
 
 
 @pytest.mark.parametrize("kind", ["grpc", "shm"])

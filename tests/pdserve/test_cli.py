@@ -30,7 +30,7 @@ def test_defaults_without_env():
 def test_decode_activations_reach_every_engine_that_decodes():
     import pytest
 
-    from service_infra.worker_args import engine_kwargs
+    from service_infra.worker_args import engine_configs
 
     parser = build_parser()
     for cmd in (["decode"], ["prefill"], ["gateway", "--colocated"], ["up"], ["offline", "x"],
@@ -39,7 +39,7 @@ def test_decode_activations_reach_every_engine_that_decodes():
         assert parser.parse_args([*cmd, "--decode-activations", "int8"]).decode_activations \
             == "int8"
     args = parser.parse_args(["decode", "--decode-activations", "float32"])
-    assert engine_kwargs(args)["decode_activations"] == "float32"
+    assert engine_configs(args)["load_config"].decode_activations == "float32"
     with pytest.raises(SystemExit):  # argparse names the choices on stderr
         parser.parse_args(["decode", "--decode-activations", "int4"])
 
@@ -47,15 +47,15 @@ def test_decode_activations_reach_every_engine_that_decodes():
 def test_quantization_reaches_every_engine():
     import pytest
 
-    from service_infra.worker_args import engine_kwargs
+    from service_infra.worker_args import engine_configs
 
     parser = build_parser()
     for cmd in (["decode"], ["prefill"], ["gateway", "--colocated"], ["up"], ["offline", "x"],
                 ["bench-engine"]):
         assert parser.parse_args(cmd).quantization == "none"
         assert parser.parse_args([*cmd, "--quantization", "int8"]).quantization == "int8"
-    assert engine_kwargs(parser.parse_args(["decode", "--quantization", "int8"]))[
-        "quantization"] == "int8"
+    args = parser.parse_args(["decode", "--quantization", "int8"])
+    assert engine_configs(args)["load_config"].quantization == "int8"
     with pytest.raises(SystemExit):  # argparse names the choices on stderr
         parser.parse_args(["decode", "--quantization", "fp8"])
 
@@ -71,7 +71,7 @@ def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers(
     from engine_core.platforms import resolve_dtype
     from engine_core.platforms.cpu.weights import available_memory_bytes, dense_copy_bytes
     from pdserve.up import prefill_weights
-    from service_infra.worker_args import engine_kwargs
+    from service_infra.worker_args import engine_configs
 
     parser = build_parser()
     for cmd in (["decode"], ["prefill"], ["gateway", "--colocated"], ["up"], ["offline", "x"],
@@ -80,7 +80,7 @@ def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers(
         assert parser.parse_args([*cmd, "--prefill-weights", "quantized"]).prefill_weights \
             == "quantized"
     args = parser.parse_args(["prefill", "--prefill-weights", "dense"])
-    assert engine_kwargs(args)["prefill_weights"] == "dense"
+    assert engine_configs(args)["load_config"].prefill_weights == "dense"
     with pytest.raises(SystemExit):
         parser.parse_args(["decode", "--prefill-weights", "int4"])
     # the default model (a Q4_1 GGUF): its 30 layers' 7 matrices, 106M weights, dense
@@ -106,34 +106,35 @@ def test_cache_decoded_blocks_is_on_for_every_serving_engine_and_can_be_turned_o
     """On for the served engines (`pdserve up` hands it to its decode workers: the routing
     test in tests/e2e sees a follow-up hit its reply's blocks), off for the offline LLM."""
     from engine_core.config import CacheConfig
-    from service_infra.worker_args import engine_kwargs
+    from service_infra.worker_args import engine_configs
 
     parser = build_parser()
     for cmd in (["decode"], ["gateway", "--colocated"], ["up"]):
         assert parser.parse_args(cmd).cache_decoded_blocks is True
         assert parser.parse_args([*cmd, "--no-cache-decoded-blocks"]).cache_decoded_blocks \
             is False
-    assert engine_kwargs(parser.parse_args(["decode"]))["cache_config"].cache_decoded_blocks \
+    assert engine_configs(parser.parse_args(["decode"]))["cache_config"].cache_decoded_blocks \
         is True
     args = parser.parse_args(["decode", "--no-cache-decoded-blocks"])
-    assert engine_kwargs(args)["cache_config"].cache_decoded_blocks is False
+    assert engine_configs(args)["cache_config"].cache_decoded_blocks is False
     assert CacheConfig().cache_decoded_blocks is False
 
 
 def test_enforce_eager_reaches_every_engine_that_decodes():
     import pytest
 
-    from service_infra.worker_args import engine_kwargs
+    from service_infra.worker_args import engine_configs
 
     parser = build_parser()
     for cmd in (["decode"], ["gateway", "--colocated"], ["up"], ["offline", "x"],
                 ["bench-engine"]):
         assert parser.parse_args(cmd).enforce_eager is False
         assert parser.parse_args([*cmd, "--enforce-eager"]).enforce_eager is True
-    assert engine_kwargs(parser.parse_args(["decode"]))["enforce_eager"] is False
-    assert engine_kwargs(parser.parse_args(["decode", "--enforce-eager"]))["enforce_eager"]
+    assert engine_configs(parser.parse_args(["decode"]))["device_config"].enforce_eager is False
+    args = parser.parse_args(["decode", "--enforce-eager"])
+    assert engine_configs(args)["device_config"].enforce_eager
     # a prefill worker runs no decode steps: it has no such flag and never captures graphs
-    assert engine_kwargs(parser.parse_args(["prefill"]))["enforce_eager"] is False
+    assert engine_configs(parser.parse_args(["prefill"]))["device_config"].enforce_eager is False
     with pytest.raises(SystemExit):
         parser.parse_args(["prefill", "--enforce-eager"])
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.config import CacheConfig, LoadConfig, SchedulerConfig
 from engine_core.engine import LLMEngine
 from engine_core.sampling_params import SamplingParams
 from service_infra.metrics.autoscaling import AutoscalingCollector
@@ -20,7 +20,7 @@ def make_engine(tmp_path_factory):
     folder = str(write_tiny_llama(tmp_path_factory.mktemp("tiny")))
 
     def make(max_num_seqs: int = 4, max_num_batched_tokens: int = 64) -> LLMEngine:
-        return LLMEngine(folder, dtype="float32", cache_config=CacheConfig(
+        return LLMEngine(LoadConfig(folder, dtype="float32"), cache_config=CacheConfig(
             kv_cache_memory_gb=0.01), scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
 

@@ -115,16 +115,10 @@ class CpuPlatform(Platform):
         return resolve_activations(setting, dtype)
 
     def check_quantization(self, setting: str | None) -> str | None:
-        """--quantization: None (or "none") computes the weights as loaded; "int8" requantizes
-        float weights to int8 per 32 for the decode rows (decode_quant.py)."""
-        from engine_core.platforms.cpu.decode_quant import QUANTIZATIONS
-
-        if setting in (None, "none"):
-            return None
-        if setting not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be none or one of {', '.join(QUANTIZATIONS)}, "
-                             f"got {setting!r}")
-        return setting
+        """--quantization: None (or "none") computes the weights as loaded; "int8" (a
+        LoadConfig checks the name) requantizes float weights to int8 per 32 for the decode
+        rows (decode_quant.py)."""
+        return None if setting in (None, "none") else setting
 
     def forward(self, model, input_ids, positions, kv_cache, meta, ctx: ForwardContext,
                 num_layers=None, quantization=None) -> torch.Tensor:

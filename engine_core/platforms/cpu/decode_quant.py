@@ -309,9 +309,6 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
     return setting
 
 
-QUANTIZATIONS = ("int8",)  # what --quantization may ask for (none: the weights as loaded)
-
-
 def projections(model: DecoderForCausalLM,
                 in_file: Set[str] = frozenset()) -> dict[tuple[nn.Module, str], list[str]]:
     """Every projection of the decoder layers, (module, attribute) -> the Hugging Face names of

@@ -24,9 +24,6 @@ from kernels import native
 
 logger = logging.getLogger(__name__)
 
-PREFILL_WEIGHTS = ("auto", "dense", "quantized")
-
-
 @dataclass
 class DecodeBlocks:
     """The blocks a model's decode rows multiply: Hugging Face-named 4-bit (q4) and q8-family
