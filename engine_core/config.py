@@ -331,6 +331,10 @@ def _hf_experts(cfg: dict[str, Any], arch: architectures.Architecture,
 
 
 PREFILL_WEIGHTS = ("auto", "dense", "quantized")
+QUANTIZED_PREFILL_NEEDS = (
+    "prefill_weights='quantized' reads 4/8-bit blocks with the C kernels: it needs a GGUF "
+    "model or a checkpoint with MXFP4 experts, quantized decode on the CPU and the native "
+    "kernels (a C compiler, AVX2)")
 QUANTIZATIONS = ("int8",)  # what --quantization may ask for (none: the weights as loaded)
 
 

@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from engine_core.config import PREFILL_WEIGHTS, ModelConfig
+from engine_core.config import PREFILL_WEIGHTS, QUANTIZED_PREFILL_NEEDS, ModelConfig
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.feed_forward import stack_experts
 from engine_core.model_files import ModelSource
@@ -54,6 +54,8 @@ def load_model(
         model = DecoderForCausalLM(config, platform.model_ops(config, dtype))
     blocks = (platform.decode_blocks(model, config, gguf, source, dtype, requantize,
                                      prefill_weights) if quantize_decode else None)
+    if blocks is None and prefill_weights == "quantized":  # no blocks to multiply instead
+        raise ValueError(QUANTIZED_PREFILL_NEEDS)
     blocks_only = blocks.blocks_only if blocks is not None else {}
     model = model.to_empty(device=platform.device)
     for module, attr in blocks_only:  # never loaded: the quantized matmul holds the weight

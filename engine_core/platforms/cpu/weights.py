@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from engine_core.config import ModelConfig
+from engine_core.config import QUANTIZED_PREFILL_NEEDS, ModelConfig
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model_files import ModelSource
 from engine_core.platforms.cpu.decode_quant import projections
@@ -78,10 +78,7 @@ def _blocks_only(model: DecoderForCausalLM, q4: Mapping | None, q8: Mapping | No
     lib = native.load()
     if q4 is None or q8 is None or lib is None:
         if prefill_weights == "quantized":
-            raise ValueError("prefill_weights='quantized' reads 4/8-bit blocks with the C "
-                             "kernels: it needs a GGUF model or a checkpoint with MXFP4 "
-                             "experts, quantized decode on the CPU and the native kernels (a "
-                             "C compiler, AVX2)")
+            raise ValueError(QUANTIZED_PREFILL_NEEDS)
         return {}
     dense_bytes = dense_copy_bytes(source, dtype)
     if resolve_prefill_weights(prefill_weights, dense_bytes, weights_bytes(source)) == "dense":
