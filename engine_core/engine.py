@@ -17,15 +17,15 @@ import numpy as np
 import torch
 
 from engine_core.async_step import RunAhead
-from engine_core.config import (
+from engine_core.config import dtype_name
+from engine_core.decode_graphs import init_decode_graphs
+from engine_core.engine_config import (
     CacheConfig,
     DeviceConfig,
     LoadConfig,
     SchedulerConfig,
     SpeculativeConfig,
-    dtype_name,
 )
-from engine_core.decode_graphs import init_decode_graphs
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_connector import KVConnector
@@ -65,7 +65,7 @@ class LLMEngine:
         kv_connector: KVConnector | None = None,
     ) -> None:
         """load_config: the model and how its weights are computed; device_config: where it
-        runs (engine_core/config.py: frozen, checked when made). speculative_config:
+        runs (engine_core/engine_config.py: frozen, checked when made). speculative_config:
         speculative decoding (spec_decode.py); None decodes plainly.
         kv_allocator(layout, num_blocks, device): where the KV cache tensor lives (default: a
         plain zeroed tensor; the decode worker passes a shared-memory pool).

@@ -12,14 +12,14 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from engine_core.config import (
+from engine_core.engine import LLMEngine
+from engine_core.engine_config import (
     CacheConfig,
     DeviceConfig,
     LoadConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine_core.engine import LLMEngine
 from engine_core.outputs import RequestOutput, RequestOutputs
 from engine_core.sampling_params import SamplingParams
 

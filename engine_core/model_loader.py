@@ -8,7 +8,8 @@ import time
 import torch
 from torch import nn
 
-from engine_core.config import PREFILL_WEIGHTS, QUANTIZED_PREFILL_NEEDS, ModelConfig
+from engine_core.config import ModelConfig
+from engine_core.engine_config import PREFILL_WEIGHTS, QUANTIZED_PREFILL_NEEDS
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model.feed_forward import stack_experts
 from engine_core.model_files import ModelSource

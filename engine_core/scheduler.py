@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine_core.config import SchedulerConfig
+from engine_core.engine_config import SchedulerConfig
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine_core.config import SpeculativeConfig
+from engine_core.engine_config import SpeculativeConfig
 from engine_core.kv_cache.layout import copy_kv_blocks
 from engine_core.platforms import device_check
 from engine_core.request import Request

@@ -21,7 +21,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 from torch import Tensor
 
-from engine_core.config import SpeculativeConfig
+from engine_core.engine_config import SpeculativeConfig
 from engine_core.request import Request
 from engine_core.sampler import Sampler, exponential_race
 from engine_core.sampling_batch import SamplingBatch

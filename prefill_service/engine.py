@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine_core.config import DeviceConfig, LoadConfig
 from engine_core.engine import LLMEngine
+from engine_core.engine_config import DeviceConfig, LoadConfig
 from engine_core.kv_cache.manager import cdiv
 from engine_core.scheduler import SchedulerOutput
 from kv_transfer import Connection, SendSession

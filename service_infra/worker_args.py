@@ -38,7 +38,7 @@ def add_prefill_weights_argument(p) -> None:
 
 
 def add_cache_decoded_blocks_argument(p) -> None:
-    """--cache-decoded-blocks / --no-cache-decoded-blocks (engine_core/config.py
+    """--cache-decoded-blocks / --no-cache-decoded-blocks (engine_core/engine_config.py
     CacheConfig.cache_decoded_blocks). On by default for the engines that serve: a chat's next
     turn then finds the previous reply's KV where it was decoded (decode-side prefix routing
     sends it back there), as vLLM's and SGLang's prefix caches do. The offline LLM keeps
@@ -157,7 +157,7 @@ def speculative_argv(args: argparse.Namespace) -> list[str]:
 def speculative_config(args: argparse.Namespace):
     if getattr(args, "speculative", None) is None:
         return None
-    from engine_core.config import SpeculativeConfig
+    from engine_core.engine_config import SpeculativeConfig
 
     return SpeculativeConfig(method=args.speculative,
                              num_speculative_tokens=args.num_speculative_tokens,
@@ -169,7 +169,7 @@ def engine_configs(args: argparse.Namespace, **load: object) -> dict:
     """A worker's engine configs from its flags (LLMEngine's arguments by name); `load`
     overrides LoadConfig fields (a prefill worker's quantize_decode and settled
     prefill_weights)."""
-    from engine_core.config import CacheConfig, DeviceConfig, LoadConfig, SchedulerConfig
+    from engine_core.engine_config import CacheConfig, DeviceConfig, LoadConfig, SchedulerConfig
 
     return dict(
         load_config=LoadConfig(**{

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine_core.config import SchedulerConfig
+from engine_core.engine_config import SchedulerConfig
 from engine_core.kv_cache.manager import KVCacheManager, cdiv
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.config import CacheConfig, DeviceConfig, LoadConfig, SpeculativeConfig
 from engine_core.engine import LLMEngine
+from engine_core.engine_config import CacheConfig, DeviceConfig, LoadConfig, SpeculativeConfig
 from engine_core.sampling_params import SamplingParams
 from tests.tiny_model import write_tiny_llama
 

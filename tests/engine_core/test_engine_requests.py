@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from engine_core.config import CacheConfig, DeviceConfig, LoadConfig
 from engine_core.engine import LLMEngine
+from engine_core.engine_config import CacheConfig, DeviceConfig, LoadConfig
 from engine_core.sampling_params import SamplingParams
 from tests.tiny_model import TINY, write_tiny_llama
 

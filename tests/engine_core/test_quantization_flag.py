@@ -9,7 +9,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
-from engine_core.config import LoadConfig
+from engine_core.engine_config import LoadConfig
 from engine_core.platforms import select_platform
 from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear
 from engine_core.platforms.cuda import CudaPlatform

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from engine_core.config import SpeculativeConfig
+from engine_core.engine_config import SpeculativeConfig
 from engine_core.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
 from engine_core.spec_decode import rejection_sample

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as _Q
 
-from engine_core.config import CacheConfig, DeviceConfig, LoadConfig, SchedulerConfig
 from engine_core.engine import LLMEngine
+from engine_core.engine_config import CacheConfig, DeviceConfig, LoadConfig, SchedulerConfig
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.model.attention import AttentionMetadata
 from engine_core.sampling_params import SamplingParams

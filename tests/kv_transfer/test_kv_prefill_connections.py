@@ -14,7 +14,7 @@ import time
 import pytest
 from kv_helpers import LAYOUTS, same_bits, wait_until
 
-from engine_core.config import CacheConfig, DeviceConfig, LoadConfig
+from engine_core.engine_config import CacheConfig, DeviceConfig, LoadConfig
 from kv_transfer import LeaseState, TransferError, connect
 from prefill_service.engine import HandoffStep, HandoffTarget, PrefillEngine
 from prefill_service.worker import PrefillWorker, _committed

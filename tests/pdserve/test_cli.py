@@ -105,7 +105,7 @@ def test_prefill_weights_reach_every_engine_and_up_settles_auto_for_all_workers(
 def test_cache_decoded_blocks_is_on_for_every_serving_engine_and_can_be_turned_off():
     """On for the served engines (`pdserve up` hands it to its decode workers: the routing
     test in tests/e2e sees a follow-up hit its reply's blocks), off for the offline LLM."""
-    from engine_core.config import CacheConfig
+    from engine_core.engine_config import CacheConfig
     from service_infra.worker_args import engine_configs
 
     parser = build_parser()

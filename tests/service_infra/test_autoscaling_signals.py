@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.config import CacheConfig, LoadConfig, SchedulerConfig
 from engine_core.engine import LLMEngine
+from engine_core.engine_config import CacheConfig, LoadConfig, SchedulerConfig
 from engine_core.sampling_params import SamplingParams
 from service_infra.metrics.autoscaling import AutoscalingCollector
 from service_infra.metrics.worker import worker_registry

@@ -12,7 +12,8 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from engine_core.config import QUANTIZED_PREFILL_NEEDS, ModelConfig
+from engine_core.config import ModelConfig
+from engine_core.engine_config import QUANTIZED_PREFILL_NEEDS
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model_files import ModelSource
 from engine_core.platforms.cpu.decode_quant import projections
