@@ -29,6 +29,7 @@ from engine_core.engine_config import (
 from engine_core.kv_cache.layout import KVLayout
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.kv_connector import KVConnector
+from engine_core.kv_offload import KVOffloader, build_offloader
 from engine_core.model_files import resolve_model
 from engine_core.model_loader import load_model
 from engine_core.model_runner import ModelRunner
@@ -139,6 +140,13 @@ class LLMEngine:
                                   self.platform, self.eos_token_ids, quantization,
                                   kv_allocator(self.layout, num_blocks, self.device)
                                   if kv_allocator else None)
+        self.offloader: KVOffloader | None = build_offloader(
+            cache_config.offload, self.runner.kv_cache, self.layout.fingerprint(),
+            self.source.path, f"dtype={self.layout.dtype};prefill={self.prefill_weights}",
+            num_blocks)
+        if self.offloader is not None:
+            self.kv.published = []
+            self.scheduler.offload = self.offloader
         self.decode_mode = init_decode_graphs(self, device_config.enforce_eager,
                                               scheduler_config.max_num_seqs)
         self.spec: SpecDecoder | None = (
@@ -276,7 +284,12 @@ class LLMEngine:
             self._outputs.discard(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether `step` has anything to do: requests, or blocks published for the offload
+        tiers whose stores hold them pinned until a step releases them."""
+        if self.scheduler.has_unfinished():
+            return True
+        off = self.offloader
+        return off is not None and bool(off.num_pinned or off.has_backlog or self.kv.published)
 
     def has_work(self) -> bool:
         """Whether `step` would compute anything (reserved requests wait for their KV)."""
@@ -300,12 +313,46 @@ class LLMEngine:
         tokens or ended gives its RequestDelta. With async scheduling (async_step.py) the
         deltas are the step before's, read once this one is launched."""
         self._use_device()
+        if self.offloader is not None:
+            self._offload_tick()
         if self._ahead is not None:
             deltas = self._ahead.step()
             if deltas is not None:
                 return deltas
             return self._ahead.flush() + self._step()  # a step that cannot run ahead
         return self._step()
+
+    def _offload_tick(self) -> None:
+        """Between steps: unpin the blocks whose stores are done, requeue the requests whose
+        loads are done, queue the blocks published since for storing. When nothing but loads
+        is left, wait for one (briefly) rather than spin."""
+        off, sched = self.offloader, self.scheduler
+        if (sched.loading or off.num_pinned) and not sched.has_work():
+            off.wait(0.05)  # nothing else to run: wait for a load or a store
+        loaded, stored = off.poll()
+        if stored:
+            self.kv.unpin(stored)
+        for req_id, num_loaded in loaded:
+            sched.finish_load(req_id, num_loaded)
+        published = self.kv.take_published()
+        if published or off.has_backlog:
+            off.store(published, self.kv.pin, self.kv.is_cached)
+
+    def flush_offload(self, wait: bool = False) -> None:
+        """Queue the blocks the last steps published for the offload tiers (the next step
+        would); wait: until every queued store is done."""
+        if self.offloader is not None:
+            self._offload_tick()
+            if wait:
+                self.offloader.drain()
+                self._offload_tick()  # unpin them
+
+    def close(self) -> None:
+        """Let queued KV stores finish (a restart on the same offload directory finds them)
+        and stop the offload threads; the engine serves nothing after."""
+        if self.offloader is not None:
+            self.flush_offload(wait=True)
+            self.offloader.close()
 
     def prepare(self, out: SchedulerOutput) -> np.ndarray:
         """The step's copies on write, then its rows brought up to date (async_step.py)."""

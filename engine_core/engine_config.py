@@ -68,6 +68,34 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class KVOffloadConfig:
+    """Tiers below the KV pool (engine_core/kv_offload/), each off until given a size or a
+    place; checked in this order:
+
+    cpu_gb: host RAM (a CUDA engine's; on a CPU the pool is host RAM already, so it is off).
+    disk_dir, disk_gb: a directory (shared by the workers of a host, kept across restarts).
+    redis_url, redis_gb: a Redis server (shared across hosts).
+
+    Each tier holds at most its gigabytes, least recently used entries evicted first."""
+
+    cpu_gb: float = 0.0
+    disk_dir: str | None = None
+    disk_gb: float = 16.0
+    redis_url: str | None = None
+    redis_gb: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_gb", "disk_gb", "redis_gb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"kv_offload {name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cpu_gb or (self.disk_dir and self.disk_gb)
+                    or (self.redis_url and self.redis_gb))
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: how many blocks of how many tokens."""
 
@@ -84,8 +112,12 @@ class CacheConfig:
     # service_infra/worker_args.py): a chat's next turn then finds its reply where it was
     # decoded.
     cache_decoded_blocks: bool = False
+    offload: KVOffloadConfig = KVOffloadConfig()  # tiers below the pool (none by default)
 
     def __post_init__(self) -> None:
+        if self.offload.enabled and not self.enable_prefix_caching:
+            raise ValueError("kv offload tiers are keyed by the prefix cache's block hashes: "
+                             "they need enable_prefix_caching")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -145,3 +177,4 @@ class SpeculativeConfig:
                              f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
+

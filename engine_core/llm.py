@@ -16,6 +16,7 @@ from engine_core.engine import LLMEngine
 from engine_core.engine_config import (
     CacheConfig,
     DeviceConfig,
+    KVOffloadConfig,
     LoadConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -47,6 +48,7 @@ class LLM:
         prefill_weights: str = "auto",
         async_scheduling: bool | None = None,
         quantization: str | None = None,
+        kv_offload: KVOffloadConfig | dict | None = None,
     ) -> None:
         """quantization: None computes the weights as loaded (a GGUF's blocks as stored, float
         weights as floats); "int8" requantizes float weights to int8 for the CPU's decode rows
@@ -61,7 +63,11 @@ class LLM:
         prefill_weights: "auto", "dense" or "quantized": whether prefill rows multiply a dense
         copy of a GGUF's 4/8-bit weights or the blocks (model_loader.load_model).
         async_scheduling: schedule each step while the one before runs on the device
-        (engine_core/async_step.py); None: on for CUDA."""
+        (engine_core/async_step.py); None: on for CUDA.
+        kv_offload: tiers below the KV pool, e.g. {"disk_dir": "/var/cache/pdserve",
+        "disk_gb": 20} (KVOffloadConfig; engine_core/kv_offload/)."""
+        if isinstance(kv_offload, dict):
+            kv_offload = KVOffloadConfig(**kv_offload)
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         self.engine = LLMEngine(
@@ -73,7 +79,8 @@ class LLM:
             CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                         kv_cache_memory_gb=kv_cache_memory_gb,
                         enable_prefix_caching=enable_prefix_caching,
-                        cache_decoded_blocks=cache_decoded_blocks),
+                        cache_decoded_blocks=cache_decoded_blocks,
+                        offload=kv_offload or KVOffloadConfig()),
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len),
@@ -129,4 +136,9 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         final[out.request_id] = out
                         bar.update(1)
+        self.engine.flush_offload()
         return [final[r] for r in req_ids]
+
+    def close(self) -> None:
+        """Finish the KV stores still queued for the offload tiers and stop their threads."""
+        self.engine.close()

@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved, prompt KV arriving from a prefill worker
     WAITING_FOR_PARENT = "waiting_for_parent"  # a fork: waits for its parent's prompt KV
+    WAITING_FOR_OFFLOAD = "waiting_for_offload"  # blocks held, prefix KV loading from a tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -75,6 +76,9 @@ class Request:
         # KV is counted in num_computed_tokens once scheduled)
         self.num_pending = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first schedule
+        # offload tiers: looked up since its last admission or preemption; blocks loading
+        self.tiers_checked = False
+        self.num_loading_blocks = 0
         self.num_preemptions = 0
         # speculative decoding: draft slots the scheduler granted this step, and the drafts
         # the proposer filled in (at most that many); both cleared when the step is done

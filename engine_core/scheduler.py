@@ -14,6 +14,12 @@ which gives it its own logits for its first token: each child samples that token
 through the one sampler path (its seed, penalties, grammar, logprobs), at the cost of one
 token of compute. A parent that ends before its prompt is computed lets its children go as
 plain requests (they prefill themselves).
+
+Offload tiers (engine_core/kv_offload/, `offload`): a waiting request whose prefix the pool
+misses asks the tiers how many more of its blocks they hold. If any, it gets blocks for them
+and waits in `loading` (WAITING_FOR_OFFLOAD) while they load off the step path; `finish_load`
+puts it back first in the queue with those blocks computed (as a fork waits). The step goes
+on without it meanwhile. An aborted loading request keeps its blocks until its load is done.
 """
 
 from __future__ import annotations
@@ -21,10 +27,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine_core.engine_config import SchedulerConfig
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
+
+
+class OffloadTiers(Protocol):
+    """What the scheduler asks of the offload tiers (kv_offload/offloader.py)."""
+
+    def lookup(self, hashes: list[int]) -> int:
+        """How many of these consecutive blocks, from the first, the tiers hold."""
+
+    def load(self, req_id: str, block_ids: list[int], hashes: list[int]) -> None:
+        """Fill these blocks from the tiers, off the step path."""
 
 
 @dataclass
@@ -67,6 +84,9 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}  # WAITING_FOR_KV: blocks held, KV in flight
         self.requests: dict[str, Request] = {}
         self.children: dict[str, list[Request]] = {}  # parent id -> forks waiting for its KV
+        self.offload: OffloadTiers | None = None
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_OFFLOAD: blocks held, KV loading
+        self.orphan_loads: set[str] = set()  # ended while loading: blocks freed when done
         self.num_forks = 0  # children that took their parent's prompt KV
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
@@ -111,7 +131,7 @@ class Scheduler:
                 f"({req.sampling_params.max_tokens}) must be <= max_model_len "
                 f"({self.max_model_len}), got {total}"
             )
-        if req.req_id in self.requests:
+        if req.req_id in self.requests or req.req_id in self.orphan_loads:
             raise ValueError(f"request id {req.req_id!r} is already in use")
 
     # -- disaggregated decode: the prompt's KV is computed elsewhere ------------------------
@@ -178,6 +198,9 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_KV:
                 del self.reserved[req_id]
+            elif req.status == RequestStatus.WAITING_FOR_OFFLOAD:
+                del self.loading[req_id]
+                self.orphan_loads.add(req_id)  # its blocks are being written: kept till done
             elif req.status == RequestStatus.WAITING_FOR_PARENT:
                 siblings = self.children[_parent_of(self.children, req)]
                 siblings.remove(req)
@@ -186,8 +209,9 @@ class Scheduler:
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.req_id not in self.orphan_loads:
+            self.kv.free(req.req_id)
         req.status = status
-        self.kv.free(req.req_id)
         del self.requests[req.req_id]
         self._finished_since_step.append(req.req_id)
         for child in self.children.pop(req.req_id, ()):  # ended before its prompt was computed
@@ -260,13 +284,20 @@ class Scheduler:
                 i += 1
 
         while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             req = self.waiting[0]
-            if req.num_computed_tokens:  # a fork: it holds its parent's prompt blocks
+            if req.num_computed_tokens:  # a fork (its parent's prompt blocks), or loaded
                 hit_blocks, num_hit = [], req.num_computed_tokens
             else:  # prompt logprobs: every position recomputed
                 hit_blocks, num_hit = (self.kv.get_computed_blocks(req)
                                        if not req.needs_prompt_logprobs else ([], 0))
+                if (self.offload is not None and not req.tiers_checked
+                        and not req.needs_prompt_logprobs):
+                    started = self._start_load(req, hit_blocks)
+                    if started is None:
+                        break  # no room for the blocks the tiers hold: wait for some
+                    if started:
+                        continue
             n = min(req.num_tokens - num_hit, budget, req.max_chunk_tokens or budget)
             if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:
                 if req.num_computed_tokens and not self.running:
@@ -300,6 +331,45 @@ class Scheduler:
         out.blocks_to_copy, out.rewritten_req_ids = self.kv.take_copies()
         return out
 
+    # -- offload tiers ------------------------------------------------------------------------
+    def _start_load(self, req: Request, hit_blocks: list[int]) -> bool | None:
+        """Ask the tiers for the blocks after the pool's hit; if they hold any, give the
+        request blocks for them and park it while they load (True). None: they hold some but
+        the pool has no room now (nothing changed; asked again later)."""
+        bs = self.kv.block_size
+        first, max_blocks = len(hit_blocks), (req.num_tokens - 1) // bs
+        hashes = self.kv.req_hashes.get(req.req_id, [])[first:max_blocks]
+        k = self.offload.lookup(hashes) if hashes else 0
+        if k == 0:
+            req.tiers_checked = True
+            return False
+        if self.kv.allocate_slots(req, (first + k) * bs, hit_blocks) is None:
+            return None
+        req.tiers_checked = True
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_OFFLOAD
+        req.num_loading_blocks = k
+        self.loading[req.req_id] = req
+        self.offload.load(req.req_id, self.kv.block_ids(req.req_id)[first:first + k], hashes[:k])
+        return True
+
+    def finish_load(self, req_id: str, num_loaded: int) -> None:
+        """The request's load is done: the first `num_loaded` of its loading blocks hold their
+        KV (the rest are given back); it waits first in line with them computed."""
+        if req_id in self.orphan_loads:  # ended while loading
+            self.orphan_loads.discard(req_id)
+            self.kv.free(req_id)
+            return
+        req = self.loading.pop(req_id)
+        blocks = self.kv.block_ids(req_id)
+        keep = len(blocks) - req.num_loading_blocks + num_loaded
+        req.num_loading_blocks = 0
+        self.kv.truncate(req_id, keep)
+        req.num_computed_tokens = keep * self.kv.block_size
+        self.kv.cache_computed_blocks(req)  # the loaded blocks serve prefix hits now
+        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
     # -- async scheduling (engine_core/async_step.py; update_from_output with epochs) -------
     def advance(self, out: SchedulerOutput) -> None:
         """The step is launched, its tokens not read yet (out.num_pending: as it was
@@ -326,6 +396,7 @@ class Scheduler:
         req.num_lookahead_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
+        req.tiers_checked = False  # its published blocks went to the tiers: look again
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1

@@ -199,7 +199,9 @@ class ColocatedBackend:
                     **({"grammar_mask": {"num_steps": mask.num_steps, "seconds": mask.seconds}}
                        if mask is not None else {}),
                     **({"speculative": self.engine.spec.stats.as_dict()}
-                       if self.engine.spec is not None else {})}
+                       if self.engine.spec is not None else {}),
+                    **({"kv_offload": self.engine.offloader.status()}
+                       if getattr(self.engine, "offloader", None) is not None else {})}
 
         result = await self.call_in_engine(snapshot)
         result["num_streams"] = len(self._sinks)
@@ -350,6 +352,7 @@ class ColocatedBackend:
                     command()
                 if is_closed:  # streams were told; what still runs is dropped
                     engine.abort_request(list(engine.scheduler.requests))
+                    engine.close()  # queued KV stores finish (offload tiers)
                     return
                 outputs = engine.step_deltas() if engine.has_unfinished_requests() else []
             except Exception as e:  # the model or scheduler broke: fail everything, stop

@@ -76,14 +76,16 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Publish a full, computed block under its content hash."""
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Publish a full, computed block under its content hash; False if it was published
+        already, or another block holds the same content (the first is kept)."""
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # another block already holds this content; keep the first
+            return False
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
+        return True
 
     def reset_prefix_cache(self) -> None:
         for block_hash, block_id in list(self.cached.items()):

@@ -43,6 +43,10 @@ class KVCacheManager:
         # the requests whose block lists changed in place (not only appended) since then
         self.pending_copies: list[tuple[int, int]] = []
         self.rewritten_req_ids: set[str] = set()
+        # offload tiers (engine_core/kv_offload/): blocks published since the last
+        # take_published (None: not collected), and references held while a block is stored
+        self.published: list[tuple[int, int]] | None = None
+        self.pinned: dict[int, int] = {}
 
     @property
     def usage(self) -> float:
@@ -160,9 +164,47 @@ class KVCacheManager:
         done = self.req_num_published.get(req.req_id, 0)
         hashes = self._hashes(req)
         blocks = self.req_blocks[req.req_id]
+        published = self.published
         for i in range(done, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if self.pool.cache_block(blocks[i], hashes[i]) and published is not None:
+                published.append((blocks[i], hashes[i]))
         self.req_num_published[req.req_id] = num_full
+
+    # -- offload tiers ------------------------------------------------------------------------
+    def take_published(self) -> list[tuple[int, int]]:
+        """(block id, hash) of the blocks published since the last call (collected only
+        once `published` is a list: an engine with offload tiers sets it)."""
+        out = self.published
+        if not out:
+            return []
+        self.published = []
+        return out
+
+    def is_cached(self, block_id: int, block_hash: int) -> bool:
+        """Whether the block still holds the content published under this hash."""
+        return self.pool.block_hash[block_id] == block_hash
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Hold the blocks (no request does) until `unpin`: not evicted, not rewritten."""
+        self.pool.touch(block_ids)
+        for b in block_ids:
+            self.pinned[b] = self.pinned.get(b, 0) + 1
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            if self.pinned[b] == 1:
+                del self.pinned[b]
+            else:
+                self.pinned[b] -= 1
+        self.pool.free(block_ids)
+
+    def truncate(self, req_id: str, num_blocks: int) -> None:
+        """Keep only the request's first `num_blocks` blocks (a load that stopped short)."""
+        blocks = self.req_blocks[req_id]
+        self.pool.free(reversed(blocks[num_blocks:]))
+        del blocks[num_blocks:]
+        if self.req_num_published.get(req_id, 0) > num_blocks:
+            self.req_num_published[req_id] = num_blocks
 
     def free(self, req_id: str) -> None:
         """Release every block the request holds (idempotent)."""
@@ -175,7 +217,7 @@ class KVCacheManager:
         self.req_num_published.pop(req_id, None)
 
     def check_integrity(self) -> None:
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = dict(self.pinned)
         for blocks in self.req_blocks.values():
             for b in blocks:
                 refs[b] = refs.get(b, 0) + 1

@@ -27,6 +27,10 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.fail = False
         self.spec = None  # no speculative decoding
+        self.offloader = None  # no KV offload tiers
+
+    def close(self) -> None:
+        pass
 
     def add_request(self, prompt, params, req_id, num_prior_output_tokens=0, fork_of=None):
         self.num_prior_output_tokens = num_prior_output_tokens

@@ -1,0 +1,194 @@
+"""The offload tiers under a real engine (tiny random Llama): a pool too small for the
+working set evicts chats, and a returning one loads its history from a tier instead of
+recomputing it, with the same greedy output (and, in float32, the same logprobs) as without
+tiers; a restart on the same directory serves the old entries; corrupt entries and a Redis
+value overwritten are misses; preemption swaps back through the tier; an abort while loading
+frees every block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import redis
+
+from engine_core.engine import LLMEngine
+from engine_core.engine_config import CacheConfig, DeviceConfig, KVOffloadConfig, LoadConfig
+from engine_core.kv_offload.entry import HEADER_NBYTES, decode_entry
+from engine_core.request import RequestStatus
+from engine_core.sampling_params import SamplingParams
+from tests.redis_server import run_redis
+from tests.tiny_model import write_tiny_llama
+
+NUM_BLOCKS = 24  # 16-token blocks: one 200-token history is 13 of them
+rng = random.Random(0)
+HISTORIES = [[rng.randrange(3, 250) for _ in range(200)] for _ in range(5)]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def make_engine(tiny, offload: KVOffloadConfig | None = None, dtype: str | None = None,
+                num_blocks: int = NUM_BLOCKS, cache_decoded_blocks: bool = False) -> LLMEngine:
+    return LLMEngine(LoadConfig(str(tiny), dtype=dtype), DeviceConfig("cpu"),
+                     CacheConfig(num_blocks=num_blocks, offload=offload or KVOffloadConfig(),
+                                 cache_decoded_blocks=cache_decoded_blocks))
+
+
+def generate(engine: LLMEngine, prompts, params=GREEDY, prefix="r"):
+    """Each prompt alone (a chat's turn after the others ran): tokens and logprobs."""
+    results = []
+    for i, prompt in enumerate(prompts):
+        req_id = f"{prefix}{i}"
+        engine.add_request(prompt, params, req_id=req_id)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    c = out.outputs[0]
+                    results.append((list(c.token_ids), c.logprobs, out.num_cached_tokens))
+    engine.flush_offload(wait=True)
+    engine.kv.check_integrity()
+    return results
+
+
+def tokens(results):
+    return [r[0] for r in results]
+
+
+def two_rounds(engine):
+    """Every history, then every history again: the pool holds fewer than two, so the second
+    round's prefixes were evicted (from the pool) by the others."""
+    return generate(engine, HISTORIES, prefix="a"), generate(engine, HISTORIES, prefix="b")
+
+
+def tier(engine, name="disk"):
+    return next(t for t in engine.offloader.tiers if t.name == name)
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_returning_chats_load_from_disk_with_the_same_output(tiny, tmp_path, dtype):
+    plain = make_engine(tiny, dtype=dtype)
+    base_first, base_again = two_rounds(plain)
+    assert all(cached == 0 for *_, cached in base_again)  # evicted: recomputed
+    tiered = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), dtype=dtype)
+    first, again = two_rounds(tiered)
+    assert tokens(first) == tokens(base_first) and tokens(again) == tokens(base_again)
+    if dtype == "float32":  # the same KV bytes: the same logits
+        assert [r[1] for r in again] == [r[1] for r in base_again]
+    full = (len(HISTORIES[0]) - 1) // 16 * 16  # every full block but the one with the last
+    assert [cached for *_, cached in again] == [full] * len(HISTORIES)
+    stats = tier(tiered).stats
+    assert stats.hits == len(HISTORIES) * full // 16 and stats.corrupt == 0
+    assert stats.stores >= len(HISTORIES) * full // 16
+    tiered.close()
+
+
+def test_a_restart_on_the_same_directory_serves_the_old_entries(tiny, tmp_path):
+    config = KVOffloadConfig(disk_dir=str(tmp_path))
+    before = make_engine(tiny, config)
+    cold = generate(before, HISTORIES[:2])
+    before.close()
+    after = make_engine(tiny, config)  # a new process would see the same files
+    warm = generate(after, HISTORIES[:2])
+    assert tokens(warm) == tokens(cold)
+    assert all(cached > 0 for *_, cached in warm) and tier(after).stats.hits > 0
+    after.close()
+
+
+def test_corrupt_entries_are_misses_and_the_output_stands(tiny, tmp_path):
+    config = KVOffloadConfig(disk_dir=str(tmp_path))
+    engine = make_engine(tiny, config)
+    first = generate(engine, HISTORIES)
+    engine.close()
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert files
+    for i, f in enumerate(files):  # a flipped byte in every other one, the rest truncated
+        data = bytearray(f.read_bytes())
+        if i % 2:
+            data[HEADER_NBYTES + 5] ^= 0xFF
+            f.write_bytes(bytes(data))
+        else:
+            f.write_bytes(bytes(data[: len(data) // 2]))
+    engine = make_engine(tiny, config)
+    again = generate(engine, HISTORIES)
+    assert tokens(again) == tokens(first)
+    stats = tier(engine).stats
+    assert stats.corrupt == len(HISTORIES) and stats.hits == 0  # each load stops at its first
+    engine.close()
+    # what the requests recomputed replaced the damaged entries: all valid again
+    ns = engine.offloader.ns
+    for f in files:
+        block_hash = int(f.stem.rsplit("-", 1)[1], 16)
+        assert decode_entry(f.read_bytes(), ns, block_hash,
+                            engine.offloader.payload_nbytes) is not None, f
+
+
+def test_a_history_prefilled_by_one_engine_loads_in_another_through_redis(tiny, tmp_path):
+    """Two engines (two prefill workers) share a Redis: a chat prefilled by A returns to B and
+    loads; a value overwritten in Redis is a corrupt miss."""
+    with run_redis(tmp_path) as server:
+        config = KVOffloadConfig(redis_url=server.url)
+        a, b = make_engine(tiny, config), make_engine(tiny, config)
+        on_a = generate(a, HISTORIES[:2])
+        on_b = generate(b, HISTORIES[:2])
+        assert tokens(on_b) == tokens(on_a)
+        assert tier(b, "redis").stats.hits == 2 * 12
+        client = redis.Redis.from_url(server.url)
+        keys = [k for k in client.keys(tier(a, "redis").prefix + "*")
+                if not k.endswith((b":lru", b":bytes"))]
+        for k in keys:
+            client.set(k, b"not an entry")
+        c = make_engine(tiny, config)
+        on_c = generate(c, HISTORIES[:2])
+        assert tokens(on_c) == tokens(on_a)
+        assert tier(c, "redis").stats.corrupt == 2 and tier(c, "redis").stats.hits == 0
+        for engine in (a, b, c):
+            engine.close()
+
+
+def test_a_preempted_request_swaps_back_through_the_tier(tiny, tmp_path):
+    """Five requests at once in a pool that holds about three as they grow: a preempted
+    one's blocks (its prompt's and, as the serving commands keep them, its reply's) come back
+    from the tier once the others evicted them from the pool, with the output of a pool that
+    never preempts (the same KV bytes, not a recomputation)."""
+    prompts = [h[:100] for h in HISTORIES]
+    params = SamplingParams(max_tokens=100, temperature=0.0)
+
+    def batch(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, req_id=f"p{i}")
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+        engine.flush_offload(wait=True)
+        engine.kv.check_integrity()
+        return out
+
+    roomy = batch(make_engine(tiny, num_blocks=128, cache_decoded_blocks=True))
+    tight = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), num_blocks=30,
+                        cache_decoded_blocks=True)
+    assert batch(tight) == roomy
+    assert tight.scheduler.num_preemptions > 0 and tier(tight).stats.hits > 0
+    tight.close()
+
+
+def test_an_abort_while_loading_frees_every_block(tiny, tmp_path):
+    config = KVOffloadConfig(disk_dir=str(tmp_path))
+    engine = make_engine(tiny, config)
+    generate(engine, HISTORIES[:3])  # the first is evicted from the pool, kept on disk
+    engine.add_request(HISTORIES[0], GREEDY, req_id="back")
+    engine.scheduler.schedule()  # admission: it finds its blocks on disk and loads
+    req = engine.scheduler.requests["back"]
+    assert req.status is RequestStatus.WAITING_FOR_OFFLOAD
+    engine.abort_request("back")
+    engine.flush_offload(wait=True)
+    assert not engine.scheduler.loading and not engine.scheduler.orphan_loads
+    engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == NUM_BLOCKS and not engine.kv.pinned
+    engine.add_request(HISTORIES[0], GREEDY, req_id="back")  # the id is free again
+    engine.close()
