@@ -12,6 +12,7 @@ from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
     add_decode_step_arguments,
+    add_kv_offload_arguments,
     add_prefill_weights_argument,
     add_quantization_argument,
     add_redis_arguments,
@@ -117,6 +118,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     add_prefill_weights_argument(mode)
     mode.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     add_cache_decoded_blocks_argument(mode)
+    add_kv_offload_arguments(mode)
     mode.add_argument("--max-num-seqs", type=int, default=64)
     mode.add_argument("--max-num-batched-tokens", type=int, default=2048)
     mode.add_argument("--max-model-len", type=int, default=None)

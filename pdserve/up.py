@@ -43,10 +43,12 @@ from service_infra.worker_args import (
     add_cache_decoded_blocks_argument,
     add_decode_activations_argument,
     add_decode_step_arguments,
+    add_kv_offload_arguments,
     add_prefill_weights_argument,
     add_quantization_argument,
     add_speculative_arguments,
     async_scheduling_argv,
+    kv_offload_argv,
     speculative_argv,
 )
 
@@ -74,6 +76,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="per worker")
     add_cache_decoded_blocks_argument(p)  # passed to the decode workers
+    add_kv_offload_arguments(p)  # passed to every worker
     p.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     p.add_argument("--no-pin", action="store_true", help="do not pin pools to CPU cores")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_crashes,
@@ -217,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    kv = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), *kv_offload_argv(args)]
     # the decode workers accept grpc beside a transport named ("grpc,shm"), or their default
     accepted = args.transport if args.transport in ("auto", "grpc") else f"grpc,{args.transport}"
     try:

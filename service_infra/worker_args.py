@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from kv_transfer import transports
 from service_infra.tls import add_tls_arguments
@@ -53,6 +54,46 @@ def add_cache_decoded_blocks_argument(p) -> None:
                         "tokens only")
 
 
+def add_kv_offload_arguments(p) -> None:
+    """The KV offload tiers (engine_core/kv_offload/), for every command that runs an engine:
+    `pdserve up`, `gateway --colocated`, `prefill` and `decode`."""
+    g = p.add_argument_group("KV offload tiers (below the KV pool; all off by default)")
+    g.add_argument("--kv-offload-cpu-gb", type=float, default=0.0, metavar="N",
+                   help="host RAM tier of a CUDA engine (ignored on a CPU engine, whose pool "
+                        "is host RAM already)")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="disk tier: a directory (shared by the workers of a host; a restart "
+                        "on the same directory serves its entries)")
+    g.add_argument("--kv-offload-disk-gb", type=float, default=16.0, metavar="N",
+                   help="the disk tier's budget (least recently used entries evicted)")
+    g.add_argument("--kv-offload-redis-url", default=None, metavar="URL",
+                   help="remote tier: redis:// or rediss:// (shared across hosts; may be the "
+                        "discovery Redis)")
+    g.add_argument("--kv-offload-redis-gb", type=float, default=4.0, metavar="N",
+                   help="the Redis tier's budget (least recently used entries evicted)")
+
+
+def kv_offload_argv(args: argparse.Namespace) -> list[str]:
+    """The offload flags of `args`, for a command that passes them on to its workers."""
+    argv = ["--kv-offload-cpu-gb", str(args.kv_offload_cpu_gb),
+            "--kv-offload-disk-gb", str(args.kv_offload_disk_gb),
+            "--kv-offload-redis-gb", str(args.kv_offload_redis_gb)]
+    if args.kv_offload_dir:
+        argv += ["--kv-offload-dir", os.path.abspath(args.kv_offload_dir)]
+    if args.kv_offload_redis_url:
+        argv += ["--kv-offload-redis-url", args.kv_offload_redis_url]
+    return argv
+
+
+def kv_offload_config(args: argparse.Namespace):
+    from engine_core.engine_config import KVOffloadConfig
+
+    return KVOffloadConfig(cpu_gb=args.kv_offload_cpu_gb, disk_dir=args.kv_offload_dir,
+                           disk_gb=args.kv_offload_disk_gb,
+                           redis_url=args.kv_offload_redis_url,
+                           redis_gb=args.kv_offload_redis_gb)
+
+
 def add_decode_step_arguments(p) -> None:
     """How decode steps run, for every command that runs them (vLLM's flag names)."""
     p.add_argument("--enforce-eager", action="store_true",
@@ -84,6 +125,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="serve Prometheus /metrics on this port (0: any free; default: off)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     add_cache_decoded_blocks_argument(p)
+    add_kv_offload_arguments(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -180,7 +222,8 @@ def engine_configs(args: argparse.Namespace, **load: object) -> dict:
             enforce_eager=getattr(args, "enforce_eager", False),  # decode workers' flags
             async_scheduling=getattr(args, "async_scheduling", None)),
         cache_config=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb,
-                                 cache_decoded_blocks=args.cache_decoded_blocks),
+                                 cache_decoded_blocks=args.cache_decoded_blocks,
+                                 offload=kv_offload_config(args)),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
                                          max_model_len=args.max_model_len),

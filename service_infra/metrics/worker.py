@@ -14,6 +14,7 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from engine_core.kv_offload.tiers import TIME_BUCKETS
 from engine_core.stats import ITERATION_TOKENS_BUCKETS
 from kv_transfer import transports
 from service_infra.metrics.autoscaling import AutoscalingCollector
@@ -70,6 +71,8 @@ class EngineCollector:
         yield from self._iterations()
         if eng.spec is not None:
             yield from self._speculative(eng.spec.stats)
+        if eng.offloader is not None:
+            yield from self._offload(eng.offloader)
         if self.leases is not None:
             yield self._family(g, "kv_leases_active", "Leases holding reserved blocks.",
                                len(self.leases.leases()))
@@ -111,6 +114,49 @@ class EngineCollector:
         yield self._family(CounterMetricFamily, "decode_graph_replays", "Decode steps "
                            "replayed from a CUDA graph (0: eager, see --enforce-eager).",
                            graphs.num_replays if graphs is not None else 0)
+
+    def _offload(self, off):
+        """The offload tiers' counters, one series per tier (engine_core/kv_offload/)."""
+        labels = ["model_name", "pool", "tier"]
+        for name, doc, attr in (
+                ("kv_offload_hits", "KV blocks loaded from an offload tier.", "hits"),
+                ("kv_offload_misses", "KV blocks looked for in an offload tier and not there "
+                 "(or unreachable).", "misses"),
+                ("kv_offload_stores", "KV blocks stored in an offload tier.", "stores"),
+                ("kv_offload_evictions", "Entries an offload tier evicted for its budget.",
+                 "evictions"),
+                ("kv_offload_corrupt", "Entries found torn, truncated or corrupt (served as "
+                 "misses and dropped).", "corrupt"),
+                ("kv_offload_errors", "Failed reads and writes of a tier's store (a full "
+                 "disk, an unreachable Redis): misses, never failed requests.", "errors"),
+                ("kv_offload_loaded_bytes", "Bytes of KV loaded from an offload tier.",
+                 "bytes_loaded")):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for tier in off.tiers:
+                family.add_metric([*self.labels, tier.name], getattr(tier.stats, attr))
+            yield family
+        used = GaugeMetricFamily(PREFIX + "kv_offload_bytes", "Bytes an offload tier holds "
+                                 "(as this worker counts them).", labels=labels)
+        for tier in off.tiers:
+            used.add_metric([*self.labels, tier.name], tier.used_bytes)
+        yield used
+        for name, doc, counts, total in (
+                ("kv_offload_load_seconds", "Time to load one request's blocks from a tier.",
+                 "load_counts", "load_seconds"),
+                ("kv_offload_store_seconds", "Time to store one block in a tier.",
+                 "store_counts", "store_seconds")):
+            h = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+            for tier in off.tiers:
+                buckets, cum = [], 0
+                edges = [*map(str, TIME_BUCKETS), "+Inf"]
+                for edge, n in zip(edges, getattr(tier.stats, counts), strict=True):
+                    cum += n
+                    buckets.append((edge, cum))
+                h.add_metric([*self.labels, tier.name], buckets, getattr(tier.stats, total))
+            yield h
+        yield self._family(CounterMetricFamily, "kv_offload_store_skipped", "Published KV "
+                           "blocks not stored: the pool evicted them while the store queue "
+                           "was full.", off.num_store_skipped)
 
     def _speculative(self, spec):
         c = CounterMetricFamily

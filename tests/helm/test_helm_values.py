@@ -69,6 +69,10 @@ def test_values_files_pass_the_schema(chart, name):
     ({"tls": {"secretName": "pdserve-tls"}}, "/tls",
      "additional properties 'secretName' not allowed"),
     ({"tls": {"keyKey": None}}, "/tls", "missing property 'keyKey'"),
+    ({"kvOffload": {"disk": {"hostPath": "relative/dir"}}}, "/kvOffload/disk/hostPath",
+     "does not match pattern"),
+    ({"kvOffload": {"redis": {"url": "http://redis:6379"}}}, "/kvOffload/redis/url",
+     "does not match pattern"),
 ])
 def test_schema_rejects_bad_values(chart, values, where, why):
     with pytest.raises(helm.HelmValuesError) as error:
@@ -97,6 +101,9 @@ def test_schema_rejects_bad_values(chart, values, where, why):
     ({"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
      "gateway.autoscaling.minReplicas is above maxReplicas"),
     ({"tls": {"enabled": True}}, "tls.enabled needs tls.existingSecret"),
+    ({"redis": {"auth": {"enabled": True, "password": "s3cret"}},
+      "kvOffload": {"redis": {"enabled": True}}},
+     "kvOffload.redis: the chart's Redis requires a password"),
     ({"tls": {"gatewayClientAuth": True}}, "tls.gatewayClientAuth needs tls.enabled"),
     ({"tls": {"enabled": True, "existingSecret": "tls"},
       "decode": {"livenessProbe": {"grpc": {"port": 50071}}}},
@@ -168,3 +175,39 @@ def test_network_policy_and_dashboards_can_be_turned_off(chart):
                               "dashboards": {"enabled": False}})
     kinds = {o["kind"] for o in rendered.objects}
     assert "NetworkPolicy" not in kinds and "ConfigMap" not in kinds
+
+
+def test_kv_offload_tiers_on_the_workers(chart):
+    """kvOffload: every worker gets the tiers' flags; the disk tier on a hostPath volume
+    (shared by a node's pods, kept across restarts) or an emptyDir; the Redis tier on the
+    chart's Redis unless a URL is given; the gateway gets neither."""
+    rendered = render(chart, {"kvOffload": {"cpuGb": 8, "disk": {
+        "enabled": True, "gb": 100, "hostPath": "/var/cache/pdserve-kv"},
+        "redis": {"enabled": True, "gb": 2}}})
+    validate_all(rendered.objects)
+    for worker in ("prefill", "decode"):
+        container = rendered.container(worker)
+        flags = flag_values(container["args"])
+        assert flags["--kv-offload-cpu-gb"] == "8" and flags["--kv-offload-disk-gb"] == "100"
+        assert flags["--kv-offload-dir"] == "/var/cache/pdserve-kv"
+        assert flags["--kv-offload-redis-url"] == flags["--redis-url"]
+        assert flags["--kv-offload-redis-gb"] == "2"
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["kv-offload"] == "/var/cache/pdserve-kv"
+        volumes = {v["name"]: v for v in rendered.deployment(worker)["spec"]["template"][
+            "spec"]["volumes"]}
+        assert volumes["kv-offload"]["hostPath"] == {"path": "/var/cache/pdserve-kv",
+                                                     "type": "DirectoryOrCreate"}
+    assert not any(a.startswith("--kv-offload") for a in rendered.container("gateway")["args"])
+    scratch = render(chart, {"kvOffload": {"disk": {"enabled": True, "sizeLimit": "5Gi"},
+                                           "redis": {"enabled": True,
+                                                     "url": "redis://:pw@kv-cache:6379/1"}}})
+    validate_all(scratch.objects)
+    flags = flag_values(scratch.container("decode")["args"])
+    assert flags["--kv-offload-redis-url"] == "redis://:pw@kv-cache:6379/1"
+    assert "--kv-offload-cpu-gb" not in flags
+    volumes = {v["name"]: v for v in scratch.deployment("decode")["spec"]["template"]["spec"][
+        "volumes"]}
+    assert volumes["kv-offload"]["emptyDir"] == {"sizeLimit": "5Gi"}
+    default = render(chart, None)
+    assert not any(a.startswith("--kv-offload") for a in default.container("decode")["args"])

@@ -84,9 +84,36 @@ through `int` or `toString` so that large values never render as 1e+06.
 - --max-num-batched-tokens
 - {{ . | int | quote }}
 {{- end }}
+{{- include "pdserve.kvOffloadArgs" $root }}
 - --grace
 - {{ $v.grace | toString | quote }}
 {{- end }}
+
+{{/* --kv-offload-* on the workers: the tiers of kvOffload (the disk tier on its volume). */}}
+{{- define "pdserve.kvOffloadArgs" -}}
+{{- $o := .Values.kvOffload -}}
+{{- if $o.cpuGb }}
+- --kv-offload-cpu-gb
+- {{ $o.cpuGb | toString | quote }}
+{{- end }}
+{{- if $o.disk.enabled }}
+- --kv-offload-dir
+- {{ include "pdserve.kvOffloadDir" . | quote }}
+- --kv-offload-disk-gb
+- {{ $o.disk.gb | toString | quote }}
+{{- end }}
+{{- if $o.redis.enabled }}
+{{- if and (not $o.redis.url) .Values.redis.auth.enabled }}
+{{- fail "kvOffload.redis: the chart's Redis requires a password; give kvOffload.redis.url with its credentials (redis://:PASSWORD@HOST:PORT)" }}
+{{- end }}
+- --kv-offload-redis-url
+- {{ $o.redis.url | default (include "pdserve.redisUrl" .) | quote }}
+- --kv-offload-redis-gb
+- {{ $o.redis.gb | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.kvOffloadDir" -}}/var/cache/pdserve-kv{{- end }}
 
 {{/* --otlp-traces-endpoint on every component when tracing.otlpTracesEndpoint is set. */}}
 {{- define "pdserve.tracingArgs" -}}

@@ -379,6 +379,10 @@ spec:
         {{- if .isWorker }}
         - name: dshm
           mountPath: /dev/shm
+        {{- if $root.Values.kvOffload.disk.enabled }}
+        - name: kv-offload
+          mountPath: {{ include "pdserve.kvOffloadDir" $root }}
+        {{- end }}
         {{- end }}
         {{- if $root.Values.model.pvc.claimName }}
         - name: model
@@ -407,6 +411,19 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $c.shmSizeLimit }}
+    {{- with $root.Values.kvOffload.disk }}
+    {{- if .enabled }}
+    - name: kv-offload
+      {{- if .hostPath }}
+      hostPath:
+        path: {{ .hostPath }}
+        type: DirectoryOrCreate
+      {{- else }}
+      emptyDir:
+        sizeLimit: {{ .sizeLimit }}
+      {{- end }}
+    {{- end }}
+    {{- end }}
     {{- end }}
     {{- if $root.Values.model.pvc.claimName }}
     - name: model
