@@ -46,11 +46,13 @@ def stack_factory(request):
 
 
 @pytest.fixture(scope="session")
-def spec_stack(stack_factory) -> Stack:
+def spec_stack(stack_factory, tmp_path_factory) -> Stack:
     """A `pdserve up --speculative ngram` stack (1 prefill + 1 decode over shm), shared by the
-    speculative decoding and the metrics modules."""
+    speculative decoding and the metrics modules; with a disk offload tier, so that its
+    metrics are exported too (the tier only ever serves what the pools evicted)."""
     start, stop = stack_factory
-    s = start("--transport", "shm", "--speculative", "ngram", "--num-speculative-tokens", "4")
+    s = start("--transport", "shm", "--speculative", "ngram", "--num-speculative-tokens", "4",
+              "--kv-offload-dir", str(tmp_path_factory.mktemp("kv-offload")))
     yield s
     stop(s)
 

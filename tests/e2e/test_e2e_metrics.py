@@ -41,6 +41,11 @@ ENGINE = {
     "prefix_cache_queries": C,
     "prefix_cache_hits": C, "num_preemptions": C, "iteration_tokens_total": H,
     "engine_prompt_tokens": C, "engine_generation_tokens": C, "engine_forks": C,
+    # the stack's disk offload tier (conftest.py spec_stack)
+    "kv_offload_hits": C, "kv_offload_misses": C, "kv_offload_stores": C,
+    "kv_offload_evictions": C, "kv_offload_corrupt": C, "kv_offload_errors": C,
+    "kv_offload_loaded_bytes": C, "kv_offload_bytes": G, "kv_offload_load_seconds": H,
+    "kv_offload_store_seconds": H, "kv_offload_store_skipped": C,
 }
 PREFILL = {**ENGINE, "kv_transfer_time_seconds": H, "kv_transfer_bytes": H,
            "kv_transfer_failures": C, "kv_transport_info": G}

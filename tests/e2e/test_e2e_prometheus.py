@@ -9,12 +9,17 @@ request and a client abort in every round, and one KV transfer refused at the st
 Prefill into a lease that does not exist), so that every counter a panel reads has moved.
 The GPU panels read the NVML collector's series: there is no GPU here, so a fourth scrape
 target serves service_infra/metrics/gpu.py's collector over a fake NVML (the one stand-in;
-test_e2e_metrics.py checks its format)."""
+test_e2e_metrics.py checks its format). The KV offload panels need chats that return after a
+pool evicted them, which this traffic never makes the stack's pools do: a fifth target serves
+the engine collector of a real engine (tests/tiny_model.py's Llama, a disk tier, a pool of 24
+blocks) kept busy by such chats, labelled with the stack's model name."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import random
 import subprocess
 import threading
 import time
@@ -56,6 +61,48 @@ def gpu_target():
     server.shutdown()
 
 
+@pytest.fixture(scope="module")
+def offload_target(tmp_path_factory):
+    from engine_core.engine import LLMEngine
+    from engine_core.engine_config import CacheConfig, DeviceConfig, KVOffloadConfig, LoadConfig
+    from engine_core.sampling_params import SamplingParams
+    from service_infra.metrics.worker import EngineCollector
+    from tests.tiny_model import write_tiny_llama
+
+    folder = tmp_path_factory.mktemp("offload-target")
+    engine = LLMEngine(LoadConfig(str(write_tiny_llama(folder / "model"))), DeviceConfig("cpu"),
+                       CacheConfig(num_blocks=24,
+                                   offload=KVOffloadConfig(disk_dir=str(folder / "kv"))))
+    registry = CollectorRegistry()
+    registry.register(EngineCollector("prefill", MODEL, engine))
+    server = serve_metrics(registry, "127.0.0.1", 0)
+    stop = threading.Event()
+    rng = random.Random(0)
+
+    def chats() -> None:
+        """Four 200-token chats in turn (13 blocks each: the pool holds fewer than two, so
+        each returns from the tier), one replaced by a new one every round (stores)."""
+        histories = [[rng.randrange(3, 250) for _ in range(200)] for _ in range(4)]
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            for j, prompt in enumerate(histories):
+                engine.add_request(prompt, params, req_id=f"chat-{i}-{j}")
+                while engine.has_unfinished_requests():
+                    engine.step_deltas()
+            histories[i % 4] = [rng.randrange(3, 250) for _ in range(200)]
+            stop.wait(0.2)
+
+    worker = threading.Thread(target=chats, daemon=True)
+    worker.start()
+    yield f"127.0.0.1:{server.server_port}"
+    stop.set()
+    worker.join(60)
+    server.shutdown()
+    engine.close()
+
+
 def slo_rule_groups() -> list[dict]:
     """The chart's PrometheusRule groups, rendered with the default thresholds."""
     import helm_python as helm
@@ -69,7 +116,7 @@ def slo_rule_groups() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def prometheus(stack, gpu_target, tmp_path_factory):
+def prometheus(stack, gpu_target, offload_target, tmp_path_factory):
     """Prometheus scraping the gateway, the workers and the GPU target every second, with the
     SLO rules loaded: its HTTP API's base URL."""
     folder = tmp_path_factory.mktemp("prometheus")
@@ -84,7 +131,8 @@ def prometheus(stack, gpu_target, tmp_path_factory):
             {"job_name": job, "static_configs": [{"targets": [
                 url.removeprefix("http://").removesuffix("/metrics") for url in urls]}]}
             for job, urls in targets.items()] + [
-            {"job_name": "gpu", "static_configs": [{"targets": [gpu_target]}]}],
+            {"job_name": "gpu", "static_configs": [{"targets": [gpu_target]}]},
+            {"job_name": "offload", "static_configs": [{"targets": [offload_target]}]}],
     }
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
