@@ -65,6 +65,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--long-input-len", type=int, nargs=2, default=[1024, 2048],
                       metavar=("MIN", "MAX"), help="mixed: long prompts' length range")
     load.add_argument("--long-output-len", type=int, default=16)
+    load.add_argument("--history-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                      help="multi-turn: each chat opens with a document of MIN-MAX tokens "
+                           "(long histories, as agents and RAG send; default: a short opener)")
+    load.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                      help="start every backend twice, without KV offload tiers and with the "
+                           "disk tier in DIR/<backend> (emptied first), and report both "
+                           "(<backend> and <backend>+disk): the tier's effect on returning "
+                           "turns, with the hit rate where the server reports it")
     load.add_argument("--long-rate", type=float, default=0.5,
                       help="mixed: long prompts per second (Poisson)")
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,

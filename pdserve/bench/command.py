@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import math
 import shlex
+import shutil
 import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -112,7 +113,8 @@ def configs(args: argparse.Namespace) -> tuple[BenchConfig, WorkloadConfig, Stac
     workload = WorkloadConfig(
         args.workload, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
         args.prefix_len, args.num_long, tuple(args.long_input_len), args.long_output_len,
-        args.ignore_eos, args.seed)
+        args.ignore_eos, args.seed,
+        tuple(args.history_len) if getattr(args, "history_len", None) else None)
     stacks = StackOptions(args.model, args.dtype, tuple(shlex.split(args.stack_args)),
                           tuple(shlex.split(args.colocated_args)),
                           tuple(shlex.split(args.disagg_args)),
@@ -226,6 +228,39 @@ def _mask_stats(target: Target) -> tuple[int, float] | None:
     return int(mask["num_steps"]), float(mask["seconds"])
 
 
+def _offload_variants(backend: str, stacks: StackOptions,
+                      offload_dir: str | None) -> list[tuple[str, StackOptions]]:
+    """The stacks to start for one backend: as given, and with --kv-offload-dir, once more
+    with the disk tier in a fresh folder of its own (`<backend>+disk`)."""
+    if offload_dir is None or backend == "naive":
+        return [(backend, stacks)]
+    folder = Path(offload_dir) / backend
+    shutil.rmtree(folder, ignore_errors=True)
+    with_tier = dataclasses.replace(
+        stacks, stack_args=(*stacks.stack_args, "--kv-offload-dir", str(folder.resolve())))
+    return [(backend, stacks), (f"{backend}+disk", with_tier)]
+
+
+def _note_offload(target: Target, points: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """The offload tiers' hits, misses and bytes loaded over the whole run, as a note on its
+    points, where the server reports them (a colocated server's /internal/status)."""
+    if target.http_url is None:
+        return
+    try:
+        tiers = httpx.get(f"{target.http_url}/internal/status", timeout=30).json()["kv_offload"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return
+    for tier, s in tiers.items():
+        looked = s["hits"] + s["misses"]
+        note = (f"{target.name}: {tier} tier {s['hits']} blocks hit of {looked} looked up "
+                f"({s['hits'] / max(looked, 1):.0%}), {s['bytes_loaded'] / 2**20:.1f} MiB "
+                f"loaded, {s['corrupt']} corrupt, {s['errors']} errors")
+        print(note, flush=True)
+        for by_c in points.values():
+            for point in by_c.values():
+                point["notes"].append(note)
+
+
 def _targets(args: argparse.Namespace) -> list[str | Target]:
     """Backend names to start, or the one running server to bench."""
     if not (args.gateway or args.base_url):
@@ -278,14 +313,21 @@ def run(args: argparse.Namespace) -> int:
                     points.update(asyncio.run(bench_target(t, workloads, cfg, wcfg.name,
                                                            out_dir)))
                     continue
-                print(f"pdserve bench: starting {t} (log: {out_dir / 'logs' / (t + '.log')})",
-                      flush=True)
-                with launch(t, stacks, out_dir / "logs") as target:
-                    if wcfg.name == "structured":
-                        points.update(_structured_points(target, workloads[0], cfg, out_dir))
-                        continue
-                    points.update(asyncio.run(bench_target(target, workloads, cfg, wcfg.name,
-                                                           out_dir)))
+                for name, opts in _offload_variants(t, stacks, args.kv_offload_dir):
+                    logs = out_dir / "logs" / ("" if name == t else "with-disk-tier")
+                    print(f"pdserve bench: starting {name} (log: {logs / (t + '.log')})",
+                          flush=True)
+                    with launch(t, opts, logs) as target:
+                        target = dataclasses.replace(target, name=name)
+                        if wcfg.name == "structured":
+                            points.update(_structured_points(target, workloads[0], cfg,
+                                                             out_dir))
+                            continue
+                        got = asyncio.run(bench_target(target, workloads, cfg, wcfg.name,
+                                                       out_dir))
+                        if name != t:
+                            _note_offload(target, got)
+                        points.update(got)
     except KeyboardInterrupt:
         print(f"\npdserve bench: interrupted; the servers it started are stopped; the points "
               f"finished so far are in {out_dir}", flush=True)

@@ -9,7 +9,7 @@
 | mixed | lane "decode": short prompts, long outputs; lane "long": 1-2k-token prompts, short outputs | EOS ignored |
 | code-edit | the shipped snippets (data/code_edit.jsonl) with an edit instruction, as chat | the code's length + 48, natural end |
 | structured | lane "json-schema": chats asking for a list of records, each with `response_format` json_schema (STRUCTURED_SCHEMA, ~150 tokens of JSON); lane "unconstrained": the same chats without it | json-schema: up to 2 x `output_len`, natural end (the schema ends it); unconstrained: `output_len`, EOS ignored |
-| multi-turn | chats of 4-8 turns: an opener of 30-60 tokens, then short follow-ups ("Why?"), each sent once the previous answer arrived, with that answer in its history | up to `output_len` per turn, natural end |
+| multi-turn | chats of 4-8 turns: an opener of 30-60 tokens (with `history_len`, a document of that many tokens before it: long agentic or RAG histories), then short follow-ups ("Why?"), each sent once the previous answer arrived, with that answer in its history | up to `output_len` per turn, natural end |
 
 A multi-turn request carries its follow-ups (`follow_ups`): the runner sends the first turn, then
 each follow-up as `next_turn(answer, follow_up)` of the turn before (group "first-turn", then
@@ -101,6 +101,7 @@ class WorkloadConfig:
     long_output_len: int = 16
     ignore_eos: bool | None = None  # None: the workload's default (see the table above)
     seed: int = 0
+    history_len: tuple[int, int] | None = None  # multi-turn: a document of lo-hi tokens first
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -117,6 +118,8 @@ class WorkloadConfig:
             raise ValueError(f"long_input_range must be 1 <= low <= high, got {lo} {hi}")
         if self.num_long < 0:
             raise ValueError(f"num_long must be >= 0, got {self.num_long}")
+        if self.history_len is not None and not 1 <= self.history_len[0] <= self.history_len[1]:
+            raise ValueError(f"history_len must be 1 <= low <= high, got {self.history_len}")
 
 
 def _data(name: str) -> list[dict]:
@@ -189,14 +192,20 @@ def _chat(tokenizer: Tokenizer, content: str, out: int, ignore_eos: bool,
 
 
 def _conversation(tokenizer: Tokenizer, rng: np.random.Generator, i: int, out: int,
-                  ignore_eos: bool) -> BenchRequest:
-    """Chat i: a tagged opener (no two chats share more than the template's head) and its
-    3-7 follow-ups."""
+                  ignore_eos: bool, history: _TextSource | None = None,
+                  history_len: tuple[int, int] | None = None) -> BenchRequest:
+    """Chat i: a tagged opener (no two chats share more than the template's head), after a
+    document of history_len tokens if given, and its 3-7 follow-ups."""
     opener = OPENERS[int(rng.integers(len(OPENERS)))]
     num_turns = int(rng.integers(MIN_TURNS, MAX_TURNS + 1))
     follow_ups = tuple(FOLLOW_UPS[int(j)] for j in rng.integers(len(FOLLOW_UPS),
                                                                 size=num_turns - 1))
-    return _chat(tokenizer, f"(chat {i}) {opener}", out, ignore_eos, "first-turn", follow_ups)
+    content = f"(chat {i}) {opener}"
+    if history is not None and history_len is not None:
+        _, document = history.ids(int(rng.integers(history_len[0], history_len[1] + 1)),
+                                  f"(chat {i}) Read this first.\n\n")
+        content = f"{document}\n\n{opener}"
+    return _chat(tokenizer, content, out, ignore_eos, "first-turn", follow_ups)
 
 
 def build_workload(config: WorkloadConfig, tokenizer: Tokenizer) -> dict[str, list[BenchRequest]]:
@@ -232,7 +241,8 @@ def build_workload(config: WorkloadConfig, tokenizer: Tokenizer) -> dict[str, li
     if c.name == "structured":
         return _structured(tokenizer, c, rng)
     if c.name == "multi-turn":
-        return {"main": [_conversation(tokenizer, rng, i, out_len, eos) for i in range(n)]}
+        return {"main": [_conversation(tokenizer, rng, i, out_len, eos, src, c.history_len)
+                         for i in range(n)]}
     texts = shipped_prompts() if c.name == "prompts" else shipped_code_edits()
     order = rng.permutation(len(texts))
     reqs = []

@@ -149,6 +149,30 @@ def test_cli_flags(tmp_path):
         configs(build_parser().parse_args(["bench", "--vs-greedy", "--temperature", "0"]))
 
 
+def test_kv_offload_dir_runs_each_backend_with_and_without_the_disk_tier(tmp_path):
+    """--kv-offload-dir: <backend> as given, then <backend>+disk with the tier in a folder of
+    its own, emptied first (a run never starts warm from an earlier one); the naive server
+    has no tiers. --history-len reaches the multi-turn workload."""
+    from pdserve.bench.command import _offload_variants
+
+    args = build_parser().parse_args(shlex.split(
+        f"bench --workload multi-turn --history-len 1000 3000 --kv-offload-dir {tmp_path} "
+        f"--stack-args '--kv-cache-memory-gb 0.1'"))
+    _, wcfg, stacks = configs(args)
+    assert wcfg.history_len == (1000, 3000)
+    stale = tmp_path / "colocated" / "old.kv"
+    stale.parent.mkdir()
+    stale.write_bytes(b"from an earlier run")
+    plain, tiered = _offload_variants("colocated", stacks, args.kv_offload_dir)
+    assert plain == ("colocated", stacks) and not stale.exists()
+    assert tiered[0] == "colocated+disk"
+    assert tiered[1].stack_args == ("--kv-cache-memory-gb", "0.1", "--kv-offload-dir",
+                                    str(tmp_path / "colocated"))
+    assert "--kv-offload-dir" in command("colocated", tiered[1], 1, 2)
+    assert _offload_variants("naive", stacks, args.kv_offload_dir) == [("naive", stacks)]
+    assert _offload_variants("disagg", stacks, None) == [("disagg", stacks)]
+
+
 def test_wait_healthy_names_an_early_exit_with_the_log(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("Traceback: bad flag --speculative\n")

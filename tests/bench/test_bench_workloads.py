@@ -102,6 +102,26 @@ def test_multi_turn_conversations(tokenizer):
     assert nxt.messages == (*chats[0].messages, ("assistant", "An answer."),
                             ("user", chats[0].follow_ups[0]))
     assert (nxt.group, nxt.follow_ups, nxt.output_len) == ("follow-up", (), 32)
+def test_multi_turn_with_long_histories(tokenizer):
+    """--history-len: each chat opens with a document of that many tokens, distinct per chat;
+    a bad range is refused naming the field."""
+    from pdserve.bench.workloads import OPENERS
+
+    cfg = WorkloadConfig("multi-turn", num_prompts=4, seed=1, history_len=(300, 400))
+    chats = build_workload(cfg, tokenizer)["main"]
+    assert chats == build_workload(cfg, tokenizer)["main"]
+    short = build_workload(WorkloadConfig("multi-turn", num_prompts=4, seed=1),
+                           tokenizer)["main"]
+    for c, s in zip(chats, short, strict=True):
+        (_, content), = c.messages
+        assert any(content.endswith(o) for o in OPENERS)
+        # the document (300-400 tokens) and the template's head come before the opener
+        assert 300 + s.input_len - 10 <= c.input_len <= 400 + s.input_len
+    assert len({c.messages[0][1][:200] for c in chats}) == 4  # distinct documents
+    with pytest.raises(ValueError, match="history_len must be 1 <= low <= high"):
+        WorkloadConfig("multi-turn", history_len=(400, 300))
+
+
 def test_structured_workload_pairs_constrained_and_plain_chats(tokenizer):
     import json
 
