@@ -241,18 +241,45 @@ def _offload_variants(backend: str, stacks: StackOptions,
     return [(backend, stacks), (f"{backend}+disk", with_tier)]
 
 
-def _note_offload(target: Target, points: dict[str, dict[int, dict[str, Any]]]) -> None:
-    """The offload tiers' hits, misses and bytes loaded over the whole run, as a note on its
-    points, where the server reports them (a colocated server's /internal/status)."""
-    if target.http_url is None:
-        return
+def _offload_counts(target: Target) -> dict[str, dict[str, float]] | None:
+    """Each tier's counters summed over the server's engines: a colocated server's
+    /internal/status, else the workers' /metrics that `pdserve up` printed in its log."""
     try:
-        tiers = httpx.get(f"{target.http_url}/internal/status", timeout=30).json()["kv_offload"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return
-    for tier, s in tiers.items():
+        return httpx.get(f"{target.http_url}/internal/status", timeout=30).json()["kv_offload"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = target.log.read_text(errors="replace") if target.log else ""
+    lines = [ln for ln in text.splitlines() if ln.strip().startswith("metrics: ")]
+    if not lines:
+        return None
+    names = {"kv_offload_hits": "hits", "kv_offload_misses": "misses",
+             "kv_offload_corrupt": "corrupt", "kv_offload_errors": "errors",
+             "kv_offload_loaded_bytes": "bytes_loaded"}
+    out: dict[str, dict[str, float]] = {}
+    for url in lines[-1].split()[2:]:  # the gateway's first: it has no tiers
+        try:
+            families = text_string_to_metric_families(httpx.get(url, timeout=30).text)
+            for f in families:
+                key = names.get(f.name.removeprefix("pdserve:"))
+                for sample in f.samples if key else ():
+                    if sample.name.endswith("_total"):
+                        tier = out.setdefault(sample.labels["tier"], dict.fromkeys(
+                            names.values(), 0.0))
+                        tier[key] += sample.value
+        except (httpx.HTTPError, ValueError):
+            continue
+    return out or None
+
+
+def _note_offload(target: Target, points: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """The offload tiers' hits, misses and bytes loaded over the whole run (every engine of
+    the server), as a note on its points."""
+    tiers = _offload_counts(target)
+    for tier, s in (tiers or {}).items():
         looked = s["hits"] + s["misses"]
-        note = (f"{target.name}: {tier} tier {s['hits']} blocks hit of {looked} looked up "
+        note = (f"{target.name}: {tier} tier {s['hits']:.0f} blocks hit of {looked:.0f} looked up "
                 f"({s['hits'] / max(looked, 1):.0%}), {s['bytes_loaded'] / 2**20:.1f} MiB "
                 f"loaded, {s['corrupt']} corrupt, {s['errors']} errors")
         print(note, flush=True)

@@ -173,6 +173,44 @@ def test_kv_offload_dir_runs_each_backend_with_and_without_the_disk_tier(tmp_pat
     assert _offload_variants("disagg", stacks, None) == [("disagg", stacks)]
 
 
+def test_offload_counts_from_the_workers_metrics(tmp_path):
+    """A disaggregated server has no tier counts in /internal/status: they are summed from
+    the workers' /metrics that `pdserve up` printed (the gateway's URL first, skipped)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily
+
+    from pdserve.bench.command import _offload_counts
+    from service_infra.metrics.http import serve_metrics
+
+    class Tier:
+        def __init__(self, hits):
+            self.hits = hits
+
+        def collect(self):
+            for name, value in (("hits", self.hits), ("misses", 1), ("loaded_bytes", 2**20)):
+                family = CounterMetricFamily(f"pdserve:kv_offload_{name}", "", labels=["tier"])
+                family.add_metric(["disk"], value)
+                yield family
+
+    servers = []
+    for hits in (3, 4):
+        registry = CollectorRegistry()
+        registry.register(Tier(hits))
+        servers.append(serve_metrics(registry, "127.0.0.1", 0))
+    try:
+        urls = [f"http://127.0.0.1:{s.server_port}/metrics" for s in servers]
+        log = tmp_path / "up.log"
+        log.write_text("pdserve up: ready.\n  metrics: http://127.0.0.1:9/metrics "
+                       + " ".join(urls) + "\n")
+        counts = _offload_counts(Target("disagg", "http://127.0.0.1:9", None, log))
+        assert counts == {"disk": {"hits": 7, "misses": 2, "corrupt": 0, "errors": 0,
+                                   "bytes_loaded": 2 * 2**20}}
+        assert _offload_counts(Target("x", "http://127.0.0.1:9", None, None)) is None
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
 def test_wait_healthy_names_an_early_exit_with_the_log(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("Traceback: bad flag --speculative\n")
