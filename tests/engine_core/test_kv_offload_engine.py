@@ -192,3 +192,33 @@ def test_an_abort_while_loading_frees_every_block(tiny, tmp_path):
     assert engine.kv.num_free_blocks == NUM_BLOCKS and not engine.kv.pinned
     engine.add_request(HISTORIES[0], GREEDY, req_id="back")  # the id is free again
     engine.close()
+
+
+def test_random_traffic_with_aborts_leaves_every_block_free(tiny, tmp_path):
+    """Chats sharing prefixes, returning after eviction, some aborted at random points
+    (waiting, loading, running), in a pool that preempts: at the end every block is free,
+    nothing pinned or loading, and the pool's books agree."""
+    rng = random.Random(2)
+    engine = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), num_blocks=40,
+                         cache_decoded_blocks=True)
+    stems = [[rng.randrange(3, 250) for _ in range(rng.randrange(40, 160))] for _ in range(6)]
+    n = 0
+    for _ in range(60):
+        for _ in range(rng.randrange(0, 3)):
+            prompt = rng.choice(stems) + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 40))]
+            engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 30),
+                                                      temperature=0.0), req_id=f"t{n}")
+            n += 1
+        if engine.scheduler.requests and rng.random() < 0.3:
+            engine.abort_request(rng.choice(list(engine.scheduler.requests)))
+        engine.step()
+        engine.kv.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.flush_offload(wait=True)
+    engine.kv.check_integrity()
+    sched = engine.scheduler
+    assert not (sched.requests or sched.loading or sched.orphan_loads or engine.kv.pinned)
+    assert engine.kv.num_free_blocks == 40
+    assert tier(engine).stats.hits > 0 and sched.num_preemptions > 0
+    engine.close()
