@@ -205,15 +205,21 @@ class KVOffloader:
         return self.kv_cache.index_select(1, idx).transpose(0, 1).contiguous().cpu()
 
     def _store(self, todo: list[tuple[int, int]]) -> None:
+        # what every tier holds already (another worker of the host stored it: a decode
+        # worker's prompt blocks came from a prefill worker that did) is neither read nor
+        # written again: one has() per tier for the batch
+        missing = self._not_everywhere(todo)
         blocks = [b for b, _ in todo]
         try:
-            snap = self._snapshot(blocks)
+            snap = self._snapshot([b for b, _ in missing]) if missing else None
         finally:  # the bytes are ours now: the pool may have the blocks back
             with self._done_lock:
                 self._stored.extend(blocks)
                 self._done_lock.notify_all()
-        raw = snap.view(torch.uint8).reshape(len(todo), -1).numpy()
-        for i, (_, block_hash) in enumerate(todo):
+        if snap is None:
+            return
+        raw = snap.view(torch.uint8).reshape(len(missing), -1).numpy()
+        for i, (_, block_hash) in enumerate(missing):
             key = self.key(block_hash)
             parts = encode_entry(self.ns, block_hash, raw[i])
             ok = True
@@ -230,6 +236,19 @@ class KVOffloader:
                 self._known[block_hash] = None
                 if len(self._known) > _KNOWN_STORED:
                     self._known.popitem(last=False)
+
+    def _not_everywhere(self, todo: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The (block, hash) pairs some tier lacks (or must replace); the rest are known."""
+        check = [(b, h) for b, h in todo if h not in self._suspect]
+        held = [True] * len(check)
+        for tier in self.tiers:
+            answers = tier.has([self.key(h) for _, h in check])
+            held = [a and b for a, b in zip(held, answers, strict=True)]
+        for (_, h), everywhere in zip(check, held, strict=True):
+            if everywhere:
+                self._known[h] = None
+        present = {h for (_, h), everywhere in zip(check, held, strict=True) if everywhere}
+        return [(b, h) for b, h in todo if h not in present]
 
     def _load(self, job: tuple[str, list[int], list[int]]) -> None:
         req_id, block_ids, hashes = job

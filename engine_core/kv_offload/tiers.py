@@ -237,9 +237,12 @@ class DiskTier:
 
     def put(self, key: str, parts: list, replace: bool = False) -> bool:
         path = self._path(key)
-        with self._lock:
-            known = key in self._index
-        if known and not replace and path.is_file():
+        if not replace and path.is_file():  # ours, or another process's
+            with self._lock:
+                if key not in self._index:
+                    with contextlib.suppress(OSError):
+                        self._index[key] = path.stat().st_size
+                        self._used += self._index[key]
             return True
         tmp = path.parent / f".tmp.{key}.{pid_tag()}"
         try:
