@@ -141,7 +141,7 @@ class LLMEngine:
                                   kv_allocator(self.layout, num_blocks, self.device)
                                   if kv_allocator else None)
         self.offloader: KVOffloader | None = build_offloader(
-            cache_config.offload, self.runner.kv_cache, self.layout.fingerprint(),
+            cache_config.offload, self.platform, self.runner.kv_cache, self.layout.fingerprint(),
             self.source.path, f"dtype={self.layout.dtype};prefill={self.prefill_weights}",
             num_blocks)
         if self.offloader is not None:

@@ -23,6 +23,7 @@ from engine_core.kv_offload.entry import namespace, weights_identity
 from engine_core.kv_offload.offloader import KVOffloader
 from engine_core.kv_offload.redis_tier import RedisTier
 from engine_core.kv_offload.tiers import DiskTier, HostTier
+from engine_core.platforms import Platform
 
 __all__ = ["KVOffloader", "build_offloader", "tier_names"]
 
@@ -31,10 +32,10 @@ logger = logging.getLogger(__name__)
 _GB = 2**30
 
 
-def tier_names(config: KVOffloadConfig, device: torch.device) -> list[str]:
-    """The tiers `config` turns on for an engine on `device`, fastest first."""
+def tier_names(config: KVOffloadConfig, platform: Platform) -> list[str]:
+    """The tiers `config` turns on for an engine on `platform`, fastest first."""
     names = []
-    if config.cpu_gb and device.type != "cpu":
+    if config.cpu_gb and not platform.kv_in_host_memory:
         names.append("cpu")
     if config.disk_dir and config.disk_gb:
         names.append("disk")
@@ -43,11 +44,12 @@ def tier_names(config: KVOffloadConfig, device: torch.device) -> list[str]:
     return names
 
 
-def build_offloader(config: KVOffloadConfig, kv_cache: torch.Tensor, layout_fingerprint: str,
-                    weights_path: Path, compute: str, num_blocks: int) -> KVOffloader | None:
+def build_offloader(config: KVOffloadConfig, platform: Platform, kv_cache: torch.Tensor,
+                    layout_fingerprint: str, weights_path: Path, compute: str,
+                    num_blocks: int) -> KVOffloader | None:
     """The engine's offloader, or None when no tier is on. `compute`: how the engine computes
-    KV from the weights (dtype, prefill weights, activations), part of every key."""
-    names = tier_names(config, kv_cache.device)
+    KV from the weights (dtype, prefill weights), part of every key."""
+    names = tier_names(config, platform)
     if config.cpu_gb and "cpu" not in names:
         logger.warning("--kv-offload-cpu-gb is ignored on a CPU engine: its KV pool is host "
                        "RAM already (give the pool the memory instead)")
@@ -65,4 +67,4 @@ def build_offloader(config: KVOffloadConfig, kv_cache: torch.Tensor, layout_fing
     logger.info("kv offload tiers: %s (namespace %s)", ", ".join(
         f"{t.name} {t.capacity_bytes / _GB:g} GiB" for t in tiers), ns.hex())
     # pins last until the store thread's snapshot (about a step): at most half the pool
-    return KVOffloader(tiers, kv_cache, ns, max_pinned=num_blocks // 2)
+    return KVOffloader(tiers, kv_cache, ns, max_pinned=num_blocks // 2, platform=platform)

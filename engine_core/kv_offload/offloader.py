@@ -43,6 +43,7 @@ from collections.abc import Callable
 import torch
 
 from engine_core.kv_offload.entry import decode_entry, encode_entry, entry_key
+from engine_core.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,15 @@ _KNOWN_STORED = 1 << 20  # hashes remembered as stored (skipped without a lookup
 
 class KVOffloader:
     def __init__(self, tiers: list, kv_cache: torch.Tensor, namespace: bytes,
-                 max_pinned: int) -> None:
+                 max_pinned: int, platform: Platform) -> None:
         """tiers: fastest first (tiers.py, redis_tier.py). kv_cache: the engine's cache
-        [num_layers, num_blocks, 2, block_size, heads, head_dim] (kv_cache/layout.py)."""
+        [num_layers, num_blocks, 2, block_size, heads, head_dim] (kv_cache/layout.py).
+        platform: the engine's (the threads' device, pinned staging, synchronisation)."""
         if not tiers:
             raise ValueError("KVOffloader needs at least one tier")
         self.tiers = tiers
         self.kv_cache = kv_cache
+        self.platform = platform
         self.ns = namespace
         self.max_pinned = max(1, max_pinned)
         num_layers, _, *block = kv_cache.shape
@@ -186,6 +189,7 @@ class KVOffloader:
 
     # -- worker threads ----------------------------------------------------------------------
     def _serve(self, q: queue.Queue, fn) -> None:
+        self.platform.use_device()  # this thread's copies go to the engine's device
         while True:
             job = q.get()
             try:
@@ -268,14 +272,14 @@ class KVOffloader:
             payloads.append(payload)
         n = len(payloads)
         if n:
-            staged = torch.empty((n, *self._block_shape), dtype=self.kv_cache.dtype)
+            staged = torch.empty((n, *self._block_shape), dtype=self.kv_cache.dtype,
+                                 pin_memory=self.platform.pin_memory)
             flat = staged.view(torch.uint8).reshape(n, -1).numpy()
             for i, p in enumerate(payloads):
                 flat[i] = p
             idx = torch.tensor(block_ids[:n], dtype=torch.long, device=self.kv_cache.device)
             self.kv_cache.index_copy_(1, idx, staged.to(self.kv_cache.device).transpose(0, 1))
-            if self.kv_cache.device.type == "cuda":
-                torch.cuda.current_stream(self.kv_cache.device).synchronize()
+            self.platform.synchronize()  # in the cache before the request is polled
         for tier in self.tiers:
             if spent[tier.name]:
                 tier.stats.observe_load(spent[tier.name])

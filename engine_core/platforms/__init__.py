@@ -43,6 +43,7 @@ class Platform:
     cuda_graphs = False  # decode steps may be captured as CUDA graphs (decode_graphs.py)
     async_scheduling = False  # the default: prepare a step while the last one runs
     sampling = None  # the sampling kernels of engine_core/sampler.py (None: torch's ops)
+    kv_in_host_memory = True  # the KV pool is host RAM (no host RAM offload tier below it)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

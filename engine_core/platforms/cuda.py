@@ -13,6 +13,7 @@ from engine_core.platforms import Platform
 class CudaPlatform(Platform):
     name = "cuda"
     pin_memory = True
+    kv_in_host_memory = False
     cuda_graphs = True
     async_scheduling = True
 
