@@ -2,11 +2,18 @@
 
     python benchmarks/bench_kv_offload.py redis [--rounds 3] [--repeat 40]
     python benchmarks/bench_kv_offload.py restart [--repeat 56]
+    python benchmarks/bench_kv_offload.py served-redis [--rounds 4] [--repeat 40]
 
 redis: two engines (two prefill workers' engines: the default model and settings) share a
 real redis-server on loopback. Engine A prefills a chat and closes; a fresh engine B gets the
 same chat. B's time to its first token with the Redis tier (it loads the history) against the
 same pair without tiers (it recomputes), rounds in alternating order, medians printed.
+
+served-redis: two `pdserve up` stacks (each a gateway, a prefill worker and a decode worker,
+the default model) share one real redis-server as their Redis tier. Each round's chat (a
+new one) is sent to one stack, which recomputes it, then to the other, whose prefill worker
+loads its history from Redis; the stacks swap roles every round. TTFT to the first content
+chunk of a streamed chat completion, medians printed.
 
 restart: `pdserve up --transport shm` (1 prefill + 1 decode) started four times; each time
 one streamed chat completion of a long chat, TTFT to the first content chunk. Twice on the
@@ -97,9 +104,36 @@ def bench_restart(repeat: int) -> None:
             stop_stack(stack)
 
 
+def bench_served_redis(rounds: int, repeat: int) -> None:
+    from tests.redis_server import run_redis
+
+    times: dict[str, list[float]] = {"redis": [], "recompute": []}
+    with run_redis(Path(tempfile.mkdtemp())) as server:
+        tier = ["--kv-offload-redis-url", server.url]
+        spawned = [spawn_stack("--transport", "shm", *tier) for _ in range(2)]
+        stacks = [wait_stack(proc, log) for proc, log in spawned]
+        try:
+            for r in range(rounds):
+                doc = " ".join([LONG] * repeat)
+                messages = [{"role": "user", "content": f"Chat {r}. Read this.\n\n{doc}\n\n"
+                                                        "Summarize it in a line."}]
+                first, then = stacks if r % 2 == 0 else stacks[::-1]
+                for mode, stack in (("recompute", first), ("redis", then)):
+                    times[mode].append(first_token_s(stack.http_url, messages))
+                    print(f"round {r + 1} {mode}: TTFT {times[mode][-1] * 1e3:.0f} ms",
+                          flush=True)
+                    time.sleep(2.0)  # the stores of its blocks reach Redis (write-through)
+        finally:
+            for stack in stacks:
+                stop_stack(stack)
+    loaded, recomputed = (statistics.median(times[m]) for m in ("redis", "recompute"))
+    print(f"median: Redis tier {loaded * 1e3:.0f} ms, recompute {recomputed * 1e3:.0f} ms, "
+          f"ratio {loaded / recomputed:.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["redis", "restart"])
+    p.add_argument("mode", choices=["redis", "restart", "served-redis"])
     p.add_argument("--rounds", type=int, default=3, help="redis: rounds")
     p.add_argument("--repeat", type=int, default=None,
                    help="paragraphs in the chat (default: redis 40, about 2k tokens; restart "
@@ -107,6 +141,8 @@ def main() -> None:
     args = p.parse_args()
     if args.mode == "redis":
         bench_redis(args.rounds, args.repeat or 40)
+    elif args.mode == "served-redis":
+        bench_served_redis(args.rounds, args.repeat or 40)
     else:
         bench_restart(args.repeat or 56)
 

@@ -20,7 +20,8 @@ from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
 from service_infra import tracing
 from service_infra.colocated import ColocatedBackend
 from service_infra.metrics.worker import KVTransferMetrics, start_metrics, worker_registry
-from service_infra.prefix_record import PrefixRecord
+from service_infra.prefix_record import MAX_OFFLOAD_RECORD_BLOCKS, PrefixRecord
+from service_infra.redis_registry import OFFLOAD_PREFIX_TTL_S
 from service_infra.tls import tls_from_args
 from service_infra.worker_args import engine_configs
 from service_infra.worker_registration import (
@@ -46,22 +47,37 @@ async def _serve(args: argparse.Namespace) -> None:
     registry = worker_registry("prefill", engine.source.name, engine)
     start_metrics(registry, "prefill", args)
     backend = ColocatedBackend(engine, max_waiting=args.max_waiting)
-    registration = worker_registration(redis_config, args, "prefill", engine)
+    # with offload tiers, a prompt's blocks are stored there too (write-through) and outlive
+    # the pool: recorded apart, bounded by the tiers' size
+    offloader = engine.offloader
+    num_offload_blocks = (min(offloader.capacity_blocks, MAX_OFFLOAD_RECORD_BLOCKS)
+                          if offloader is not None else 0)
+    registration = worker_registration(redis_config, args, "prefill", engine,
+                                       num_offload_blocks)
     # a prompt's full blocks stay in this worker's prefix cache: the gateways route by them
     # and count them in a remote prefill's cost, read from Redis where there is one, else
     # from Status
-    prefix = None if registration is not None else PrefixRecord(max(1, engine.num_kv_blocks))
+    prefix = offloaded = None
+    if registration is None:
+        prefix = PrefixRecord(max(1, engine.num_kv_blocks))
+        if num_offload_blocks:
+            offloaded = PrefixRecord(num_offload_blocks, ttl_s=OFFLOAD_PREFIX_TTL_S)
     block_size = engine.layout.block_size
 
     def on_prefilled(prompt_token_ids: list[int]) -> None:
         hashes = hash_full_blocks(prompt_token_ids, block_size)
         if registration is not None:
             registration.publish_prefix(hashes)
+            if num_offload_blocks:
+                registration.publish_offloaded(hashes)
         else:
             prefix.add(hashes)
+            if offloaded is not None:
+                offloaded.add(hashes)
 
     transfer_metrics = KVTransferMetrics(registry, engine.source.name)
-    worker = PrefillWorker(engine, backend, transfer_metrics, on_prefilled, tls, prefix)
+    worker = PrefillWorker(engine, backend, transfer_metrics, on_prefilled, tls, prefix,
+                           offloaded)
     servicer = PrefillServicer(worker)
 
     async def on_bound(port: int) -> None:  # the `prefill` label of kv_transport_info

@@ -101,4 +101,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             decode_step_s=engine.stats.decode_step_s,
             kv_transfer_bytes_per_s=worker.kv_transfer_bytes_per_s,
             kv_bytes_per_token=engine.layout.bytes_per_token,
-            prefix_block_hashes=worker.prefix.hashes() if worker.prefix is not None else ())
+            prefix_block_hashes=worker.prefix.hashes() if worker.prefix is not None else (),
+            offload_load_tokens_per_s=(engine.offloader.load_tokens_per_s
+                                       if engine.offloader is not None else 0.0),
+            offload_block_hashes=(worker.offloaded.hashes() if worker.offloaded is not None
+                                  else ()))

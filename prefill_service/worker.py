@@ -102,12 +102,15 @@ class PrefillWorker:
     def __init__(self, engine: PrefillEngine, backend: ColocatedBackend,
                  metrics: KVTransferMetrics,
                  on_prefilled: Callable[[list[int]], None] | None = None,
-                 tls: TLSConfig | None = None, prefix: PrefixRecord | None = None) -> None:
-        """prefix: the prefix blocks Status lists (None: published elsewhere, or none)."""
+                 tls: TLSConfig | None = None, prefix: PrefixRecord | None = None,
+                 offloaded: PrefixRecord | None = None) -> None:
+        """prefix, offloaded: the blocks Status lists as held in the pool and in the offload
+        tiers (None: published elsewhere, or none)."""
         self.engine = engine
         self.backend = backend
         self.on_prefilled = on_prefilled  # on the request path: must not block or raise
         self.prefix = prefix
+        self.offloaded = offloaded
         self.metrics = metrics
         self.tls = tls  # mutual TLS to the decode workers' KV transfer service
         self._connections: dict[tuple[str, str], Connection] = {}

@@ -22,6 +22,10 @@ from collections.abc import Callable, Sequence
 
 from service_infra.redis_registry import PREFIX_TTL_S
 
+# the most blocks recorded as stored in a worker's offload tiers (a prefill worker's Status
+# lists them without Redis: ~10 bytes each; 256k tokens at block size 16)
+MAX_OFFLOAD_RECORD_BLOCKS = 16384
+
 
 class PrefixRecord:
     def __init__(self, capacity: int, ttl_s: float = PREFIX_TTL_S,

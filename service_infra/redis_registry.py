@@ -37,6 +37,9 @@ SOCKET_TIMEOUT_S = 2.0
 STOP_TIMEOUT_S = 2.0  # deregistration must not hold up a shutdown when Redis is gone
 EPOCH_TTL_S = 7 * 24 * 3600  # an epoch counter outlives restarts, not abandoned worker ids
 PREFIX_TTL_S = 300.0
+# blocks stored in a worker's offload tiers stay there until the tiers' LRU evicts them:
+# their record is bounded by the tiers' size (WorkerInfo.num_offload_blocks), kept this long
+OFFLOAD_PREFIX_TTL_S = 24 * 3600.0
 REDIS_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
 
 
@@ -130,6 +133,10 @@ class RedisConfig:
 
     def prefix_key(self, worker_id: str) -> str:
         return f"{self.namespace}:prefix:{worker_id}"
+
+    def offload_key(self, worker_id: str) -> str:
+        """The blocks a worker stored in its offload tiers (kept across its restarts)."""
+        return f"{self.namespace}:offload:{worker_id}"
 
 
 def block_member(block_hash: int) -> str:

@@ -3,9 +3,12 @@
     serving -> start(port): INCR {ns}:epoch:{id}, then HSET {ns}:worker:{role}:{id} + PEXPIRE ttl
             -> every ttl / 3: the whole hash again + PEXPIRE (a Redis that lost it gets it back)
             -> after each prefill: publish_prefix(hashes) -> ZADD {ns}:prefix:{id} (background)
-    SIGTERM -> stop(): DEL the worker key and the prefix set, before draining
+               with offload tiers: publish_offloaded(hashes) -> ZADD {ns}:offload:{id}
+    SIGTERM -> stop(): DEL the worker key and the prefix set, before draining (the offload
+               set stays: a restart on the same tiers still holds those blocks)
 A worker that dies stops heartbeating: its key expires within ttl, its prefix set within
-prefix_ttl, and the gateway drops it on its next refresh.
+prefix_ttl, its offload set within OFFLOAD_PREFIX_TTL_S, and the gateway drops it on its next
+refresh.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import redis.asyncio as aioredis
 
 from service_infra.redis_registry import (
     EPOCH_TTL_S,
+    OFFLOAD_PREFIX_TTL_S,
     PREFIX_TTL_S,
     REDIS_ERRORS,
     STOP_TIMEOUT_S,
@@ -45,6 +49,7 @@ class WorkerInfo:
     block_size: int
     num_blocks: int  # also the most prefix blocks it can hold (bounds its prefix ZSET)
     max_num_seqs: int
+    num_offload_blocks: int = 0  # the most offload-tier blocks it records (0: no tiers)
 
 
 class WorkerRegistration:
@@ -67,7 +72,10 @@ class WorkerRegistration:
         self._redis: aioredis.Redis | None = None
         self._fields: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
-        self._pending: dict[str, float] = {}  # member -> expiry, oldest first; <= num_blocks
+        # "prefix" / "offload": member -> expiry, oldest first; bounded by _caps
+        self._pending: dict[str, dict[str, float]] = {"prefix": {}, "offload": {}}
+        self._caps = {"prefix": max(1, info.num_blocks),
+                      "offload": max(1, info.num_offload_blocks)}
         self._wake = asyncio.Event()
         self._outage = OutageLog(f"{info.role} registration")
 
@@ -109,28 +117,43 @@ class WorkerRegistration:
 
     def publish_prefix(self, block_hashes: Sequence[int]) -> None:
         """Record that this worker holds these full blocks, for prefix_ttl_s from now."""
-        expires = time.time() + self.prefix_ttl_s
+        self._record("prefix", block_hashes)
+
+    def publish_offloaded(self, block_hashes: Sequence[int]) -> None:
+        """Record that this worker's offload tiers hold these full blocks."""
+        self._record("offload", block_hashes)
+
+    def _ttl(self, kind: str) -> float:
+        return self.prefix_ttl_s if kind == "prefix" else OFFLOAD_PREFIX_TTL_S
+
+    def _record(self, kind: str, block_hashes: Sequence[int]) -> None:
+        pending = self._pending[kind]
+        expires = time.time() + self._ttl(kind)
         for h in block_hashes:
             member = block_member(h)
-            self._pending.pop(member, None)  # re-inserted last: the newest
-            self._pending[member] = expires
-        while len(self._pending) > max(1, self.info.num_blocks):
-            del self._pending[next(iter(self._pending))]
+            pending.pop(member, None)  # re-inserted last: the newest
+            pending[member] = expires
+        while len(pending) > self._caps[kind]:
+            del pending[next(iter(pending))]
         self._wake.set()
 
     async def _publish(self) -> None:
-        """Write what publish_prefix gathered: batches form while a write is under way."""
-        key = self.config.prefix_key(self.worker_id)
-        cap = max(1, self.info.num_blocks)
+        """Write what publish_* gathered: batches form while a write is under way."""
+        keys = {"prefix": self.config.prefix_key(self.worker_id),
+                "offload": self.config.offload_key(self.worker_id)}
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch, self._pending = self._pending, {}
+            batches = {kind: batch for kind, batch in self._pending.items() if batch}
+            self._pending = {kind: {} for kind in self._pending}
             pipe = self._redis.pipeline(transaction=False)
-            pipe.zadd(key, batch)
-            pipe.zremrangebyscore(key, "-inf", time.time())  # expired
-            pipe.zremrangebyrank(key, 0, -(cap + 1))  # past the cap: the soonest to expire
-            pipe.pexpire(key, int(self.prefix_ttl_s * 1000))  # a dead worker's set goes too
+            for kind, batch in batches.items():
+                key = keys[kind]
+                pipe.zadd(key, batch)
+                pipe.zremrangebyscore(key, "-inf", time.time())  # expired
+                # past the cap: the soonest to expire
+                pipe.zremrangebyrank(key, 0, -(self._caps[kind] + 1))
+                pipe.pexpire(key, int(self._ttl(kind) * 1000))  # a dead worker's set goes too
             try:
                 await pipe.execute()
                 self._outage.ok()
@@ -185,13 +208,15 @@ async def checked_redis_config(args) -> RedisConfig | None:
 
 
 def worker_registration(config: RedisConfig | None, args, role: str,
-                        engine) -> WorkerRegistration | None:
+                        engine, num_offload_blocks: int = 0) -> WorkerRegistration | None:
     """The registration the flags ask for (None without a RedisConfig, i.e. no --redis-url).
-    The engine (an LLMEngine) tells the model, KV layout and pool size."""
+    The engine (an LLMEngine) tells the model, KV layout and pool size; num_offload_blocks
+    bounds the offload-tier blocks published (0: none)."""
     if config is None:
         return None
     info = WorkerInfo(role, engine.source.name, engine.layout.fingerprint(),
-                      engine.layout.block_size, engine.num_kv_blocks, args.max_num_seqs)
+                      engine.layout.block_size, engine.num_kv_blocks, args.max_num_seqs,
+                      num_offload_blocks)
     return WorkerRegistration(config, info, advertise_host(args),
                               args.worker_id or os.environ.get("POD_NAME") or None,
                               args.registration_ttl)

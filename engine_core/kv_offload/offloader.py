@@ -33,7 +33,9 @@ request computes the rest, and the corrupt entry is dropped from its tier.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,12 +44,17 @@ from collections.abc import Callable
 
 import torch
 
-from engine_core.kv_offload.entry import decode_entry, encode_entry, entry_key
+from engine_core.kv_offload.entry import decode_entry, encode_entry, entry_key, entry_nbytes
 from engine_core.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
 _KNOWN_STORED = 1 << 20  # hashes remembered as stored (skipped without a lookup)
+LOAD_SPEED_EWMA_WEIGHT = 0.2  # of the newest load in the measured load speed
+# the store thread's niceness: stores are background work, and on a host whose cores the
+# workers share (a prefill worker beside a decode worker) they must not take a decode step's
+# CPU; loads, which a request waits for, keep the process's priority
+STORE_THREAD_NICE = 10
 
 
 class KVOffloader:
@@ -74,6 +81,13 @@ class KVOffloader:
         self.num_store_skipped = 0
         self.num_loads = 0  # requests whose load ran
         self.num_blocks_loaded = 0
+        # prompt tokens per second of a request's load (fetch, check, copy into its blocks),
+        # a moving average over loads (0: none yet): the gateways weigh a tier hit with it
+        self.load_tokens_per_s = 0.0
+        self.block_size = kv_cache.shape[3]
+        # the most blocks the largest tier holds: what is worth remembering as stored there
+        self.capacity_blocks = max(t.capacity_bytes for t in tiers) // entry_nbytes(
+            self.payload_nbytes)
         self._stores: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._done_lock = threading.Condition()
@@ -190,6 +204,10 @@ class KVOffloader:
     # -- worker threads ----------------------------------------------------------------------
     def _serve(self, q: queue.Queue, fn) -> None:
         self.platform.use_device()  # this thread's copies go to the engine's device
+        if fn == self._store:  # Linux: a thread's own niceness (elsewhere: unchanged)
+            with contextlib.suppress(AttributeError, OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                               os.getpriority(os.PRIO_PROCESS, 0) + STORE_THREAD_NICE)
         while True:
             job = q.get()
             try:
@@ -256,6 +274,7 @@ class KVOffloader:
 
     def _load(self, job: tuple[str, list[int], list[int]]) -> None:
         req_id, block_ids, hashes = job
+        t_start = time.monotonic()
         payloads = []
         spent = {tier.name: 0.0 for tier in self.tiers}
         for i, block_hash in enumerate(hashes):
@@ -285,6 +304,11 @@ class KVOffloader:
                 tier.stats.observe_load(spent[tier.name])
         self.num_loads += 1
         self.num_blocks_loaded += n
+        if n:
+            speed = n * self.block_size / max(time.monotonic() - t_start, 1e-6)
+            w = LOAD_SPEED_EWMA_WEIGHT
+            self.load_tokens_per_s = (speed if self.load_tokens_per_s == 0.0
+                                      else (1 - w) * self.load_tokens_per_s + w * speed)
         self._finish_load(req_id, n)
 
     def _fetch(self, block_hash: int, spent: dict[str, float]):

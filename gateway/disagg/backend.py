@@ -411,7 +411,8 @@ class DisaggregatedBackend:
              "num_blocks": w.status.num_blocks if w.status else None,
              "prefill_tokens_per_s": w.status.prefill_tokens_per_s if w.status else None,
              "decode_step_s": w.status.decode_step_s if w.status else None,
-             **({"kv_transfer_bytes_per_s": w.status.kv_transfer_bytes_per_s}
+             **({"kv_transfer_bytes_per_s": w.status.kv_transfer_bytes_per_s,
+                 "kv_offload_load_tokens_per_s": w.status.offload_load_tokens_per_s}
                 if role == "prefill" and w.status else {})}
             for role, ws in pools.items() for w in ws]
         drafts, accepted = _sum_lists(

@@ -12,13 +12,21 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from gateway.disagg.routing import pick_prefill
+from gateway.disagg.routing import offload_weight, pick_prefill, routing_overlap
 from gateway.disagg.worker_calls import WorkerLost, time_left
 from gateway.disagg.worker_pools import Worker, WorkerPools
 from protos.pdserve.internal import workers_pb2 as pb
 from service_infra.backend import BackendUnavailable, GenerateInput, Overloaded
 
 logger = logging.getLogger(__name__)
+
+
+def overlaps_of(workers: Sequence[Worker], held: Sequence[tuple[int, int]]) -> list[float]:
+    """routing_overlap of each prefill worker: held[i] is (leading blocks in its pool, in its
+    pool or offload tiers); a tier block weighs what its measured load saves."""
+    return [routing_overlap(pool, both, offload_weight(
+        w.status.prefill_tokens_per_s, w.status.offload_load_tokens_per_s)
+        if w.status is not None else 1.0) for w, (pool, both) in zip(workers, held, strict=True)]
 
 
 class PrefillHandoff:
@@ -36,12 +44,13 @@ class PrefillHandoff:
 
     async def pick_prefill(self, prompt: list[int], full: Sequence[Worker] = (),
                             decode: Worker | None = None,
-                            held: dict[str, int] | None = None) -> Worker:
+                            held: dict[str, tuple[int, int]] | None = None) -> Worker:
         """gateway/disagg/routing.py's choice among the workers not in `full` (their queues refused
         this request) and, while others are left, not paired badly with `decode` (the canary
         saw that pair fail: gateway/disagg/canary.py); overlaps from `held` (the placement's, by
-        address) or else from Redis or the workers' Status (WorkerPools.prefix_overlaps; unknown
-        when Redis fails: queue depth alone)."""
+        address: blocks in the pool, in the pool or the offload tiers) or else from Redis or the
+        workers' Status (WorkerPools.prefill_overlaps; unknown when Redis fails: queue depth
+        alone)."""
         live = [w for w in self.pools.prefill if w.is_healthy] or list(self.pools.prefill)
         if decode is not None:  # pairs the canary or recent handoffs found failing
             bad, now = self.bad_pairs, time.monotonic()
@@ -55,12 +64,13 @@ class PrefillHandoff:
                              f"refused the request: their --max-waiting)")
         overlap = None
         if len(live) > 1:
-            overlap = [held.get(w.address, 0) for w in live] if held is not None \
-                else await self.pools.prefix_overlaps(prompt, live)
+            pairs = [held.get(w.address, (0, 0)) for w in live] if held is not None \
+                else await self.pools.prefill_overlaps(prompt, live)
+            overlap = None if pairs is None else overlaps_of(live, pairs)
         return live[self.pick_of(prompt, live, overlap)]
 
     def pick_of(self, prompt: list[int], live: Sequence[Worker],
-                 overlap: Sequence[int] | None) -> int:
+                 overlap: Sequence[float] | None) -> int:
         """gateway/disagg/routing.py's pick_prefill among `live` (in_flight read now: other
         requests' picks during an await are counted)."""
         key = zlib.crc32(bytes(str(prompt[:16]), "ascii"))  # same first block, same worker

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-from gateway.disagg.prefill_handoff import PrefillHandoff
+from gateway.disagg.prefill_handoff import PrefillHandoff, overlaps_of
 from gateway.disagg.prefill_policy import (
     PrefillCosts,
     PrefillDecision,
@@ -38,9 +38,10 @@ class PrefillPlacement:
         self.handoff_s = 0.0
 
     async def place(self, inp: GenerateInput, decode: Worker, reservation: pb.ReserveResponse
-                     ) -> tuple[PrefillDecision, dict[str, int] | None]:
+                     ) -> tuple[PrefillDecision, dict[str, tuple[int, int]] | None]:
         """Local or remote, and the prefix blocks each healthy prefill worker holds (by
-        address; None: unknown), which a remote prefill's pick reuses."""
+        address: in its pool, in its pool or offload tiers; None: unknown), which a remote
+        prefill's pick reuses."""
         held = await self.prefix_held(inp.prompt_token_ids)
         if inp.params.prompt_logprobs is not None:  # only a prefill worker computes them
             decision = PrefillDecision("remote", "prompt_logprobs")
@@ -53,16 +54,17 @@ class PrefillPlacement:
         self.last_decision = decision
         return decision, held
 
-    async def prefix_held(self, prompt: list[int]) -> dict[str, int] | None:
-        """The prompt's leading blocks each healthy prefill worker caches, by address (Redis
-        or Status: WorkerPools.prefix_overlaps); None where unknown."""
+    async def prefix_held(self, prompt: list[int]) -> dict[str, tuple[int, int]] | None:
+        """The prompt's leading blocks each healthy prefill worker caches, by address: (in its
+        pool, in its pool or offload tiers), from Redis or Status (WorkerPools.prefill_overlaps);
+        None where unknown."""
         live = [w for w in self.pools.prefill if w.is_healthy]
-        overlap = await self.pools.prefix_overlaps(prompt, live) if live else None
+        overlap = await self.pools.prefill_overlaps(prompt, live) if live else None
         return None if overlap is None else {
             w.address: n for w, n in zip(live, overlap, strict=True)}
 
     def costs(self, inp: GenerateInput, decode: Worker, reservation: pb.ReserveResponse,
-               held: dict[str, int] | None) -> PrefillCosts:
+               held: dict[str, tuple[int, int]] | None) -> PrefillCosts:
         prompt = inp.prompt_token_ids
         n_prompt = len(prompt)
         n_local = n_prompt - reservation.num_cached_tokens
@@ -70,13 +72,19 @@ class PrefillPlacement:
         # computes the rest (at least the last token, whose logits give the first one). It
         # lacks what the decode worker computed itself (replies' KV, local prefills), so a
         # chat's history hit there is often far shorter. Where that is unknown (Redis
-        # unreachable), assume it caches what the decode worker does.
+        # unreachable), assume it caches what the decode worker does. What its offload tiers
+        # hold beyond its pool it loads instead of computing.
         live = [w for w in self.pools.prefill if w.is_healthy]
-        overlap = None if held is None else [held.get(w.address, 0) for w in live]
-        pick = self.handoff.pick_of(prompt, live, overlap) if live else None
+        pairs = None if held is None else [held.get(w.address, (0, 0)) for w in live]
+        pick = (self.handoff.pick_of(prompt, live, None if pairs is None
+                                     else overlaps_of(live, pairs)) if live else None)
         prefill = live[pick] if pick is not None else None
-        n_remote = (n_local if overlap is None or pick is None
-                    else max(1, n_prompt - overlap[pick] * self.pools.block_size))
+        n_remote, n_load = n_local, 0
+        if pairs is not None and pick is not None:
+            bs = self.pools.block_size
+            pool, both = pairs[pick]
+            n_remote = max(1, n_prompt - both * bs)
+            n_load = max(0, min(both * bs, n_prompt - 1) - pool * bs)
         ds = decode.status
         ps = prefill.status if prefill is not None else None
         measured = [w.status.prefill_tokens_per_s for w in self.pools.prefill
@@ -96,7 +104,9 @@ class PrefillPlacement:
             transfer_bytes_per_s=ps.kv_transfer_bytes_per_s if ps is not None else 0.0,
             kv_bytes_per_token=ds.kv_bytes_per_token if ds is not None else 0,
             handoff_s=self.handoff_s,
-            local_queue_tokens=decode.num_local_tokens_in_flight)
+            local_queue_tokens=decode.num_local_tokens_in_flight,
+            num_remote_load_tokens=n_load,
+            remote_load_tokens_per_s=ps.offload_load_tokens_per_s if ps is not None else 0.0)
 
     def _likely_prefill(self) -> Worker | None:
         """The prefill worker a remote prefill would most likely get: the shortest queue

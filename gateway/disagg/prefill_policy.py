@@ -6,6 +6,7 @@ Cost model, in seconds of latency summed over the requests it touches:
 
     remote = handoff_s                                  the extra hops, measured
            + (prefill_queue_tokens + n_remote) / prefill_tokens_per_s
+           + n_load / load_tokens_per_s                 history loaded from its offload tiers
            + max(0, wire - n_remote / prefill_tokens_per_s)   the transfer the forward
              where wire = n_transfer * kv_bytes_per_token / transfer_bytes_per_s    leaves
     local  = (local_queue_tokens + n_local) / local_tokens_per_s     this request's TTFT,
@@ -16,7 +17,9 @@ local_queue_tokens are local prefills already running on that decode worker: the
 chunk per step (engine_core/scheduler.py), so this one waits for them.
 
 n_local is what the decode worker lacks after its prefix-cache hit; n_remote what the prefill
-worker computes (the whole prompt unless discovery knows its cache); n_transfer the blocks
+worker computes (the whole prompt unless discovery knows its cache); n_load what it loads from
+its offload tiers instead (engine_core/kv_offload/: blocks it stored there, published like its
+pool's), at its measured load speed (free until it has loaded once); n_transfer the blocks
 the decode worker lacks, the KV that would move. The prefill worker pushes each layer's KV as
 it is computed, so the wire time overlaps the forward and only what outlasts it delays the
 first token; transfer_bytes_per_s is the link's speed as the prefill worker's transfers saw
@@ -78,6 +81,8 @@ class PrefillCosts:
     kv_bytes_per_token: int
     handoff_s: float = 0.0  # the remote path's measured extra: RPCs, commit, admission
     local_queue_tokens: int = 0  # prompt tokens of local prefills running on the decode worker
+    num_remote_load_tokens: int = 0  # prompt tokens the prefill worker loads from its tiers
+    remote_load_tokens_per_s: float = 0.0  # its measured tier load speed
 
 
 @dataclass(frozen=True)
@@ -111,8 +116,10 @@ def estimate(costs: PrefillCosts, chunk_tokens: int) -> tuple[float, float] | No
     transfer = exposed_transfer_s(costs.num_transfer_tokens * costs.kv_bytes_per_token,
                                   costs.transfer_bytes_per_s,
                                   costs.num_remote_tokens / costs.prefill_tokens_per_s)
-    remote = (costs.handoff_s + transfer + (costs.prefill_queue_tokens + costs.num_remote_tokens)
-              / costs.prefill_tokens_per_s)
+    load = (costs.num_remote_load_tokens / costs.remote_load_tokens_per_s
+            if costs.remote_load_tokens_per_s > 0 else 0.0)
+    remote = (costs.handoff_s + transfer + load
+              + (costs.prefill_queue_tokens + costs.num_remote_tokens) / costs.prefill_tokens_per_s)
     return local, remote
 
 

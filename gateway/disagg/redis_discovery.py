@@ -108,12 +108,25 @@ class RedisDiscovery:
                              block_hashes: Sequence[int]) -> dict[str, int] | None:
         """{worker_id: how many of the leading block_hashes it holds, unexpired}; None when
         Redis did not answer within PREFIX_QUERY_TIMEOUT_S."""
+        held = await self._leading(worker_ids, block_hashes, offload=False)
+        return None if held is None else {w: pool for w, (pool, _) in held.items()}
+
+    async def offload_overlap(self, worker_ids: Sequence[str], block_hashes: Sequence[int]
+                              ) -> dict[str, tuple[int, int]] | None:
+        """{worker_id: (leading blocks in its pool, leading blocks in its pool or its offload
+        tiers)}, one round trip; None when Redis did not answer in time."""
+        return await self._leading(worker_ids, block_hashes, offload=True)
+
+    async def _leading(self, worker_ids: Sequence[str], block_hashes: Sequence[int],
+                       offload: bool) -> dict[str, tuple[int, int]] | None:
         if not worker_ids or not block_hashes:
-            return dict.fromkeys(worker_ids, 0)
+            return dict.fromkeys(worker_ids, (0, 0))
         members = [block_member(h) for h in block_hashes]
         pipe = self._redis.pipeline(transaction=False)
         for worker_id in worker_ids:
             pipe.zmscore(self.config.prefix_key(worker_id), members)
+            if offload:
+                pipe.zmscore(self.config.offload_key(worker_id), members)
         try:
             scores = await asyncio.wait_for(pipe.execute(), PREFIX_QUERY_TIMEOUT_S)
             self._prefix_outage.ok()
@@ -121,12 +134,19 @@ class RedisDiscovery:
             self._prefix_outage.failed(self.config.describe(e))
             return None
         now = time.time()  # the workers' clocks wrote the expiries: skew << PREFIX_TTL_S
-        out = {}
-        for worker_id, held in zip(worker_ids, scores, strict=True):
+
+        def leading(*sets: list) -> int:
             n = 0
-            while n < len(held) and held[n] is not None and held[n] > now:
+            while n < len(members) and any(s[n] is not None and s[n] > now for s in sets):
                 n += 1
-            out[worker_id] = n
+            return n
+
+        per = 2 if offload else 1
+        out = {}
+        for i, worker_id in enumerate(worker_ids):
+            pool = scores[i * per]
+            n = leading(pool)
+            out[worker_id] = (n, leading(pool, scores[i * per + 1]) if offload else n)
         return out
 
     async def close(self) -> None:

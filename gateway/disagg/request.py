@@ -54,7 +54,8 @@ class DisaggRequest:
     parent: Placement | None = None
     phase: Phase = Phase.RESERVED
     decision: PrefillDecision | None = None  # from PLACED
-    held: dict[str, int] | None = None  # prefix blocks each prefill worker holds, by address
+    # prefix blocks each prefill worker holds, by address: (in its pool, in its pool or tiers)
+    held: dict[str, tuple[int, int]] | None = None
     t_placed: float = 0.0  # time.monotonic() when placed: the prefill's call starts
     prefill_reply: pb.PrefillResponse | None = None  # from PREFILLED (remote only)
     call: RequestChannel | None = None  # from DECODING

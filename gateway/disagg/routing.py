@@ -15,6 +15,17 @@ keeps landing on the same cache.
 Without prefix information (static discovery, Redis down) every overlap is 0 and this is the
 shortest queue, ties by the first block.
 
+A prefill worker with KV offload tiers (engine_core/kv_offload/) also holds blocks it stored
+there: it loads them instead of computing them, which saves less than a pool hit does. Such a
+block counts as the fraction of a block's compute its load saves (offload_weight):
+
+    overlap(w) = pool(w) + (tiers(w) - pool(w)) * max(0, 1 - load_s / compute_s)
+
+where tiers(w) >= pool(w) is the leading blocks held in the pool or the tiers, and the
+ratio of the two per-token times is that of w's measured speeds: prefill tokens per second
+over tier load tokens per second. Until w has loaded from its tiers, a tier block counts
+whole (a load is assumed far cheaper than the compute; the first loads measure it).
+
 Decode workers are ranked the same way, with their own weight:
 
     score(d) = overlap(d) - decode_queue_weight * in_flight(d)
@@ -37,10 +48,11 @@ DECODE_QUEUE_WEIGHT_BLOCKS = 2.0  # one more decoding request ~ 32 prompt tokens
 MAX_ROUTING_BLOCKS = 128  # leading blocks asked about: longer overlaps count as equal
 
 
-def pick_prefill(in_flight: Sequence[int], overlap: Sequence[int] | None, tie_key: int,
+def pick_prefill(in_flight: Sequence[int], overlap: Sequence[float] | None, tie_key: int,
                  queue_weight: float = QUEUE_WEIGHT_BLOCKS) -> int:
     """The index of the chosen worker. in_flight[i], overlap[i]: worker i's requests in flight
-    from this gateway and leading prompt blocks held (None: unknown for all)."""
+    from this gateway and leading prompt blocks held (routing_overlap; None: unknown for
+    all)."""
     if not in_flight:
         raise ValueError("no prefill worker to choose from")
     if overlap is None:
@@ -72,10 +84,24 @@ def rank_decode(in_flight: Sequence[int], free_blocks: Sequence[int],
         -(overlap[i] - queue_weight * in_flight[i]), in_flight[i], -free_blocks[i], i))
 
 
-def leading_overlap(block_hashes: Sequence[int], held: frozenset[int] | set[int]) -> int:
-    """How many of the leading block_hashes `held` contains (chain hashes: a block counts
-    only if every block before it does)."""
+def offload_weight(prefill_tokens_per_s: float, load_tokens_per_s: float) -> float:
+    """What one block a worker loads from its offload tiers saves, in blocks of its compute
+    (routing's overlap unit); 1 while either speed is unmeasured."""
+    if prefill_tokens_per_s <= 0 or load_tokens_per_s <= 0:
+        return 1.0
+    return max(0.0, 1.0 - prefill_tokens_per_s / load_tokens_per_s)
+
+
+def routing_overlap(pool: int, held: int, weight: float) -> float:
+    """A prefill worker's overlap for pick_prefill: `pool` leading blocks in its pool, `held`
+    (>= pool) in its pool or offload tiers, tier blocks counted `weight` each."""
+    return pool + max(0, held - pool) * weight
+
+
+def leading_overlap(block_hashes: Sequence[int], *held: frozenset[int] | set[int]) -> int:
+    """How many of the leading block_hashes one of the `held` sets contains (chain hashes: a
+    block counts only if every block before it does)."""
     n = 0
-    while n < len(block_hashes) and block_hashes[n] in held:
+    while n < len(block_hashes) and any(block_hashes[n] in h for h in held):
         n += 1
     return n

@@ -7,6 +7,7 @@
                              unhealthy when unreachable, or after STALL_STATUS_TIMEOUTS slow
                              answers in a row (one slow answer is a busy worker)
     prefix_overlaps()      -> the prompt blocks each worker caches (Redis, else Status)
+    prefill_overlaps()     -> the same for prefill workers, and what their offload tiers add
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Worker:
     epoch: int = 0  # discovery's restart epoch: another one at this address is a new process
     num_slow_status: int = 0  # Status calls in a row that timed out
     prefix_hashes: frozenset[int] = frozenset()  # its Status: the prefix blocks it holds
+    offload_hashes: frozenset[int] = frozenset()  # its Status: blocks in its offload tiers
     outputs: DecodeStream | None = None  # decode workers: this gateway's output stream
 
     def close(self) -> None:
@@ -146,6 +148,21 @@ class WorkerPools:
         held = await query([w.worker_id for w in workers], hashes)
         return None if held is None else [held.get(w.worker_id, 0) for w in workers]
 
+    async def prefill_overlaps(self, prompt: list[int], workers: Sequence[Worker]
+                               ) -> list[tuple[int, int]] | None:
+        """Per prefill worker: (leading prompt blocks in its pool, leading blocks in its pool
+        or its offload tiers), as prefix_overlaps finds them (None when Redis fails)."""
+        hashes = hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size], self.block_size)
+        if not hashes:
+            return [(0, 0)] * len(workers)
+        query = getattr(self.discovery, "offload_overlap", None)
+        if query is None:
+            return [(leading_overlap(hashes, w.prefix_hashes),
+                     leading_overlap(hashes, w.prefix_hashes, w.offload_hashes))
+                    for w in workers]
+        held = await query([w.worker_id for w in workers], hashes)
+        return None if held is None else [held.get(w.worker_id, (0, 0)) for w in workers]
+
     async def _refresh_loop(self) -> None:
         """Routing reads free blocks and health from here: refreshed every REFRESH_S."""
         while True:
@@ -159,6 +176,7 @@ class WorkerPools:
             try:
                 w.status = await w.stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
                 w.prefix_hashes = frozenset(w.status.prefix_block_hashes)
+                w.offload_hashes = frozenset(w.status.offload_block_hashes)
                 if not w.is_healthy:
                     logger.info("worker %s answers Status: healthy", w.address)
                 w.is_healthy, w.num_slow_status = True, 0

@@ -11,7 +11,12 @@ import pytest
 from engine_core.kv_cache.block_hash import hash_full_blocks
 from gateway.disagg.backend import DisaggregatedBackend
 from gateway.disagg.redis_discovery import RedisDiscovery
-from gateway.disagg.routing import QUEUE_WEIGHT_BLOCKS, pick_prefill
+from gateway.disagg.routing import (
+    QUEUE_WEIGHT_BLOCKS,
+    offload_weight,
+    pick_prefill,
+    routing_overlap,
+)
 from service_infra.redis_registry import RedisConfig
 from service_infra.worker_registration import WorkerInfo, WorkerRegistration
 
@@ -41,6 +46,19 @@ def test_overlap_is_weighed_against_queue_depth():
     assert pick_prefill([0, 1, 0], [2, 9, 4], tie_key=0, queue_weight=1) == 1  # 8 > 4 > 2
 
 
+def test_offload_tier_blocks_weigh_what_their_load_saves():
+    assert offload_weight(1000.0, 0.0) == 1.0  # no load measured yet: a whole block
+    assert offload_weight(0.0, 5000.0) == 1.0
+    assert offload_weight(1000.0, 5000.0) == pytest.approx(0.8)  # loads 5x faster
+    assert offload_weight(1000.0, 800.0) == 0.0  # a tier slower than compute saves nothing
+    assert routing_overlap(3, 3, 0.5) == 3
+    assert routing_overlap(3, 13, 0.8) == pytest.approx(11.0)
+    assert routing_overlap(0, 10, 0.0) == 0
+    # 10 pool blocks beat 12 tier blocks at 0.8 each (9.6); at 0.9 (10.8) the tiers win
+    assert pick_prefill([0, 0], [10, routing_overlap(0, 12, 0.8)], tie_key=1) == 0
+    assert pick_prefill([0, 0], [10, routing_overlap(0, 12, 0.9)], tie_key=0) == 1
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="no prefill worker"):
         pick_prefill([], None, 0)
@@ -56,8 +74,8 @@ def test_the_gateway_routes_to_the_worker_that_published_the_prefix(redis_server
     config = RedisConfig(redis_server.url)
 
     async def scenario() -> None:
-        regs = [WorkerRegistration(config, WorkerInfo("prefill", "m", "f", BLOCK_SIZE, 100, 8),
-                                   "127.0.0.1", f"prefill-{i}") for i in range(2)]
+        info = WorkerInfo("prefill", "m", "f", BLOCK_SIZE, 100, 8, num_offload_blocks=100)
+        regs = [WorkerRegistration(config, info, "127.0.0.1", f"prefill-{i}") for i in range(2)]
         for port, reg in enumerate(regs, start=7001):
             await reg.start(port)
         discovery = await RedisDiscovery.connect(config)
@@ -80,6 +98,32 @@ def test_the_gateway_routes_to_the_worker_that_published_the_prefix(redis_server
             prompt, BLOCK_SIZE)) == {holder.worker_id: 5, (set(workers) - {
                 holder.worker_id}).pop(): 0}
         assert await backend.handoff.pick_prefill(prompt) is holder
+        # the other worker's offload tiers hold the prompt: (pool, pool or tiers) per worker,
+        # and with no load measured a tier block counts whole, so 5 each: ties by queue, key
+        other_worker = next(w for w in backend.prefill if w is not holder)
+        regs[int(other_worker.worker_id[-1])].publish_offloaded(
+            hash_full_blocks(prompt, BLOCK_SIZE))
+        await asyncio.sleep(0.2)
+        assert await discovery.offload_overlap(list(workers), hash_full_blocks(
+            prompt, BLOCK_SIZE)) == {holder.worker_id: (5, 5), other_worker.worker_id: (0, 5)}
+        assert await backend.handoff.pick_prefill(prompt) is other_worker  # the key's pick
+        # its measured load is 5x its compute: 5 * 0.8 = 4 < 5 held in a pool
+        from protos.pdserve.internal import workers_pb2 as wpb
+        other_worker.status = wpb.WorkerStatus(prefill_tokens_per_s=1000.0,
+                                               offload_load_tokens_per_s=5000.0)
+        assert await backend.handoff.pick_prefill(prompt) is holder
+        # a stop deletes the prefix set, not the offload set: a restart keeps its tiers
+        info = WorkerInfo("prefill", "m", "f", BLOCK_SIZE, 100, 8, num_offload_blocks=3)
+        gone = WorkerRegistration(config, info, "127.0.0.1", "prefill-9")
+        await gone.start(7009)
+        gone.publish_prefix(hash_full_blocks(prompt, BLOCK_SIZE))
+        gone.publish_offloaded(hash_full_blocks(prompt, BLOCK_SIZE))
+        await asyncio.sleep(0.2)
+        await gone.stop()
+        client = await config.connect()
+        assert await client.zcard(config.offload_key("prefill-9")) == 3  # its cap: the newest
+        assert not await client.exists(config.prefix_key("prefill-9"))
+        await client.aclose()
         holder.in_flight = 1  # 5 - 8 < 0: the idle worker wins despite the overlap
         assert await backend.handoff.pick_prefill(prompt) is not holder
         holder.in_flight = 0
@@ -143,6 +187,24 @@ def test_without_redis_prefill_workers_status_routes_and_prices_a_remote_prefill
         whole = GenerateInput("w", prompt[:8 * BLOCK_SIZE], SamplingParams())
         held = await backend.placement.prefix_held(whole.prompt_token_ids)
         assert backend.placement.costs(whole, decode, res, held).num_remote_tokens == 1
+        # the other prefill worker's offload tiers hold the history (evicted from its pool):
+        # it loads those 5 blocks, computes the rest; routing counts them whole while its
+        # load speed is unmeasured: 5 against the 1 block left in the holder's pool
+        holder.prefix_hashes = frozenset(hash_full_blocks(history, BLOCK_SIZE)[:1])
+        loader = next(w for w in backend.prefill if w is not holder)
+        loader.offload_hashes = frozenset(hash_full_blocks(history, BLOCK_SIZE))
+        assert await backend.handoff.pick_prefill(prompt) is loader
+        costs = backend.placement.costs(inp, decode, res, await backend.placement.prefix_held(prompt))
+        assert (costs.num_remote_tokens, costs.num_remote_load_tokens) == (len(prompt) - 80, 80)
+        assert costs.remote_load_tokens_per_s == 0.0
+        loader.status = wpb.WorkerStatus(prefill_tokens_per_s=1000.0, kv_bytes_per_token=100,
+                                         kv_transfer_bytes_per_s=1e9,
+                                         offload_load_tokens_per_s=20_000.0)
+        costs = backend.placement.costs(inp, decode, res, await backend.placement.prefix_held(prompt))
+        assert costs.remote_load_tokens_per_s == 20_000.0
+        # a tier that loads slower than the worker computes saves nothing: 0 against 1
+        loader.status.offload_load_tokens_per_s = 500.0
+        assert await backend.handoff.pick_prefill(prompt) is holder
         await backend.close()
 
     asyncio.run(scenario())

@@ -82,7 +82,7 @@ def test_registration_fields_ttl_and_deregistration(redis_server):
             "address": "127.0.0.1:5555", "role": "prefill", "worker_id": "prefill-a",
             "model": "SmolLM2-135M-Instruct", "layout_fingerprint": "0123456789abcdef",
             "block_size": "16", "num_blocks": "100", "max_num_seqs": "8", "epoch": "1",
-            "registration_ttl_s": "10.0"}
+            "registration_ttl_s": "10.0", "num_offload_blocks": "0"}
         assert 0 < r.pttl(key) <= 10_000
         assert r.get("pdserve:epoch:prefill-a") == "1"
         assert r.ttl("pdserve:epoch:prefill-a") > 24 * 3600  # outlives restarts

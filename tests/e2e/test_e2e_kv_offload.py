@@ -1,11 +1,14 @@
 """`pdserve up --kv-offload-dir` (the default model, 1 prefill + 1 decode over shm) with pools
 too small for two long prompts: the second evicts the first from both pools, and when the
 first returns, the prefill worker loads its history from the disk tier the two workers share
-instead of recomputing it, with the same greedy output. The engine-level tests
+instead of recomputing it, with the same greedy output; the gateway sees the tier's blocks and
+load speed in the worker's Status. The engine-level tests
 (tests/engine_core/test_kv_offload_engine.py) cover the rest: restarts, corruption, Redis,
 preemption, aborts."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -54,12 +57,23 @@ def test_up_loads_an_evicted_history_from_the_disk_tier(tmp_path):
         num_full = 2 * 12 * 52 // BLOCK_SIZE - 4
         stored = sum(counter(url, "kv_offload_stores", tier="disk") for url in stack.metrics[1:])
         assert stored >= num_full and len(list(tier.rglob("*.kv"))) >= num_full
+        # the prefill worker's Status lists what it stored in the tiers (no Redis here)
+        statuses = stack.status_all()
+        (stored_status,) = [st for st in statuses.values() if st.role == "prefill"]
+        assert len(stored_status.offload_block_hashes) >= num_full
+        time.sleep(1.5)  # the gateway's Status refresh (every second) has seen it
         again = run(gen, pb.GenerateRequest(text=CHATS["A"], sampling=greedy(N)))
+        # the gateway priced A's return with its history in the prefill worker's tiers:
+        # only the tokens after its last full block are computed there
+        last = stack.gateway_status()["prefill_placement"]["last"]
+        assert last["num_remote_tokens"] <= BLOCK_SIZE, last
         assert out_ids(again) == out_ids(first)
         hits = counter(prefill, "kv_offload_hits", tier="disk")
         assert hits >= 12 * 52 // BLOCK_SIZE - 4, hits  # the history, not recomputed
         assert counter(prefill, "kv_offload_corrupt", tier="disk") == 0
         assert counter(prefill, "kv_offload_errors", tier="disk") == 0
+        (loaded_status,) = [st for st in stack.status_all().values() if st.role == "prefill"]
+        assert loaded_status.offload_load_tokens_per_s > 0  # measured by that load
         stack.wait_idle()  # every block back in both pools
     finally:
         code = stop_stack(stack)

@@ -83,6 +83,12 @@ def test_returning_chats_load_from_disk_with_the_same_output(tiny, tmp_path, dty
     stats = tier(tiered).stats
     assert stats.hits == len(HISTORIES) * full // 16 and stats.corrupt == 0
     assert stats.stores >= len(HISTORIES) * full // 16
+    # the gateways weigh a tier hit with the measured load speed, and bound the blocks they
+    # record as stored by the largest tier's size
+    off = tiered.offloader
+    assert off.load_tokens_per_s > 0 and off.num_blocks_loaded == stats.hits
+    entry = off.payload_nbytes + 48
+    assert off.capacity_blocks == max(t.capacity_bytes for t in off.tiers) // entry > 0
     tiered.close()
 
 

@@ -205,3 +205,33 @@ def test_redis_tier_budget_and_a_killed_server(tmp_path):
         assert tier.has([entry_key(NS, 2)]) == [False]
         assert time.monotonic() - t0 < 3.0  # quiet after the first failure, no retry storm
         assert tier.stats.errors == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness: Linux")
+def test_the_store_thread_yields_the_cpu_and_the_load_thread_does_not(tmp_path):
+    """Stores are background work: their thread runs STORE_THREAD_NICE below the process (a
+    prefill worker's stores must not take its neighbour decode worker's core); a load, which
+    a request waits for, keeps the process's priority."""
+    import threading
+
+    import torch
+
+    from engine_core.kv_offload.offloader import STORE_THREAD_NICE, KVOffloader
+    from engine_core.platforms import select_platform
+
+    kv = torch.zeros(2, 4, 2, 16, 1, 8)
+    off = KVOffloader([HostTier(1 << 20)], kv, NS, max_pinned=2, platform=select_platform("cpu"))
+    try:
+        ids = {t.name: t.native_id for t in threading.enumerate()
+               if t.name.startswith("kv-offload-")}
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        want = min(19, base + STORE_THREAD_NICE)
+        deadline = time.monotonic() + 5  # the thread sets it as it starts
+        while (os.getpriority(os.PRIO_PROCESS, ids["kv-offload-store"]) != want
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        assert os.getpriority(os.PRIO_PROCESS, ids["kv-offload-store"]) == want
+        assert os.getpriority(os.PRIO_PROCESS, ids["kv-offload-load"]) == base
+        assert off.capacity_blocks == (1 << 20) // (kv[:, 0].numel() * 4 + 48)
+    finally:
+        off.close()

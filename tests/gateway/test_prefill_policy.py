@@ -58,6 +58,14 @@ CASES = [
     ("local prefills already running on the decode worker go first",
      {"num_local_tokens": 100, "num_remote_tokens": 100, "num_transfer_tokens": 100,
       "local_queue_tokens": 600}, AUTO, "remote", "cheaper_remote"),
+    ("a history the prefill worker loads from its offload tiers is cheap there",
+     {"num_local_tokens": 600, "num_remote_tokens": 8, "num_transfer_tokens": 600,
+      "decode_batch": 4, "num_remote_load_tokens": 592, "remote_load_tokens_per_s": 40_000.0},
+     AUTO, "remote", "cheaper_remote"),
+    ("the same history through a tier that loads slower than compute stays local",
+     {"num_local_tokens": 600, "num_remote_tokens": 8, "num_transfer_tokens": 600,
+      "decode_batch": 4, "num_remote_load_tokens": 592, "remote_load_tokens_per_s": 200.0},
+     AUTO, "local", "cheaper_local"),
     ("always-remote overrides the model", {}, PrefillPolicy("always-remote"), "remote",
      "policy"),
     ("always-local overrides the bound", {"num_local_tokens": 5000},
@@ -92,6 +100,16 @@ def test_estimate_of_the_base_case_term_by_term():
     local, _ = estimate(queued, chunk_tokens=128)
     # it waits for the 100 tokens ahead: 400 tokens in 4 chunks; its own 300 stall the decodes
     assert local == pytest.approx(400 / 2000 + 4 * 0.010 + 3 * 300 / 2000)
+
+
+def test_estimate_prices_tier_loads_at_their_measured_speed():
+    loads = replace(BASE, num_remote_tokens=8, num_remote_load_tokens=512,
+                    remote_load_tokens_per_s=32_000.0)
+    # the forward of 8 tokens; 512 tokens loaded at 32k tokens/s; 20 tokens' KV cross the
+    # link in 0.46 ms, past the 4 ms forward by nothing
+    assert estimate(loads, chunk_tokens=128)[1] == pytest.approx(0.030 + 512 / 32_000 + 8 / 2000)
+    unmeasured = replace(loads, remote_load_tokens_per_s=0.0)  # free until measured
+    assert estimate(unmeasured, chunk_tokens=128)[1] == pytest.approx(0.030 + 8 / 2000)
 
 
 def test_exposed_transfer_is_the_wire_time_past_the_forward():
