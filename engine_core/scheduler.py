@@ -20,6 +20,9 @@ misses asks the tiers how many more of its blocks they hold. If any, it gets blo
 and waits in `loading` (WAITING_FOR_OFFLOAD) while they load off the step path; `finish_load`
 puts it back first in the queue with those blocks computed (as a fork waits). The step goes
 on without it meanwhile. An aborted loading request keeps its blocks until its load is done.
+A preempted request's published blocks are in the tiers already; those it computed and did
+not publish (its reply's, unless cache_decoded_blocks) are copied out under keys of its own
+(KVCacheManager.swap_out) before its blocks are freed, so that it loads them back too.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class OffloadTiers(Protocol):
 
     def load(self, req_id: str, block_ids: list[int], hashes: list[int]) -> None:
         """Fill these blocks from the tiers, off the step path."""
+
+    def swap_out(self, blocks: list[tuple[int, int]]) -> None:
+        """Copy these (block id, key) now, store them off the step path (they are freed
+        next)."""
 
 
 @dataclass
@@ -338,7 +345,7 @@ class Scheduler:
         the pool has no room now (nothing changed; asked again later)."""
         bs = self.kv.block_size
         first, max_blocks = len(hit_blocks), (req.num_tokens - 1) // bs
-        hashes = self.kv.req_hashes.get(req.req_id, [])[first:max_blocks]
+        hashes = self.kv.tier_hashes(req)[first:max_blocks]
         k = self.offload.lookup(hashes) if hashes else 0
         if k == 0:
             req.tiers_checked = True
@@ -390,6 +397,10 @@ class Scheduler:
         self.waiting.append(req)
 
     def _preempt(self, req: Request) -> None:
+        if self.offload is not None:  # what it computed and did not publish: to the tiers
+            swapped = self.kv.swap_out(req)
+            if swapped:
+                self.offload.swap_out(swapped)
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
         req.num_pending = 0  # a step in flight's token for it is dropped (update_ahead)

@@ -34,3 +34,12 @@ def hash_full_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def private_block_hash(block_hash: int, owner: str) -> int:
+    """A block's key for one request only (its reply's KV where decoded blocks are not
+    shared: swapped out to the offload tiers when it is preempted, loaded back by it alone)."""
+    h = hashlib.blake2b(digest_size=8, person=b"pdserve-swap")
+    h.update(block_hash.to_bytes(8, "little"))
+    h.update(owner.encode())
+    return int.from_bytes(h.digest(), "little")

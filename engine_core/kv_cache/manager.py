@@ -18,7 +18,7 @@ in `pending_copies`; the engine copies those on its device before the step's for
 
 from __future__ import annotations
 
-from engine_core.kv_cache.block_hash import hash_full_blocks
+from engine_core.kv_cache.block_hash import hash_full_blocks, private_block_hash
 from engine_core.kv_cache.block_pool import BlockPool
 from engine_core.request import Request
 
@@ -171,6 +171,30 @@ class KVCacheManager:
         self.req_num_published[req.req_id] = num_full
 
     # -- offload tiers ------------------------------------------------------------------------
+    def tier_hashes(self, req: Request) -> list[int]:
+        """The keys of the request's full blocks in the offload tiers: the chained hashes of
+        the blocks it publishes (shared), then, beyond them (its reply's blocks, unless
+        cache_decoded_blocks), keys private to it (swap_out stored them)."""
+        hashes = self._hashes(req)
+        num_shared = (len(hashes) if self.cache_decoded_blocks
+                      else len(req.prompt_token_ids) // self.block_size)
+        return hashes[:num_shared] + [private_block_hash(h, req.req_id)
+                                      for h in hashes[num_shared:]]
+
+    def swap_out(self, req: Request) -> list[tuple[int, int]]:
+        """(block id, private key) of the full blocks a request about to be preempted has
+        computed and not published (published ones are in the tiers already): its reply's,
+        unless cache_decoded_blocks."""
+        if not self.enable_prefix_caching or self.cache_decoded_blocks:
+            return []
+        num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size
+        first = len(req.prompt_token_ids) // self.block_size
+        if num_full <= first:
+            return []
+        keys = self.tier_hashes(req)
+        blocks = self.req_blocks.get(req.req_id, [])
+        return [(blocks[i], keys[i]) for i in range(first, min(num_full, len(blocks)))]
+
     def take_published(self) -> list[tuple[int, int]]:
         """(block id, hash) of the blocks published since the last call (collected only
         once `published` is a list: an engine with offload tiers sets it)."""

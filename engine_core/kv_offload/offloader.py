@@ -16,6 +16,9 @@ that move the bytes off the step path.
                                                     payloads into its blocks in one copy
     next step: poll(): it rejoins the waiting  <-   (request id, blocks loaded)
       queue with those blocks computed
+    a request is preempted
+      -> swap_out(): the full blocks it did not ->  put them in every tier, under keys of
+         publish (its reply's), copied now          that request's own
 
 Stores are write-through at publication, not at eviction: a block is in the tiers by the
 time the pool evicts it (eviction copies nothing, on the step path or off it), and a stop or
@@ -41,6 +44,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -55,6 +59,14 @@ LOAD_SPEED_EWMA_WEIGHT = 0.2  # of the newest load in the measured load speed
 # workers share (a prefill worker beside a decode worker) they must not take a decode step's
 # CPU; loads, which a request waits for, keep the process's priority
 STORE_THREAD_NICE = 10
+
+
+@dataclass
+class _Swap:
+    """A store job whose bytes were copied on the engine thread (KVOffloader.swap_out)."""
+
+    blocks: list[tuple[int, int]]
+    snapshot: torch.Tensor
 
 
 class KVOffloader:
@@ -79,6 +91,8 @@ class KVOffloader:
         self._backlog: list[tuple[int, int]] = []  # published, waiting for room to pin
         self._suspect: set[int] = set()  # after a failed load: stored over, not skipped
         self.num_store_skipped = 0
+        self.num_swapped_out = 0  # blocks of preempted requests copied out (swap_out)
+        self._private: set[int] = set()  # swap_out's keys in the tiers: dropped once loaded
         self.num_loads = 0  # requests whose load ran
         self.num_blocks_loaded = 0
         # prompt tokens per second of a request's load (fetch, check, copy into its blocks),
@@ -121,6 +135,13 @@ class KVOffloader:
         pin(blocks)
         self.num_pinned += len(blocks)
         self._stores.put(todo)
+
+    def swap_out(self, blocks: list[tuple[int, int]]) -> None:
+        """A preempted request's unpublished (block id, key) pairs, freed right after: copied
+        out now (on this thread, in one gather: nothing pins them), stored off the step
+        path."""
+        self._stores.put(_Swap(blocks, self._snapshot([b for b, _ in blocks])))
+        self.num_swapped_out += len(blocks)
 
     @property
     def has_backlog(self) -> bool:
@@ -226,20 +247,23 @@ class KVOffloader:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
         return self.kv_cache.index_select(1, idx).transpose(0, 1).contiguous().cpu()
 
-    def _store(self, todo: list[tuple[int, int]]) -> None:
-        # what every tier holds already (another worker of the host stored it: a decode
-        # worker's prompt blocks came from a prefill worker that did) is neither read nor
-        # written again: one has() per tier for the batch
-        missing = self._not_everywhere(todo)
-        blocks = [b for b, _ in todo]
-        try:
-            snap = self._snapshot([b for b, _ in missing]) if missing else None
-        finally:  # the bytes are ours now: the pool may have the blocks back
-            with self._done_lock:
-                self._stored.extend(blocks)
-                self._done_lock.notify_all()
-        if snap is None:
-            return
+    def _store(self, todo: list[tuple[int, int]] | _Swap) -> None:
+        if isinstance(todo, _Swap):  # copied out already, nothing pinned
+            missing, snap = todo.blocks, todo.snapshot
+        else:
+            # what every tier holds already (another worker of the host stored it: a decode
+            # worker's prompt blocks came from a prefill worker that did) is neither read nor
+            # written again: one has() per tier for the batch
+            missing = self._not_everywhere(todo)
+            blocks = [b for b, _ in todo]
+            try:
+                snap = self._snapshot([b for b, _ in missing]) if missing else None
+            finally:  # the bytes are ours now: the pool may have the blocks back
+                with self._done_lock:
+                    self._stored.extend(blocks)
+                    self._done_lock.notify_all()
+            if snap is None:
+                return
         raw = snap.view(torch.uint8).reshape(len(missing), -1).numpy()
         for i, (_, block_hash) in enumerate(missing):
             key = self.key(block_hash)
@@ -254,6 +278,8 @@ class KVOffloader:
                     tier.stats.observe_store(time.monotonic() - t0)
                 else:
                     ok = False
+            if isinstance(todo, _Swap):
+                self._private.add(block_hash)
             if ok:
                 self._known[block_hash] = None
                 if len(self._known) > _KNOWN_STORED:
@@ -299,6 +325,12 @@ class KVOffloader:
             idx = torch.tensor(block_ids[:n], dtype=torch.long, device=self.kv_cache.device)
             self.kv_cache.index_copy_(1, idx, staged.to(self.kv_cache.device).transpose(0, 1))
             self.platform.synchronize()  # in the cache before the request is polled
+        for block_hash in hashes[:n]:  # a swapped-out block is its request's again: the
+            if block_hash in self._private:  # tiers need not keep it (a new preemption
+                self._private.discard(block_hash)  # stores it anew)
+                self._known.pop(block_hash, None)
+                for tier in self.tiers:
+                    tier.discard(self.key(block_hash))
         for tier in self.tiers:
             if spent[tier.name]:
                 tier.stats.observe_load(spent[tier.name])

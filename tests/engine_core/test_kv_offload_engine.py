@@ -14,6 +14,7 @@ import redis
 
 from engine_core.engine import LLMEngine
 from engine_core.engine_config import CacheConfig, DeviceConfig, KVOffloadConfig, LoadConfig
+from engine_core.kv_cache.block_hash import hash_full_blocks, private_block_hash
 from engine_core.kv_offload.entry import HEADER_NBYTES, decode_entry
 from engine_core.request import RequestStatus
 from engine_core.sampling_params import SamplingParams
@@ -157,9 +158,10 @@ def test_a_history_prefilled_by_one_engine_loads_in_another_through_redis(tiny, 
 
 def test_a_preempted_request_swaps_back_through_the_tier(tiny, tmp_path):
     """Five requests at once in a pool that holds about three as they grow: a preempted
-    one's blocks (its prompt's and, as the serving commands keep them, its reply's) come back
-    from the tier once the others evicted them from the pool, with the output of a pool that
-    never preempts (the same KV bytes, not a recomputation)."""
+    one's blocks (its prompt's and its reply's) come back from the tier once the others
+    evicted them from the pool, with the output of a pool that never preempts (the same KV
+    bytes, not a recomputation); with the serving commands' cache_decoded_blocks and with the
+    offline default without it."""
     prompts = [h[:100] for h in HISTORIES]
     params = SamplingParams(max_tokens=100, temperature=0.0)
 
@@ -180,7 +182,31 @@ def test_a_preempted_request_swaps_back_through_the_tier(tiny, tmp_path):
                         cache_decoded_blocks=True)
     assert batch(tight) == roomy
     assert tight.scheduler.num_preemptions > 0 and tier(tight).stats.hits > 0
+    assert tight.offloader.num_swapped_out == 0  # every block it computed was published
     tight.close()
+
+    # the offline default keeps a reply's blocks to itself (cache_decoded_blocks off): they
+    # are copied out under keys of their request's own when it is preempted, and it alone
+    # loads them back
+    private = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path / "private")),
+                          num_blocks=30)
+    asked: list[int] = []
+    load = private.offloader.load
+    private.offloader.load = lambda req_id, blocks, hashes: (asked.extend(hashes),
+                                                             load(req_id, blocks, hashes))
+    got = batch(private)
+    assert got == roomy
+    assert private.scheduler.num_preemptions > 0 and private.offloader.num_swapped_out > 0
+    keys = {private_block_hash(h, req_id)
+            for req_id, out in got.items()
+            for h in hash_full_blocks(prompts[int(req_id[1:])] + out, 16)[100 // 16:]}
+    loaded = sorted(keys & set(asked))
+    assert loaded, "no preempted reply was loaded back from its private keys"
+    # once loaded back, a private entry is dropped from the tier (a later preemption of the
+    # same request stores it anew)
+    held = tier(private).has([private.offloader.key(k) for k in loaded])
+    assert not all(held), "every loaded private entry is still in the tier"
+    private.close()
 
 
 def test_an_abort_while_loading_frees_every_block(tiny, tmp_path):
