@@ -245,7 +245,7 @@ class KVOffloader:
     def _snapshot(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks' KV, block-major and contiguous on the host: [n, layers, 2, bs, h, d]."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        return self.kv_cache.index_select(1, idx).transpose(0, 1).contiguous().cpu()
+        return self.kv_cache.transpose(0, 1)[idx].cpu()  # one gather, block-major
 
     def _store(self, todo: list[tuple[int, int]] | _Swap) -> None:
         if isinstance(todo, _Swap):  # copied out already, nothing pinned
