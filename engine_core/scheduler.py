@@ -301,14 +301,18 @@ class Scheduler:
                 if (self.offload is not None and not req.tiers_checked
                         and not req.needs_prompt_logprobs):
                     started = self._start_load(req, hit_blocks)
-                    if started is None:
-                        break  # no room for the blocks the tiers hold: wait for some
+                    if started is None:  # no room for the blocks the tiers hold
+                        if self._promote_holder():
+                            continue
+                        break  # wait for some
                     if started:
                         continue
             n = min(req.num_tokens - num_hit, budget, req.max_chunk_tokens or budget)
             if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:
                 if req.num_computed_tokens and not self.running:
                     self._unfork(req)  # nothing running will free a block for it
+                    continue
+                if self._promote_holder():
                     continue
                 break
             self.waiting.popleft()
@@ -394,7 +398,22 @@ class Scheduler:
         self.waiting.popleft()
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
+        req.tiers_checked = False  # loaded blocks given back: the tiers still hold them
         self.waiting.append(req)
+
+    def _promote_holder(self) -> bool:
+        """The head of the queue cannot get blocks and nothing runs or loads to free any: a
+        waiting request behind it that holds blocks (loaded from the tiers, or a fork) goes
+        first, to run on them or give them back (_unfork), so that the pool is not left
+        waiting for itself. False when there is none."""
+        if self.running or self.loading:
+            return False
+        for i, r in enumerate(self.waiting):
+            if i and r.num_computed_tokens:
+                del self.waiting[i]
+                self.waiting.appendleft(r)
+                return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         if self.offload is not None:  # what it computed and did not publish: to the tiers

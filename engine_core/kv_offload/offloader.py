@@ -92,7 +92,6 @@ class KVOffloader:
         self._suspect: set[int] = set()  # after a failed load: stored over, not skipped
         self.num_store_skipped = 0
         self.num_swapped_out = 0  # blocks of preempted requests copied out (swap_out)
-        self._private: set[int] = set()  # swap_out's keys in the tiers: dropped once loaded
         self.num_loads = 0  # requests whose load ran
         self.num_blocks_loaded = 0
         # prompt tokens per second of a request's load (fetch, check, copy into its blocks),
@@ -278,8 +277,6 @@ class KVOffloader:
                     tier.stats.observe_store(time.monotonic() - t0)
                 else:
                     ok = False
-            if isinstance(todo, _Swap):
-                self._private.add(block_hash)
             if ok:
                 self._known[block_hash] = None
                 if len(self._known) > _KNOWN_STORED:
@@ -325,12 +322,6 @@ class KVOffloader:
             idx = torch.tensor(block_ids[:n], dtype=torch.long, device=self.kv_cache.device)
             self.kv_cache.index_copy_(1, idx, staged.to(self.kv_cache.device).transpose(0, 1))
             self.platform.synchronize()  # in the cache before the request is polled
-        for block_hash in hashes[:n]:  # a swapped-out block is its request's again: the
-            if block_hash in self._private:  # tiers need not keep it (a new preemption
-                self._private.discard(block_hash)  # stores it anew)
-                self._known.pop(block_hash, None)
-                for tier in self.tiers:
-                    tier.discard(self.key(block_hash))
         for tier in self.tiers:
             if spent[tier.name]:
                 tier.stats.observe_load(spent[tier.name])

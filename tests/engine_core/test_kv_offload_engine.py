@@ -200,12 +200,7 @@ def test_a_preempted_request_swaps_back_through_the_tier(tiny, tmp_path):
     keys = {private_block_hash(h, req_id)
             for req_id, out in got.items()
             for h in hash_full_blocks(prompts[int(req_id[1:])] + out, 16)[100 // 16:]}
-    loaded = sorted(keys & set(asked))
-    assert loaded, "no preempted reply was loaded back from its private keys"
-    # once loaded back, a private entry is dropped from the tier (a later preemption of the
-    # same request stores it anew)
-    held = tier(private).has([private.offloader.key(k) for k in loaded])
-    assert not all(held), "every loaded private entry is still in the tier"
+    assert keys & set(asked), "no preempted reply was loaded back from its private keys"
     private.close()
 
 

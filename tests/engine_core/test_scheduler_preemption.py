@@ -319,3 +319,23 @@ def test_random_workload_keeps_every_invariant(seed):
             assert r.num_output_tokens == r.sampling_params.max_tokens
             assert EOS not in r.output_token_ids
     assert_pool_full(sched)
+
+
+def test_a_request_holding_blocks_behind_one_that_cannot_fit_goes_first():
+    """Nothing runs; the head of the queue cannot get its blocks because the request behind
+    it holds them (loaded from the offload tiers, or a fork, then passed by a preempted
+    request): the holder goes first, instead of the pool waiting for itself forever."""
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    holder = make_req("r1", 12, first_token=100, max_tokens=4)
+    sched.add_request(holder)
+    assert sched.kv.allocate_slots(holder, 12, []) is not None  # its 3 blocks, as a load
+    holder.num_computed_tokens = 8  # leaves them computed
+    head = make_req("r2", 14, first_token=300, max_tokens=4)  # 4 blocks: 3 are left
+    sched.add_request(head)
+    sched.waiting.remove(head)
+    sched.waiting.appendleft(head)
+    out, _ = step(sched)
+    assert [r.req_id for r in out.reqs] == ["r1"]  # runs on its own blocks
+    run_to_completion(sched)
+    assert head.status == holder.status == RequestStatus.FINISHED_LENGTH
+    assert_pool_full(sched)
