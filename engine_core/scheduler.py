@@ -168,7 +168,9 @@ class Scheduler:
         with the prefill worker's first token, to be decoded next step."""
         req = self.reserved.pop(req_id)
         req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_computed_blocks(req)  # its full prompt blocks now serve prefix hits
+        # its full prompt blocks now serve prefix hits; the prefill worker that computed them
+        # stores them in the tiers (a second store here would take a decode step's CPU)
+        self.kv.cache_computed_blocks(req, offload=False)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._fork_children(req)
@@ -416,7 +418,7 @@ class Scheduler:
         return False
 
     def _preempt(self, req: Request) -> None:
-        if self.offload is not None:  # what it computed and did not publish: to the tiers
+        if self.offload is not None:  # its blocks never queued for the tiers: to them now
             swapped = self.kv.swap_out(req)
             if swapped:
                 self.offload.swap_out(swapped)

@@ -39,6 +39,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks
         self.req_num_published: dict[str, int] = {}  # blocks already published in the cache
+        # leading blocks published without being queued for the offload tiers (their KV was
+        # computed elsewhere: cache_computed_blocks(offload=False))
+        self.req_num_received: dict[str, int] = {}
         # copy-on-write: (src, dst) block copies the next forward must be preceded by, and
         # the requests whose block lists changed in place (not only appended) since then
         self.pending_copies: list[tuple[int, int]] = []
@@ -141,6 +144,9 @@ class KVCacheManager:
             self.req_hashes[child.req_id] = self.req_hashes[parent.req_id][:num_full]
         self.req_num_published[child.req_id] = min(
             self.req_num_published.get(parent.req_id, 0), num_full)
+        if parent.req_id in self.req_num_received:
+            self.req_num_received[child.req_id] = min(self.req_num_received[parent.req_id],
+                                                      num_full)
 
     def take_copies(self) -> tuple[list[tuple[int, int]], set[str]]:
         """The copies queued since the last call and the requests whose block lists were
@@ -149,9 +155,12 @@ class KVCacheManager:
         rewritten, self.rewritten_req_ids = self.rewritten_req_ids, set()
         return copies, rewritten
 
-    def cache_computed_blocks(self, req: Request) -> None:
+    def cache_computed_blocks(self, req: Request, offload: bool = True) -> None:
         """Publish the request's full blocks whose KV is now computed: the prompt's only,
-        unless cache_decoded_blocks (a block with a generated token was filled by decode)."""
+        unless cache_decoded_blocks (a block with a generated token was filled by decode).
+        offload=False: in the pool only, not queued for the offload tiers (KV a prefill worker
+        computed and stores itself; swap_out copies them out should the request be
+        preempted)."""
         if not self.enable_prefix_caching:
             return
         # (async scheduling counts tokens not read yet as computed: only known ones hash)
@@ -164,11 +173,13 @@ class KVCacheManager:
         done = self.req_num_published.get(req.req_id, 0)
         hashes = self._hashes(req)
         blocks = self.req_blocks[req.req_id]
-        published = self.published
+        published = self.published if offload else None
         for i in range(done, num_full):
             if self.pool.cache_block(blocks[i], hashes[i]) and published is not None:
                 published.append((blocks[i], hashes[i]))
         self.req_num_published[req.req_id] = num_full
+        if not offload:
+            self.req_num_received[req.req_id] = num_full
 
     # -- offload tiers ------------------------------------------------------------------------
     def tier_hashes(self, req: Request) -> list[int]:
@@ -182,18 +193,21 @@ class KVCacheManager:
                                       for h in hashes[num_shared:]]
 
     def swap_out(self, req: Request) -> list[tuple[int, int]]:
-        """(block id, private key) of the full blocks a request about to be preempted has
-        computed and not published (published ones are in the tiers already): its reply's,
-        unless cache_decoded_blocks."""
-        if not self.enable_prefix_caching or self.cache_decoded_blocks:
+        """(block id, key) of the full blocks of a request about to be preempted that were
+        never queued for the tiers: the prompt blocks it received (admit_prefilled), under
+        their shared keys, and its reply's unpublished ones (unless cache_decoded_blocks),
+        under keys private to it."""
+        if not self.enable_prefix_caching:
             return []
-        num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size
-        first = len(req.prompt_token_ids) // self.block_size
-        if num_full <= first:
-            return []
-        keys = self.tier_hashes(req)
         blocks = self.req_blocks.get(req.req_id, [])
-        return [(blocks[i], keys[i]) for i in range(first, min(num_full, len(blocks)))]
+        keys = self.tier_hashes(req)
+        num_received = min(self.req_num_received.get(req.req_id, 0), len(blocks))
+        out = [(blocks[i], keys[i]) for i in range(num_received)]
+        if not self.cache_decoded_blocks:
+            num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size
+            first = len(req.prompt_token_ids) // self.block_size
+            out += [(blocks[i], keys[i]) for i in range(first, min(num_full, len(blocks)))]
+        return out
 
     def take_published(self) -> list[tuple[int, int]]:
         """(block id, hash) of the blocks published since the last call (collected only
@@ -229,6 +243,8 @@ class KVCacheManager:
         del blocks[num_blocks:]
         if self.req_num_published.get(req_id, 0) > num_blocks:
             self.req_num_published[req_id] = num_blocks
+        if self.req_num_received.get(req_id, 0) > num_blocks:
+            self.req_num_received[req_id] = num_blocks
 
     def free(self, req_id: str) -> None:
         """Release every block the request holds (idempotent)."""
@@ -239,6 +255,7 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
         self.req_hashes.pop(req_id, None)
         self.req_num_published.pop(req_id, None)
+        self.req_num_received.pop(req_id, None)
 
     def check_integrity(self) -> None:
         refs: dict[int, int] = dict(self.pinned)

@@ -17,8 +17,9 @@ that move the bytes off the step path.
     next step: poll(): it rejoins the waiting  <-   (request id, blocks loaded)
       queue with those blocks computed
     a request is preempted
-      -> swap_out(): the full blocks it did not ->  put them in every tier, under keys of
-         publish (its reply's), copied now          that request's own
+      -> swap_out(): the full blocks it did not ->  put them in every tier that lacks them:
+         queue (its reply's; on a decode worker     its reply's under keys of that request's
+         the prompt's it received), copied now      own, the prompt's under their shared keys
 
 Stores are write-through at publication, not at eviction: a block is in the tiers by the
 time the pool evicts it (eviction copies nothing, on the step path or off it), and a stop or
@@ -248,7 +249,15 @@ class KVOffloader:
 
     def _store(self, todo: list[tuple[int, int]] | _Swap) -> None:
         if isinstance(todo, _Swap):  # copied out already, nothing pinned
-            missing, snap = todo.blocks, todo.snapshot
+            # (received prompt blocks come under shared keys, maybe stored by their prefill
+            # worker into a tier shared with it: those are not written again)
+            missing = self._not_everywhere(todo.blocks)
+            if not missing:
+                return
+            snap = todo.snapshot
+            if len(missing) < len(todo.blocks):
+                keep = {h for _, h in missing}
+                snap = snap[[i for i, (_, h) in enumerate(todo.blocks) if h in keep]]
         else:
             # what every tier holds already (another worker of the host stored it: a decode
             # worker's prompt blocks came from a prefill worker that did) is neither read nor

@@ -249,3 +249,70 @@ def test_random_traffic_with_aborts_leaves_every_block_free(tiny, tmp_path):
     assert engine.kv.num_free_blocks == 40
     assert tier(engine).stats.hits > 0 and sched.num_preemptions > 0
     engine.close()
+
+
+def test_a_decode_engine_stores_what_it_computed_and_swaps_what_it_received(tiny, tmp_path):
+    """The decode side of handoffs (reserve, the prefill engine's KV copied in, admit) with a
+    tier: the prompt blocks it received are not stored by it (their prefill worker does), its
+    reply's are; preempted in a pool too small for five growing replies, a request's received
+    prompt blocks are copied out under their shared keys and come back from the tier, with
+    the output of a pool that never preempts."""
+    prompts = [h[:64] for h in HISTORIES]  # 4 full blocks each
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    pre = make_engine(tiny, num_blocks=64)
+
+    def decode_all(dec):
+        for i, prompt in enumerate(prompts):
+            seen = []
+
+            class Recorder:  # the scheduler side of a KV connector: the request's blocks
+                def build_step(self, out, block_ids):
+                    seen.append(list(block_ids[0]))
+
+            pre.kv_connector = Recorder()
+            pre.add_request(prompt, first_only, req_id=f"pre{len(pre.scheduler.requests)}-{i}")
+            while pre.has_unfinished_requests():
+                outs = pre.step()
+            pre.kv_connector = None
+            first = outs[0].outputs[0].token_ids[0]
+            blocks, num_cached = dec.reserve(prompt, params, f"d{i}")
+            assert num_cached == 0
+            dec.runner.kv_cache[:, blocks[:4]] = pre.runner.kv_cache[:, seen[-1][:4]]
+            dec.admit_prefilled(f"d{i}", first)
+        out = {}
+        while dec.has_unfinished_requests():
+            for d in dec.step():
+                if d.finished:
+                    out[d.request_id] = list(d.outputs[0].token_ids)
+        dec.flush_offload(wait=True)
+        dec.kv.check_integrity()
+        return out
+
+    roomy = decode_all(make_engine(tiny, num_blocks=128, cache_decoded_blocks=True))
+    tight = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), num_blocks=30,
+                        cache_decoded_blocks=True)
+    loaded: list[int] = []
+    load = tight.offloader.load
+    tight.offloader.load = lambda req_id, blocks, hashes: (loaded.extend(hashes),
+                                                           load(req_id, blocks, hashes))
+    assert decode_all(tight) == roomy
+    assert tight.scheduler.num_preemptions > 0 and tight.offloader.num_swapped_out > 0
+    prompt_keys = {h for p in prompts for h in hash_full_blocks(p, 16)}
+    disk = tier(tight)
+    stored = {int(k.rsplit("-", 1)[1], 16) for k in disk._index}
+    swapped_back = prompt_keys & set(loaded)
+    assert swapped_back, "no preempted request loaded its received prompt back"
+    # the prompts' blocks on disk are only what preemption copied out
+    assert len(prompt_keys & stored) <= tight.offloader.num_swapped_out
+    assert stored - prompt_keys, "the decoded blocks were not stored"
+    tight.close()
+
+    # no preemption: nothing of the received prompts reaches the tier
+    calm = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path / "calm")), num_blocks=128,
+                       cache_decoded_blocks=True)
+    assert decode_all(calm) == roomy
+    calm_stored = {int(k.rsplit("-", 1)[1], 16) for k in tier(calm)._index}
+    assert calm.scheduler.num_preemptions == 0 and calm_stored
+    assert not calm_stored & prompt_keys
+    calm.close()
