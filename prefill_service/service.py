@@ -105,4 +105,5 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             offload_load_tokens_per_s=(engine.offloader.load_tokens_per_s
                                        if engine.offloader is not None else 0.0),
             offload_block_hashes=(worker.offloaded.hashes() if worker.offloaded is not None
-                                  else ()))
+                                  else ()),
+            offload_tier_ids=worker.offload_tier_ids)

@@ -111,6 +111,9 @@ class PrefillWorker:
         self.on_prefilled = on_prefilled  # on the request path: must not block or raise
         self.prefix = prefix
         self.offloaded = offloaded
+        # its offload tiers that other workers reach too (Status): read once, here
+        self.offload_tier_ids = (engine.offloader.shared_tier_ids()
+                                 if engine.offloader is not None else [])
         self.metrics = metrics
         self.tls = tls  # mutual TLS to the decode workers' KV transfer service
         self._connections: dict[tuple[str, str], Connection] = {}

@@ -194,6 +194,12 @@ class KVOffloader:
                          "bytes_loaded": t.stats.bytes_loaded, "bytes": t.used_bytes}
                 for t in self.tiers}
 
+    def shared_tier_ids(self) -> list[str]:
+        """The identities of the tiers other processes reach too (tiers.py `identity`): one
+        I/O per tier, so asked once, at a worker's start."""
+        ids = (t.identity() for t in self.tiers)
+        return [f"{t.name}:{i}" for t, i in zip(self.tiers, ids, strict=True) if i]
+
     def wait(self, timeout: float) -> None:
         """Until a load or store finishes, or `timeout` seconds."""
         with self._done_lock:

@@ -4,6 +4,7 @@ that reaches the server (the Redis the stack already runs for discovery, or anot
     pdserve:kv:<namespace>:<hash>    the entry (entry.py), written with SET NX
     pdserve:kv:<namespace>:lru       sorted set: entry key -> last use (unix seconds)
     pdserve:kv:<namespace>:bytes     the namespace's bytes, kept by INCRBY / DECRBY
+    pdserve:kv:<namespace>:id        the tier's identity (tiers.py), SET NX by the first asker
 
 The byte budget is the namespace's: a store that takes it over pops the least recently used
 keys from the sorted set and deletes them, whichever worker wrote them. The budget is kept by
@@ -19,6 +20,7 @@ down Redis costs the scheduler nothing per request.
 from __future__ import annotations
 
 import time
+import uuid
 
 import redis
 
@@ -119,6 +121,13 @@ class RedisTier:
         self._used = pipe.execute()[1]
         self.stats.evictions += sum(1 for s in sizes if s)
         return True
+
+    def identity(self) -> str | None:
+        def run():
+            self.client.set(self.prefix + "id", uuid.uuid4().hex, nx=True)
+            got = self.client.get(self.prefix + "id")
+            return got.decode() if got else None
+        return self._call("reading the tier's id", run, None)
 
     def discard(self, key: str) -> None:
         def run():

@@ -7,7 +7,7 @@
                                              next start of this one (a warm restart)
     redis     a Redis server (redis_tier.py) every host that reaches it
 
-Every tier answers the same four verbs, from any thread:
+Every tier answers the same verbs, from any thread:
 
     has(keys)        which keys it holds (one round trip for the whole list)
     get(key)         the entry's bytes, or None (absent, unreadable, the store unreachable)
@@ -16,6 +16,10 @@ Every tier answers the same four verbs, from any thread:
                      existing one only with `replace`; False if it could not (a full disk, a
                      read-only directory, Redis down)
     discard(key)     drop an entry found corrupt
+    identity()       the store's own name, the same in every process that reaches it (an id
+                     the first of them wrote there), or None: private to this process, or
+                     unknown now. The gateways count what one worker stored in a shared tier
+                     as held by every worker whose tier has that identity.
 
 A tier never raises for what its store does: a failure is a miss or a skipped store, counted
 in `stats.errors` and logged at most once a minute (`Degraded`), and the request goes on.
@@ -28,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +144,9 @@ class HostTier:
             data = self._entries.pop(key, None)
             if data is not None:
                 self._used -= len(data)
+
+    def identity(self) -> None:
+        return None  # this process's memory: shared with no one
 
 
 class DiskTier:
@@ -266,6 +274,23 @@ class DiskTier:
         if over:
             self._evict()
         return True
+
+    def identity(self) -> str | None:
+        """The id in the directory's `tier-id` file, written by the first process to ask
+        (linked into place: every process reads the same one); None if it cannot be read or
+        written."""
+        path = self.dir / "tier-id"
+        try:
+            if not path.is_file():
+                tmp = self.dir / f".tmp.tier-id.{pid_tag()}"
+                tmp.write_text(uuid.uuid4().hex)
+                with contextlib.suppress(FileExistsError):  # another process was first
+                    os.link(tmp, path)
+                tmp.unlink()
+            return path.read_text().strip() or None
+        except OSError as e:
+            self._fail("reading the tier's id", e)
+            return None
 
     def _evict(self) -> None:
         if time.monotonic() - self._last_scan > self.rescan_s:

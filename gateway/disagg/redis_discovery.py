@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
 
@@ -111,16 +111,21 @@ class RedisDiscovery:
         held = await self._leading(worker_ids, block_hashes, offload=False)
         return None if held is None else {w: pool for w, (pool, _) in held.items()}
 
-    async def offload_overlap(self, worker_ids: Sequence[str], block_hashes: Sequence[int]
+    async def offload_overlap(self, worker_ids: Sequence[str], block_hashes: Sequence[int],
+                              peers: Mapping[str, Sequence[str]] | None = None
                               ) -> dict[str, tuple[int, int]] | None:
         """{worker_id: (leading blocks in its pool, leading blocks in its pool or its offload
-        tiers)}, one round trip; None when Redis did not answer in time."""
-        return await self._leading(worker_ids, block_hashes, offload=True)
+        tiers)}, one round trip; None when Redis did not answer in time. peers: per worker,
+        the others (among worker_ids) sharing one of its tiers, whose stored blocks count as
+        held in its tiers too."""
+        return await self._leading(worker_ids, block_hashes, offload=True, peers=peers)
 
     async def _leading(self, worker_ids: Sequence[str], block_hashes: Sequence[int],
-                       offload: bool) -> dict[str, tuple[int, int]] | None:
+                       offload: bool, peers: Mapping[str, Sequence[str]] | None = None
+                       ) -> dict[str, tuple[int, int]] | None:
         if not worker_ids or not block_hashes:
             return dict.fromkeys(worker_ids, (0, 0))
+        peers = peers or {}
         members = [block_member(h) for h in block_hashes]
         pipe = self._redis.pipeline(transaction=False)
         for worker_id in worker_ids:
@@ -142,11 +147,17 @@ class RedisDiscovery:
             return n
 
         per = 2 if offload else 1
+        stored = ({w: scores[i * per + 1] for i, w in enumerate(worker_ids)} if offload
+                  else {})
         out = {}
         for i, worker_id in enumerate(worker_ids):
             pool = scores[i * per]
             n = leading(pool)
-            out[worker_id] = (n, leading(pool, scores[i * per + 1]) if offload else n)
+            if offload:
+                shared = [stored[p] for p in peers.get(worker_id, ()) if p in stored]
+                out[worker_id] = (n, leading(pool, stored[worker_id], *shared))
+            else:
+                out[worker_id] = (n, n)
         return out
 
     async def close(self) -> None:

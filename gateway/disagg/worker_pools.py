@@ -8,6 +8,7 @@
                              answers in a row (one slow answer is a busy worker)
     prefix_overlaps()      -> the prompt blocks each worker caches (Redis, else Status)
     prefill_overlaps()     -> the same for prefill workers, and what their offload tiers add
+                             (a tier shared by several: what any of them stored there)
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ class Worker:
     def close(self) -> None:
         if self.outputs is not None:
             self.outputs.close()
+
+
+def tier_peers(workers: Sequence[Worker]) -> list[list[int]]:
+    """For each worker, the others (indices) with an offload tier of the same identity in
+    their Status (a Redis server, a directory they share): what those stored there, it
+    loads."""
+    ids = [frozenset(w.status.offload_tier_ids) if w.status is not None else frozenset()
+           for w in workers]
+    return [[j for j, other in enumerate(ids) if j != i and mine & other]
+            for i, mine in enumerate(ids)]
 
 
 class WorkerPools:
@@ -151,16 +162,22 @@ class WorkerPools:
     async def prefill_overlaps(self, prompt: list[int], workers: Sequence[Worker]
                                ) -> list[tuple[int, int]] | None:
         """Per prefill worker: (leading prompt blocks in its pool, leading blocks in its pool
-        or its offload tiers), as prefix_overlaps finds them (None when Redis fails)."""
+        or its offload tiers), as prefix_overlaps finds them (None when Redis fails). A tier
+        it shares with others (the same identity in their Status) holds what they stored
+        there too."""
         hashes = hash_full_blocks(prompt[:MAX_ROUTING_BLOCKS * self.block_size], self.block_size)
         if not hashes:
             return [(0, 0)] * len(workers)
+        peers = tier_peers(workers)
         query = getattr(self.discovery, "offload_overlap", None)
         if query is None:
             return [(leading_overlap(hashes, w.prefix_hashes),
-                     leading_overlap(hashes, w.prefix_hashes, w.offload_hashes))
-                    for w in workers]
-        held = await query([w.worker_id for w in workers], hashes)
+                     leading_overlap(hashes, w.prefix_hashes, w.offload_hashes,
+                                     *(workers[j].offload_hashes for j in peers[i])))
+                    for i, w in enumerate(workers)]
+        ids = [w.worker_id for w in workers]
+        held = await query(ids, hashes, {ids[i]: [ids[j] for j in js]
+                                         for i, js in enumerate(peers) if js})
         return None if held is None else [held.get(w.worker_id, (0, 0)) for w in workers]
 
     async def _refresh_loop(self) -> None:

@@ -208,3 +208,67 @@ def test_without_redis_prefill_workers_status_routes_and_prices_a_remote_prefill
         await backend.close()
 
     asyncio.run(scenario())
+
+
+def test_a_shared_tier_counts_for_every_worker_that_reaches_it(redis_server):
+    """Three prefill workers: 0 and 1 list the same Redis tier in their Status, 2 a disk of
+    its own. What 0 stored (its offload set) is held in the tiers of 0 and of 1, not of 2,
+    in Redis and, without it, from Status; with 0 busy, the returning prompt goes to 1."""
+    from gateway.disagg.discovery import StaticDiscovery
+    from protos.pdserve.internal import workers_pb2 as wpb
+
+    prompt = list(range(1000, 1000 + 5 * BLOCK_SIZE + 3))
+    hashes = hash_full_blocks(prompt, BLOCK_SIZE)
+    tiers = [["redis:shared", "disk:a"], ["redis:shared", "disk:b"], ["disk:c"]]
+    config = RedisConfig(redis_server.url)
+
+    def set_status(workers):
+        for w in workers:
+            w.is_healthy = True
+            w.status = wpb.WorkerStatus(offload_tier_ids=tiers[int(w.worker_id[-1])])
+
+    async def check(backend, by_id):
+        held = await backend.pools.prefill_overlaps(prompt, backend.prefill)
+        assert {w.worker_id: h for w, h in zip(backend.prefill, held, strict=True)} == {
+            by_id[0]: (0, 5), by_id[1]: (0, 5), by_id[2]: (0, 0)}
+        busy = next(w for w in backend.prefill if w.worker_id == by_id[0])
+        busy.in_flight = 2  # 5 - 16 < 0
+        assert (await backend.handoff.pick_prefill(prompt)).worker_id == by_id[1]
+        busy.in_flight = 0
+
+    async def with_redis() -> None:
+        info = WorkerInfo("prefill", "m", "f", BLOCK_SIZE, 100, 8, num_offload_blocks=100)
+        regs = [WorkerRegistration(config, info, "127.0.0.1", f"prefill-{i}") for i in range(3)]
+        for port, reg in enumerate(regs, start=7101):
+            await reg.start(port)
+        discovery = await RedisDiscovery.connect(config)
+        backend = DisaggregatedBackend(discovery, tokenizer=None)
+        backend.pools.block_size = BLOCK_SIZE
+        await backend.pools.discover()
+        set_status(backend.prefill)
+        regs[0].publish_offloaded(hashes)
+        await asyncio.sleep(0.2)
+        await check(backend, [f"prefill-{i}" for i in range(3)])
+        # without the Status identities nobody shares: only 0 holds them
+        for w in backend.prefill:
+            w.status = wpb.WorkerStatus()
+        held = await backend.pools.prefill_overlaps(prompt, backend.prefill)
+        assert sorted(held) == [(0, 0), (0, 0), (0, 5)]
+        for reg in regs:
+            await reg.stop()
+        await backend.close()
+
+    async def from_status() -> None:
+        backend = DisaggregatedBackend(StaticDiscovery(["p0:1", "p1:1", "p2:1"], ["d0:1"]),
+                                       tokenizer=None)
+        backend.pools.block_size = BLOCK_SIZE
+        await backend.pools.discover()
+        for i, w in enumerate(backend.prefill):
+            w.worker_id = f"p{i}"
+        set_status(backend.prefill)
+        backend.prefill[0].offload_hashes = frozenset(hashes)
+        await check(backend, ["p0", "p1", "p2"])
+        await backend.close()
+
+    asyncio.run(with_redis())
+    asyncio.run(from_status())

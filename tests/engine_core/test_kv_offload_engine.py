@@ -69,19 +69,32 @@ def tier(engine, name="disk"):
     return next(t for t in engine.offloader.tiers if t.name == name)
 
 
-@pytest.mark.parametrize("dtype", [None, "float32"])
-def test_returning_chats_load_from_disk_with_the_same_output(tiny, tmp_path, dtype):
+@pytest.mark.parametrize(("dtype", "tier_name"), [(None, "disk"), ("float32", "disk"),
+                                                  ("float32", "cpu")])
+def test_returning_chats_load_from_a_tier_with_the_same_output(tiny, tmp_path, dtype,
+                                                               tier_name, monkeypatch):
+    """The disk tier, and the host RAM tier of a CUDA engine: on a CPU engine it is off (the
+    pool is host RAM); here the CPU platform is told otherwise, so that the tier runs the
+    engine's path (everything but the device copies, which are CUDA's)."""
     plain = make_engine(tiny, dtype=dtype)
     base_first, base_again = two_rounds(plain)
     assert all(cached == 0 for *_, cached in base_again)  # evicted: recomputed
-    tiered = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), dtype=dtype)
+    if tier_name == "cpu":
+        from engine_core.platforms.cpu import CpuPlatform
+
+        monkeypatch.setattr(CpuPlatform, "kv_in_host_memory", False)
+        config = KVOffloadConfig(cpu_gb=0.5)
+    else:
+        config = KVOffloadConfig(disk_dir=str(tmp_path))
+    tiered = make_engine(tiny, config, dtype=dtype)
+    assert [t.name for t in tiered.offloader.tiers] == [tier_name]
     first, again = two_rounds(tiered)
     assert tokens(first) == tokens(base_first) and tokens(again) == tokens(base_again)
     if dtype == "float32":  # the same KV bytes: the same logits
         assert [r[1] for r in again] == [r[1] for r in base_again]
     full = (len(HISTORIES[0]) - 1) // 16 * 16  # every full block but the one with the last
     assert [cached for *_, cached in again] == [full] * len(HISTORIES)
-    stats = tier(tiered).stats
+    stats = tier(tiered, tier_name).stats
     assert stats.hits == len(HISTORIES) * full // 16 and stats.corrupt == 0
     assert stats.stores >= len(HISTORIES) * full // 16
     # the gateways weigh a tier hit with the measured load speed, and bound the blocks they

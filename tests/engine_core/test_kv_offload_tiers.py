@@ -125,8 +125,15 @@ def test_two_processes_share_a_directory(tmp_path):
         t = DiskTier({str(tmp_path)!r}, 100 * {size}, NS.hex())
         t.put(*entry(2))
         t.discard(entry(1)[0])
+        print(t.identity())
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                          capture_output=True, text=True)
+    # one identity for the directory, whichever process asks first; another directory's
+    # differs, and this process's memory is nobody's to share
+    assert done.stdout.split()[-1] == ours.identity() is not None
+    assert DiskTier(tmp_path / "other", size, NS.hex()).identity() != ours.identity()
+    assert HostTier(size).identity() is None
     assert bytes(ours.get(entry_key(NS, 2))) == joined(entry(2)[1])
     assert ours.get(entry_key(NS, 1)) is None and ours.stats.errors == 0
     small = DiskTier(tmp_path, size, NS.hex(), rescan_s=0.0)
@@ -149,6 +156,7 @@ ro = DiskTier(sys.argv[3], 1 << 30, NS.hex())
 out["ro_put"] = ro.put(*entry(1))
 out["ro_get"] = ro.get(entry(1)[0])
 out["ro_errors"] = ro.stats.errors
+out["ro_identity"] = ro.identity()
 print(json.dumps(out))
 """
 
@@ -177,6 +185,7 @@ def test_a_full_disk_and_a_read_only_directory_are_misses(tmp_path):
     assert out["full_has"] == out["full_puts"]  # what failed left nothing behind
     assert out["full_errors"] == out["full_puts"].count(False) and out["full_get_ok"]
     assert out["ro_put"] is False and out["ro_get"] is None and out["ro_errors"] >= 1
+    assert out["ro_identity"] is None  # nothing there to share: not counted as shared
     assert "served as a miss" in done.stderr  # logged, once a minute at most
     assert done.stderr.count("kv offload tier disk") <= 2  # one per tier, not one per call
     assert not any(p.name.startswith(".tmp") for p in full.rglob("*"))  # ours, unmounted
@@ -197,6 +206,9 @@ def test_redis_tier_budget_and_a_killed_server(tmp_path):
         assert bytes(other.get(entry_key(NS, 3))) == joined(entry(3)[1])
         tier.discard(entry_key(NS, 3))
         assert other.has([entry_key(NS, 3)]) == [False]
+        # the same server and namespace: one identity; another namespace has its own
+        assert tier.identity() == other.identity() is not None
+        assert RedisTier(server.url, size, "another").identity() != tier.identity()
         server.proc.kill()
         server.proc.wait()
         t0 = time.monotonic()

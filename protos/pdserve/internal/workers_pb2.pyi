@@ -176,7 +176,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "model", "layout_fingerprint", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "transfer_address", "block_size", "spec_num_drafts", "spec_num_accepted", "prefill_tokens_per_s", "decode_step_s", "kv_transfer_bytes_per_s", "kv_bytes_per_token", "prefix_block_hashes", "offload_load_tokens_per_s", "offload_block_hashes")
+    __slots__ = ("role", "model", "layout_fingerprint", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_reserved", "transfer_address", "block_size", "spec_num_drafts", "spec_num_accepted", "prefill_tokens_per_s", "decode_step_s", "kv_transfer_bytes_per_s", "kv_bytes_per_token", "prefix_block_hashes", "offload_load_tokens_per_s", "offload_block_hashes", "offload_tier_ids")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class WorkerStatus(_message.Message):
     PREFIX_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_LOAD_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_TIER_IDS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     layout_fingerprint: str
@@ -215,7 +216,8 @@ class WorkerStatus(_message.Message):
     prefix_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     offload_load_tokens_per_s: float
     offload_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_num_accepted: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., offload_load_tokens_per_s: _Optional[float] = ..., offload_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    offload_tier_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_num_accepted: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., offload_load_tokens_per_s: _Optional[float] = ..., offload_block_hashes: _Optional[_Iterable[int]] = ..., offload_tier_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("decode", "prefill_locally", "fork", "abort", "trace_context")
