@@ -76,8 +76,11 @@ class Request:
         # KV is counted in num_computed_tokens once scheduled)
         self.num_pending = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first schedule
-        # offload tiers: looked up since its last admission or preemption; blocks loading
+        # offload tiers: looked up since its last admission or preemption; blocks loading;
+        # (blocks the pool held, blocks the tiers held after them) of a lookup the pool had
+        # no room for, not asked again while the pool's part is the same
         self.tiers_checked = False
+        self.tier_hit: tuple[int, int] | None = None
         self.num_loading_blocks = 0
         self.num_preemptions = 0
         # speculative decoding: draft slots the scheduler granted this step, and the drafts

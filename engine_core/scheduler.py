@@ -20,9 +20,10 @@ misses asks the tiers how many more of its blocks they hold. If any, it gets blo
 and waits in `loading` (WAITING_FOR_OFFLOAD) while they load off the step path; `finish_load`
 puts it back first in the queue with those blocks computed (as a fork waits). The step goes
 on without it meanwhile. An aborted loading request keeps its blocks until its load is done.
-A preempted request's published blocks are in the tiers already; those it computed and did
-not publish (its reply's, unless cache_decoded_blocks) are copied out under keys of its own
-(KVCacheManager.swap_out) before its blocks are freed, so that it loads them back too.
+A preempted request's queued blocks are in the tiers already; those never queued (its
+reply's unless cache_decoded_blocks, under keys of its own; on a decode worker the prompt's
+it received) are copied out (KVCacheManager.swap_out) before its blocks are freed, so that
+it loads them back too.
 """
 
 from __future__ import annotations
@@ -348,15 +349,22 @@ class Scheduler:
     def _start_load(self, req: Request, hit_blocks: list[int]) -> bool | None:
         """Ask the tiers for the blocks after the pool's hit; if they hold any, give the
         request blocks for them and park it while they load (True). None: they hold some but
-        the pool has no room now (nothing changed; asked again later)."""
+        the pool has no room now (nothing changed but the answer, kept: the tiers are not
+        asked again, a Redis round trip each step, while the pool's hit is the same; should
+        they have evicted blocks since, the load stops short and the request computes them)."""
         bs = self.kv.block_size
         first, max_blocks = len(hit_blocks), (req.num_tokens - 1) // bs
         hashes = self.kv.tier_hashes(req)[first:max_blocks]
-        k = self.offload.lookup(hashes) if hashes else 0
+        if req.tier_hit is not None and req.tier_hit[0] == first:
+            k = req.tier_hit[1]
+        else:
+            k = self.offload.lookup(hashes) if hashes else 0
+        req.tier_hit = None
         if k == 0:
             req.tiers_checked = True
             return False
         if self.kv.allocate_slots(req, (first + k) * bs, hit_blocks) is None:
+            req.tier_hit = (first, k)
             return None
         req.tiers_checked = True
         self.waiting.popleft()

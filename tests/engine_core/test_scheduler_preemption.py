@@ -339,3 +339,49 @@ def test_a_request_holding_blocks_behind_one_that_cannot_fit_goes_first():
     run_to_completion(sched)
     assert head.status == holder.status == RequestStatus.FINISHED_LENGTH
     assert_pool_full(sched)
+
+
+class _Tiers:
+    """Offload tiers that hold `held` blocks of any prompt; counts lookups and loads."""
+
+    def __init__(self, held: int) -> None:
+        self.held, self.lookups, self.loads = held, 0, []
+
+    def lookup(self, hashes: list[int]) -> int:
+        self.lookups += 1
+        return min(self.held, len(hashes))
+
+    def load(self, req_id: str, block_ids: list[int], hashes: list[int]) -> None:
+        self.loads.append((req_id, len(block_ids)))
+
+    def swap_out(self, blocks: list[tuple[int, int]]) -> None:
+        raise AssertionError("nothing is preempted here")
+
+
+def test_a_tier_hit_without_room_is_not_looked_up_again_each_step():
+    """The tiers hold a waiting request's 5 blocks, the pool has 3 free while another runs:
+    it waits, and the tiers (a Redis round trip each) are asked once, not every step; once
+    the pool frees, it loads those 5 blocks and runs on them."""
+    sched = make_scheduler(num_blocks=8)
+    sched.offload = tiers = _Tiers(held=5)
+    running = make_req("r1", 20, first_token=100, max_tokens=8)
+    sched.add_request(running)
+    running.tiers_checked = True  # admitted as if the tiers had nothing for it
+    step(sched)
+    back = make_req("r2", 21, first_token=500, max_tokens=2)
+    sched.add_request(back)
+    for _ in range(5):
+        step(sched)
+        assert back.status == RequestStatus.WAITING
+    assert tiers.lookups == 1 and not tiers.loads
+    while running.status == RequestStatus.RUNNING:
+        step(sched)
+    step(sched)  # room now: the load starts
+    assert tiers.loads == [("r2", 5)] and tiers.lookups == 1
+    assert back.status == RequestStatus.WAITING_FOR_OFFLOAD
+    sched.finish_load("r2", 5)
+    out, _ = step(sched)
+    assert out.reqs == [back] and out.num_scheduled_tokens == [1]  # only its last token
+    run_to_completion(sched)
+    assert back.status == RequestStatus.FINISHED_LENGTH
+    assert_pool_full(sched)
