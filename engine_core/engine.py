@@ -146,7 +146,7 @@ class LLMEngine:
             num_blocks)
         if self.offloader is not None:
             self.kv.published = []
-            self.scheduler.offload = self.offloader
+            self.scheduler.tiers.offload = self.offloader
         self.decode_mode = init_decode_graphs(self, device_config.enforce_eager,
                                               scheduler_config.max_num_seqs)
         self.spec: SpecDecoder | None = (

@@ -15,15 +15,10 @@ through the one sampler path (its seed, penalties, grammar, logprobs), at the co
 token of compute. A parent that ends before its prompt is computed lets its children go as
 plain requests (they prefill themselves).
 
-Offload tiers (engine_core/kv_offload/, `offload`): a waiting request whose prefix the pool
-misses asks the tiers how many more of its blocks they hold. If any, it gets blocks for them
-and waits in `loading` (WAITING_FOR_OFFLOAD) while they load off the step path; `finish_load`
-puts it back first in the queue with those blocks computed (as a fork waits). The step goes
-on without it meanwhile. An aborted loading request keeps its blocks until its load is done.
-A preempted request's queued blocks are in the tiers already; those never queued (its
-reply's unless cache_decoded_blocks, under keys of its own; on a decode worker the prompt's
-it received) are copied out (KVCacheManager.swap_out) before its blocks are freed, so that
-it loads them back too.
+Offload tiers (`tiers`, tier_loads.py): a waiting request whose prefix the pool misses asks
+the tiers for more of its blocks; if they hold any it waits out of the step while they load
+(WAITING_FOR_OFFLOAD), then first in line with them computed, as a fork does. A preempted
+request's blocks never queued for the tiers go there before they are freed.
 """
 
 from __future__ import annotations
@@ -31,25 +26,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from engine_core.engine_config import SchedulerConfig
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.request import Request, RequestStatus
-
-
-class OffloadTiers(Protocol):
-    """What the scheduler asks of the offload tiers (kv_offload/offloader.py)."""
-
-    def lookup(self, hashes: list[int]) -> int:
-        """How many of these consecutive blocks, from the first, the tiers hold."""
-
-    def load(self, req_id: str, block_ids: list[int], hashes: list[int]) -> None:
-        """Fill these blocks from the tiers, off the step path."""
-
-    def swap_out(self, blocks: list[tuple[int, int]]) -> None:
-        """Copy these (block id, key) now, store them off the step path (they are freed
-        next)."""
+from engine_core.tier_loads import TierLoads
 
 
 @dataclass
@@ -92,9 +73,8 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}  # WAITING_FOR_KV: blocks held, KV in flight
         self.requests: dict[str, Request] = {}
         self.children: dict[str, list[Request]] = {}  # parent id -> forks waiting for its KV
-        self.offload: OffloadTiers | None = None
-        self.loading: dict[str, Request] = {}  # WAITING_FOR_OFFLOAD: blocks held, KV loading
-        self.orphan_loads: set[str] = set()  # ended while loading: blocks freed when done
+        self.tiers = TierLoads(kv)  # the offload tiers' requests (tiers.offload: an engine's)
+        self.loading = self.tiers.loading  # WAITING_FOR_OFFLOAD: blocks held, KV loading
         self.num_forks = 0  # children that took their parent's prompt KV
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
@@ -139,7 +119,7 @@ class Scheduler:
                 f"({req.sampling_params.max_tokens}) must be <= max_model_len "
                 f"({self.max_model_len}), got {total}"
             )
-        if req.req_id in self.requests or req.req_id in self.orphan_loads:
+        if req.req_id in self.requests or req.req_id in self.tiers.orphans:
             raise ValueError(f"request id {req.req_id!r} is already in use")
 
     # -- disaggregated decode: the prompt's KV is computed elsewhere ------------------------
@@ -209,8 +189,7 @@ class Scheduler:
             elif req.status == RequestStatus.WAITING_FOR_KV:
                 del self.reserved[req_id]
             elif req.status == RequestStatus.WAITING_FOR_OFFLOAD:
-                del self.loading[req_id]
-                self.orphan_loads.add(req_id)  # its blocks are being written: kept till done
+                self.tiers.abandon(req)  # its blocks are being written: kept till done
             elif req.status == RequestStatus.WAITING_FOR_PARENT:
                 siblings = self.children[_parent_of(self.children, req)]
                 siblings.remove(req)
@@ -219,7 +198,7 @@ class Scheduler:
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.req_id not in self.orphan_loads:
+        if req.req_id not in self.tiers.orphans:
             self.kv.free(req.req_id)
         req.status = status
         del self.requests[req.req_id]
@@ -301,14 +280,15 @@ class Scheduler:
             else:  # prompt logprobs: every position recomputed
                 hit_blocks, num_hit = (self.kv.get_computed_blocks(req)
                                        if not req.needs_prompt_logprobs else ([], 0))
-                if (self.offload is not None and not req.tiers_checked
+                if (self.tiers.offload is not None and not req.tiers_checked
                         and not req.needs_prompt_logprobs):
-                    started = self._start_load(req, hit_blocks)
+                    started = self.tiers.start(req, hit_blocks)
                     if started is None:  # no room for the blocks the tiers hold
                         if self._promote_holder():
                             continue
                         break  # wait for some
                     if started:
+                        self.waiting.popleft()
                         continue
             n = min(req.num_tokens - num_hit, budget, req.max_chunk_tokens or budget)
             if self.kv.allocate_slots(req, num_hit + n, hit_blocks) is None:
@@ -345,51 +325,12 @@ class Scheduler:
         out.blocks_to_copy, out.rewritten_req_ids = self.kv.take_copies()
         return out
 
-    # -- offload tiers ------------------------------------------------------------------------
-    def _start_load(self, req: Request, hit_blocks: list[int]) -> bool | None:
-        """Ask the tiers for the blocks after the pool's hit; if they hold any, give the
-        request blocks for them and park it while they load (True). None: they hold some but
-        the pool has no room now (nothing changed but the answer, kept: the tiers are not
-        asked again, a Redis round trip each step, while the pool's hit is the same; should
-        they have evicted blocks since, the load stops short and the request computes them)."""
-        bs = self.kv.block_size
-        first, max_blocks = len(hit_blocks), (req.num_tokens - 1) // bs
-        hashes = self.kv.tier_hashes(req)[first:max_blocks]
-        if req.tier_hit is not None and req.tier_hit[0] == first:
-            k = req.tier_hit[1]
-        else:
-            k = self.offload.lookup(hashes) if hashes else 0
-        req.tier_hit = None
-        if k == 0:
-            req.tiers_checked = True
-            return False
-        if self.kv.allocate_slots(req, (first + k) * bs, hit_blocks) is None:
-            req.tier_hit = (first, k)
-            return None
-        req.tiers_checked = True
-        self.waiting.popleft()
-        req.status = RequestStatus.WAITING_FOR_OFFLOAD
-        req.num_loading_blocks = k
-        self.loading[req.req_id] = req
-        self.offload.load(req.req_id, self.kv.block_ids(req.req_id)[first:first + k], hashes[:k])
-        return True
-
     def finish_load(self, req_id: str, num_loaded: int) -> None:
-        """The request's load is done: the first `num_loaded` of its loading blocks hold their
-        KV (the rest are given back); it waits first in line with them computed."""
-        if req_id in self.orphan_loads:  # ended while loading
-            self.orphan_loads.discard(req_id)
-            self.kv.free(req_id)
-            return
-        req = self.loading.pop(req_id)
-        blocks = self.kv.block_ids(req_id)
-        keep = len(blocks) - req.num_loading_blocks + num_loaded
-        req.num_loading_blocks = 0
-        self.kv.truncate(req_id, keep)
-        req.num_computed_tokens = keep * self.kv.block_size
-        self.kv.cache_computed_blocks(req)  # the loaded blocks serve prefix hits now
-        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        """A request's load from the offload tiers is done (TierLoads.finish): it waits first
+        in line with the blocks that loaded computed."""
+        req = self.tiers.finish(req_id, num_loaded)
+        if req is not None:
+            self.waiting.appendleft(req)
 
     # -- async scheduling (engine_core/async_step.py; update_from_output with epochs) -------
     def advance(self, out: SchedulerOutput) -> None:
@@ -426,10 +367,7 @@ class Scheduler:
         return False
 
     def _preempt(self, req: Request) -> None:
-        if self.offload is not None:  # its blocks never queued for the tiers: to them now
-            swapped = self.kv.swap_out(req)
-            if swapped:
-                self.offload.swap_out(swapped)
+        self.tiers.swap_out(req)  # its blocks never queued for the tiers: to them now
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
         req.num_pending = 0  # a step in flight's token for it is dropped (update_ahead)

@@ -227,7 +227,7 @@ def test_an_abort_while_loading_frees_every_block(tiny, tmp_path):
     assert req.status is RequestStatus.WAITING_FOR_OFFLOAD
     engine.abort_request("back")
     engine.flush_offload(wait=True)
-    assert not engine.scheduler.loading and not engine.scheduler.orphan_loads
+    assert not engine.scheduler.loading and not engine.scheduler.tiers.orphans
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == NUM_BLOCKS and not engine.kv.pinned
     engine.add_request(HISTORIES[0], GREEDY, req_id="back")  # the id is free again
@@ -258,7 +258,7 @@ def test_random_traffic_with_aborts_leaves_every_block_free(tiny, tmp_path):
     engine.flush_offload(wait=True)
     engine.kv.check_integrity()
     sched = engine.scheduler
-    assert not (sched.requests or sched.loading or sched.orphan_loads or engine.kv.pinned)
+    assert not (sched.requests or sched.loading or sched.tiers.orphans or engine.kv.pinned)
     assert engine.kv.num_free_blocks == 40
     assert tier(engine).stats.hits > 0 and sched.num_preemptions > 0
     engine.close()
@@ -275,15 +275,15 @@ def test_a_decode_engine_stores_what_it_computed_and_swaps_what_it_received(tiny
     first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     pre = make_engine(tiny, num_blocks=64)
 
+    class Recorder:  # the scheduler side of a KV connector: the request's blocks
+        seen: list[int] = []
+
+        def build_step(self, out, block_ids):
+            self.seen = list(block_ids[0])
+
     def decode_all(dec):
         for i, prompt in enumerate(prompts):
-            seen = []
-
-            class Recorder:  # the scheduler side of a KV connector: the request's blocks
-                def build_step(self, out, block_ids):
-                    seen.append(list(block_ids[0]))
-
-            pre.kv_connector = Recorder()
+            pre.kv_connector = recorder = Recorder()
             pre.add_request(prompt, first_only, req_id=f"pre{len(pre.scheduler.requests)}-{i}")
             while pre.has_unfinished_requests():
                 outs = pre.step()
@@ -291,7 +291,7 @@ def test_a_decode_engine_stores_what_it_computed_and_swaps_what_it_received(tiny
             first = outs[0].outputs[0].token_ids[0]
             blocks, num_cached = dec.reserve(prompt, params, f"d{i}")
             assert num_cached == 0
-            dec.runner.kv_cache[:, blocks[:4]] = pre.runner.kv_cache[:, seen[-1][:4]]
+            dec.runner.kv_cache[:, blocks[:4]] = pre.runner.kv_cache[:, recorder.seen[:4]]
             dec.admit_prefilled(f"d{i}", first)
         out = {}
         while dec.has_unfinished_requests():

@@ -363,7 +363,7 @@ def test_a_tier_hit_without_room_is_not_looked_up_again_each_step():
     it waits, and the tiers (a Redis round trip each) are asked once, not every step; once
     the pool frees, it loads those 5 blocks and runs on them."""
     sched = make_scheduler(num_blocks=8)
-    sched.offload = tiers = _Tiers(held=5)
+    sched.tiers.offload = tiers = _Tiers(held=5)
     running = make_req("r1", 20, first_token=100, max_tokens=8)
     sched.add_request(running)
     running.tiers_checked = True  # admitted as if the tiers had nothing for it
