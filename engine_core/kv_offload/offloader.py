@@ -168,8 +168,8 @@ class KVOffloader:
                 self._known.pop(h, None)
         n = next((i for i, h in enumerate(held) if not h), len(held))
         for tier, todo, answers in asked:  # misses up to the first block no tier holds
-            tier.stats.misses += sum(1 for i, has in zip(todo, answers, strict=True)
-                                     if i <= n and not has)
+            tier.stats.count("misses", sum(1 for i, has in zip(todo, answers, strict=True)
+                                           if i <= n and not has))
         return n
 
     def load(self, req_id: str, block_ids: list[int], hashes: list[int]) -> None:
@@ -288,7 +288,7 @@ class KVOffloader:
             for tier in self.tiers:
                 t0 = time.monotonic()
                 if tier.put(key, parts, replace):
-                    tier.stats.stores += 1
+                    tier.stats.count("stores")
                     tier.stats.observe_store(time.monotonic() - t0)
                 else:
                     ok = False
@@ -357,17 +357,17 @@ class KVOffloader:
             data = tier.get(key)
             spent[tier.name] += time.monotonic() - t0
             if data is None:
-                tier.stats.misses += 1
+                tier.stats.count("misses")
                 continue
             payload = decode_entry(data, self.ns, block_hash, self.payload_nbytes)
             if payload is None:
-                tier.stats.corrupt += 1
+                tier.stats.count("corrupt")
                 tier.discard(key)
                 logger.warning("kv offload tier %s: entry %s is corrupt or truncated; dropped, "
                                "served as a miss", tier.name, key)
                 continue
-            tier.stats.hits += 1
-            tier.stats.bytes_loaded += len(data)
+            tier.stats.count("hits")
+            tier.stats.count("bytes_loaded", len(data))
             self._known[block_hash] = None
             return payload
         return None

@@ -59,7 +59,7 @@ class RedisTier:
         try:
             return fn()
         except (redis.RedisError, OSError) as e:
-            self.stats.errors += 1
+            self.stats.count("errors")
             self._quiet_until = time.monotonic() + self.retry_s
             self._degraded(what, e)
             return default
@@ -119,7 +119,7 @@ class RedisTier:
         pipe.delete(*names)
         pipe.decrby(self._bytes, sum(sizes))
         self._used = pipe.execute()[1]
-        self.stats.evictions += sum(1 for s in sizes if s)
+        self.stats.count("evictions", sum(1 for s in sizes if s))
         return True
 
     def identity(self) -> str | None:

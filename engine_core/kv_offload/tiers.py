@@ -49,7 +49,8 @@ TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 class TierStats:
     """A tier's counters, read by the metrics exporter (plain ints, each consistent alone).
     hits and misses count blocks looked up; loads and stores are timed per batch (one
-    request's blocks) and per block."""
+    request's blocks) and per block. Three threads update them (the engine's lookups, the
+    load and store threads): through count() and observe_*(), under one lock."""
 
     hits: int = 0
     misses: int = 0
@@ -62,14 +63,21 @@ class TierStats:
     load_seconds: float = 0.0
     store_counts: list[int] = field(default_factory=lambda: [0] * (len(TIME_BUCKETS) + 1))
     store_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, counter: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + n)
 
     def observe_load(self, seconds: float) -> None:
-        self.load_counts[_bucket(seconds)] += 1
-        self.load_seconds += seconds
+        with self._lock:
+            self.load_counts[_bucket(seconds)] += 1
+            self.load_seconds += seconds
 
     def observe_store(self, seconds: float) -> None:
-        self.store_counts[_bucket(seconds)] += 1
-        self.store_seconds += seconds
+        with self._lock:
+            self.store_counts[_bucket(seconds)] += 1
+            self.store_seconds += seconds
 
 
 def _bucket(seconds: float) -> int:
@@ -136,7 +144,7 @@ class HostTier:
             while self._used > self.capacity_bytes:
                 _, old = self._entries.popitem(last=False)
                 self._used -= len(old)
-                self.stats.evictions += 1
+                self.stats.count("evictions")
         return True
 
     def discard(self, key: str) -> None:
@@ -189,7 +197,7 @@ class DiskTier:
         return self.dir / block[:2] / f"{key}.kv"
 
     def _fail(self, what: str, error: BaseException) -> None:
-        self.stats.errors += 1
+        self.stats.count("errors")
         self._degraded(what, error)
 
     def _scan(self, remove_temporaries: bool = False) -> None:
@@ -305,7 +313,7 @@ class DiskTier:
                 self._path(key).unlink(missing_ok=True)
             except OSError as e:
                 self._fail("evicting an entry", e)
-            self.stats.evictions += 1
+            self.stats.count("evictions")
 
     def discard(self, key: str) -> None:
         with self._lock:

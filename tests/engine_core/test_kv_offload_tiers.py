@@ -68,6 +68,29 @@ def test_namespaces_differ_by_layout_weights_and_compute():
 
 
 # -- host RAM ---------------------------------------------------------------------------------
+def test_tier_counters_add_up_across_threads():
+    """The engine's lookups and the load and store threads count into one TierStats."""
+    import threading
+
+    from engine_core.kv_offload.tiers import TierStats
+
+    stats = TierStats()
+
+    def work():
+        for _ in range(20_000):
+            stats.count("misses")
+            stats.count("bytes_loaded", 3)
+            stats.observe_store(0.001)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (stats.misses, stats.bytes_loaded) == (80_000, 240_000)
+    assert sum(stats.store_counts) == 80_000
+
+
 def test_host_tier_evicts_least_recently_used_within_its_budget():
     size = HEADER_NBYTES + PAYLOAD
     tier = HostTier(3 * size)
