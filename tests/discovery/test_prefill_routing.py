@@ -68,20 +68,28 @@ def test_bad_arguments():
         pick_prefill([0], [1], 0, queue_weight=-1)
 
 
+async def registered_prefill_workers(config: RedisConfig, n: int, first_port: int
+                                     ) -> tuple[list[WorkerRegistration], DisaggregatedBackend]:
+    """n prefill workers registered in Redis (prefill-0, ...; with offload tiers) and a
+    gateway's backend that discovered them."""
+    info = WorkerInfo("prefill", "m", "f", BLOCK_SIZE, 100, 8, num_offload_blocks=100)
+    regs = [WorkerRegistration(config, info, "127.0.0.1", f"prefill-{i}") for i in range(n)]
+    for port, reg in enumerate(regs, start=first_port):
+        await reg.start(port)
+    backend = DisaggregatedBackend(await RedisDiscovery.connect(config), tokenizer=None)
+    backend.pools.block_size = BLOCK_SIZE
+    await backend.pools.discover()
+    return regs, backend
+
+
 def test_the_gateway_routes_to_the_worker_that_published_the_prefix(redis_server):
     prompt = list(range(1000, 1000 + 5 * BLOCK_SIZE + 3))  # 5 full blocks
     other = list(range(7, 7 + 5 * BLOCK_SIZE))
     config = RedisConfig(redis_server.url)
 
     async def scenario() -> None:
-        info = WorkerInfo("prefill", "m", "f", BLOCK_SIZE, 100, 8, num_offload_blocks=100)
-        regs = [WorkerRegistration(config, info, "127.0.0.1", f"prefill-{i}") for i in range(2)]
-        for port, reg in enumerate(regs, start=7001):
-            await reg.start(port)
-        discovery = await RedisDiscovery.connect(config)
-        backend = DisaggregatedBackend(discovery, tokenizer=None)
-        backend.pools.block_size = BLOCK_SIZE
-        await backend.pools.discover()
+        regs, backend = await registered_prefill_workers(config, 2, first_port=7001)
+        discovery = backend.pools.discovery
         workers = {w.worker_id: w for w in backend.prefill}
         for w in workers.values():
             w.is_healthy = True
@@ -237,14 +245,7 @@ def test_a_shared_tier_counts_for_every_worker_that_reaches_it(redis_server):
         busy.in_flight = 0
 
     async def with_redis() -> None:
-        info = WorkerInfo("prefill", "m", "f", BLOCK_SIZE, 100, 8, num_offload_blocks=100)
-        regs = [WorkerRegistration(config, info, "127.0.0.1", f"prefill-{i}") for i in range(3)]
-        for port, reg in enumerate(regs, start=7101):
-            await reg.start(port)
-        discovery = await RedisDiscovery.connect(config)
-        backend = DisaggregatedBackend(discovery, tokenizer=None)
-        backend.pools.block_size = BLOCK_SIZE
-        await backend.pools.discover()
+        regs, backend = await registered_prefill_workers(config, 3, first_port=7101)
         set_status(backend.prefill)
         regs[0].publish_offloaded(hashes)
         await asyncio.sleep(0.2)

@@ -55,6 +55,19 @@ def generate(engine: LLMEngine, prompts, params=GREEDY, prefix="r"):
     return results
 
 
+def run_all(engine: LLMEngine) -> dict[str, list[int]]:
+    """Step until every request ends: each one's tokens by request id; then its stores are
+    flushed and the pool's books checked."""
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    engine.flush_offload(wait=True)
+    engine.kv.check_integrity()
+    return out
+
+
 def tokens(results):
     return [r[0] for r in results]
 
@@ -181,14 +194,7 @@ def test_a_preempted_request_swaps_back_through_the_tier(tiny, tmp_path):
     def batch(engine):
         for i, p in enumerate(prompts):
             engine.add_request(p, params, req_id=f"p{i}")
-        out = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    out[o.request_id] = list(o.outputs[0].token_ids)
-        engine.flush_offload(wait=True)
-        engine.kv.check_integrity()
-        return out
+        return run_all(engine)
 
     roomy = batch(make_engine(tiny, num_blocks=128, cache_decoded_blocks=True))
     tight = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), num_blocks=30,
@@ -293,14 +299,7 @@ def test_a_decode_engine_stores_what_it_computed_and_swaps_what_it_received(tiny
             assert num_cached == 0
             dec.runner.kv_cache[:, blocks[:4]] = pre.runner.kv_cache[:, recorder.seen[:4]]
             dec.admit_prefilled(f"d{i}", first)
-        out = {}
-        while dec.has_unfinished_requests():
-            for d in dec.step():
-                if d.finished:
-                    out[d.request_id] = list(d.outputs[0].token_ids)
-        dec.flush_offload(wait=True)
-        dec.kv.check_integrity()
-        return out
+        return run_all(dec)
 
     roomy = decode_all(make_engine(tiny, num_blocks=128, cache_decoded_blocks=True))
     tight = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), num_blocks=30,
