@@ -68,6 +68,18 @@ def run_all(engine: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
+def in_step(engine: LLMEngine) -> list[int]:
+    """Make the engine's stores finish before its next step (its pins end, a preempted
+    request's swapped blocks are in the tier before it is admitted again), so that a run does
+    not depend on the threads' pace; returns the list of the hashes its loads ask for."""
+    off, loaded = engine.offloader, []
+    load, store, swap_out = off.load, off.store, off.swap_out
+    off.load = lambda req_id, blocks, hashes: (loaded.extend(hashes), load(req_id, blocks, hashes))
+    off.store = lambda *a: (store(*a), off.drain())
+    off.swap_out = lambda blocks: (swap_out(blocks), off.drain())
+    return loaded
+
+
 def tokens(results):
     return [r[0] for r in results]
 
@@ -199,6 +211,7 @@ def test_a_preempted_request_swaps_back_through_the_tier(tiny, tmp_path):
     roomy = batch(make_engine(tiny, num_blocks=128, cache_decoded_blocks=True))
     tight = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), num_blocks=30,
                         cache_decoded_blocks=True)
+    in_step(tight)
     assert batch(tight) == roomy
     assert tight.scheduler.num_preemptions > 0 and tier(tight).stats.hits > 0
     assert tight.offloader.num_swapped_out == 0  # every block it computed was published
@@ -209,10 +222,7 @@ def test_a_preempted_request_swaps_back_through_the_tier(tiny, tmp_path):
     # loads them back
     private = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path / "private")),
                           num_blocks=30)
-    asked: list[int] = []
-    load = private.offloader.load
-    private.offloader.load = lambda req_id, blocks, hashes: (asked.extend(hashes),
-                                                             load(req_id, blocks, hashes))
+    asked = in_step(private)
     got = batch(private)
     assert got == roomy
     assert private.scheduler.num_preemptions > 0 and private.offloader.num_swapped_out > 0
@@ -304,10 +314,7 @@ def test_a_decode_engine_stores_what_it_computed_and_swaps_what_it_received(tiny
     roomy = decode_all(make_engine(tiny, num_blocks=128, cache_decoded_blocks=True))
     tight = make_engine(tiny, KVOffloadConfig(disk_dir=str(tmp_path)), num_blocks=30,
                         cache_decoded_blocks=True)
-    loaded: list[int] = []
-    load = tight.offloader.load
-    tight.offloader.load = lambda req_id, blocks, hashes: (loaded.extend(hashes),
-                                                           load(req_id, blocks, hashes))
+    loaded = in_step(tight)
     assert decode_all(tight) == roomy
     assert tight.scheduler.num_preemptions > 0 and tight.offloader.num_swapped_out > 0
     prompt_keys = {h for p in prompts for h in hash_full_blocks(p, 16)}
