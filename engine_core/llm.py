@@ -21,6 +21,7 @@ from engine_core.engine_config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine_core.heap import frozen_heap
 from engine_core.outputs import RequestOutput, RequestOutputs
 from engine_core.sampling_params import SamplingParams
 
@@ -129,7 +130,9 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         wanted = set(req_ids)
         outputs = RequestOutputs()  # each request's deltas folded (its output once finished)
-        with tqdm(total=len(req_ids), disable=not use_tqdm, desc="generating") as bar:
+        # the engine's heap out of the collector's walks for the call (engine_core/heap.py)
+        with frozen_heap(), tqdm(total=len(req_ids), disable=not use_tqdm,
+                                 desc="generating") as bar:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step_deltas():
                     out = outputs.add(delta, delta.req.prompt_token_ids)

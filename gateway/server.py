@@ -29,6 +29,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
+from engine_core.heap import freeze_startup_heap
 from gateway import grpc_server
 from gateway.api_servers import MetricsMirror, reuse_port_socket, shared_dir
 from gateway.auth import APIKeys
@@ -278,6 +279,7 @@ async def serve(config: GatewayConfig, make_backend: BackendFactory,
     http_port = http.servers[0].sockets[0].getsockname()[1]
     await health_.set(True)
     watchdog = asyncio.create_task(_watch_backend(backend, health_))
+    freeze_startup_heap()  # the start's objects out of every later collection (heap.py)
     (on_ready or _print_ready)(f"{config.host}:{grpc_port}", f"{'https' if config.tls else 'http'}://{config.host}:{http_port}")
 
     await stop.wait()

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine_core.heap import freeze_startup_heap
 from kv_transfer import GRPC_SERVER_OPTIONS
 from service_infra import tracing
 from service_infra.tls import TLSConfig, add_port
@@ -84,6 +85,7 @@ async def serve_worker(
             await server.stop(0)
             await close()
             raise
+    freeze_startup_heap()  # the start's objects out of every later collection (heap.py)
     host = address.rsplit(":", 1)[0]
     print(f"READY {role} {host}:{port}", flush=True)
     await stop.wait()
