@@ -1,17 +1,9 @@
 """Shared engine core of pdserve: model, paged KV cache, scheduler, sampler, offline API."""
 
-import os
 from typing import TYPE_CHECKING
 
-# OpenMP's idle threads (torch's and the C kernels', one libgomp) spin for GOMP_SPINCOUNT
-# iterations after each parallel region before they sleep: 300,000 by default, a few hundred
-# microseconds of a core per region gap, taken from the Python between two steps and from the
-# stack's other processes. 3,000 still spans the gaps inside one C call; on a shared 2-core
-# machine it halved a loaded batch-1 decode step and cut the offline engine's CPU per token
-# by a third (docs/benchmarks.md, host cost per token). Set before torch loads libgomp; a
-# user's value wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "3000")
-
+# first: the OpenMP settings must be in the environment before anything loads torch
+from engine_core import openmp_env  # noqa: F401 (imported for its effect)
 from engine_core.outputs import CompletionOutput, RequestOutput
 from engine_core.sampling_params import SamplingParams
 

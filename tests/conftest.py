@@ -4,7 +4,12 @@ transformers reference built from the same GGUF."""
 from __future__ import annotations
 
 import pytest
+
+# isort: off
+# before torch: OpenMP's spin count is read as libgomp loads (engine_core/openmp_env.py)
+from engine_core import openmp_env  # noqa: F401
 import torch
+# isort: on
 
 
 def pytest_collection_modifyitems(config, items):

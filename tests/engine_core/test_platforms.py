@@ -79,3 +79,34 @@ def test_the_platform_builds_the_model_with_its_kernels(tmp_path, monkeypatch, b
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     [out] = llm.generate([[5, 9, 200, 31, 7]], params)
     assert len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(("first", "env", "too_late"), [
+    ("import torch; ", {}, True),  # libgomp loaded before the count was set: its default
+    ("", {}, False),
+    ("import torch; ", {"GOMP_SPINCOUNT": "5"}, False),  # the user's own value
+])
+def test_the_openmp_spin_count_set_too_late_is_noticed(first, env, too_late):
+    import os
+    import subprocess
+    import sys
+
+    code = f"{first}from engine_core import openmp_env as o; print(o.SPIN_SET_TOO_LATE)"
+    base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**base, **env}, cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == str(too_late)
+
+
+def test_a_cpu_engine_warns_once_when_the_spin_count_came_too_late(monkeypatch, caplog):
+    from engine_core import openmp_env
+    from engine_core.platforms import cpu
+
+    monkeypatch.setattr(openmp_env, "SPIN_SET_TOO_LATE", True)
+    cpu._warn_if_spin_set_too_late.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="engine_core.platforms.cpu"):
+        CpuPlatform(torch.device("cpu"))
+        CpuPlatform(torch.device("cpu"))
+    said = [r.message for r in caplog.records if "GOMP_SPINCOUNT=3000" in r.message]
+    assert len(said) == 1 and "torch was imported before engine_core" in said[0]
+    cpu._warn_if_spin_set_too_late.cache_clear()

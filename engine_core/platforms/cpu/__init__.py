@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from engine_core import openmp_env
 from engine_core.model.forward_context import ForwardContext, use
 from engine_core.model.ops import ModelOps
 from engine_core.platforms import Platform
@@ -51,6 +52,18 @@ def supports_row_attention(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256
 
 
+@functools.cache
+def _warn_if_spin_set_too_late() -> None:
+    """Once per process: torch came before engine_core, so libgomp's idle threads spin for its
+    default 300,000 iterations after every parallel region (engine_core/openmp_env.py)."""
+    if openmp_env.SPIN_SET_TOO_LATE:
+        logger.warning(
+            "torch was imported before engine_core, so OpenMP's idle threads spin for "
+            "libgomp's default 300,000 iterations after each parallel region (about a fifth "
+            "more CPU per token on a small model); import engine_core (or pdserve) first, or "
+            "set GOMP_SPINCOUNT=3000 in the environment")
+
+
 class NativeSampling:
     """The C kernels' sampling (kernels/csrc/sample.c), for engine_core/sampler.py: one pass
     per row selects the candidates of top-k/top-p/min-p and draws; a one-pass top-1 where
@@ -73,6 +86,7 @@ class CpuPlatform(Platform):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
+        _warn_if_spin_set_too_late()
         # the C kernels sample, whichever attention runs
         lib = native.load()
         self.sampling = NativeSampling(lib) if lib is not None else None
