@@ -47,6 +47,16 @@ def _die_with_parent(parent_pid: int, cores: list[int] | None) -> Callable[[], N
     return setup
 
 
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """argv run so that it gets SIGKILL when this process dies, with no Python in the child
+    between fork and exec: util-linux's setpriv sets the parent-death signal, then the shell
+    checks that its parent is still this process (it could have died first) and execs argv.
+    (A preexec_fn runs Python in a fork of a threaded process: one aborted there, in
+    threading's after-fork lock reset.)"""
+    return ["setpriv", "--pdeathsig", "KILL", "--", "sh", "-c",
+            f'[ "$PPID" = {os.getpid()} ] || exit 1; exec "$@"', "sh", *argv]
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """Restart a dead child after `initial_backoff_s`, doubling with each crash inside

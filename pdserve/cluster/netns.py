@@ -53,7 +53,7 @@ from pdserve.cluster.names import (  # noqa: F401 (the names and sweep: re-expor
     sweep,
     teardown,
 )
-from pdserve.supervisor import _die_with_parent
+from pdserve.supervisor import dying_with_parent
 
 TOOLS = ("ip", "tc", "nsenter", "unshare", "sh", "sleep", "mount")
 INIT_TIMEOUT_S = 10.0
@@ -166,9 +166,9 @@ class Host:
         offset = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as out:
             popen = subprocess.Popen(
-                ["nsenter", "-t", str(self.init_pid), "-n", "-m", "-u", "-p", f"--wd={cwd}",
-                 "--", *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
-                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid(), None))
+                dying_with_parent(["nsenter", "-t", str(self.init_pid), "-n", "-m", "-u", "-p",
+                                   f"--wd={cwd}", "--", *argv]),
+                stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
         try:
             pid = _wait_child(popen.pid, None, f"{name} on host {self.name}")
         except RuntimeError:
@@ -254,10 +254,10 @@ class Network:
                   f"{binds + ' && ' if binds else ''}hostname {host.name} && "
                   "exec sleep infinity")
         host.init = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--uts", "--pid",
-             "--fork", "--mount-proc", "--kill-child", "--", "sh", "-c", script],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent(os.getpid(), None))
+            dying_with_parent(["ip", "netns", "exec", host.netns, "unshare", "--mount", "--uts",
+                               "--pid", "--fork", "--mount-proc", "--kill-child", "--", "sh",
+                               "-c", script]),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             host.init_pid = _wait_child(host.init.pid, "sleep", f"host {host.name}'s init")
         except RuntimeError as e:

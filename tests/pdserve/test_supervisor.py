@@ -63,6 +63,44 @@ def test_children_die_with_a_killed_supervisor():
             sup.kill()
 
 
+@pytest.mark.parametrize("parent_first", [False, True])
+def test_a_command_dying_with_its_parent(parent_first):
+    """dying_with_parent (the cluster's hosts): the command gets SIGKILL when the process that
+    started it is killed; one whose parent is gone before its shell checks does not run."""
+    script = (
+        "import subprocess, sys, time\n"
+        "from pdserve.supervisor import dying_with_parent\n"
+        "argv = dying_with_parent(['sleep', '120'])\n"
+        "if sys.argv[1] == 'gone':  # a parent pid that is not the shell's parent\n"
+        "    argv[6] = argv[6].replace(str(__import__('os').getpid()), '1')\n"
+        "p = subprocess.Popen(argv)\n"
+        "print('CHILD', p.pid, flush=True)\n"
+        "print('CODE', p.wait(), flush=True) if sys.argv[1] == 'gone' else time.sleep(120)\n")
+    sup = subprocess.Popen([sys.executable, "-c", script, "gone" if parent_first else "live"],
+                           stdout=subprocess.PIPE, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        pid = int(sup.stdout.readline().split()[1])
+        if parent_first:
+            assert sup.stdout.readline().split() == ["CODE", "1"]
+            return
+        wait_until(lambda: _comm(pid) == "sleep", 5, "the command to start")
+        sup.kill()
+        sup.wait()
+        wait_until(lambda: not is_alive(pid), 5, "the command to die with its parent")
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def test_supervise_restarts_a_dead_child_then_stops_a_crash_loop(capfd):
     """A child that keeps exiting is restarted (with backoff) until the policy's bound; then
     supervise returns 1, saying why. A healthy child beside it is left alone."""
