@@ -3,7 +3,7 @@ supervisor, and the supervising loop over real processes (restarts, then a crash
 
 from __future__ import annotations
 
-import os
+import contextlib
 import subprocess
 import sys
 import threading
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pdserve.supervisor import Child, RestartPolicy, supervise
-from tests.helpers import is_alive, wait_until
+from tests.helpers import ROOT, is_alive, wait_until
 
 POLICY = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=8.0, max_crashes=5, window_s=60.0)
 
@@ -48,19 +48,9 @@ def test_children_die_with_a_killed_supervisor():
         "c.spawn()\n"
         "print('CHILD', c.proc.pid, flush=True)\n"
         "time.sleep(120)\n")
-    sup = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    try:
-        line = sup.stdout.readline()
-        assert line.startswith("CHILD"), line
-        pid = int(line.split()[1])
+    with _parent(script) as (sup, pid):
         assert is_alive(pid)
-        sup.kill()
-        sup.wait()
-        wait_until(lambda: not is_alive(pid), 5, "the child to die with its supervisor")
-    finally:
-        if sup.poll() is None:
-            sup.kill()
+        _kill(sup, pid, "the child to die with its supervisor")
 
 
 @pytest.mark.parametrize("parent_first", [False, True])
@@ -76,21 +66,34 @@ def test_a_command_dying_with_its_parent(parent_first):
         "p = subprocess.Popen(argv)\n"
         "print('CHILD', p.pid, flush=True)\n"
         "print('CODE', p.wait(), flush=True) if sys.argv[1] == 'gone' else time.sleep(120)\n")
-    sup = subprocess.Popen([sys.executable, "-c", script, "gone" if parent_first else "live"],
-                           stdout=subprocess.PIPE, text=True,
-                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    try:
-        pid = int(sup.stdout.readline().split()[1])
+    with _parent(script, "gone" if parent_first else "live") as (sup, pid):
         if parent_first:
             assert sup.stdout.readline().split() == ["CODE", "1"]
             return
         wait_until(lambda: _comm(pid) == "sleep", 5, "the command to start")
-        sup.kill()
-        sup.wait()
-        wait_until(lambda: not is_alive(pid), 5, "the command to die with its parent")
+        _kill(sup, pid, "the command to die with its parent")
+
+
+@contextlib.contextmanager
+def _parent(script: str, *args: str):
+    """A Python process running `script` from the repository root; yields it and the pid of
+    the child it printed ("CHILD <pid>"), and kills it on the way out."""
+    sup = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                           text=True, cwd=ROOT)
+    try:
+        line = sup.stdout.readline()
+        assert line.startswith("CHILD"), line
+        yield sup, int(line.split()[1])
     finally:
         if sup.poll() is None:
             sup.kill()
+
+
+def _kill(sup: subprocess.Popen, pid: int, what: str) -> None:
+    """SIGKILL the parent (as an OOM kill would); its child `pid` must die too."""
+    sup.kill()
+    sup.wait()
+    wait_until(lambda: not is_alive(pid), 5, what)
 
 
 def _comm(pid: int) -> str:
