@@ -55,7 +55,7 @@ from pdserve.cluster.names import (  # noqa: F401 (the names and sweep: re-expor
 )
 from pdserve.supervisor import dying_with_parent
 
-TOOLS = ("ip", "tc", "nsenter", "unshare", "sh", "sleep", "mount")
+TOOLS = ("ip", "tc", "nsenter", "unshare", "setpriv", "sh", "sleep", "mount")
 INIT_TIMEOUT_S = 10.0
 DEFAULT_SHM_SIZE = "1g"
 
