@@ -95,7 +95,7 @@ class LLMEngine:
             self.decode_activations or "float32", load.prefill_weights,
             requantize=self.quantization == "int8",
         )
-        if quantization is None:  # nothing held in blocks: every row is dense
+        if quantization is None or not quantization.quantized:  # float weights as loaded
             self.decode_activations = None
         # what prefill_weights resolved to: "quantized" where projections have no dense copy
         self.prefill_weights = ("quantized" if any(getattr(m, "quant_only", False)

@@ -31,8 +31,9 @@ def load_model(
     platforms/cpu/decode_quant.py), with "float32" or "int8" activations (decode_activations,
     as decode_quant.resolve_activations gives it); the DecodeQuantization is returned for the
     runner's forward. Float weights are requantized to int8 for decode only with `requantize`
-    (--quantization int8); without it a model with nothing in blocks gets no quantized decode
-    at all (None returned).
+    (--quantization int8); without it they are multiplied as loaded, by the C kernels where
+    they load (so the decode rows still take the one-call C layers), else by torch (None
+    returned).
 
     prefill_weights: what the other rows' matmuls read. "dense": a float copy in `dtype`
     beside the 4/8-bit one (fast prefill, about twice the memory of a 4-bit file's weights

@@ -25,12 +25,9 @@
 #include <string.h>
 
 #define GROUP 32
-#ifdef __AVX512F__
-#define ROW_TILE 16 /* rows sharing one expanded weight group: 16 accumulators + 2 weights */
-#else
-#define ROW_TILE 8 /* 8 accumulators + 4 weights of the 16 AVX2 registers */
-#endif
-#define L1_ROWS_BYTES (40 * 1024) /* 16-row tiles only while their x fits in L1 (48 KiB) */
+/* rows sharing one expanded weight group: AVX2, 8 accumulators + 4 weights of its 16
+ * registers; AVX-512, 8 rows of two columns (matmul.c's tile512) */
+#define ROW_TILE 8
 #define COL_BLOCK 16 /* output columns per scheduling unit */
 
 static inline float hsum(__m256 v) {
@@ -104,6 +101,11 @@ static inline __m256 exp256(__m256 x) {
  * the GGUF's own 4-bit indices and table). qs as q4's [N, K/32, 16], d [N, K/32]; `c` points
  * to the table (16 x i8), not to constants. pd_q8_matmul and pd_i8_matmul take it. */
 #define KIND_NL 9
+/* Float weights as loaded, [N, K] row-major: 32 float32, 16 bfloat16 (a float32's upper half).
+ * No d or c. pd_q8_matmul takes them, with float32 activations only (not pd_i8_matmul). */
+#define KIND_F32 32
+#define KIND_BF16 16
+#define KIND_FLOAT(kind) ((kind) == KIND_F32 || (kind) == KIND_BF16)
 #define KIND_HALF(kind) ((kind) == KIND_Q8_HALF || (kind) == KIND_Q8_HALF_MIN)
 #define KIND_MIN(kind) ((kind) == KIND_Q8_MIN || (kind) == KIND_Q8_HALF_MIN)
 

@@ -14,6 +14,8 @@
  *               one, or both per 16, [N, K/16]; w = q * d + c, the product rounded first)
  *   nl weights: qs as q4's, d [N, K/32] f32, c: a 16-entry i8 table   w = table[q] * d
  *               (KIND_NL, through pd_q8_matmul: IQ4_NL, IQ4_XS, MXFP4)
+ *   float weights: [N, K] f32 or bf16, as loaded (KIND_F32, KIND_BF16, through pd_q8_matmul:
+ *               a model's float weights, so its decode rows take the one-call C layers too)
  *
  * y[r, n] is computed by one thread in a fixed order (8 or 16 float lanes over K, then one
  * horizontal sum), whatever the number of rows or threads: a row's result is the same bit
@@ -29,6 +31,14 @@
  */
 
 #include "cpu_kernels.h"
+
+/* The bytes of one column's weights: q4 and nl nibbles, q8 integers, or floats. */
+static inline int64_t column_bytes(const int kind, int64_t K) {
+    return kind == KIND_Q4 || kind == KIND_NL ? K / 2
+           : kind == KIND_F32                 ? 4 * K
+           : kind == KIND_BF16                ? 2 * K
+                                              : K;
+}
 
 /* The 32 nibbles of a q4 group as floats 0..15, in weight order. */
 static inline void nibbles_q4(const uint8_t *qs, __m256 q[4]) {
@@ -68,6 +78,17 @@ static inline __attribute__((always_inline)) void expand_nl(
     w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d);
 }
 
+/* The 32 weights of a float group (KIND_F32 or KIND_BF16) as 4 x 8 floats. */
+static inline __attribute__((always_inline)) void expand_float(const void *w32, __m256 w[4],
+                                                               const int kind) {
+    for (int i = 0; i < 4; i++)
+        w[i] = kind == KIND_F32
+                   ? _mm256_loadu_ps((const float *)w32 + 8 * i)
+                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                                               (const __m128i *)w32 + i)),
+                                                           16));
+}
+
 /* acc[r] += x[r, group] . w for the rows of a tile; each row's operations are the same
  * whatever the tile size, so tiling does not change any result. */
 static inline __attribute__((always_inline)) void fma_rows(
@@ -93,61 +114,110 @@ static inline __attribute__((always_inline)) void fma_rows(
 #ifdef __AVX512F__
 /* AVX-512 (built when the CPU has it, see kernels/native.py): a group is two 16-float vectors.
  * The group's weights are formed once (q4: q * d + c with one FMA as in the dense model; q8:
- * q * d) and shared by the tile's rows: two FMAs per row and group (the AVX2 q4 tile below
- * needs five), and no constant-part epilogue (xsum is not used). `q4` is a compile-time
- * constant at both calls. */
-static inline __attribute__((always_inline)) void tile512(
-        const float *x, int64_t K, const void *qs, const float *d, const float *c, float *y,
-        int64_t N, const int rows, const int kind) {
-    const int64_t groups = K / GROUP;
+ * q * d; float kinds: loaded) and shared by the tile's rows: two FMAs per row and group (the
+ * AVX2 q4 tile below needs five), and no constant-part epilogue (xsum is not used). */
+static inline __attribute__((always_inline)) void weights512(
+        const void *qs, const float *d, const float *c, int64_t g, const int kind, __m512 *w0,
+        __m512 *w1) {
     const int per = KIND_HALF(kind) ? 2 : 1; /* d (and c) per group */
     const __m128i mask = _mm_set1_epi8(0x0F);
-    __m512 acc[ROW_TILE];
-#pragma GCC unroll 16
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const __m512 d0 = _mm512_set1_ps(d[g * per]), d1 = _mm512_set1_ps(d[g * per + per - 1]);
-        __m512 w0, w1;
-        if (kind == KIND_Q4) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + g * 16));
-            const __m512 cg = _mm512_set1_ps(c[g]);
-            w0 = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), d0, cg);
-            w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                     _mm_and_si128(_mm_srli_epi16(b, 4), mask))), d0, cg);
-        } else if (kind == KIND_NL) { /* c is the table */
-            const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + g * 16));
-            const __m128i t = _mm_loadu_si128((const __m128i *)c);
-            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                   _mm_shuffle_epi8(t, _mm_and_si128(b, mask)))), d0);
-            w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(
-                                   t, _mm_and_si128(_mm_srli_epi16(b, 4), mask)))), d0);
-        } else {
-            const __m128i *q = (const __m128i *)((const int8_t *)qs + g * GROUP);
-            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d0);
-            w1 = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d1);
-            if (KIND_MIN(kind)) {
-                w0 = _mm512_add_ps(w0, _mm512_set1_ps(c[g * per]));
-                w1 = _mm512_add_ps(w1, _mm512_set1_ps(c[g * per + per - 1]));
-            }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + r * K + g * GROUP;
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r]);
+    if (kind == KIND_F32) {
+        *w0 = _mm512_loadu_ps((const float *)qs + g * GROUP);
+        *w1 = _mm512_loadu_ps((const float *)qs + g * GROUP + 16);
+        return;
+    }
+    if (kind == KIND_BF16) {
+        const __m256i *b = (const __m256i *)((const uint16_t *)qs + g * GROUP);
+        *w0 = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(b)), 16));
+        *w1 = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(b + 1)), 16));
+        return;
+    }
+    const __m512 d0 = _mm512_set1_ps(d[g * per]), d1 = _mm512_set1_ps(d[g * per + per - 1]);
+    if (kind == KIND_Q4) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + g * 16));
+        const __m512 cg = _mm512_set1_ps(c[g]);
+        *w0 = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), d0, cg);
+        *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                  _mm_and_si128(_mm_srli_epi16(b, 4), mask))), d0, cg);
+    } else if (kind == KIND_NL) { /* c is the table */
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + g * 16));
+        const __m128i t = _mm_loadu_si128((const __m128i *)c);
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_shuffle_epi8(t, _mm_and_si128(b, mask)))), d0);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(
+                                t, _mm_and_si128(_mm_srli_epi16(b, 4), mask)))), d0);
+    } else {
+        const __m128i *q = (const __m128i *)((const int8_t *)qs + g * GROUP);
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d0);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))),
+                            d1);
+        if (KIND_MIN(kind)) {
+            *w0 = _mm512_add_ps(*w0, _mm512_set1_ps(c[g * per]));
+            *w1 = _mm512_add_ps(*w1, _mm512_set1_ps(c[g * per + per - 1]));
         }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < rows; r++) y[r * N] = _mm512_reduce_add_ps(acc[r]);
 }
 
-static inline __attribute__((always_inline)) void q4_tile(
-        const float *x, const float *xsum, int64_t K, const uint8_t *qs, const float *d,
-        const float *c, float *y, int64_t N, const int rows) {
-    (void)xsum;
-    tile512(x, K, qs, d, c, y, N, rows, KIND_Q4);
+/* Rows 0 .. rows - 1 (<= 8) of `cols` (1 or 2) adjacent columns: (qs, d, c) the first's
+ * weights, (qs2, d2, c2) the second's. Two columns share each load of a row's x, where one
+ * column alone makes one FMA per load (256 rows of a 1,728 x 576 float32 matrix, one core of
+ * an AVX-512 Xeon: 6.3 ms a column at a time, 5.6 ms in pairs). Every column's sums are the
+ * same operations in either tile, so results do not depend on the pairing. `rows`, `kind`
+ * and `cols` are compile-time constants at every call. */
+static inline __attribute__((always_inline)) void tile512(
+        const float *x, int64_t K, const void *qs, const float *d, const float *c,
+        const void *qs2, const float *d2, const float *c2, float *y, int64_t N, const int rows,
+        const int kind, const int cols) {
+    const int64_t groups = K / GROUP;
+    __m512 acc[2][8];
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 w0, w1, v0 = _mm512_setzero_ps(), v1 = v0;
+        weights512(qs, d, c, g, kind, &w0, &w1);
+        if (cols == 2) weights512(qs2, d2, c2, g, kind, &v0, &v1);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * K + g * GROUP;
+            const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+            acc[0][r] = _mm512_fmadd_ps(x1, w1, _mm512_fmadd_ps(x0, w0, acc[0][r]));
+            if (cols == 2) acc[1][r] = _mm512_fmadd_ps(x1, v1, _mm512_fmadd_ps(x0, v0, acc[1][r]));
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) {
+        y[r * N] = _mm512_reduce_add_ps(acc[0][r]);
+        if (cols == 2) y[r * N + 1] = _mm512_reduce_add_ps(acc[1][r]);
+    }
+}
+
+/* Columns n0 .. n1 - 1 for all M rows, AVX-512, any kind: row tiles of 8 outer, pairs of
+ * columns inner (an odd last column alone). Row tiles are the outer loop: a tile's rows of x
+ * stay in L1 while every column of the block reads them (see q4_columns). */
+static inline __attribute__((always_inline)) void columns512(
+        const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *c,
+        int64_t n0, int64_t n1, float *y, int64_t N, const int kind) {
+    const int64_t scales = K / GROUP * (KIND_HALF(kind) ? 2 : 1); /* d (and c) per column */
+    const int64_t bytes = column_bytes(kind, K);
+    /* a column's weights: d none for the float kinds; c the kind's constants, or nl's table */
+#define COLUMN(n)                                                                          \
+    (const char *)qs + (n) * bytes, KIND_FLOAT(kind) ? 0 : d + (n) * scales,              \
+        kind == KIND_Q4 || KIND_MIN(kind) ? c + (n) * scales : (kind == KIND_NL ? c : 0)
+#define PAIRS(ROWS)                                                                        \
+    {                                                                                      \
+        int64_t n = n0;                                                                    \
+        for (; n + 2 <= n1; n += 2)                                                        \
+            tile512(x + r * K, K, COLUMN(n), COLUMN(n + 1), y + r * N + n, N, ROWS, kind, 2); \
+        if (n < n1) tile512(x + r * K, K, COLUMN(n), COLUMN(n), y + r * N + n, N, ROWS, kind, 1); \
+    }
+    int64_t r = 0;
+    for (; r + 8 <= M; r += 8) PAIRS(8);
+    LAST_ROWS(PAIRS, M - r);
+#undef PAIRS
+#undef COLUMN
 }
 #else
 static inline __attribute__((always_inline)) void q4_tile(
@@ -183,28 +253,23 @@ static inline __attribute__((always_inline)) void q4_tile(
 static void q4_columns(const float *x, const float *xsum, int64_t M, int64_t K,
                        const uint8_t *qs, const float *d, const float *c, int64_t n0,
                        int64_t n1, float *y, int64_t N) {
+#ifdef __AVX512F__
+    (void)xsum;
+    columns512(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q4);
+#else
     const int64_t groups = K / GROUP;
 #define Q4_TILE(ROWS)                                                                      \
     for (int64_t n = n0; n < n1; n++)                                                      \
         q4_tile(x + r * K, xsum + r * groups, K, qs + n * groups * 16, d + n * groups,     \
                 c + n * groups, y + r * N + n, N, ROWS)
     int64_t r = 0;
-#if ROW_TILE > 8
-    if (K * ROW_TILE * sizeof(float) <= L1_ROWS_BYTES)
-        for (; r + ROW_TILE <= M; r += ROW_TILE) Q4_TILE(ROW_TILE);
-#endif
     for (; r + 8 <= M; r += 8) Q4_TILE(8);
     LAST_ROWS(Q4_TILE, M - r);
 #undef Q4_TILE
+#endif
 }
 
-#ifdef __AVX512F__
-static inline __attribute__((always_inline)) void q8_tile(
-        const float *x, int64_t K, const int8_t *qs, const float *d, const float *c, float *y,
-        int64_t N, const int rows, const int kind) {
-    tile512(x, K, qs, d, c, y, N, rows, kind);
-}
-#else
+#ifndef __AVX512F__
 static inline __attribute__((always_inline)) void q8_tile(
         const float *x, int64_t K, const int8_t *qs, const float *d, const float *c, float *y,
         int64_t N, const int rows, const int kind) {
@@ -215,7 +280,9 @@ static inline __attribute__((always_inline)) void q8_tile(
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 w[4];
-        if (kind == KIND_NL) /* c is the table */
+        if (KIND_FLOAT(kind))
+            expand_float((const char *)qs + g * GROUP * (kind == KIND_F32 ? 4 : 2), w, kind);
+        else if (kind == KIND_NL) /* c is the table */
             expand_nl((const uint8_t *)qs + g * 16, (const int8_t *)c, d[g], w);
         else
             expand_q8(qs + g * GROUP, d + g * per, KIND_MIN(kind) ? c + g * per : 0, w, kind);
@@ -230,22 +297,22 @@ static inline __attribute__((always_inline)) void q8_tile(
 static inline __attribute__((always_inline)) void q8_columns(
         const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, const float *c,
         int64_t n0, int64_t n1, float *y, int64_t N, const int kind) {
+#ifdef __AVX512F__
+    columns512(x, M, K, qs, d, c, n0, n1, y, N, kind);
+#else
     const int64_t scales = K / GROUP * (KIND_HALF(kind) ? 2 : 1); /* d (and c) per column */
-    const int64_t column_bytes = kind == KIND_NL ? K / 2 : K; /* nl: q4's nibbles */
-    /* c: the kind's constants per column, or (nl) the one table */
+    const int64_t bytes = column_bytes(kind, K);
+    /* d: none for the float kinds; c: the kind's constants per column, or (nl) the table */
 #define Q8_TILE(ROWS)                                                                      \
     for (int64_t n = n0; n < n1; n++)                                                      \
-        q8_tile(x + r * K, K, qs + n * column_bytes, d + n * scales,                       \
+        q8_tile(x + r * K, K, qs + n * bytes, KIND_FLOAT(kind) ? 0 : d + n * scales,       \
                 KIND_MIN(kind) ? c + n * scales : (kind == KIND_NL ? c : 0), y + r * N + n, \
                 N, ROWS, kind)
     int64_t r = 0;
-#if ROW_TILE > 8
-    if (K * ROW_TILE * sizeof(float) <= L1_ROWS_BYTES)
-        for (; r + ROW_TILE <= M; r += ROW_TILE) Q8_TILE(ROW_TILE);
-#endif
     for (; r + 8 <= M; r += 8) Q8_TILE(8);
     LAST_ROWS(Q8_TILE, M - r);
 #undef Q8_TILE
+#endif
 }
 
 static void q8_block(const float *x, int64_t M, int64_t K, int kind, const int8_t *qs,
@@ -256,6 +323,8 @@ static void q8_block(const float *x, int64_t M, int64_t K, int kind, const int8_
     case KIND_Q8_MIN: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_MIN); break;
     case KIND_Q8_HALF: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_HALF); break;
     case KIND_NL: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_NL); break;
+    case KIND_F32: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_F32); break;
+    case KIND_BF16: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_BF16); break;
     default: q8_columns(x, M, K, qs, d, c, n0, n1, y, N, KIND_Q8_HALF_MIN); break;
     }
 }
@@ -287,12 +356,13 @@ int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qs, const 
     return 0;
 }
 
-/* y [M, N] = x [M, K] @ W.T, W in the q8 family (kind 8, 5, 6 or 7) or nl (kind 9; see the
- * top of the file and cpu_kernels.h). K % 32 == 0. Returns 0, or -2 for another kind. */
+/* y [M, N] = x [M, K] @ W.T, W in the q8 family (kind 8, 5, 6 or 7), nl (kind 9) or float
+ * (kind 32 or 16; see the top of the file and cpu_kernels.h). K % 32 == 0. Returns 0, or -2
+ * for another kind. */
 int pd_q8_matmul(const float *x, int64_t M, int64_t K, int kind, const int8_t *qs,
                  const float *d, const float *c, int64_t N, float *y, int threads) {
     if (kind != KIND_Q8 && kind != KIND_Q8_MIN && kind != KIND_Q8_HALF &&
-        kind != KIND_Q8_HALF_MIN && kind != KIND_NL)
+        kind != KIND_Q8_HALF_MIN && kind != KIND_NL && !KIND_FLOAT(kind))
         return -2;
     const int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)

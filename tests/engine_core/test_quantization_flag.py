@@ -11,21 +11,33 @@ from gguf import GGMLQuantizationType as Q
 
 from engine_core.engine_config import LoadConfig
 from engine_core.platforms import select_platform
-from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear
+from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear, NativeFloatMatmul
 from engine_core.platforms.cuda import CudaPlatform
+from kernels import native
 from tests.engine_core import tiny_models as tm
 
 
-def quantized_linears(eng) -> int:
-    return sum(isinstance(m, DecodeQuantLinear) for m in eng.model.modules())
+def quantized_linears(eng) -> int:  # a float weight multiplied as loaded is not quantized
+    return sum(isinstance(m, DecodeQuantLinear) and not isinstance(m.quant, NativeFloatMatmul)
+               for m in eng.model.modules())
 
 
 def test_float_weights_stay_float_on_the_defaults(tmp_path):
+    """Nothing is quantized: with the C kernels the decode rows multiply each float weight in
+    place (NativeFloatMatmul), through every layer in one C call; without them, torch does."""
     tm.build_hf(transformers.LlamaConfig, tmp_path)
     eng = tm.engine(tmp_path, quantize_decode=None)  # the engine's own defaults
-    assert eng.runner.quantization is None and eng.decode_activations is None
-    assert quantized_linears(eng) == 0
-    assert eng.quantization is None
+    assert eng.decode_activations is None and eng.quantization is None
+    linears = [m for m in eng.model.modules() if isinstance(m, DecodeQuantLinear)]
+    if native.load() is None:
+        assert eng.runner.quantization is None and not linears
+        return
+    assert not eng.runner.quantization.quantized
+    assert eng.runner.quantization.decode_layers is not None
+    assert len(linears) == 4 * len(eng.model.layers)  # qkv, o, gate_up, down: none requantized
+    for linear in linears:
+        assert isinstance(linear.quant, NativeFloatMatmul)
+        assert linear.quant.qs.data_ptr() == linear.dense.weight.data_ptr()
 
 
 def test_int8_requantizes_float_weights_for_decode(tmp_path):
@@ -43,7 +55,8 @@ def test_a_gguf_is_computed_as_stored(tmp_path, qtype, blocks):
     hf = tm.build_hf(transformers.LlamaConfig, tmp_path / "hf")
     tm.write_gguf(hf, tmp_path / "m.gguf", qtype=qtype)
     eng = tm.engine(tmp_path / "m.gguf", quantize_decode=None)
-    assert (eng.runner.quantization is not None) == blocks
+    quantization = eng.runner.quantization
+    assert (quantization is not None and quantization.quantized) == blocks
     assert (quantized_linears(eng) > 0) == blocks
 
 

@@ -144,6 +144,27 @@ class NativeQ8Matmul(_NativeMatmul):
         return w if self.c is None else w + self.c.repeat_interleave(group, dim=1)
 
 
+class NativeFloatMatmul(_NativeMatmul):
+    """x @ W.T with W the model's own float32 or bfloat16 weight, as loaded (kind 32 or 16 of
+    pd_q8_matmul), float32 activations: nothing is quantized. It reads the dense weight in
+    place (no copy), so a float model's decode rows can take the one-call C layers too
+    (NativeDecodeLayers) rather than a torch matmul per projection and layer. Batch and thread
+    invariant as the other kinds; its sums differ from torch's by float32 rounding."""
+
+    KINDS = {torch.float32: 32, torch.bfloat16: 16}
+
+    def __init__(self, weight: torch.Tensor, lib) -> None:  # [N, K], float32 or bfloat16
+        super().__init__()
+        if weight.dtype not in self.KINDS or not weight.is_contiguous():
+            raise ValueError(f"NativeFloatMatmul takes a contiguous float32 or bfloat16 weight, "
+                             f"got {weight.dtype}")
+        self.n, self.k = weight.shape
+        self.int8, self.kind = False, self.KINDS[weight.dtype]
+        self.qs = weight.detach()  # the dense weight's own storage
+        self._fn = lambda x, m, k, *rest: lib.pd_q8_matmul(x, m, k, self.kind, *rest)
+        self._weights = (self.qs.data_ptr(), None, None)
+
+
 def c_matrix(linear: nn.Module) -> native.Matrix:
     """The C kernels' Matrix of a projection whose decode rows multiply in them (a
     DecodeQuantLinear of a _NativeMatmul): its bias as a float32 copy the matmul keeps

@@ -12,7 +12,10 @@ different paths, decided by position (decodes come first in every step, see atte
 A token takes the same path whatever else shares its step, so batched output equals
 one-at-a-time output. Weights come from the GGUF's own blocks where the file has them: 4-bit
 (Q4_0, Q4_1, Q4_K) or the q8 family (every other type: int8 integers with the file's scales,
-see gguf_q8.py); any other matrix (safetensors models) is requantized to int8 per 32. With
+see gguf_q8.py); any other matrix (safetensors models) is requantized to int8 per 32 with
+--quantization int8, else multiplied as loaded: its float32 or bfloat16 weight read in place
+by the C kernels' float kinds (NativeFloatMatmul), so that its decode rows too go through the
+layers in one C call. With
 int8 activations (the default) the lm_head (a tied Q8_0 embedding in both pulled models) is
 requantized to 4 bits per 32 (lm_head_screen): it only picks candidates, see below. The
 matmul modules live in decode_matmuls.py.
@@ -63,6 +66,7 @@ from engine_core.platforms.cpu.decode_matmuls import (  # noqa: F401 (the matmul
     ACT_DTYPE,
     Int4Matmul,
     Int8Matmul,
+    NativeFloatMatmul,
     NativeQ4Matmul,
     NativeQ8Matmul,
     c_matrices,
@@ -88,9 +92,12 @@ TRIM_EVERY = 8
 @dataclass(frozen=True)
 class DecodeQuantization:
     """What quantize_for_decode did, for whoever runs the model: put its decode_layers (None:
-    layer by layer) and the step's decode-row count in the ForwardContext."""
+    layer by layer) and the step's decode-row count in the ForwardContext. quantized: some
+    matrix multiplies 4/8-bit weights (else every one is its float weight as loaded, and the
+    decode activations setting does not apply)."""
 
     decode_layers: NativeDecodeLayers | None
+    quantized: bool = True
 
 
 class DecodeQuantLinear(nn.Module):
@@ -147,10 +154,10 @@ class DecodeQuantLMHead(DecodeQuantLinear):
 
 
 def in_c_kernels(linear: nn.Module) -> bool:
-    """Whether a projection's decode rows multiply in the C kernels' 4/8-bit forms (the only
-    ones pd_decode_layers and pd_moe_experts take)."""
+    """Whether a projection's decode rows multiply in the C kernels: their 4/8-bit forms or
+    the float weight as loaded (the only ones pd_decode_layers and pd_moe_experts take)."""
     return (isinstance(linear, DecodeQuantLinear)
-            and isinstance(linear.quant, NativeQ4Matmul | NativeQ8Matmul))
+            and isinstance(linear.quant, NativeQ4Matmul | NativeQ8Matmul | NativeFloatMatmul))
 
 
 @dataclass(frozen=True)
@@ -348,9 +355,10 @@ def quantize_for_decode(
     keeps its dense weight, since a shared requantization would not be exact.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
     requantize_floats: float weights (safetensors, F16/BF16/F32 tensors) are requantized to
-    int8 per 32 (--quantization int8); else a projection with a float part, and a float
-    lm_head (head_in_blocks False: not a GGUF's block-quantized head or tied embedding), stay
-    dense: computed as loaded.
+    int8 per 32 (--quantization int8); else a projection with a float part is computed as
+    loaded: its float32 or bfloat16 weight multiplied in place by the C kernels
+    (NativeFloatMatmul, float32 activations), or by torch without them. A float lm_head
+    (head_in_blocks False: not a GGUF's block-quantized head or tied embedding) stays dense.
     lm_head_screen: "int4" (the native kernels): the lm_head, unless the file has it in 4 bits
     already, is requantized to 4 bits per 32 (requantize_int4) rather than kept as its file's
     8-bit (or requantized int8) blocks: its quantized logits only pick the REFINE_TOP_K
@@ -382,15 +390,27 @@ def quantize_for_decode(
             return NativeQ8Matmul(linear.weight, lib, int8)
         return Int8Matmul(linear.weight)
 
+    def as_loaded(linear: nn.Linear) -> NativeFloatMatmul | None:
+        w = linear.weight  # the C kernels multiply a float weight in place, or torch does
+        if (lib is None or w.is_meta or w.dtype not in NativeFloatMatmul.KINDS
+                or not w.is_contiguous() or w.shape[1] % GROUP_SIZE):
+            return None
+        return NativeFloatMatmul(w, lib)
+
+    num_float = 0
     for i, ((module, attr), parts) in enumerate(
             projections(model, q4.keys() | q8.keys()).items()):
-        in_file = [p in q8 for p in parts]
-        if lib is not None and any(in_file) and not all(p in q4 or p in q8 for p in parts):
-            continue  # see q8
-        if not requantize_floats and not all(p in q4 or p in q8 for p in parts):
-            continue  # a float part: computed as loaded
         linear = getattr(module, attr)
-        setattr(module, attr, DecodeQuantLinear(linear, quant_for(linear, parts)))
+        in_blocks = all(p in q4 or p in q8 for p in parts)
+        # a float part beside the file's q8 parts: no exact shared requantization (see q8)
+        requantize = requantize_floats and not (lib is not None and any(p in q8 for p in parts))
+        if in_blocks or requantize:
+            quant = quant_for(linear, parts)
+        elif (quant := as_loaded(linear)) is not None:  # a float part: computed as loaded
+            num_float += 1
+        else:
+            continue
+        setattr(module, attr, DecodeQuantLinear(linear, quant))
         if i % TRIM_EVERY == TRIM_EVERY - 1:  # the parts' freed buffers back to the OS
             return_freed_memory()
     lm_head_parts = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
@@ -427,10 +447,12 @@ def quantize_for_decode(
                           *(p for mlp, _ in mlps_of(layer, "")
                             for p in (mlp.gate_up_proj, mlp.down_proj)))]
     total = len(matrices) + 1
-    num_dense = sum(isinstance(m, nn.Linear) for m in matrices)
+    head_dense = not isinstance(model.lm_head, DecodeQuantLMHead)
+    num_dense = sum(isinstance(m, nn.Linear) for m in matrices) + head_dense
     logger.info("decode rows use quantized matmuls (%s, %s activations): %d int4 weights (from "
-                "the GGUF), %d q8-family weights from the GGUF, %d int8, %d dense",
-                "native kernels" if lib is not None else "torch",
+                "the GGUF), %d q8-family weights from the GGUF, %d int8, %d float as loaded in "
+                "C, %d dense", "native kernels" if lib is not None else "torch",
                 activations if lib is not None else "bf16", num_int4, num_file_q8,
-                total - num_int4 - num_file_q8 - num_dense, num_dense)
-    return DecodeQuantization(decode_layers)
+                total - num_int4 - num_file_q8 - num_float - num_dense, num_float, num_dense)
+    quantized = num_float + num_dense < total  # some matrix in 4/8-bit blocks
+    return DecodeQuantization(decode_layers, quantized)

@@ -42,7 +42,9 @@ def decode_blocks(model: DecoderForCausalLM, config: ModelConfig, gguf: GGUFFile
                   source: ModelSource, dtype: torch.dtype, requantize: bool,
                   prefill_weights: str) -> DecodeBlocks | None:
     """The model's blocks for quantized decode rows, or None where there is nothing to use
-    them for (float weights without --quantization int8: computed as loaded)."""
+    them for: float weights without --quantization int8 and without the C kernels (torch
+    computes them as loaded). With the kernels, such a model gets no blocks but its decode
+    rows still go through them, its float weights as loaded (NativeFloatMatmul)."""
     q4 = q8 = None
     if gguf is not None:  # every supported type's blocks (gguf_q4.py, gguf_q8.py)
         q4, q8 = gguf.block_weights(config)  # unpacked as quantize_for_decode asks
@@ -50,7 +52,7 @@ def decode_blocks(model: DecoderForCausalLM, config: ModelConfig, gguf: GGUFFile
         experts = mxfp4_experts(source.path)
         if experts is not None:
             q4, q8 = {}, experts
-    if not (requantize or q4 or q8):
+    if not (requantize or q4 or q8 or native.load() is not None):
         return None
     return DecodeBlocks({} if q4 is None else q4, {} if q8 is None else q8,
                         _blocks_only(model, q4, q8, prefill_weights, source, dtype),
