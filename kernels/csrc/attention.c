@@ -333,6 +333,7 @@ static int group_kernel(const float *q, const void *kv, const int64_t *keys, int
                         int64_t head, int64_t value, float scale, float *scores,
                         int64_t stride, float *out, float softcap, const float *sinks, int D,
                         int G, int bf16) {
+    GROUP_ATTENTION(32, 1) GROUP_ATTENTION(32, 2) GROUP_ATTENTION(32, 4)
     GROUP_ATTENTION(64, 1) GROUP_ATTENTION(64, 2) GROUP_ATTENTION(64, 3)
     GROUP_ATTENTION(64, 4) GROUP_ATTENTION(64, 8) GROUP_ATTENTION(128, 1) GROUP_ATTENTION(128, 2)
     GROUP_ATTENTION(128, 4) GROUP_ATTENTION(256, 1) GROUP_ATTENTION(256, 2)

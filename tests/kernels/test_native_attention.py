@@ -79,7 +79,7 @@ def test_decode_attention_over_a_bf16_cache(lib, heads, kv_heads, head_dim):
 @pytest.mark.parametrize(
     "lens,heads,kv_heads,head_dim",
     [([1, 7, 16, 33, 100], 9, 3, 64), ([250, 5], 8, 8, 64), ([17, 64, 129], 4, 1, 128),
-     ([3], 2, 2, 32), ([9, 70], 4, 1, 256), ([5, 40], 4, 2, 256), ([33], 2, 2, 256)],
+     ([3], 2, 2, 32), ([1, 12, 40, 97], 4, 2, 32), ([8, 65], 8, 2, 32), ([9, 70], 4, 1, 256), ([5, 40], 4, 2, 256), ([33], 2, 2, 256)],
 )
 def test_decode_attention_matches_reference(lib, lens, heads, kv_heads, head_dim):
     qkv, cos_sin, kv_layer, slots, tables, ctx = decode_rows(lens, heads, kv_heads, head_dim, 11)
