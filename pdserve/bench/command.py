@@ -398,7 +398,8 @@ def _host_overhead(args: argparse.Namespace) -> int:
         input_len=args.input_len if args.input_len != 128 else 32,
         output_len=args.output_len or 128, repeats=args.repeats,
         protocols=("http", "grpc"), stack_args=tuple(shlex.split(args.stack_args)),
-        baseline_repo=Path(args.baseline_repo) if args.baseline_repo else None)
+        baseline_repo=Path(args.baseline_repo) if args.baseline_repo else None,
+        dtype=args.dtype)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:

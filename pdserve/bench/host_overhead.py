@@ -16,7 +16,8 @@ same way in the same run and alternated with it, round after round):
    token; served tokens/s, and its ratio to the offline engine's.
 
 The model defaults to a tiny random Llama (pdserve/bench/tiny_model.py), whose compute is
-small: what is left is what the host spends around it. Every prompt is distinct and every
+small: what is left is what the host spends around it. Both sides run it in the CPU's default
+dtype (bf16 where the CPU multiplies it natively, else float32), or in `dtype` when given. Every prompt is distinct and every
 request generates exactly `output_len` tokens (EOS ignored), greedy.
 """
 
@@ -49,7 +50,7 @@ import json, sys, time
 from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
 model, c, n_in, n_out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = LLM(model, max_num_seqs=c)
+llm = LLM(model, max_num_seqs=c, **({"dtype": sys.argv[6]} if sys.argv[6] else {}))
 params = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
 prompts = json.loads(sys.argv[5])
 llm.generate(prompts[:8], params)  # first-use costs
@@ -72,6 +73,7 @@ class HostConfig:
     repeats: int = 1
     stack_args: tuple[str, ...] = ()
     baseline_repo: Path | None = None
+    dtype: str | None = None  # None: each side's default ("auto")
 
 
 def stacks(cfg: HostConfig) -> dict[str, Path | None]:
@@ -118,7 +120,7 @@ def offline(cfg: HostConfig, repo: Path | None,
     prompts = [list(r.prompt_ids or ()) for r in batch[:cfg.concurrency]]
     proc = subprocess.run(
         [sys.executable, "-c", _OFFLINE, cfg.model, str(cfg.concurrency), str(cfg.input_len),
-         str(cfg.output_len), json.dumps(prompts)],
+         str(cfg.output_len), json.dumps(prompts), cfg.dtype or ""],
         env=env, cwd=cwd, capture_output=True, text=True, check=False)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -190,7 +192,7 @@ async def _load(client, requests: list[BenchRequest], cfg: HostConfig,
 def served(cfg: HostConfig, label: str, repo: Path | None, requests: list[BenchRequest],
            out_dir: Path) -> dict[str, Any]:
     env, cwd = _env(repo)
-    opts = StackOptions(cfg.model, "float32", ("--max-num-seqs", str(cfg.concurrency),
+    opts = StackOptions(cfg.model, cfg.dtype, ("--max-num-seqs", str(cfg.concurrency),
                                                *cfg.stack_args))
     server = Server("disagg", opts, out_dir / "logs" / label, env=env, cwd=cwd)
     try:
