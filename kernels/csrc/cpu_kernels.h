@@ -25,9 +25,12 @@
 #include <string.h>
 
 #define GROUP 32
-/* rows sharing one expanded weight group: AVX2, 8 accumulators + 4 weights of its 16
- * registers; AVX-512, 8 rows of two columns (matmul.c's tile512) */
-#define ROW_TILE 8
+#ifdef __AVX512F__
+#define ROW_TILE 16 /* rows sharing one expanded weight group: 16 accumulators + 2 weights */
+#else
+#define ROW_TILE 8 /* 8 accumulators + 4 weights of the 16 AVX2 registers */
+#endif
+#define L1_ROWS_BYTES (40 * 1024) /* 16-row tiles only while their x fits in L1 (48 KiB) */
 #define COL_BLOCK 16 /* output columns per scheduling unit */
 
 static inline float hsum(__m256 v) {
