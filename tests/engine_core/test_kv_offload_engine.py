@@ -1,7 +1,7 @@
 """The offload tiers under a real engine (tiny random Llama): a pool too small for the
 working set evicts chats, and a returning one loads its history from a tier instead of
-recomputing it, with the same greedy output (and, in float32, the same logprobs to float32
-rounding) as without tiers; a restart on the same directory serves the old entries; corrupt entries and a Redis
+recomputing it, with the same greedy output (and, in float32, the same logprobs) as without
+tiers; a restart on the same directory serves the old entries; corrupt entries and a Redis
 value overwritten are misses; preemption swaps back through the tier; an abort while loading
 frees every block."""
 
@@ -115,13 +115,8 @@ def test_returning_chats_load_from_a_tier_with_the_same_output(tiny, tmp_path, d
     assert [t.name for t in tiered.offloader.tiers] == [tier_name]
     first, again = two_rounds(tiered)
     assert tokens(first) == tokens(base_first) and tokens(again) == tokens(base_again)
-    if dtype == "float32":  # the same KV bytes: the same logits, to float32 rounding
-        # (the tier leaves 8 of 200 prompt tokens to compute: a prefill chunk of 8 rows, whose
-        # dense matmuls may round otherwise than in a chunk of 200 on AVX-512 MKL kernels)
-        for got, want in zip(again, base_again, strict=True):
-            for g, w in zip(got[1], want[1], strict=True):
-                assert g.keys() == w.keys()
-                assert all(abs(g[t] - w[t]) < 1e-5 for t in g)
+    if dtype == "float32":  # the same KV bytes: the same logits
+        assert [r[1] for r in again] == [r[1] for r in base_again]
     full = (len(HISTORIES[0]) - 1) // 16 * 16  # every full block but the one with the last
     assert [cached for *_, cached in again] == [full] * len(HISTORIES)
     stats = tier(tiered, tier_name).stats

@@ -279,9 +279,7 @@ def test_speculation_survives_preemption(model_path, llm_fp32):
 
 
 def test_seeded_speculative_sampling_is_reproducible(model_path):
-    # no prefix cache: the second run would prefill only the prompts' last blocks, a shorter
-    # chunk whose dense bf16 matmuls round otherwise on AVX-512/AMX CPUs (not a seed matter)
-    llm = spec_llm(model_path, "draft-model", enable_prefix_caching=False)
+    llm = spec_llm(model_path, "draft-model")
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7)
     first = llm.generate(PROMPTS[:2], params)
     again = llm.generate(PROMPTS[:2], params)
