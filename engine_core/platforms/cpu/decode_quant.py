@@ -352,7 +352,7 @@ def quantize_for_decode(
     Q5_1, Q5_K, Q6_K, Q3_K, Q2_K and the IQ types); a fused projection whose parts are all
     q4 or q8 weights, not all q4, is one q8-family matrix of their own integers and scales,
     exactly the file's values (the native kernels only). One that mixes them with float parts
-    keeps its dense weight, since a shared requantization would not be exact.
+    is computed as loaded (its dense weight), since a shared requantization would not be exact.
     activations: "float32" or "int8" (see resolve_activations; int8 needs the VNNI build).
     requantize_floats: float weights (safetensors, F16/BF16/F32 tensors) are requantized to
     int8 per 32 (--quantization int8); else a projection with a float part is computed as
