@@ -9,7 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear, projections
+from engine_core.platforms.cpu.decode_quant import DecodeQuantLinear
+from engine_core.platforms.cpu.projections import projections
 from engine_core.platforms.cpu.weights import resolve_prefill_weights
 from tests.engine_core import tiny_models as tm
 from tests.engine_core.arch_cases import CASES

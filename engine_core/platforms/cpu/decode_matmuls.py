@@ -5,6 +5,7 @@ the requantizations that give a float weight one of those forms."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -163,6 +164,26 @@ class NativeFloatMatmul(_NativeMatmul):
         self.qs = weight.detach()  # the dense weight's own storage
         self._fn = lambda x, m, k, *rest: lib.pd_q8_matmul(x, m, k, self.kind, *rest)
         self._weights = (self.qs.data_ptr(), None, None)
+
+
+@dataclass(frozen=True)
+class NativeExperts:
+    """A mixture's routed experts for its decode rows in one C call per layer
+    (pd_moe_experts): SparseMoE.decode_experts, set by quantize_for_decode where every
+    expert's matrices are the C kernels'."""
+
+    lib: ctypes.CDLL
+    gate_up: ctypes.Array  # each expert's gate_up Matrix
+    down: ctypes.Array  # each expert's down Matrix
+    width: int  # an expert's intermediate size
+    act: tuple  # (ACT_CODES[hidden_act], swiglu_alpha, swiglu_limit)
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
+                 pair_weights: torch.Tensor) -> torch.Tensor:  # [nq, hidden] float32
+        """x: [nq, hidden] float32; the (row, expert) pairs grouped by expert (counts per
+        expert, each pair's row and weight, rows ascending within a group)."""
+        return native.moe_experts(self.lib, x, self.gate_up, self.down, self.width, self.act,
+                                  counts, rows, pair_weights, torch.zeros_like(x))
 
 
 def c_matrix(linear: nn.Module) -> native.Matrix:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Set
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +65,7 @@ from engine_core.platforms.cpu.decode_matmuls import (  # noqa: F401 (the matmul
     ACT_DTYPE,
     Int4Matmul,
     Int8Matmul,
+    NativeExperts,
     NativeFloatMatmul,
     NativeQ4Matmul,
     NativeQ8Matmul,
@@ -74,6 +74,7 @@ from engine_core.platforms.cpu.decode_matmuls import (  # noqa: F401 (the matmul
     requantize_int4,
     requantize_int8,
 )
+from engine_core.platforms.cpu.projections import mlps_of, projections
 from engine_core.weights.allocator import return_freed_memory
 from engine_core.weights.gguf_q4 import GROUP_SIZE, Q4Weight
 from engine_core.weights.gguf_q8 import Q8Weight, cat_blocks
@@ -158,26 +159,6 @@ def in_c_kernels(linear: nn.Module) -> bool:
     the float weight as loaded (the only ones pd_decode_layers and pd_moe_experts take)."""
     return (isinstance(linear, DecodeQuantLinear)
             and isinstance(linear.quant, NativeQ4Matmul | NativeQ8Matmul | NativeFloatMatmul))
-
-
-@dataclass(frozen=True)
-class NativeExperts:
-    """A mixture's routed experts for its decode rows in one C call per layer
-    (pd_moe_experts): SparseMoE.decode_experts, set by quantize_for_decode where every
-    expert's matrices are the C kernels'."""
-
-    lib: ctypes.CDLL
-    gate_up: ctypes.Array  # each expert's gate_up Matrix
-    down: ctypes.Array  # each expert's down Matrix
-    width: int  # an expert's intermediate size
-    act: tuple  # (ACT_CODES[hidden_act], swiglu_alpha, swiglu_limit)
-
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
-                 pair_weights: torch.Tensor) -> torch.Tensor:  # [nq, hidden] float32
-        """x: [nq, hidden] float32; the (row, expert) pairs grouped by expert (counts per
-        expert, each pair's row and weight, rows ascending within a group)."""
-        return native.moe_experts(self.lib, x, self.gate_up, self.down, self.width, self.act,
-                                  counts, rows, pair_weights, torch.zeros_like(x))
 
 
 class NativeDecodeLayers:
@@ -283,18 +264,6 @@ class NativeDecodeLayers:
             self.final_norm, local)
 
 
-def mlps_of(layer, at: str) -> list[tuple[nn.Module, str]]:
-    """A layer's gated MLPs with their checkpoint name prefixes (under `at`, the layer's
-    `...mlp`): the MLP itself, or a SparseMoE's experts and its shared expert."""
-    mlp = layer.mlp
-    if not isinstance(mlp, SparseMoE):
-        return [(mlp, at)]
-    out = [(expert, f"{at}.experts.{e}") for e, expert in enumerate(mlp.experts)]
-    if mlp.shared_expert is not None:
-        out.append((mlp.shared_expert, f"{at}.shared_expert"))
-    return out
-
-
 DECODE_ACTIVATIONS = ("auto", "float32", "int8")
 
 
@@ -314,29 +283,6 @@ def resolve_activations(setting: str | None, dtype: torch.dtype) -> str:
     if setting == "auto":
         return "int8" if vnni and dtype == torch.bfloat16 else "float32"
     return setting
-
-
-def projections(model: DecoderForCausalLM,
-                in_file: Set[str] = frozenset()) -> dict[tuple[nn.Module, str], list[str]]:
-    """Every projection of the decoder layers, (module, attribute) -> the Hugging Face names of
-    its parts: q/k/v for qkv_proj, gate/up for gate_up_proj (an MLP's, or each expert's and the
-    shared expert's; a MoE's router stays dense), or the fused matrix itself where `in_file`
-    (the names a GGUF has) holds it (Phi-3's attn_qkv)."""
-    out = {}
-    for i, layer in enumerate(model.layers):
-        pre = f"model.layers.{i}."
-        attn = layer.self_attn
-        names = {
-            (attn, "qkv_proj"): [f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
-            (attn, "o_proj"): [f"{pre}self_attn.o_proj.weight"],
-        }
-        for mlp, at in mlps_of(layer, f"{pre}mlp"):
-            names[(mlp, "gate_up_proj")] = [f"{at}.gate_proj.weight", f"{at}.up_proj.weight"]
-            names[(mlp, "down_proj")] = [f"{at}.down_proj.weight"]
-        for (module, attr), parts in names.items():
-            whole = parts[0].rsplit(".", 2)[0] + f".{attr}.weight"
-            out[(module, attr)] = [whole] if whole in in_file else parts
-    return out
 
 
 def quantize_for_decode(

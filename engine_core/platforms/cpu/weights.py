@@ -16,7 +16,7 @@ from engine_core.config import ModelConfig
 from engine_core.engine_config import QUANTIZED_PREFILL_NEEDS
 from engine_core.model.decoder import DecoderForCausalLM
 from engine_core.model_files import ModelSource
-from engine_core.platforms.cpu.decode_quant import projections
+from engine_core.platforms.cpu.projections import projections
 from engine_core.weights.gguf_loader import GGUFFile
 from engine_core.weights.gguf_q4 import Q4_TYPES
 from engine_core.weights.gguf_q8 import Q8_TYPES
