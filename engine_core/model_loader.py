@@ -76,6 +76,7 @@ def load_model(
     if blocks is not None:
         quantization = platform.quantize_for_decode(model, blocks, decode_activations,
                                                     requantize)
+    platform.invariant_rows(model)
     logger.info("loaded %s (%s, %s) in %.1f s", config.name, source.kind, dtype,
                 time.perf_counter() - t0)
     return model, config, quantization

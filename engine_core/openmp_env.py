@@ -1,4 +1,5 @@
-"""OpenMP's settings for the engine, set in the environment as engine_core is imported."""
+"""OpenMP's and MKL's settings for the engine, set in the environment as engine_core is
+imported."""
 
 import os
 
@@ -18,3 +19,12 @@ if "GOMP_SPINCOUNT" not in os.environ:
             SPIN_SET_TOO_LATE = "libgomp" in _maps.read()
     except OSError:  # not Linux: nothing to tell
         pass
+
+# MKL's float32 matmuls (torch's on the CPU) pick their kernel and the order of a row's sums
+# from the call's shape and the thread count: on an AVX-512 Xeon a row multiplied alone and
+# the same row beside one other differed in the last bits. MKL's strict conditional numerical
+# reproducibility makes each row's result independent of both, at no measured speed cost
+# (docs/architecture/engine.md, same output everywhere). MKL reads it at its first call; a
+# user's value wins. A program whose torch multiplied before engine_core was imported keeps
+# MKL's default, and its CPU platform says so (platforms/cpu/prefill_matmuls.py).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

@@ -5,7 +5,8 @@ on the device or on which kernels loaded is made here, and nowhere else in engin
               |  .kernels        the attention backend (kernels/backends.py), logged once
               |  .model_ops()    the kernels the model's modules call (model/ops.py)
               |  .prepare()      what a built model gets from outside: the CPU's quantized
-              |                  decode rows (cpu/decode_quant.py), Triton's grouped experts
+              |                  decode rows (cpu/decode_quant.py) and batch-invariant
+              |                  prefill rows (cpu/prefill_matmuls.py), Triton's grouped experts
               |  .forward()      the model runner's forward: on the CPU, a step's decode rows
               |                  through every layer in one C call where that applies
               |  dtype, quantization, pinned uploads, CUDA graphs, async scheduling, threads
@@ -90,6 +91,10 @@ class Platform:
     def resolve_activations(self, setting: str | None, dtype: torch.dtype) -> str | None:
         """What the decode rows' quantized matmuls multiply with (None: there are none)."""
         return None
+
+    def invariant_rows(self, model) -> None:
+        """Make the built model's matmuls give a row the same result whatever other rows
+        share its call (the CPU's prefill rows: cpu/prefill_matmuls.py). Nothing elsewhere."""
 
     # -- settings ---------------------------------------------------------------------------
     def default_dtype(self) -> torch.dtype:

@@ -8,6 +8,9 @@ torch's ops where they do not.
 - Decode rows: the 4/8-bit matmuls of a GGUF's blocks (and with --quantization int8 of
   requantized floats), and where every layer is in C, all of a step's decode rows through
   every layer in one call (decode_quant.py); the runner's forward splits the step for it.
+- Prefill rows: torch's dense matmuls, in calls of one shape (bf16) or under MKL's strict
+  reproducibility (float32), so a row's result does not depend on the rows beside it
+  (prefill_matmuls.py).
 - Sampling: the C kernels' one-pass sampler and top-k (engine_core/sampler.py).
 """
 
@@ -23,6 +26,7 @@ from engine_core import openmp_env
 from engine_core.model.forward_context import ForwardContext, use
 from engine_core.model.ops import ModelOps
 from engine_core.platforms import Platform
+from engine_core.platforms.cpu.prefill_matmuls import ROWS, block_prefill_rows, float32_rows_vary
 from kernels import native
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,18 @@ def _warn_if_spin_set_too_late() -> None:
             "set GOMP_SPINCOUNT=3000 in the environment")
 
 
+@functools.cache
+def _warn_if_float32_rows_vary() -> None:
+    """Once per process: MKL multiplied before engine_core set MKL_CBWR (openmp_env.py), so
+    float32 prefill rows depend on the rows beside them."""
+    if float32_rows_vary():
+        logger.warning(
+            "torch's float32 matmuls give a row a different result beside other rows than "
+            "alone (MKL ran before engine_core set MKL_CBWR=AUTO,STRICT): float32 prompts' "
+            "KV depends on what is prefilled beside them; import engine_core (or pdserve) "
+            "before any torch matmul, or set MKL_CBWR=AUTO,STRICT in the environment")
+
+
 class NativeSampling:
     """The C kernels' sampling (kernels/csrc/sample.c), for engine_core/sampler.py: one pass
     per row selects the candidates of top-k/top-p/min-p and draws; a one-pass top-1 where
@@ -87,6 +103,7 @@ class CpuPlatform(Platform):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         _warn_if_spin_set_too_late()
+        _warn_if_float32_rows_vary()
         # the C kernels sample, whichever attention runs
         lib = native.load()
         self.sampling = NativeSampling(lib) if lib is not None else None
@@ -122,6 +139,12 @@ class CpuPlatform(Platform):
         return quantize_for_decode(model, blocks.q4, activations, blocks.q8,
                                    requantize_floats=requantize,
                                    head_in_blocks=blocks.head_in_blocks)
+
+    def invariant_rows(self, model) -> None:
+        turned = block_prefill_rows(model)
+        if turned:
+            logger.debug("%d projections multiply prefill rows in calls of %d rows", turned,
+                         ROWS)
 
     def resolve_activations(self, setting: str | None, dtype: torch.dtype) -> str:
         from engine_core.platforms.cpu.decode_quant import resolve_activations

@@ -1,0 +1,87 @@
+"""The prefill rows' dense matmuls, made independent of the batch: a row's result is the same
+bit for bit whatever else shares its call, as the C kernels' decode rows are.
+
+torch's CPU matmuls choose their kernel, and with it the order a row's sums are added in, from
+the call's shape. Measured on a 2-vCPU AVX-512 Xeon with AMX (torch 2.13): oneDNN's bf16 rows
+changed once 33 or more rows shared a call (the AMX kernels), and once more between call sizes
+above that; MKL's float32 rows changed from the second row on and with the thread count. A
+prompt's KV and first token then depended on the prompts prefilled beside it, so a served
+greedy output could differ from the offline engine's, and a stream moved to another decode
+worker could continue differently.
+
+- float32 (MKL): engine_core/openmp_env.py sets MKL_CBWR=AUTO,STRICT before MKL's first call,
+  which makes a row independent of the call's size and of the thread count, at no measured
+  cost. `float32_rows_vary` checks that it took effect.
+- bf16 and other dtypes (oneDNN): no such mode, so every call gets one shape. A projection
+  multiplies its rows in calls of exactly ROWS rows, the last one padded with zeros: at one
+  shape the rows were independent of their position in the call and of the thread count for
+  every projection shape tried. The LM head takes HEAD_ROWS: its prefill rows are few (one per
+  prompt that ends in the step) and its weight is large, so a call's cost is the weight's read.
+
+Why 64: at 128 and 256 rows per call, a 2048x640 projection's rows differed between one
+thread and two; at 64 no shape tried did (tests/engine_core/test_prefill_rows.py).
+
+Cost on that Xeon (bf16, 2 threads): each call repacks its weight for AMX (64 rows took 133 us
+with a prepacked 640x2048 weight, 187 us without), so rows cost more in small calls: 640x2048
+took 207 us per call of 64 rows, 144 us for 16 rows alone and 734 us for 512 rows in one call
+(8 calls: 1.66 ms). Prefill of Gemma 3 270M took 1.2-1.6x as long as with torch's own calls
+(docs/benchmarks.md, numerics). The head of a 262,144-token vocabulary took 27 ms for 16 rows
+against 24 ms for one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROWS = 64  # rows per call of a projection
+HEAD_ROWS = 16  # rows per call of the LM head
+
+
+class RowBlockedLinear(nn.Linear):
+    """nn.Linear whose forward multiplies `rows` rows per call, the last call padded with
+    zeros, so a row's result does not depend on the number of rows beside it."""
+
+    rows = ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        m, b = x.shape[0], self.rows
+        if m == b or m == 0:
+            return F.linear(x, self.weight, self.bias)
+        whole = m - m % b
+        parts = [F.linear(x[i:i + b], self.weight, self.bias) for i in range(0, whole, b)]
+        if whole < m:
+            tail = x.new_zeros((b, x.shape[1]))
+            tail[:m - whole] = x[whole:]
+            parts.append(F.linear(tail, self.weight, self.bias)[:m - whole])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def block_prefill_rows(model: nn.Module) -> int:
+    """Turn each of the model's nn.Linear with a weight other than float32 into a
+    RowBlockedLinear (the same module and parameters; the LM head with HEAD_ROWS rows per
+    call). Returns how many were turned."""
+    head = model.lm_head
+    head = getattr(head, "dense", head)  # the dense half of a DecodeQuantLMHead
+    turned = 0
+    for module in model.modules():
+        if type(module) is not nn.Linear or module.weight.dtype == torch.float32:
+            continue
+        module.__class__ = RowBlockedLinear
+        if module is head:
+            module.rows = HEAD_ROWS
+        turned += 1
+    return turned
+
+
+def float32_rows_vary() -> bool:
+    """Whether torch's float32 matmul gives a row a different result beside other rows than
+    alone: MKL without strict reproducibility (MKL_CBWR set after its first call)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 64, generator=gen)
+    w = torch.randn(96, 64, generator=gen)
+    alone = torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])])
+    return not torch.equal(F.linear(x, w), alone)

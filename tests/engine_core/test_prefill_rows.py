@@ -1,0 +1,130 @@
+"""Prefill rows are batch and thread invariant on the CPU (platforms/cpu/prefill_matmuls.py):
+torch's matmuls round a row differently with other rows beside it (oneDNN's AMX bf16 kernels
+from 33 rows on, MKL's float32 from 2 rows on), so bf16 projections multiply in calls of one
+shape and float32 ones under MKL's strict reproducibility. Shapes are Gemma 3 270M's and
+SmolLM2's, wide enough for the kernels that differ; the engine test prefills a prompt alone
+and beside others in the CPU's default dtype."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from engine_core.platforms.cpu import CpuPlatform, cpu_has_fast_bf16
+from engine_core.platforms.cpu import prefill_matmuls as pm
+from engine_core.sampling_params import SamplingParams
+from tests.engine_core import tiny_models as tm
+
+SHAPES = [(640, 1536), (640, 4096), (2048, 640), (576, 960), (576, 3072), (1536, 576),
+          (640, 256)]  # (in, out): Gemma 3 270M's and SmolLM2-135M's fused projections
+ROW_COUNTS = [1, 7, 33, 64, 65, 150]
+HEAD = (640, 32768)  # a vocabulary-sized head (Gemma's is 262,144)
+
+
+def _rows_alone_and_beside(linear: nn.Module, x: torch.Tensor) -> list[str]:
+    """Where linear's rows beside others (any count, any offset) differ from the same rows
+    multiplied alone; also with 1 thread against 2."""
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
+    bad = []
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for m in ROW_COUNTS:
+                for start in (0, 3):
+                    if not torch.equal(linear(x[start:start + m]), alone[start:start + m]):
+                        bad.append(f"{m} rows from {start}, {t} threads")
+    finally:
+        torch.set_num_threads(threads)
+    return bad
+
+
+class _Model(nn.Module):
+    def __init__(self, shapes, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.projections = nn.ModuleList(nn.Linear(k, n, bias=i % 2 == 0)
+                                         for i, (k, n) in enumerate(shapes))
+        self.lm_head = nn.Linear(*HEAD, bias=False)
+        self.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_projection_row_is_the_same_beside_any_rows(dtype):
+    if dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+        pytest.skip("bf16 is not this CPU's dtype: torch emulates its matmuls (slow)")
+    torch.manual_seed(0)
+    model = _Model(SHAPES, dtype)
+    pm.block_prefill_rows(model)
+    for linear in [*model.projections, model.lm_head]:
+        x = torch.randn(ROW_COUNTS[-1] + 3, linear.in_features).to(dtype)
+        with torch.inference_mode():
+            assert _rows_alone_and_beside(linear, x) == [], (dtype, linear)
+
+
+def test_bf16_projections_are_blocked_and_float32_ones_left_to_mkl():
+    bf16 = _Model(SHAPES, torch.bfloat16)
+    assert pm.block_prefill_rows(bf16) == len(SHAPES) + 1
+    assert all(type(p) is pm.RowBlockedLinear and p.rows == pm.ROWS for p in bf16.projections)
+    assert bf16.lm_head.rows == pm.HEAD_ROWS
+    fp32 = _Model(SHAPES[:1], torch.float32)
+    assert pm.block_prefill_rows(fp32) == 0 and type(fp32.projections[0]) is nn.Linear
+    # what MKL_CBWR (engine_core/openmp_env.py, imported before torch here) is for
+    assert not pm.float32_rows_vary()
+
+
+def test_a_blocked_projection_computes_what_linear_does():
+    torch.manual_seed(1)
+    blocked = nn.Linear(64, 96).to(torch.bfloat16)
+    plain = nn.Linear(64, 96).to(torch.bfloat16)
+    plain.load_state_dict(blocked.state_dict())
+    blocked.__class__ = pm.RowBlockedLinear
+    for shape in [(0, 64), (1, 64), (64, 64), (130, 64), (2, 70, 64)]:
+        x = torch.randn(shape).to(torch.bfloat16)
+        got, want = blocked(x), plain(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_cpu_engine_warns_once_when_float32_rows_vary(monkeypatch, caplog):
+    from engine_core.platforms import cpu
+
+    monkeypatch.setattr(cpu, "float32_rows_vary", lambda: True)
+    cpu._warn_if_float32_rows_vary.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="engine_core.platforms.cpu"):
+        CpuPlatform(torch.device("cpu"))
+        CpuPlatform(torch.device("cpu"))
+    said = [r.message for r in caplog.records if "MKL_CBWR=AUTO,STRICT" in r.message]
+    assert len(said) == 1 and "float32 prompts' KV depends" in said[0]
+    cpu._warn_if_float32_rows_vary.cache_clear()
+
+
+def test_a_prompt_prefilled_beside_others_gives_what_it_gives_alone(tmp_path):
+    """A model of Gemma 3 270M's widths in the CPU's default dtype: a 70-token prompt's
+    prompt logprobs (every prefill row through the head), first token and greedy
+    continuation are the same alone and in one step with two other prompts."""
+    tm.build_hf(transformers.LlamaConfig, tmp_path, hidden_size=640, intermediate_size=2048,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                head_dim=256, vocab_size=4096, max_position_embeddings=512)
+    eng = tm.engine(tmp_path, dtype="auto", block_size=16, enable_prefix_caching=False)
+    prompts = tm.prompts(4096, [70, 45, 90], seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+
+    def run(batch, which):
+        ids = [eng.add_request(p, params) for p in batch]
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+        out = done[ids[which]]
+        return out.prompt_logprobs, out.outputs[0].token_ids, out.outputs[0].logprobs
+
+    alone = run(prompts[:1], 0)
+    assert alone[0] is not None and len(alone[1]) == 6
+    assert run([prompts[1], prompts[0], prompts[2]], 1) == alone  # rows 45 to 114 of 205
+    assert run(prompts, 0) == alone
