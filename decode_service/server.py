@@ -102,7 +102,8 @@ async def _serve(args: argparse.Namespace) -> None:
             pool.close()
 
     await serve_worker("decode", f"{args.host}:{args.port}", add, close, args.grace, on_bound,
-                       registration, tls, on_draining=lambda: servicer_box["s"].drain())
+                       registration, tls, on_draining=lambda: servicer_box["s"].drain(),
+                       drained=lambda: servicer_box["s"].drained())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from decode_service.stream import OutputStream
+from decode_service.stream import DRAIN_POLL_S, OutputStream
 from decode_service.worker import DecodeWorker, LeaseNotReady
 from kv_transfer import LeaseEndedError, LeaseError, UnknownLeaseError
 from protos.pdserve.internal import workers_pb2 as pb
@@ -39,6 +39,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.is_draining = False
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        if self.is_draining:  # the gateway reserves on another decode worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the decode worker is shutting down: no new reservations")
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -140,10 +143,18 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self.streams.discard(stream)
 
     def drain(self) -> None:
-        """The worker is shutting down: every stream ends once its requests have."""
+        """The worker is shutting down: no new reservations; what was reserved before still
+        starts (its KV transfer and its start come after this), and every stream ends once its
+        requests have and nothing reserved is left."""
         self.is_draining = True
         for stream in self.streams:
             stream.drain()
+
+    async def drained(self) -> None:
+        """Return once nothing is reserved here and every stream has ended: the server may
+        stop taking calls then."""
+        while self.worker.reservations or self.streams:
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def RenewLease(self, request: pb.RenewLeaseRequest, context):
         if not 0 < request.lease_ttl_s <= MAX_LEASE_TTL_S:

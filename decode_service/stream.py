@@ -24,6 +24,7 @@ last entry).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ class _Pending:
         self.logprobs: list[dict[int, float]] | None = None
         self.end: pb.StreamEnd | None = None
 
+DRAIN_POLL_S = 0.05  # while draining, how often a stream checks whether it may end
+
 
 class OutputStream:
     """See the module docstring. Create and run it inside the worker's event loop."""
@@ -120,7 +123,9 @@ class OutputStream:
             rec.span = tracing.continue_call(tracing.STREAM_CALLS[kind], msg.trace_context)
         if self._keeps_replies:
             rec.output = []
-        if self.is_draining:
+        if self.is_draining and kind != "fork" and req_id not in self.worker.reservations:
+            # (what was reserved here before the drain still starts, and a fork of a request
+            # running here: the gateway placed them here, and moving them would run them again)
             self._end_with_error(rec, grpc.StatusCode.UNAVAILABLE,
                                  "the decode worker is shutting down")
             return
@@ -246,20 +251,25 @@ class OutputStream:
         """Send what is pending, step after step, until the gateway has closed its side and
         nothing is open or pending (or the call is cancelled)."""
         while True:
-            await self._wake.wait()
+            if self.is_draining:  # (a reservation may end without news on this stream)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), DRAIN_POLL_S)
+            else:
+                await self._wake.wait()
             self._wake.clear()
             if self.pending:
                 pending, self.pending = self.pending, {}
                 await context.write(_message(pending))
             # (checked after a write too: the last request's end may be what was just sent,
             # and no later wake-up would come)
-            if not self.pending and (not self._is_reading or self.is_draining) \
-                    and not self.requests:
+            if not self.pending and not self.requests and (
+                    not self._is_reading or self.is_draining and not self.worker.reservations):
                 return
 
     def drain(self) -> None:
-        """The worker is shutting down: refuse new requests, end the stream once the open
-        ones have ended."""
+        """The worker is shutting down: refuse new requests (but those reserved here before,
+        and forks), end the stream once the open ones have ended and nothing reserved here
+        is left to start."""
         self.is_draining = True
         self._wake.set()
 

@@ -3,8 +3,10 @@
     build servicers -> bind -> health SERVING -> announce (register in Redis, if asked)
     -> print "READY <role> <address>"
     SIGTERM / Ctrl-C -> withdraw the announcement (gateways stop sending new requests)
-    -> health NOT_SERVING -> stop accepting, in-flight calls get `grace_s`
-    -> close the worker -> exit
+    -> health NOT_SERVING -> on_draining (the worker refuses new requests) -> until drained,
+    the server still takes the calls of what the worker accepted before (a decode worker's
+    reserved requests: their KV transfers and starts) -> stop accepting, in-flight calls get
+    the rest of `grace_s` -> close the worker -> exit
 
 Every worker server has gRPC health checking (the overall "" service and each named service)
 and server reflection.
@@ -13,6 +15,7 @@ and server reflection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -53,11 +56,13 @@ async def serve_worker(
     announcer: Announcer | None = None,
     tls: TLSConfig | None = None,
     on_draining: Callable[[], None] | None = None,
+    drained: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. add_servicers registers the servicers and returns their
     full service names; on_bound(port) runs after binding, before SERVING; the announcer
-    starts once SERVING and stops first thing on shutdown; on_draining() runs as the server
-    stops accepting (before the grace period). With `tls`, the port takes only
+    starts once SERVING and stops first thing on shutdown; on_draining() tells the worker to
+    refuse new requests, and drained() returns when what it accepted before is done; the
+    server takes calls until then (within `grace_s`). With `tls`, the port takes only
     mutual-TLS peers (a client certificate signed by the CA: service_infra/tls.py)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -95,5 +100,9 @@ async def serve_worker(
     await health_servicer.enter_graceful_shutdown()
     if on_draining is not None:  # long-lived streams end as soon as their calls have
         on_draining()
-    await server.stop(grace_s)
+    t_drain = loop.time()
+    if drained is not None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(drained(), grace_s)
+    await server.stop(max(0.0, grace_s - (loop.time() - t_drain)))
     await close()

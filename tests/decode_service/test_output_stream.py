@@ -195,3 +195,33 @@ def test_a_draining_worker_ends_the_stream_once_its_last_request_has():
     tokens, reason, code = run(body)
     assert reason == "length" and len(tokens) == 19
     assert code == grpc.StatusCode.OK
+
+
+def test_a_draining_worker_starts_what_it_reserved_before_and_takes_nothing_new():
+    """Drained while one request runs and another is reserved but not started (its KV on the
+    way): a new Reserve is refused UNAVAILABLE (the gateway reserves elsewhere) and so is a
+    start without a reservation, but the reserved request starts and streams every token;
+    then the stream ends and the servicer reports itself drained."""
+    async def body(worker, table, engine, stub, stream):
+        await reserved(worker, table, "running", 20)
+        running = start(stream, "running", 1)
+        await anext(running)
+        await reserved(worker, table, "reserved", 8)
+        engine.servicer.drain()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Reserve(pb.ReserveRequest(request_id="new", prompt_token_ids=[1, 2, 3],
+                                                 lease_ttl_s=5.0))
+        with pytest.raises(grpc.aio.AioRpcError) as unreserved:
+            await drain(start(stream, "unreserved", 1))
+        late = await drain(start(stream, "reserved", 1))
+        rest = await drain(running)
+        await asyncio.wait_for(engine.servicer.drained(), 2.0)
+        code = await asyncio.wait_for(stream._connection.call.code(), 2.0)
+        return refused.value, unreserved.value.code(), late, rest, code, worker.reservations
+
+    refused, unreserved, late, rest, code, reservations = run(body)
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE and "no new" in refused.details()
+    assert unreserved == grpc.StatusCode.UNAVAILABLE
+    assert late == (list(range(1, 9)), "length")
+    assert len(rest[0]) == 19 and rest[1] == "length"
+    assert code == grpc.StatusCode.OK and reservations == {}
