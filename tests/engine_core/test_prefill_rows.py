@@ -1,8 +1,9 @@
 """Prefill rows are batch and thread invariant on the CPU (platforms/cpu/prefill_matmuls.py):
 torch's matmuls round a row differently with other rows beside it (oneDNN's AMX bf16 kernels
 from 33 rows on, MKL's float32 from 2 rows on), so bf16 projections multiply in calls of one
-shape and float32 ones under MKL's strict reproducibility. Shapes are Gemma 3 270M's and
-SmolLM2's, wide enough for the kernels that differ; the engine test prefills a prompt alone
+shape (where torch's own calls were found to vary) and float32 ones under MKL's strict
+reproducibility. Shapes are Gemma 3 270M's and SmolLM2's, wide enough for the kernels that
+differ, and the tiny bench model's; the engine test prefills a prompt alone
 and beside others in the CPU's default dtype."""
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from engine_core.platforms.cpu import prefill_matmuls as pm
 from engine_core.sampling_params import SamplingParams
 from tests.engine_core import tiny_models as tm
 
+# (in, out): Gemma 3 270M's and SmolLM2-135M's fused projections, and the tiny bench model's
 SHAPES = [(640, 1536), (640, 4096), (2048, 640), (576, 960), (576, 3072), (1536, 576),
-          (640, 256)]  # (in, out): Gemma 3 270M's and SmolLM2-135M's fused projections
+          (640, 256), (128, 256), (256, 128)]
 ROW_COUNTS = [1, 7, 33, 64, 65, 150]
 HEAD = (640, 32768)  # a vocabulary-sized head (Gemma's is 262,144)
 
@@ -65,15 +67,38 @@ def test_a_projection_row_is_the_same_beside_any_rows(dtype):
             assert _rows_alone_and_beside(linear, x) == [], (dtype, linear)
 
 
-def test_bf16_projections_are_blocked_and_float32_ones_left_to_mkl():
+def test_projections_whose_rows_vary_are_blocked_and_float32_ones_left_to_mkl():
+    """A bf16 projection is blocked exactly where torch's own calls were found to vary; a
+    head too large to try is blocked anyway; float32 is left to MKL's strict mode."""
     bf16 = _Model(SHAPES, torch.bfloat16)
-    assert pm.block_prefill_rows(bf16) == len(SHAPES) + 1
-    assert all(type(p) is pm.RowBlockedLinear and p.rows == pm.ROWS for p in bf16.projections)
-    assert bf16.lm_head.rows == pm.HEAD_ROWS
+    vary = [pm.rows_vary(k, n, torch.bfloat16, i % 2 == 0) for i, (k, n) in enumerate(SHAPES)]
+    assert pm.block_prefill_rows(bf16) == sum(vary) + 1
+    assert [type(p) is pm.RowBlockedLinear for p in bf16.projections] == vary
+    assert all(p.rows == pm.ROWS for p in bf16.projections if type(p) is pm.RowBlockedLinear)
+    assert type(bf16.lm_head) is pm.RowBlockedLinear and bf16.lm_head.rows == pm.HEAD_ROWS
     fp32 = _Model(SHAPES[:1], torch.float32)
     assert pm.block_prefill_rows(fp32) == 0 and type(fp32.projections[0]) is nn.Linear
     # what MKL_CBWR (engine_core/openmp_env.py, imported before torch here) is for
     assert not pm.float32_rows_vary()
+
+
+def test_the_probe_finds_rows_that_vary(monkeypatch):
+    """rows_vary on a matmul that rounds a row differently beside others (as oneDNN's AMX
+    kernels do from 33 rows on), and on one that does not."""
+    real = torch.nn.functional.linear
+
+    def rounds_by_count(x, w, b=None):
+        out = real(x, w, b)
+        return out + 1 if x.shape[0] >= 33 else out
+
+    pm.rows_vary.cache_clear()
+    try:
+        assert not pm.rows_vary(32, 48, torch.bfloat16, False)
+        pm.rows_vary.cache_clear()
+        monkeypatch.setattr(pm.F, "linear", rounds_by_count)
+        assert pm.rows_vary(32, 48, torch.bfloat16, False)
+    finally:
+        pm.rows_vary.cache_clear()
 
 
 def test_a_blocked_projection_computes_what_linear_does():

@@ -13,9 +13,10 @@ worker could continue differently.
   which makes a row independent of the call's size and of the thread count, at no measured
   cost. `float32_rows_vary` checks that it took effect.
 - bf16 and other dtypes (oneDNN): no such mode, so every call gets one shape. A projection
-  multiplies its rows in calls of exactly ROWS rows, the last one padded with zeros: at one
-  shape the rows were independent of their position in the call and of the thread count for
-  every projection shape tried. The LM head takes HEAD_ROWS: its prefill rows are few (one per
+  whose rows vary (`rows_vary` tries each shape once per process) multiplies its rows in
+  calls of exactly ROWS rows, the last one padded with zeros: at one shape the rows were
+  independent of their position in the call and of the thread count for every projection
+  shape tried. The LM head takes HEAD_ROWS: its prefill rows are few (one per
   prompt that ends in the step) and its weight is large, so a call's cost is the weight's read.
 
 Why 64: at 128 and 256 rows per call, a 2048x640 projection's rows differed between one
@@ -31,12 +32,17 @@ against 24 ms for one.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ROWS = 64  # rows per call of a projection
 HEAD_ROWS = 16  # rows per call of the LM head
+PROBE_ROWS = (1, 2, 7, 33, 64, 65, 150, 511, 1024, 2048, 4096)  # rows_vary's call sizes
+PROBE_TRUSTED = 2048  # rows a shape must be tried at to be left to torch's own calls
+PROBE_MACS = 1 << 31  # multiply-adds of rows_vary's largest call, at most
 
 
 class RowBlockedLinear(nn.Linear):
@@ -61,20 +67,55 @@ class RowBlockedLinear(nn.Linear):
 
 
 def block_prefill_rows(model: nn.Module) -> int:
-    """Turn each of the model's nn.Linear with a weight other than float32 into a
-    RowBlockedLinear (the same module and parameters; the LM head with HEAD_ROWS rows per
-    call). Returns how many were turned."""
+    """Turn each of the model's nn.Linear whose rows torch's own calls would make depend on
+    the rows beside them (`rows_vary`, for weights other than float32) into a RowBlockedLinear:
+    the same module and parameters, the LM head with HEAD_ROWS rows per call. Returns how many
+    were turned."""
     head = model.lm_head
     head = getattr(head, "dense", head)  # the dense half of a DecodeQuantLMHead
     turned = 0
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dtype == torch.float32:
             continue
+        if not rows_vary(module.in_features, module.out_features, module.weight.dtype,
+                         module.bias is not None):
+            continue
         module.__class__ = RowBlockedLinear
         if module is head:
             module.rows = HEAD_ROWS
         turned += 1
     return turned
+
+
+@functools.cache
+def rows_vary(k: int, n: int, dtype: torch.dtype, has_bias: bool) -> bool:
+    """Whether torch's own calls may give a row of a k -> n projection a different result
+    beside other rows than alone, or on one thread than on this process's count. Tried on
+    random weights (the kernel depends on the shape, not the values) at PROBE_ROWS rows, from
+    two offsets; a shape too large to try up to PROBE_TRUSTED rows within PROBE_MACS counts as
+    varying. Small shapes, which oneDNN keeps off AMX, need no blocking: the tiny models'
+    projections took ten times as long in calls of 64 rows."""
+    counts = [m for m in PROBE_ROWS if m * k * n <= PROBE_MACS]
+    if counts[-1] < PROBE_TRUSTED:
+        return True
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if has_bias else None
+    x = torch.randn(counts[-1] + 3, k, generator=gen).to(dtype)
+    whole = F.linear(x[:counts[-1]], w, b)  # every row, in one call
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for m in counts:
+                for start in (0, 3):
+                    end = min(start + m, len(whole))
+                    if not torch.equal(F.linear(x[start:start + m], w, b)[:end - start],
+                                       whole[start:end]):
+                        return True
+    finally:
+        torch.set_num_threads(threads)
+    return False
 
 
 def float32_rows_vary() -> bool:
