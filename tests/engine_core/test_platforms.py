@@ -104,9 +104,25 @@ def test_a_cpu_engine_warns_once_when_the_spin_count_came_too_late(monkeypatch, 
 
     monkeypatch.setattr(openmp_env, "SPIN_SET_TOO_LATE", True)
     cpu._warn_if_spin_set_too_late.cache_clear()
+    said = _warnings_of_two_platforms(caplog, "GOMP_SPINCOUNT=3000")
+    assert len(said) == 1 and "torch was imported before engine_core" in said[0]
+    cpu._warn_if_spin_set_too_late.cache_clear()
+
+
+def test_a_cpu_engine_warns_once_when_float32_rows_vary(monkeypatch, caplog):
+    """MKL multiplied before engine_core set MKL_CBWR (platforms/cpu/prefill_matmuls.py)."""
+    from engine_core.platforms import cpu
+
+    monkeypatch.setattr(cpu, "float32_rows_vary", lambda: True)
+    cpu._warn_if_float32_rows_vary.cache_clear()
+    said = _warnings_of_two_platforms(caplog, "MKL_CBWR=AUTO,STRICT")
+    assert len(said) == 1 and "float32 prompts' KV depends" in said[0]
+    cpu._warn_if_float32_rows_vary.cache_clear()
+
+
+def _warnings_of_two_platforms(caplog, needle: str) -> list[str]:
+    """Build two CPU platforms; the warnings they logged that contain `needle`."""
     with caplog.at_level(logging.WARNING, logger="engine_core.platforms.cpu"):
         CpuPlatform(torch.device("cpu"))
         CpuPlatform(torch.device("cpu"))
-    said = [r.message for r in caplog.records if "GOMP_SPINCOUNT=3000" in r.message]
-    assert len(said) == 1 and "torch was imported before engine_core" in said[0]
-    cpu._warn_if_spin_set_too_late.cache_clear()
+    return [r.message for r in caplog.records if needle in r.message]

@@ -8,14 +8,12 @@ and beside others in the CPU's default dtype."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import transformers
 from torch import nn
 
-from engine_core.platforms.cpu import CpuPlatform, cpu_has_fast_bf16
+from engine_core.platforms.cpu import cpu_has_fast_bf16
 from engine_core.platforms.cpu import prefill_matmuls as pm
 from engine_core.sampling_params import SamplingParams
 from tests.engine_core import tiny_models as tm
@@ -112,19 +110,6 @@ def test_a_blocked_projection_computes_what_linear_does():
         got, want = blocked(x), plain(x)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-
-
-def test_a_cpu_engine_warns_once_when_float32_rows_vary(monkeypatch, caplog):
-    from engine_core.platforms import cpu
-
-    monkeypatch.setattr(cpu, "float32_rows_vary", lambda: True)
-    cpu._warn_if_float32_rows_vary.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="engine_core.platforms.cpu"):
-        CpuPlatform(torch.device("cpu"))
-        CpuPlatform(torch.device("cpu"))
-    said = [r.message for r in caplog.records if "MKL_CBWR=AUTO,STRICT" in r.message]
-    assert len(said) == 1 and "float32 prompts' KV depends" in said[0]
-    cpu._warn_if_float32_rows_vary.cache_clear()
 
 
 def test_a_prompt_prefilled_beside_others_gives_what_it_gives_alone(tmp_path):
