@@ -8,9 +8,9 @@ torch's ops where they do not.
 - Decode rows: the 4/8-bit matmuls of a GGUF's blocks (and with --quantization int8 of
   requantized floats), and where every layer is in C, all of a step's decode rows through
   every layer in one call (decode_quant.py); the runner's forward splits the step for it.
-- Prefill rows: torch's dense matmuls, in calls of one shape (bf16) or under MKL's strict
-  reproducibility (float32), so a row's result does not depend on the rows beside it
-  (prefill_matmuls.py).
+- Prefill rows: torch's dense matmuls, in calls of one shape (bf16 projections whose rows
+  would vary) or under MKL's strict reproducibility (float32), so a row's result does not
+  depend on the rows beside it (prefill_matmuls.py).
 - Sampling: the C kernels' one-pass sampler and top-k (engine_core/sampler.py).
 """
 
