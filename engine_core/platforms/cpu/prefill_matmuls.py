@@ -90,7 +90,7 @@ def block_prefill_rows(model: nn.Module) -> int:
 @functools.cache
 def rows_vary(k: int, n: int, dtype: torch.dtype, has_bias: bool) -> bool:
     """Whether torch's own calls may give a row of a k -> n projection a different result
-    beside other rows than alone, or on one thread than on this process's count. Tried on
+    beside other rows than alone, or on one thread than on two or this process's count. Tried on
     random weights (the kernel depends on the shape, not the values) at PROBE_ROWS rows, from
     two offsets; a shape too large to try up to PROBE_TRUSTED rows within PROBE_MACS counts as
     varying. Small shapes, which oneDNN keeps off AMX, need no blocking: the tiny models'
@@ -105,7 +105,7 @@ def rows_vary(k: int, n: int, dtype: torch.dtype, has_bias: bool) -> bool:
     whole = F.linear(x[:counts[-1]], w, b)  # every row, in one call
     threads = torch.get_num_threads()
     try:
-        for t in sorted({1, threads}):
+        for t in sorted({1, 2, threads}):  # (a 1-thread worker decides as a 2-thread one)
             torch.set_num_threads(t)
             for m in counts:
                 for start in (0, 3):
