@@ -112,14 +112,18 @@ def test_a_blocked_projection_computes_what_linear_does():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-def test_a_prompt_prefilled_beside_others_gives_what_it_gives_alone(tmp_path):
-    """A model of Gemma 3 270M's widths in the CPU's default dtype: a 70-token prompt's
-    prompt logprobs (every prefill row through the head), first token and greedy
-    continuation are the same alone and in one step with two other prompts."""
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_prompt_prefilled_beside_others_gives_what_it_gives_alone(tmp_path, quantization):
+    """A model of Gemma 3 270M's widths in the CPU's default dtype, its decode rows in the C
+    layers as loaded (the default for a float model) or in int8 blocks with the default
+    activations (int8 where VNNI is, as a GGUF's default): a 70-token prompt's prompt
+    logprobs (every prefill row through the head), first token and greedy continuation are
+    the same alone and in one step with two other prompts."""
     tm.build_hf(transformers.LlamaConfig, tmp_path, hidden_size=640, intermediate_size=2048,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                 head_dim=256, vocab_size=4096, max_position_embeddings=512)
-    eng = tm.engine(tmp_path, dtype="auto", block_size=16, enable_prefix_caching=False)
+    eng = tm.engine(tmp_path, dtype="auto", block_size=16, enable_prefix_caching=False,
+                    quantize_decode=True, quantization=quantization)
     prompts = tm.prompts(4096, [70, 45, 90], seed=3)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3,
                             prompt_logprobs=2)
