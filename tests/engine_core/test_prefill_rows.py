@@ -66,12 +66,15 @@ def test_a_projection_row_is_the_same_beside_any_rows(dtype):
 
 
 def test_projections_whose_rows_vary_are_blocked_and_float32_ones_left_to_mkl():
-    """A bf16 projection is blocked exactly where torch's own calls were found to vary; a
-    head too large to try is blocked anyway; float32 is left to MKL's strict mode."""
+    """A bf16 projection is blocked exactly where torch's own calls were found to vary (the
+    others are bucketed); a head too large to try is blocked anyway; float32 is left to MKL's
+    strict mode."""
     bf16 = _Model(SHAPES, torch.bfloat16)
     vary = [pm.rows_vary(k, n, torch.bfloat16, i % 2 == 0) for i, (k, n) in enumerate(SHAPES)]
     assert pm.block_prefill_rows(bf16) == sum(vary) + 1
     assert [type(p) is pm.RowBlockedLinear for p in bf16.projections] == vary
+    assert all(type(p) is pm.RowBucketedLinear
+               for p, v in zip(bf16.projections, vary, strict=True) if not v)
     assert all(p.rows == pm.ROWS for p in bf16.projections if type(p) is pm.RowBlockedLinear)
     assert type(bf16.lm_head) is pm.RowBlockedLinear and bf16.lm_head.rows == pm.HEAD_ROWS
     fp32 = _Model(SHAPES[:1], torch.float32)
@@ -110,6 +113,31 @@ def test_a_blocked_projection_computes_what_linear_does():
         got, want = blocked(x), plain(x)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_bucketed_projection_computes_what_linear_does_in_few_shapes(monkeypatch):
+    """Any row count gives linear's result, in calls of at most 4 + rows / 64 shapes (oneDNN
+    compiles a kernel per shape and caches 1,024)."""
+    torch.manual_seed(2)
+    bucketed = nn.Linear(64, 96).to(torch.bfloat16)
+    plain = nn.Linear(64, 96).to(torch.bfloat16)
+    plain.load_state_dict(bucketed.state_dict())
+    bucketed.__class__ = pm.RowBucketedLinear
+    for shape in [(0, 64), (1, 64), (16, 64), (17, 64), (64, 64), (65, 64), (130, 64),
+                  (2, 70, 64)]:
+        x = torch.randn(shape).to(torch.bfloat16)
+        got, want = bucketed(x), plain(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    calls = []
+    real = pm.F.linear
+    monkeypatch.setattr(pm.F, "linear", lambda x, w, b=None: calls.append(x.shape[0])
+                        or real(x, w, b))
+    x = torch.randn(2048, 64).to(torch.bfloat16)
+    for m in range(1, 2049):
+        assert bucketed(x[:m]).shape == (m, 96)
+    assert all(m <= c < m + pm.BUCKET_ROWS for m, c in zip(range(1, 2049), calls, strict=True))
+    assert len(set(calls)) == pm.BUCKET_ROWS // pm.BUCKET_SMALL + 2048 // pm.BUCKET_ROWS - 1
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
