@@ -77,10 +77,11 @@ class RowBucketedLinear(nn.Linear):
     not met, and keeps the last 1,024 it built (its primitive cache): an engine's steps bring a
     new row count almost every step (the step's decode rows, a prefill chunk's tokens), so a
     model's projections overflow the cache and build kernels for good. On a 2-vCPU AVX-512
-    Xeon, five projections of the tiny bench model's shapes, row counts uniform in 1..600:
-    3.8-4.4 ms per step in torch's own calls, every pass, against 0.45 ms bucketed (a 512 x
-    128 bf16 head took ~0.8 ms for a row count met the first time, ~0.05 ms after). Only for
-    shapes whose rows do not vary (rows_vary): the added rows change nothing in the others."""
+    Xeon, five projections of the tiny bench model's shapes, row counts uniform in 1..600
+    (benchmarks/bench_row_counts.py): 3.9-4.7 ms per step in torch's own calls, in every pass
+    over the same steps, against 0.6-1.0 ms bucketed (a 512 x 128 bf16 head took ~0.8 ms for
+    a row count met the first time, ~0.05 ms after). Only for shapes whose rows do not vary
+    (rows_vary): the added rows change nothing in the others."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
