@@ -210,38 +210,36 @@ class DisaggregatedBackend:
         """Run the request; if a worker dies under it (prefill, decode or the KV transfer
         between them fails UNAVAILABLE), run it again elsewhere, up to MAX_ATTEMPTS: before
         its first token from scratch, after it as a continuation (prompt + the tokens already
-        streamed), so the client's stream goes on."""
+        streamed), so the client's stream goes on. (The attempts run in this generator, not
+        one of their own: every generator between the decode stream and the client costs
+        each token a resume.)"""
         if inp.req_id in self._running:
             raise DuplicateRequestError(f"request_id {inp.req_id!r} is already running")
         with self.forks.as_parent(inp):
-            async with contextlib.aclosing(self._attempts(inp)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-
-    async def _attempts(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
-        emitted: list[int] = []  # tokens streamed to the client, all attempts
-        for attempt in range(MAX_ATTEMPTS):
-            winp = _continuation(inp, emitted, attempt)
-            if winp is None:  # the worker died after the last token, before the finish
-                yield GenerateChunk([], "", None, "length", len(inp.prompt_token_ids),
-                                    len(emitted))
-                return
-            base = len(emitted)
-            try:  # aclosing: a client that goes away ends the attempt (and its reservation) now
-                async with contextlib.aclosing(self._run(winp, inp.req_id)) as chunks:
-                    async for chunk in chunks:
-                        chunk.num_prompt_tokens = len(inp.prompt_token_ids)
-                        chunk.num_output_tokens += base
-                        emitted.extend(chunk.token_ids)
-                        yield chunk
-                return
-            except WorkerLost as e:
-                self.num_migrations[e.pool] += 1
-                if attempt + 1 == MAX_ATTEMPTS:
-                    raise BackendUnavailable(f"request {inp.req_id!r} lost a worker "
-                                             f"{MAX_ATTEMPTS} times; last: {e}") from None
-                logger.warning("request %s: %s; running it again elsewhere (%d tokens "
-                               "streamed so far)", inp.req_id, e, len(emitted))
+            emitted: list[int] = []  # tokens streamed to the client, all attempts
+            for attempt in range(MAX_ATTEMPTS):
+                winp = _continuation(inp, emitted, attempt)
+                if winp is None:  # the worker died after the last token, before the finish
+                    yield GenerateChunk([], "", None, "length", len(inp.prompt_token_ids),
+                                        len(emitted))
+                    return
+                base = len(emitted)
+                try:  # aclosing: a client that goes away ends the attempt (and its
+                    # reservation) now
+                    async with contextlib.aclosing(self._run(winp, inp.req_id)) as chunks:
+                        async for chunk in chunks:
+                            chunk.num_prompt_tokens = len(inp.prompt_token_ids)
+                            chunk.num_output_tokens += base
+                            emitted.extend(chunk.token_ids)
+                            yield chunk
+                    return
+                except WorkerLost as e:
+                    self.num_migrations[e.pool] += 1
+                    if attempt + 1 == MAX_ATTEMPTS:
+                        raise BackendUnavailable(f"request {inp.req_id!r} lost a worker "
+                                                 f"{MAX_ATTEMPTS} times; last: {e}") from None
+                    logger.warning("request %s: %s; running it again elsewhere (%d tokens "
+                                   "streamed so far)", inp.req_id, e, len(emitted))
 
     async def _run(self, inp: GenerateInput, client_id: str) -> AsyncIterator[GenerateChunk]:
         """One attempt, a DisaggRequest through its phases (gateway/disagg/request.py):
