@@ -1,13 +1,14 @@
 """The sender's end of the same-host control socket (the receiver's end, and the protocol:
-receiver/control_server.py): a one-sided session's LayerDone and Commit as
+receiver/control_server.py): a one-sided session's Begin, LayerDone and Commit as
 LocalControlRequest datagrams on the decode worker's Unix socket instead of unary gRPC calls.
 
     connect()                                    the handshake names the socket's path
       LocalControlClient.open(path, instance)    one connection, hello -> the receiver's
                                                  instance id: refused if another process's
-    session: channel = client.take()             one connection per session: its LayerDones
-               channel.send(request) ...           pipelined, replies in request order,
-               channel.reply(expected, timeout)    then its Commit
+    session: channel = client.take()             one connection per session: its Begin
+               channel.send(request) ...           (where the receiver takes it), its
+               channel.reply(expected, timeout)    LayerDones pipelined (replies in request
+                                                   order), then its Commit
              client.give_back(channel)           kept for the next session if clean
 
 A connection that fails is closed, never reused; a receiver whose connections are full answers
@@ -60,7 +61,7 @@ class LocalChannel:
 
     def reply(self, expected: str, timeout_s: float) -> pb.LocalControlReply:
         """The oldest pending request's reply, whose result must be `expected`
-        ("layer_done", "commit", "receiver_instance"); TransferError if it failed (with the
+        ("begin", "layer_done", "commit", "receiver_instance"); TransferError if it failed (with the
         status name the RPC would carry) or did not come within timeout_s."""
         assert self.num_pending, "no request is waiting for a reply"
         try:
@@ -95,19 +96,22 @@ class LocalControlClient:
     """A sender's connections to one receiver's socket (see the module docstring). A session
     takes one for its life and gives it back; thread-safe."""
 
-    def __init__(self, path: str, receiver_instance: str, timeout_s: float) -> None:
+    def __init__(self, path: str, receiver_instance: str, timeout_s: float,
+                 takes_begin: bool = False) -> None:
         self.path = path
         self.receiver_instance = receiver_instance
+        self.takes_begin = takes_begin  # the receiver answers Begin here too (its handshake)
         self._timeout_s = timeout_s  # connect and hello
         self._idle: list[LocalChannel] = []
         self._lock = threading.Lock()
         self._closed = False
 
     @classmethod
-    def open(cls, path: str, receiver_instance: str, timeout_s: float) -> LocalControlClient:
+    def open(cls, path: str, receiver_instance: str, timeout_s: float,
+             takes_begin: bool = False) -> LocalControlClient:
         """Connect once to check that `path` reaches the receiver `receiver_instance`; raises
         TransportRefusedError (with the reason) if it does not."""
-        client = cls(path, receiver_instance, timeout_s)
+        client = cls(path, receiver_instance, timeout_s, takes_begin)
         try:
             client.give_back(client.take())
         except TransferError as e:

@@ -187,7 +187,7 @@ def _open_local_control(transport: Transport, reply: pb.HandshakeResponse,
         return None
     try:
         return LocalControlClient.open(reply.local_control_path, reply.receiver_instance,
-                                       options.rpc_timeout_s)
+                                       options.rpc_timeout_s, reply.local_control_begin)
     except TransportRefusedError as e:
         log.warning("kv transfer to %s: control stays on grpc (%s)", target, e)
         return None

@@ -229,11 +229,10 @@ class SendSession:
         try:
             sent = time.monotonic()
             pid, ticks = (0, 0) if self.is_two_sided else my_identity()
-            reply = self._stub.Begin(pb.BeginRequest(
+            reply = self._begin_rpc(pb.BeginRequest(
                 lease_id=self.lease_id, dst_block_ids=self._dst_ids,
                 transport=self._wire_kind, sender_pid=pid,
-                sender_start_ticks=ticks, receiver_instance=self._receiver_instance),
-                timeout=self._options.rpc_timeout_s)
+                sender_start_ticks=ticks, receiver_instance=self._receiver_instance))
             self._lease_deadline = sent + reply.remaining_ms / 1000
             self._lease_ttl_s = reply.remaining_ms / 1000
             self._pump()
@@ -358,6 +357,10 @@ class SendSession:
     def _pump(self) -> None:
         """Ship layers from `_next_layer()` until it returns None."""
         raise NotImplementedError
+
+    def _begin_rpc(self, request: pb.BeginRequest) -> pb.BeginResponse:
+        """Announce the sender and learn the lease's time left (RpcError / TransferError)."""
+        return self._stub.Begin(request, timeout=self._options.rpc_timeout_s)
 
     def _commit_rpc(self, request: pb.CommitRequest) -> pb.CommitResponse:
         """Send the Commit and wait for the receiver's verdict (RpcError / TransferError)."""

@@ -10,13 +10,17 @@ on the time to first token, so a one-sided sender takes the socket when it can r
     LocalControlServer(receiver).start()             connect(): the handshake names the path
       /dev/shm/pdserve-kvctl-<pid>-<instance>.sock     LocalControlClient.open(path, instance)
       one thread per connection:                        hello -> the receiver's instance id
-        request -> receiver.layer_done / commit       a session takes one connection: its
-        reply (errors as gRPC status names)             LayerDones pipelined, then its Commit
+        request -> receiver.begin / layer_done /      a session takes one connection: its
+          commit, reply (errors as gRPC status          Begin, its LayerDones pipelined, then
+          names)                                        its Commit
 
 Messages are LocalControlRequest / LocalControlReply (kv_transfer.proto), one per
 SOCK_SEQPACKET datagram; a connection's replies come in the order of its requests. The verbs
-mean what the RPCs mean, and fail with the same status names (errors.status_name). Begin and
-Abort stay on gRPC: neither is on the critical path, and Abort must reach the receiver from any
+mean what the RPCs mean, and fail with the same status names (errors.status_name). Begin
+comes here too (the handshake says so: HandshakeResponse.local_control_begin): it is not on
+the critical path, but as a unary call it cost the decode worker's event loop ~0.5 ms of CPU
+per transfer (a loopback unary call to a grpc.aio server, measured on 2 vCPUs), and here it
+runs on the connection's thread. Abort stays on gRPC: it must reach the receiver from any
 thread while a session's connection waits for a reply.
 
 The commit runs on the connection's thread, never on the gRPC event loop, so a long check
@@ -42,6 +46,7 @@ from google.protobuf.message import DecodeError
 
 from kv_transfer import wire
 from kv_transfer.errors import status_name
+from kv_transfer.negotiation import kind_from_proto
 from kv_transfer.receiver.kv_receiver import KVReceiver
 from kv_transfer.transports.shm import DEFAULT_DIR
 from protos.pdserve.internal import kv_transfer_pb2 as pb
@@ -120,6 +125,13 @@ class LocalControlServer:
                 result = self.receiver.commit(msg.lease_id, list(msg.layer_crc32))
                 return pb.LocalControlReply(commit=wire.commit_to_proto(
                     result.num_bytes_verified, result.verify_seconds))
+            if verb == "begin":
+                msg = request.begin
+                remaining_s = self.receiver.begin(
+                    msg.lease_id, list(msg.dst_block_ids), kind_from_proto(msg.transport),
+                    (msg.sender_pid, msg.sender_start_ticks), msg.receiver_instance)
+                return pb.LocalControlReply(begin=pb.BeginResponse(
+                    remaining_ms=wire.to_ms(remaining_s)))
             if verb == "hello":
                 return pb.LocalControlReply(receiver_instance=self.receiver.instance_id)
             raise ValueError("empty LocalControlRequest")

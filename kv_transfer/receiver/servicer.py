@@ -71,8 +71,9 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             receiver_instance=r.instance_id, protocol_version=wire.PROTOCOL_VERSION)
         transport = transports.get(result.kind)
         transport.export_to_proto(result.export, reply)
-        if transport.is_one_sided:
+        if transport.is_one_sided and self.local_control_path:
             reply.local_control_path = self.local_control_path
+            reply.local_control_begin = True
         return reply
 
     async def Begin(self, request, context):

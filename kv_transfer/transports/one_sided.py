@@ -12,7 +12,8 @@ OneSidedTransport is their base (transports/base.py), OneSidedSendSession their 
 The checksum is the transport's `checksum_kind`: XXH3 on the host over shm, a device-side
 sum over cuda_ipc (checksum.py).
 LayerDone and Commit travel on the receiver's Unix socket when the connection reached it
-(control_client.py: a round trip of tens of microseconds), else as unary gRPC calls.
+(control_client.py: a round trip of tens of microseconds), else as unary gRPC calls; so does
+Begin where the receiver's handshake says it takes it there.
 
 LayerDone calls are pipelined (a unary gRPC round trip costs 0.3-1 ms here, more than copying
 a layer). That is safe because the receiver frees an aborted one-sided lease only on an explicit
@@ -131,6 +132,15 @@ class OneSidedSendSession(SendSession):
 
     def _is_answered(self, call: grpc.Future | None) -> bool:
         return call.done() if call is not None else self._channel.has_reply()
+
+    def _begin_rpc(self, request: pb.BeginRequest) -> pb.BeginResponse:
+        if self._local is None or not self._local.takes_begin:
+            return super()._begin_rpc(request)
+        channel = self._local_channel()
+        if channel is None:  # the receiver's connections are full: gRPC, as the rest
+            return super()._begin_rpc(request)
+        channel.send(pb.LocalControlRequest(begin=request))
+        return channel.reply("begin", self._options.rpc_timeout_s).begin
 
     def _commit_rpc(self, request: pb.CommitRequest) -> pb.CommitResponse:
         channel = self._local_channel()

@@ -1,5 +1,6 @@
 """The same-host control socket (kv_transfer/receiver/control_server.py, control_client.py):
-an shm sender's LayerDone and Commit go over it instead of gRPC, its errors carry the RPCs'
+an shm sender's Begin, LayerDone and Commit go over it instead of gRPC (Begin where the
+receiver's handshake says it takes it), its errors carry the RPCs'
 status names, every failure frees the lease, and a sender that cannot reach it keeps its
 control on gRPC."""
 
@@ -40,6 +41,10 @@ class CountingServicer(KVTransferServicer):
         super().__init__(*args, **kwargs)
         self.calls: list[str] = []
 
+    async def Begin(self, request, context):
+        self.calls.append("Begin")
+        return await super().Begin(request, context)
+
     async def LayerDone(self, request, context):
         self.calls.append("LayerDone")
         return await super().LayerDone(request, context)
@@ -65,7 +70,7 @@ def _claimed_bits_equal(rig, lease, src_kv, src_ids) -> bool:
     return same_bits(rig.kv[:, rig.table.claim(lease.lease_id)], src_kv[:, src_ids])
 
 
-def test_shm_layer_done_and_commit_take_the_socket_and_reuse_one_connection(make_rig):
+def test_shm_begin_layer_done_and_commit_take_the_socket_and_reuse_one_connection(make_rig):
     rig = make_rig("shm", LAYOUT, servicer_cls=CountingServicer)
     servicer = rig.server.servicer
     with connect("shm", rig.target, LAYOUT) as conn:
@@ -75,9 +80,10 @@ def test_shm_layer_done_and_commit_take_the_socket_and_reuse_one_connection(make
             stats = session.commit(timeout=10)
             assert stats.commit_rpc_seconds > 0 and stats.verify_seconds > 0
             assert _claimed_bits_equal(rig, lease, src_kv, src_ids)
-    assert servicer.calls == []  # nothing but Handshake and Begin reached gRPC
-    # the connect()'s hello, then 3 LayerDones and a Commit per transfer, on one connection
-    assert rig.local.num_requests == 1 + 3 * LAYOUT.num_layers
+    assert servicer.calls == []  # nothing but Handshake reached gRPC
+    # the connect()'s hello, then a Begin, 3 LayerDones and a Commit per transfer, on one
+    # connection
+    assert rig.local.num_requests == 1 + 3 * (1 + LAYOUT.num_layers)
     assert rig.local.num_connections == 1
 
     with connect("shm", rig.target, LAYOUT,
@@ -86,8 +92,29 @@ def test_shm_layer_done_and_commit_take_the_socket_and_reuse_one_connection(make
         lease, session, src_kv, src_ids = _send_all(rig, conn)
         session.commit(timeout=10)
         assert _claimed_bits_equal(rig, lease, src_kv, src_ids)
-    assert servicer.calls == ["LayerDone"] * (LAYOUT.num_layers - 1) + ["Commit"]
-    assert rig.local.num_requests == 1 + 3 * LAYOUT.num_layers
+    assert servicer.calls == ["Begin"] + ["LayerDone"] * (LAYOUT.num_layers - 1) + ["Commit"]
+    assert rig.local.num_requests == 1 + 3 * (1 + LAYOUT.num_layers)
+
+
+class BeginOnGrpcServicer(CountingServicer):
+    """A receiver older than HandshakeResponse.local_control_begin: its socket takes LayerDone
+    and Commit only."""
+
+    async def Handshake(self, request, context):
+        reply = await super().Handshake(request, context)
+        reply.local_control_begin = False
+        return reply
+
+
+def test_a_receiver_whose_socket_takes_no_begin_gets_it_over_grpc(make_rig):
+    rig = make_rig("shm", LAYOUT, servicer_cls=BeginOnGrpcServicer)
+    with connect("shm", rig.target, LAYOUT) as conn:
+        assert conn.control == "unix"
+        lease, session, src_kv, src_ids = _send_all(rig, conn)
+        session.commit(timeout=10)
+        assert _claimed_bits_equal(rig, lease, src_kv, src_ids)
+    assert rig.server.servicer.calls == ["Begin"]
+    assert rig.local.num_requests == 1 + LAYOUT.num_layers  # hello, LayerDones, Commit
 
 
 def test_concurrent_sessions_each_hold_a_connection_and_their_replies_never_cross(make_rig):
@@ -113,8 +140,8 @@ def test_concurrent_sessions_each_hold_a_connection_and_their_replies_never_cros
 
 def test_a_full_socket_refuses_one_more_sender_whose_control_stays_on_grpc(make_rig):
     """At max_connections the receiver answers one more connection's hello with
-    RESOURCE_EXHAUSTED: that session sends its LayerDones and Commit over gRPC and commits,
-    and the next session is back on the socket."""
+    RESOURCE_EXHAUSTED: that session sends its Begin, LayerDones and Commit over gRPC and
+    commits, and the next session is back on the socket."""
     rig = make_rig("shm", LAYOUT, servicer_cls=CountingServicer,
                    local_control_cls=functools.partial(LocalControlServer, max_connections=2))
     with connect("shm", rig.target, LAYOUT) as conn:
@@ -128,7 +155,7 @@ def test_a_full_socket_refuses_one_more_sender_whose_control_stays_on_grpc(make_
         for lease, _, src_kv, src_ids in transfers:
             assert _claimed_bits_equal(rig, lease, src_kv, src_ids)
         assert (rig.local.num_connections, rig.local.num_refused) == (2, 1)
-        grpc_calls = ["LayerDone"] * (LAYOUT.num_layers - 1) + ["Commit"]
+        grpc_calls = ["Begin"] + ["LayerDone"] * (LAYOUT.num_layers - 1) + ["Commit"]
         assert rig.server.servicer.calls == grpc_calls  # the refused session's, alone
         lease, session, src_kv, src_ids = _send_all(rig, conn)
         session.commit(timeout=10)

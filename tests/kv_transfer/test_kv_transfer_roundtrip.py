@@ -116,12 +116,13 @@ def test_grpc_chunk_size_is_capped_by_the_receiver(make_rig):
 
 
 class GatedLocalControl(LocalControlServer):
-    """Holds every LayerDone and Commit on the same-host socket until `gate` opens."""
+    """Holds every LayerDone and Commit on the same-host socket until `gate` opens (as
+    GatedServicer does: Begin is answered)."""
 
     gate = threading.Event()
 
     def handle(self, data: bytes):
-        if pb.LocalControlRequest.FromString(data).WhichOneof("verb") != "hello":
+        if pb.LocalControlRequest.FromString(data).WhichOneof("verb") not in ("hello", "begin"):
             self.gate.wait()
         return super().handle(data)
 

@@ -49,7 +49,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., sender_host_id: _Optional[str] = ..., sender_device: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("transport", "receiver_host_id", "receiver_device", "num_blocks", "layout_fingerprint", "max_chunk_bytes", "shm", "cuda_ipc", "receiver_instance", "local_control_path", "protocol_version")
+    __slots__ = ("transport", "receiver_host_id", "receiver_device", "num_blocks", "layout_fingerprint", "max_chunk_bytes", "shm", "cuda_ipc", "receiver_instance", "local_control_path", "protocol_version", "local_control_begin")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class HandshakeResponse(_message.Message):
     RECEIVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CONTROL_PATH_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CONTROL_BEGIN_FIELD_NUMBER: _ClassVar[int]
     transport: TransportKind
     receiver_host_id: str
     receiver_device: str
@@ -72,7 +73,8 @@ class HandshakeResponse(_message.Message):
     receiver_instance: str
     local_control_path: str
     protocol_version: int
-    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., receiver_host_id: _Optional[str] = ..., receiver_device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., receiver_instance: _Optional[str] = ..., local_control_path: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    local_control_begin: bool
+    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., receiver_host_id: _Optional[str] = ..., receiver_device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., receiver_instance: _Optional[str] = ..., local_control_path: _Optional[str] = ..., protocol_version: _Optional[int] = ..., local_control_begin: _Optional[bool] = ...) -> None: ...
 
 class ShmPool(_message.Message):
     __slots__ = ("path", "size_bytes", "st_dev", "st_ino")
@@ -217,26 +219,30 @@ class AbortResponse(_message.Message):
     def __init__(self, was_live: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
 
 class LocalControlRequest(_message.Message):
-    __slots__ = ("layer_done", "commit", "hello")
+    __slots__ = ("layer_done", "commit", "hello", "begin")
     LAYER_DONE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
     layer_done: LayerDoneRequest
     commit: CommitRequest
     hello: bool
-    def __init__(self, layer_done: _Optional[_Union[LayerDoneRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitRequest, _Mapping]] = ..., hello: _Optional[bool] = ...) -> None: ...
+    begin: BeginRequest
+    def __init__(self, layer_done: _Optional[_Union[LayerDoneRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitRequest, _Mapping]] = ..., hello: _Optional[bool] = ..., begin: _Optional[_Union[BeginRequest, _Mapping]] = ...) -> None: ...
 
 class LocalControlReply(_message.Message):
-    __slots__ = ("layer_done", "commit", "receiver_instance", "error")
+    __slots__ = ("layer_done", "commit", "receiver_instance", "error", "begin")
     LAYER_DONE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
     layer_done: LayerDoneResponse
     commit: CommitResponse
     receiver_instance: str
     error: LocalControlError
-    def __init__(self, layer_done: _Optional[_Union[LayerDoneResponse, _Mapping]] = ..., commit: _Optional[_Union[CommitResponse, _Mapping]] = ..., receiver_instance: _Optional[str] = ..., error: _Optional[_Union[LocalControlError, _Mapping]] = ...) -> None: ...
+    begin: BeginResponse
+    def __init__(self, layer_done: _Optional[_Union[LayerDoneResponse, _Mapping]] = ..., commit: _Optional[_Union[CommitResponse, _Mapping]] = ..., receiver_instance: _Optional[str] = ..., error: _Optional[_Union[LocalControlError, _Mapping]] = ..., begin: _Optional[_Union[BeginResponse, _Mapping]] = ...) -> None: ...
 
 class LocalControlError(_message.Message):
     __slots__ = ("code", "message")
