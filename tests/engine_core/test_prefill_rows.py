@@ -75,7 +75,9 @@ def test_projections_whose_rows_vary_are_blocked_and_float32_ones_left_to_mkl():
     assert [type(p) is pm.RowBlockedLinear for p in bf16.projections] == vary
     assert all(type(p) is pm.RowBucketedLinear
                for p, v in zip(bf16.projections, vary, strict=True) if not v)
-    assert all(p.rows == pm.ROWS for p in bf16.projections if type(p) is pm.RowBlockedLinear)
+    assert all(p.rows == pm.block_rows(p.in_features, p.out_features, torch.bfloat16,
+                                       p.bias is not None) and p.rows in pm.BLOCK_ROWS
+               for p in bf16.projections if type(p) is pm.RowBlockedLinear)
     assert type(bf16.lm_head) is pm.RowBlockedLinear and bf16.lm_head.rows == pm.HEAD_ROWS
     fp32 = _Model(SHAPES[:1], torch.float32)
     assert pm.block_prefill_rows(fp32) == 0 and type(fp32.projections[0]) is nn.Linear

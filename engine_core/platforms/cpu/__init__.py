@@ -26,7 +26,7 @@ from engine_core import openmp_env
 from engine_core.model.forward_context import ForwardContext, use
 from engine_core.model.ops import ModelOps
 from engine_core.platforms import Platform
-from engine_core.platforms.cpu.prefill_matmuls import ROWS, block_prefill_rows, float32_rows_vary
+from engine_core.platforms.cpu.prefill_matmuls import block_prefill_rows, float32_rows_vary
 from kernels import native
 
 logger = logging.getLogger(__name__)
@@ -143,8 +143,8 @@ class CpuPlatform(Platform):
     def invariant_rows(self, model) -> None:
         turned = block_prefill_rows(model)
         if turned:
-            logger.debug("%d projections multiply prefill rows in calls of %d rows", turned,
-                         ROWS)
+            logger.debug("%d projections multiply prefill rows in calls of one size each",
+                         turned)
 
     def resolve_activations(self, setting: str | None, dtype: torch.dtype) -> str:
         from engine_core.platforms.cpu.decode_quant import resolve_activations

@@ -14,16 +14,20 @@ worker could continue differently.
   cost. `float32_rows_vary` checks that it took effect.
 - bf16 and other dtypes (oneDNN): no such mode, so every call gets one shape. A projection
   whose rows vary (`rows_vary` tries each shape once per process) multiplies its rows in
-  calls of exactly ROWS rows, the last one padded with zeros: at one shape the rows were
-  independent of their position in the call and of the thread count for every projection
-  shape tried. The LM head takes HEAD_ROWS: its prefill rows are few (one per
+  calls of exactly `block_rows` rows, the last one padded with zeros: the most of
+  BLOCK_ROWS at which a probe finds the rows independent of their position in the call, of
+  the rows beside them and of the thread count, else ROWS, at which every projection shape
+  tried was. The LM head takes HEAD_ROWS: its prefill rows are few (one per
   prompt that ends in the step) and its weight is large, so a call's cost is the weight's read.
 - The other projections of those dtypes (RowBucketedLinear) keep one call, its rows rounded
   up to a bucket: oneDNN compiles a kernel per call shape and caches 1,024, which a model's
   row counts overflow.
 
-Why 64: at 128 and 256 rows per call, a 2048x640 projection's rows differed between one
-thread and two; at 64 no shape tried did (tests/engine_core/test_prefill_rows.py).
+Why per shape: at 128 and 256 rows per call, a 2048x640 projection's rows differed between
+one thread and two; at 64 no shape tried did (tests/engine_core/test_prefill_rows.py). Most
+other shapes of Gemma 3 270M and SmolLM2-135M kept their rows at 256 (SmolLM2's 1536x576 at
+128), where a call of 256 rows took about half the time of four calls of 64
+(docs/benchmarks.md, numerics).
 
 Cost on that Xeon (bf16, 2 threads): each call repacks its weight for AMX (64 rows took 133 us
 with a prepacked 640x2048 weight, 187 us without), so rows cost more in small calls: 640x2048
@@ -41,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROWS = 64  # rows per call of a projection
+ROWS = 64  # rows per call of a projection whose larger blocks vary (taken without a probe)
+BLOCK_ROWS = (256, 128, ROWS)  # block_rows' candidates, the largest first
 HEAD_ROWS = 16  # rows per call of the LM head
 BUCKET_ROWS = 64  # the other projections' calls: rows rounded up to a multiple of this
 BUCKET_SMALL = 16  # ... or of this, for calls of at most BUCKET_ROWS rows
@@ -117,10 +122,47 @@ def block_prefill_rows(model: nn.Module) -> int:
             module.__class__ = RowBucketedLinear
             continue
         module.__class__ = RowBlockedLinear
-        if module is head:
-            module.rows = HEAD_ROWS
+        module.rows = HEAD_ROWS if module is head else block_rows(
+            module.in_features, module.out_features, module.weight.dtype,
+            module.bias is not None)
         turned += 1
     return turned
+
+
+@functools.cache
+def block_rows(k: int, n: int, dtype: torch.dtype, has_bias: bool) -> int:
+    """The rows per call of a blocked k -> n projection: the largest of BLOCK_ROWS whose
+    calls give each row the same result at any position in the call, beside any rows and on
+    one thread, two or this process's count (tried once per process on random weights;
+    only sizes within PROBE_MACS), else ROWS."""
+    for b in BLOCK_ROWS[:-1]:
+        if b * k * n <= PROBE_MACS and not _block_varies(k, n, dtype, has_bias, b):
+            return b
+    return ROWS
+
+
+def _block_varies(k: int, n: int, dtype: torch.dtype, has_bias: bool, b: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if has_bias else None
+    x = torch.randn(2 * b, k, generator=gen).to(dtype)
+    h = b // 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = F.linear(x[:b], w, bias)
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            moved = F.linear(x[:b].roll(5, 0), w, bias)  # each row 5 places on
+            beside = F.linear(torch.cat([x[b:b + h], x[:h]]), w, bias)  # other rows first
+            padded = F.linear(torch.cat([x[:h], torch.zeros_like(x[:h])]), w, bias)
+            if not (torch.equal(F.linear(x[:b], w, bias), ref)
+                    and torch.equal(moved, ref.roll(5, 0)) and torch.equal(beside[h:], ref[:h])
+                    and torch.equal(padded[:h], ref[:h])):
+                return True
+    finally:
+        torch.set_num_threads(threads)
+    return False
 
 
 @functools.cache
