@@ -35,7 +35,7 @@ from kv_transfer.control_client import LocalControlClient
 from kv_transfer.errors import LayoutMismatchError, TransferError, TransportRefusedError
 from kv_transfer.grpc_options import GRPC_CHANNEL_OPTIONS
 from kv_transfer.negotiation import host_id, kind_from_proto, kind_to_proto, select_transport
-from kv_transfer.send_options import SenderOptions
+from kv_transfer.send_options import SenderOptions, SendState
 from kv_transfer.session import SendSession
 from kv_transfer.transports.base import Transport
 from protos.pdserve.internal import kv_transfer_pb2 as pb
@@ -91,6 +91,14 @@ class Connection:
             session = self.transport.new_session(*args, pool=self._dst, local=self._local)
             self._sessions.add(session)
         return session.start()
+
+    @property
+    def num_active(self) -> int:
+        """Sessions begun and not yet ended (sending layers, or committed and waiting for
+        the receiver's verdict)."""
+        with self._lock:
+            return sum(s.state in (SendState.SENDING, SendState.COMMITTING)
+                       for s in self._sessions)
 
     def close(self) -> None:
         """Abort the sessions still running, then close the channel and unmap the pool; a

@@ -115,6 +115,7 @@ class PrefillWorker:
         self.offload_tier_ids = (engine.offloader.shared_tier_ids()
                                  if engine.offloader is not None else [])
         self.metrics = metrics
+        metrics.count_active_by(self.transfers_active)
         self.tls = tls  # mutual TLS to the decode workers' KV transfer service
         self._connections: dict[tuple[str, str], Connection] = {}
         self._connecting: dict[tuple[str, str], asyncio.Lock] = {}
@@ -224,6 +225,13 @@ class PrefillWorker:
                                     f"{address} (instance {instance}, now "
                                     f"{conn.receiver_instance})")
             return conn
+
+    def transfers_active(self) -> dict[str, int]:
+        """Transfers begun and not yet ended, by transport (any thread: the metrics')."""
+        active: dict[str, int] = {}
+        for conn in list(self._connections.values()):
+            active[conn.kind] = active.get(conn.kind, 0) + conn.num_active
+        return active
 
     def _forget(self, conn: Connection) -> None:
         """A failed transfer may mean the decode worker restarted: handshake again next time.

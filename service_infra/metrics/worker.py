@@ -10,6 +10,7 @@ transfers are observed by the prefill worker as each one commits or fails.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -210,6 +211,23 @@ class KVTransferMetrics:
         self.prefill = ""  # this worker's name (set once its port is bound: set_prefill)
         # decode -> (transport, control, fallback_from)
         self._chosen: dict[str, tuple[str, str, str]] = {}
+        self._active: Callable[[], dict[str, int]] = dict  # by transport (count_active_by)
+        registry.register(self)  # collect(): the in-flight gauge, read at scrape time
+
+    def count_active_by(self, active: Callable[[], dict[str, int]]) -> None:
+        """Where kv_transfers_active is read: a function giving the transfers begun and not
+        yet ended, by transport (called on the scrape's thread)."""
+        self._active = active
+
+    def collect(self):
+        g = GaugeMetricFamily(PREFIX + "kv_transfers_active", "Transfers begun (Begin sent) "
+                              "and not yet ended: layers still being sent, or committed and "
+                              "waiting for the receiver's verdict.",
+                              labels=["model_name", "transport"])
+        active = self._active()
+        for transport in sorted({*self.TRANSPORTS, *active}):
+            g.add_metric([self.model_name, transport], active.get(transport, 0))
+        yield g
 
     def set_prefill(self, name: str) -> None:
         """This prefill worker's name in the `prefill` label (its worker id or address)."""

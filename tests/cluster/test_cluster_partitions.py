@@ -131,22 +131,31 @@ def test_a_decode_host_cut_mid_stream(cluster, tiny_offline):
 
 def test_a_prefill_host_cut_mid_transfer(cluster, tiny_offline):
     """Both prefill links at 20 Mbit/s: an 800-token prompt's KV (800 KB here) takes 0.3 s
-    alone, and more beside the others, so the cut finds transfers in flight. Bound:
-    DETECT_S (the gateway gives the silent prefill worker up) + the lease ttl (a stalled
-    transfer's blocks are freed) + SLACK_S."""
-    prefill = [w.host for w in cluster.live("prefill")]
+    alone, and more beside the others. The cut takes the first prefill host seen with a
+    transfer in flight (its pdserve:kv_transfers_active). Bound: DETECT_S (the gateway gives
+    the silent prefill worker up) + the lease ttl (a stalled transfer's blocks are freed) +
+    SLACK_S."""
+    prefill = cluster.live("prefill")
     decode = cluster.live("decode")
     ended = {s: sum(sample_value(d.metrics_url, "pdserve:kv_leases_ended_total", state=s)
                     for d in decode) for s in ("EXPIRED", "FAILED")}
-    for host in prefill:
-        cluster.net.shape(host, 20e6)
+    sending: list = []
+
+    def find_sending() -> None:
+        sending.append(wait_until(lambda: next((w for w in prefill if sample_value(
+            w.metrics_url, "pdserve:kv_transfers_active")), None), 60,
+            "a prefill worker with a transfer in flight", interval_s=0.01))
+
+    for w in prefill:
+        cluster.net.shape(w.host, 20e6)
     try:
         outcomes, readiness, _ = under_fault(
-            cluster, lambda: cluster.net.set_link(prefill[0], False),
-            lambda: cluster.net.set_link(prefill[0], True), 12.0, LONG_PROMPTS, LONG_TOKENS)
+            cluster, lambda: cluster.net.set_link(sending[0].host, False),
+            lambda: cluster.net.set_link(sending[0].host, True), 12.0, LONG_PROMPTS,
+            LONG_TOKENS, before_cut=find_sending)
     finally:
-        for host in prefill:
-            cluster.net.shape(host, None)
+        for w in prefill:
+            cluster.net.shape(w.host, None)
     bound = DETECT_S + cluster.spec.lease_ttl_s + SLACK_S
     check_invariants(cluster, tiny_offline, outcomes, readiness, bound, LONG_TOKENS)
     assert gateway_status(cluster)["migrations"]["prefill"] > 0

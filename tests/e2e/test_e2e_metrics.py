@@ -48,7 +48,7 @@ ENGINE = {
     "kv_offload_store_seconds": H, "kv_offload_store_skipped": C,
 }
 PREFILL = {**ENGINE, "kv_transfer_time_seconds": H, "kv_transfer_bytes": H,
-           "kv_transfer_failures": C, "kv_transport_info": G}
+           "kv_transfer_failures": C, "kv_transport_info": G, "kv_transfers_active": G}
 DECODE = {**ENGINE, "kv_leases_active": G, "kv_leases_ended": C, "spec_decode_num_drafts": C,
           "spec_decode_num_draft_tokens": C, "spec_decode_num_accepted_tokens": C,
           "spec_decode_num_accepted_tokens_per_pos": C,
@@ -124,6 +124,7 @@ def test_counters_move_with_a_request(stack, ref):
         assert value(families, "num_requests_running") == 0
         assert value(families, "num_requests_waiting") == 0
     assert value(dc, "kv_cache_usage_perc") == 0 and value(dc, "kv_leases_active") == 0
+    assert value(pf, "kv_transfers_active") == 0
     assert value(gw, "healthy_workers", pool="prefill") == 1
     assert value(gw, "healthy_workers", pool="decode") == 1
 

@@ -33,8 +33,10 @@ def engine(tmp_path_factory) -> PrefillEngine:
 def test_a_late_reservation_of_a_restarted_decode_worker_fails_alone(engine, make_rig, kind):
     rig = make_rig(kind, engine.layout)
     name = engine.source.name
-    worker = PrefillWorker(engine, None, KVTransferMetrics(
-        worker_registry("prefill", name, engine), name))
+    registry = worker_registry("prefill", name, engine)
+    worker = PrefillWorker(engine, None, KVTransferMetrics(registry, name))
+    active = lambda: registry.get_sample_value(  # noqa: E731
+        "pdserve:kv_transfers_active", {"model_name": name, "transport": kind})
     old = rig.receiver.instance_id
 
     async def scenario():
@@ -54,10 +56,13 @@ def test_a_late_reservation_of_a_restarted_decode_worker_fails_alone(engine, mak
     src_kv, src_ids = rig.source(2)
     with pytest.raises(TransferError, match="closed"):  # the old process's: closed
         first.begin(lease.lease_id, src_ids, list(lease.block_ids))
+    assert active() == 0
     session = current.begin(lease.lease_id, src_ids, list(lease.block_ids))  # still open
+    assert active() == 1  # begun: in flight until the receiver's verdict
     for layer in range(rig.layout.num_layers):
         assert session.send_layer(layer, src_kv)
     session.commit(timeout=5)
+    assert active() == 0
     assert wait_until(lambda: rig.table.get(lease.lease_id).state is LeaseState.COMPLETE)
     worker.close()
 
