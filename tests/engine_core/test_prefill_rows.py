@@ -172,3 +172,73 @@ def test_a_prompt_prefilled_beside_others_gives_what_it_gives_alone(tmp_path, qu
     assert alone[0] is not None and len(alone[1]) == 6
     assert run([prompts[1], prompts[0], prompts[2]], 1) == alone  # rows 45 to 114 of 205
     assert run(prompts, 0) == alone
+
+
+def test_a_packed_projection_gives_the_unpacked_results_and_shared_weights_stay():
+    """block_prefill_rows packs a blocked projection's weight in oneDNN's form for its call
+    size (pack_weight) where the packed calls give torch's own results bit for bit; not the
+    head, nor a weight whose storage something else holds (a tied embedding, the C kernels'
+    view of a float weight), which packing would copy."""
+    if not cpu_has_fast_bf16():
+        pytest.skip("bf16 is not this CPU's dtype: torch emulates its matmuls (slow)")
+    torch.manual_seed(3)
+    model = _Model([(640, 1536), (640, 1536)], torch.bfloat16)
+    model.view = model.projections[1].weight.detach()  # e.g. NativeFloatMatmul.qs
+    plain = _Model([(640, 1536), (640, 1536)], torch.bfloat16)
+    plain.load_state_dict(model.state_dict())
+    pm.block_prefill_rows(model)
+    first, second = model.projections
+    assert type(first) is pm.RowBlockedLinear
+    expected = pm.packs_exactly(640, 1536, torch.bfloat16, True, first.rows)
+    assert first.is_packed == expected and first.weight.is_mkldnn == expected
+    assert not second.is_packed and not model.lm_head.is_packed
+    unpacked = pm.RowBlockedLinear(640, 1536, dtype=torch.bfloat16)
+    unpacked.load_state_dict(plain.projections[0].state_dict())
+    unpacked.rows = first.rows
+    x = torch.randn(2 * first.rows + 3, 640).to(torch.bfloat16)
+    with torch.inference_mode():
+        for m in (0, 1, first.rows - 1, first.rows, first.rows + 1, 2 * first.rows + 3):
+            assert torch.equal(first(x[:m]), unpacked(x[:m])), m
+
+
+def test_a_slabbed_mlp_gives_one_pass_results_bit_for_bit():
+    """block_prefill_rows makes a gated MLP with blocked projections a SlabbedMLP: its rows
+    go through in slabs of the projections' largest call size, with the one-pass results,
+    bit for bit, at any row count; a step with quantized decode rows takes one pass."""
+    from engine_core.config import ModelConfig
+    from engine_core.model.feed_forward import MLP
+    from engine_core.model.forward_context import ForwardContext, use
+
+    if not cpu_has_fast_bf16():
+        pytest.skip("bf16 is not this CPU's dtype: torch emulates its matmuls (slow)")
+    torch.manual_seed(4)
+    cfg = ModelConfig(name="m", vocab_size=8, hidden_size=640, intermediate_size=2048,
+                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=64)
+    holder = nn.Module()
+    holder.mlp, holder.lm_head = MLP(cfg).to(torch.bfloat16), nn.Linear(8, 8)
+    one_pass = MLP(cfg).to(torch.bfloat16)
+    one_pass.load_state_dict(holder.mlp.state_dict())
+    pm.block_prefill_rows(holder)
+    mlp = holder.mlp
+    assert type(mlp) is pm.SlabbedMLP
+    for name in ("gate_up_proj", "down_proj"):  # the same calls (unpacked), in one pass
+        p, blocked = getattr(one_pass, name), getattr(mlp, name)
+        p.__class__, p.rows = type(blocked), getattr(blocked, "rows", None)
+    b = mlp.slab_rows
+    assert b == max(mlp.gate_up_proj.rows, mlp.down_proj.rows)
+    x = torch.randn(3 * b + 5, 640).to(torch.bfloat16)
+    with torch.inference_mode():
+        for m in (1, b, b + 1, 2 * b, 3 * b + 5):
+            assert torch.equal(mlp(x[:m]), one_pass(x[:m])), m
+        calls = []
+        real = MLP.forward
+        MLP.forward = lambda self, x: calls.append(x.shape[0]) or real(self, x)
+        try:
+            mlp(x)
+            assert calls == [b, b, b, 5]
+            calls.clear()
+            with use(ForwardContext(num_quant_rows=2)):
+                mlp(x)
+            assert calls == [3 * b + 5]
+        finally:
+            MLP.forward = real

@@ -40,10 +40,14 @@ against 24 ms for one.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine_core.model.feed_forward import MLP
+from engine_core.model.forward_context import current
 
 ROWS = 64  # rows per call of a projection whose larger blocks vary (taken without a probe)
 BLOCK_ROWS = (256, 128, ROWS)  # block_rows' candidates, the largest first
@@ -57,23 +61,48 @@ PROBE_MACS = 1 << 31  # multiply-adds of rows_vary's largest call, at most
 
 class RowBlockedLinear(nn.Linear):
     """nn.Linear whose forward multiplies `rows` rows per call, the last call padded with
-    zeros, so a row's result does not depend on the number of rows beside it."""
+    zeros, so a row's result does not depend on the number of rows beside it. `is_packed`:
+    the weight is oneDNN's reordered form for calls of `rows` rows (pack_weight), which each
+    call of torch's own would otherwise reorder again."""
 
     rows = ROWS
+    is_packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         m, b = x.shape[0], self.rows
-        if m == b or m == 0:
-            return F.linear(x, self.weight, self.bias)
+        if m == 0:
+            return x.new_zeros((0, self.out_features))
+        if m == b:
+            return self._call(x)
         whole = m - m % b
-        parts = [F.linear(x[i:i + b], self.weight, self.bias) for i in range(0, whole, b)]
+        parts = [self._call(x[i:i + b]) for i in range(0, whole, b)]
         if whole < m:
             tail = x.new_zeros((b, x.shape[1]))
             tail[:m - whole] = x[whole:]
-            parts.append(F.linear(tail, self.weight, self.bias)[:m - whole])
+            parts.append(self._call(tail)[:m - whole])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
+        if self.is_packed:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
+                                                      "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def pack_weight(self) -> bool:
+        """Replace the weight by oneDNN's form of it for calls of `rows` rows, where the
+        packed calls give torch's own results bit for bit (packs_exactly). Only for a weight
+        nothing else holds (no tied or shared storage): the caller checks. True if packed."""
+        w = self.weight
+        if self.is_packed or w.is_meta or not packs_exactly(
+                self.in_features, self.out_features, w.dtype, self.bias is not None,
+                self.rows):
+            return False
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, self.rows),
+                                   requires_grad=False)
+        self.is_packed = True
+        return True
 
 
 class RowBucketedLinear(nn.Linear):
@@ -114,6 +143,7 @@ def block_prefill_rows(model: nn.Module) -> int:
     head = model.lm_head
     head = getattr(head, "dense", head)  # the dense half of a DecodeQuantLMHead
     turned = 0
+    holders = _storage_holders(model)
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dtype == torch.float32:
             continue
@@ -125,8 +155,93 @@ def block_prefill_rows(model: nn.Module) -> int:
         module.rows = HEAD_ROWS if module is head else block_rows(
             module.in_features, module.out_features, module.weight.dtype,
             module.bias is not None)
+        if module is not head and holders[_storage(module.weight)] == 1:
+            module.pack_weight()  # (the head's is the embedding's too, where tied)
         turned += 1
+    slab_mlps(model)
     return turned
+
+
+class SlabbedMLP(MLP):
+    """A gated MLP whose prefill rows go through it `slab_rows` at a time (the most rows per
+    call of its blocked projections, a multiple of each's): the same calls of the same rows
+    as one pass, bit for bit, without a whole step's gate and up outputs (2 x intermediate
+    per row) built, joined and read again by the activation; a slab's stay in cache. A step
+    with decode rows on the quantized path (the forward context's num_quant_rows) takes one
+    pass: those rows must come first in each projection's call."""
+
+    slab_rows = BLOCK_ROWS[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m, b = x.shape[0], self.slab_rows
+        if x.dim() != 2 or m <= b or current().num_quant_rows:
+            return super().forward(x)
+        first = super().forward(x[:b])
+        out = first.new_empty((m, first.shape[1]))
+        out[:b] = first
+        for i in range(b, m, b):
+            out[i:i + b] = super().forward(x[i:i + b])
+        return out
+
+
+def slab_mlps(model: nn.Module) -> int:
+    """Make each gated MLP with a blocked projection (RowBlockedLinear, as itself or as the
+    dense half of a DecodeQuantLinear) a SlabbedMLP; returns how many."""
+    turned = 0
+    for module in model.modules():
+        if type(module) is not MLP:
+            continue
+        rows = [d.rows for d in (getattr(p, "dense", p) for p in (module.gate_up_proj,
+                                                                  module.down_proj))
+                if isinstance(d, RowBlockedLinear)]
+        if rows and all(max(rows) % r == 0 for r in rows):
+            module.__class__ = SlabbedMLP
+            module.slab_rows = max(rows)
+            turned += 1
+    return turned
+
+
+def _storage(t: torch.Tensor) -> int:
+    return 0 if t.is_meta or t.is_mkldnn else t.untyped_storage().data_ptr()
+
+
+def _storage_holders(model: nn.Module) -> Counter[int]:
+    """How many of the model's tensors (parameters, buffers, other tensor attributes: the C
+    kernels' views of a float weight) use each storage."""
+    held: Counter[int] = Counter()
+    for module in model.modules():
+        tensors = {id(t): t for t in (*module._parameters.values(), *module._buffers.values(),
+                                      *vars(module).values())
+                   if isinstance(t, torch.Tensor)}
+        held.update(_storage(t) for t in tensors.values())
+    return held
+
+
+@functools.cache
+def packs_exactly(k: int, n: int, dtype: torch.dtype, has_bias: bool, rows: int) -> bool:
+    """Whether calls of `rows` rows on oneDNN's packed form of a bf16 k -> n weight give
+    F.linear's results bit for bit, on one thread, two and this process's count (tried on
+    random weights once per process); False where torch has no such call."""
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if has_bias else None
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
+                                                                  [], ""),
+                               F.linear(x, w, bias)):
+                return False
+    except (RuntimeError, AttributeError):  # no oneDNN build, or no such op in this torch
+        return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
 
 
 @functools.cache
