@@ -66,6 +66,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_q8_matmul": ([_p, _i64, _i64, _int, _p, _p, _p, _i64, _p, _int], _int),
     "pd_row_attention": ([_p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64, _p, _p,
                           _int, _f32, _p, _i64, _int, _i64, _f32, _p], _int),
+    "pd_row_attention_bf16": ([_p, _p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64,
+                               _p, _p, _int, _f32, _p, _i64, _int, _i64, _f32, _p], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
@@ -231,7 +233,8 @@ def check(status: int) -> None:
 
 def row_attention(
     lib: ctypes.CDLL,
-    qkv: torch.Tensor,  # [S, (Hq + 2 Hkv) * D] float32, contiguous; q and k rotated in place
+    qkv: torch.Tensor,  # [S, (Hq + 2 Hkv) * D] float32 (q and k rotated in place) or bfloat16
+    # (left as it is), contiguous
     cos_sin: torch.Tensor,  # [S, D] float32: cos | sin of each row's position
     kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D] float32 or bf16, contiguous
     slot_mapping: torch.Tensor,  # [S] int64
@@ -244,16 +247,19 @@ def row_attention(
     window: int | None = None,  # a sliding window: each row's last `window` positions
     softcap: float | None = None,  # scores capped to softcap * tanh(s / softcap) (Gemma 2)
     sinks: torch.Tensor | None = None,  # [Hq] float32 contiguous: attention sinks (GPT-OSS)
-) -> torch.Tensor:  # [S, Hq * D] float32
+) -> torch.Tensor:  # [S, Hq * D] in qkv's dtype
     """Rotary embedding, K/V store and attention of S query rows in one call, each over its
     own context (see pd_row_attention in csrc/attention.c): decode rows, a token and its
-    drafts, or the rows of prefill chunks (several rows sharing a sequence's table)."""
+    drafts, or the rows of prefill chunks (several rows sharing a sequence's table). The
+    kernel computes in float32; bfloat16 rows are converted on the way in and out, as
+    torch's .float() and .to(torch.bfloat16) around the call would be, bit for bit."""
     if window is not None and window < 1:
         raise ValueError(f"row_attention: window must be >= 1 or None, got {window}")
     num_rows = qkv.shape[0]
     num_kv_heads, head_dim = kv_layer.shape[3], kv_layer.shape[4]
-    layouts = ((qkv, torch.float32), (cos_sin, torch.float32), (slot_mapping, torch.int64),
-               (context_lens, torch.int32))
+    is_bf16 = qkv.dtype == torch.bfloat16
+    layouts = ((qkv, torch.bfloat16 if is_bf16 else torch.float32), (cos_sin, torch.float32),
+               (slot_mapping, torch.int64), (context_lens, torch.int32))
     if (any(t.dtype != dtype or not t.is_contiguous() for t, dtype in layouts)
             or kv_layer.dtype not in (torch.float32, torch.bfloat16) or not kv_layer.is_contiguous()
             or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
@@ -262,14 +268,17 @@ def row_attention(
             or head_dim % 8 or head_dim > 256 or num_heads % num_kv_heads
             or (sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
                                        or tuple(sinks.shape) != (num_heads,)))):
-        raise ValueError("row_attention: float32/int64/int32 contiguous inputs, a float32 or "
-                         "bfloat16 cache, head_dim a multiple of 8 up to 256, query heads a "
-                         "multiple of KV heads, sinks float32 [num_heads]")
+        raise ValueError("row_attention: float32 or bfloat16 rows, float32/int64/int32 "
+                         "contiguous inputs, a float32 or bfloat16 cache, head_dim a multiple "
+                         "of 8 up to 256, query heads a multiple of KV heads, sinks float32 "
+                         "[num_heads]")
     if max_len <= 0:  # the caller did not know it
         max_len = int(context_lens.max())
-    out = torch.empty((num_rows, num_heads * head_dim), dtype=torch.float32)
-    check(lib.pd_row_attention(
-        qkv.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
+    out = torch.empty((num_rows, num_heads * head_dim), dtype=qkv.dtype)
+    work = torch.empty(qkv.shape, dtype=torch.float32) if is_bf16 else None  # rotated rows
+    rows = (qkv.data_ptr(), work.data_ptr()) if is_bf16 else (qkv.data_ptr(),)
+    check((lib.pd_row_attention_bf16 if is_bf16 else lib.pd_row_attention)(
+        *rows, num_rows, num_heads, num_kv_heads, head_dim, cos_sin.data_ptr(),
         kv_layer.data_ptr(), kv_layer.dtype == torch.bfloat16, slot_mapping.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0),
         None if table_of_row is None else table_of_row.data_ptr(), context_lens.data_ptr(),

@@ -118,8 +118,8 @@ class Attention(nn.Module):
         # rope, K/V store and attention in one call (the C kernels), in float32 over a
         # float32 or bfloat16 cache: each row over its own context, decode rows and prefill
         # rows alike (one call for each kind). Rows here are the prefill rows only when
-        # decodes_done.
-        rows = qkv.float()  # rotated in place by the kernel
+        # decodes_done. bfloat16 rows go in as they are (converted in the kernel).
+        rows = qkv.contiguous() if qkv.dtype == torch.bfloat16 else qkv.float()  # f32: rotated
         first = 0 if meta.decodes_done else nd  # this call's first prefill row
         parts = []
         if first:

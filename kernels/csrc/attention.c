@@ -343,13 +343,24 @@ static int group_kernel(const float *q, const void *kv, const int64_t *keys, int
 #undef GROUP_ATTENTION
 #endif
 
+/* qkv16, out16 (both or neither): the rows come in bfloat16 (qkv16, converted into qkv, the
+ * float32 work rows) and the output goes out in bfloat16 (out16, rounded to nearest even as
+ * torch's .to(bfloat16) does; `out` unused): what torch's conversions around the float32 call
+ * would give, bit for bit, without them. */
 static inline __attribute__((always_inline)) int row_attention(
         float *qkv, int64_t S, int Hq, int Hkv, int D, const float *cos_sin, void *kv,
         const int64_t *slots, const int32_t *tables, int64_t table_stride,
         const int32_t *table_of_row, const int32_t *lens, int bs, float scale, float *out,
         int64_t max_len, int threads, int64_t window, float softcap, const float *sinks,
-        const int bf16) {
+        const int bf16, const uint16_t *qkv16, uint16_t *out16) {
     const int64_t row_stride = (int64_t)(Hq + 2 * Hkv) * D, token_stride = (int64_t)Hkv * D;
+    if (qkv16) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && S > 16)
+        for (int64_t i = 0; i < S * row_stride; i++) {
+            uint32_t u = (uint32_t)qkv16[i] << 16;
+            memcpy(qkv + i, &u, sizeof u);
+        }
+    }
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * row_stride;
         rope_row(row, cos_sin + s * D, Hq + Hkv, D); /* q heads, then k heads */
@@ -374,13 +385,14 @@ static inline __attribute__((always_inline)) int row_attention(
         /* this thread's scratch: one row's key offsets, the scores of one KV head's group */
         int64_t *keys = malloc((size_t)max_len * sizeof(int64_t)), row = -1;
         float *scores = malloc((size_t)(max_len * group) * sizeof(float));
-        if (scores == 0 || keys == 0) {
+        float *wide = out16 ? malloc((size_t)(group * D) * sizeof(float)) : 0; /* one item */
+        if (scores == 0 || keys == 0 || (out16 && wide == 0)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(guided)
         for (int64_t item = 0; item < S * Hkv; item++) { /* a row's KV head and its group */
-            if (scores == 0 || keys == 0) continue;
+            if (scores == 0 || keys == 0 || (out16 && wide == 0)) continue;
             const int64_t s = item / Hkv, h = item % Hkv;
             if (s != row) { /* a thread's items come in order: a row's heads share its keys */
                 const int64_t t = table_of_row ? table_of_row[s] : s;
@@ -388,24 +400,30 @@ static inline __attribute__((always_inline)) int row_attention(
                 row = s;
             }
             const float *q = qkv + s * row_stride + h * group * D;
-            float *o = out + s * Hq * D + h * group * D;
+            float *o = out16 ? wide : out + s * Hq * D + h * group * D;
             const int64_t value = bs * token_stride + h * D;
             /* a sliding window: the context's last `window` keys only */
             const int64_t first = window > 0 && lens[s] > window ? lens[s] - window : 0;
             const int64_t *seen = keys + first, len = lens[s] - first;
+            int done = 0;
 #ifdef __AVX512F__
-            if (group_kernel(q, kv, seen, len, h * D, value, scale, scores, max_len, o, softcap,
-                             sinks != 0 ? sinks + h * group : 0, D, group, bf16))
-                continue;
+            done = group_kernel(q, kv, seen, len, h * D, value, scale, scores, max_len, o,
+                                softcap, sinks != 0 ? sinks + h * group : 0, D, group, bf16);
 #endif
-            for (int i = 0; i < group; i++) {
+            for (int i = 0; !done && i < group; i++) {
                 head_scores(q + i * D, kv, seen, len, h * D, D, scale, scores, bf16);
                 head_output(scores, kv, seen, len, value, D, o + i * D, softcap,
                             sinks != 0 ? sinks[h * group + i] : -INFINITY, bf16);
             }
+            if (out16) {
+                uint16_t *dst = out16 + s * Hq * D + h * group * D;
+                for (int64_t i = 0; i < (int64_t)group * D; i++)
+                    dst[i] = to_bf16(wide[i]);
+            }
         }
         free(keys);
         free(scores);
+        free(wide);
     }
     return failed ? -1 : 0;
 }
@@ -424,8 +442,25 @@ int pd_row_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float 
     if (kv_bf16)
         return row_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
                              table_of_row, lens, bs, scale, out, max_len, threads, window,
-                             softcap, sinks, 1);
+                             softcap, sinks, 1, 0, 0);
     return row_attention(qkv, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
                          table_of_row, lens, bs, scale, out, max_len, threads, window, softcap,
-                         sinks, 0);
+                         sinks, 0, 0, 0);
+}
+
+/* pd_row_attention over bfloat16 rows: qkv16 [S, (Hq + 2 Hkv) D] in, `work` float32 rows of
+ * that shape (scratch: converted, then rotated), out16 [S, Hq D] bfloat16 out. */
+int pd_row_attention_bf16(const uint16_t *qkv16, float *work, int64_t S, int Hq, int Hkv, int D,
+                          const float *cos_sin, void *kv, int kv_bf16, const int64_t *slots,
+                          const int32_t *tables, int64_t table_stride,
+                          const int32_t *table_of_row, const int32_t *lens, int bs, float scale,
+                          uint16_t *out16, int64_t max_len, int threads, int64_t window,
+                          float softcap, const float *sinks) {
+    if (kv_bf16)
+        return row_attention(work, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
+                             table_of_row, lens, bs, scale, 0, max_len, threads, window,
+                             softcap, sinks, 1, qkv16, out16);
+    return row_attention(work, S, Hq, Hkv, D, cos_sin, kv, slots, tables, table_stride,
+                         table_of_row, lens, bs, scale, 0, max_len, threads, window, softcap,
+                         sinks, 0, qkv16, out16);
 }

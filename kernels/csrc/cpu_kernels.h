@@ -5,7 +5,7 @@
  *
  *   matmul.c        4-bit / 8-bit weights, float32 activations   pd_q4_matmul, pd_q8_matmul
  *   matmul_int8.c   the same weights, int8 activations (VNNI)    pd_i8_matmul
- *   attention.c     rope, K/V store and attention of query rows  pd_row_attention
+ *   attention.c     rope, K/V store and attention of query rows  pd_row_attention (_bf16)
  *   topk.c          each row's k largest values                  pd_topk, pd_select_top
  *   sample.c        temperature/top-k/top-p/min-p and the draw   pd_sample
  *   layers.c        RMSNorm, and whole decoder layers            pd_add_rms_norm, pd_decode_layers
@@ -174,6 +174,12 @@ int pd_row_attention(float *qkv, int64_t S, int Hq, int Hkv, int D, const float 
                         int64_t table_stride, const int32_t *table_of_row, const int32_t *lens,
                         int bs, float scale, float *out, int64_t max_len, int threads,
                         int64_t window, float softcap, const float *sinks);
+int pd_row_attention_bf16(const uint16_t *qkv16, float *work, int64_t S, int Hq, int Hkv, int D,
+                          const float *cos_sin, void *kv, int kv_bf16, const int64_t *slots,
+                          const int32_t *tables, int64_t table_stride,
+                          const int32_t *table_of_row, const int32_t *lens, int bs, float scale,
+                          uint16_t *out16, int64_t max_len, int threads, int64_t window,
+                          float softcap, const float *sinks);
 int pd_moe_experts(const float *x, int64_t S, int64_t H, const pd_matrix *gate_up,
                    const pd_matrix *down, int num_experts, int64_t I, int act, float act_alpha,
                    float act_limit,

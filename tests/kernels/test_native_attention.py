@@ -168,3 +168,35 @@ def test_decode_attention_is_batch_and_thread_invariant(lib):
     perm = torch.randperm(len(lens), generator=torch.Generator().manual_seed(0))
     assert torch.equal(run(perm, 1), batched[perm])
     del args
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_rows_give_the_float32_call_between_torch_conversions(lib, cache_dtype, threads):
+    """bfloat16 rows (pd_row_attention_bf16: a bf16 model's prefill rows) give bit for bit
+    what torch's .float(), the float32 call and .to(torch.bfloat16) give, cache included; the
+    rows passed in are left as they were. Prefill chunks and a group of 3 query heads (the
+    group kernel), and 4 heads of one KV head (another)."""
+    query_lens, prefix_lens = [5, 40, 17, 1], [0, 23, 16, 70]
+    for hq, hkv in ((9, 3), (4, 1)):
+        inputs = make_prefill_inputs(query_lens, prefix_lens, hq, hkv, 64, 16, torch.float32,
+                                     seed=7)
+        kv_layer = inputs.kv_layer.contiguous().to(cache_dtype)
+        meta = inputs.metadata()
+        positions = meta.prefill_row_lens.long() - 1
+        tables = inputs.block_tables[meta.prefill_row_tables.long()]
+        slots = (tables.long().gather(1, (positions // 16)[:, None])[:, 0] * 16
+                 + positions % 16)
+        g = torch.Generator().manual_seed(8)
+        qkv = torch.randn(len(positions), (hq + 2 * hkv) * 64, generator=g).bfloat16()
+        cos_sin = cos_sin_cache(64, 4096, 10000.0, None)[positions]
+        args = (slots, inputs.block_tables, meta.prefill_row_lens, hq, 0.125,
+                meta.prefill_max_len, meta.prefill_row_tables)
+        with torch_threads(threads):
+            want_cache = kv_layer.clone()
+            want = native.row_attention(lib, qkv.float(), cos_sin, want_cache, *args)
+            got_cache, given = kv_layer.clone(), qkv.clone()
+            got = native.row_attention(lib, given, cos_sin, got_cache, *args)
+        assert got.dtype == torch.bfloat16 and torch.equal(given, qkv)
+        assert torch.equal(got, want.to(torch.bfloat16)), (hq, hkv)
+        assert torch.equal(got_cache, want_cache)
