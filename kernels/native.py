@@ -69,6 +69,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "pd_row_attention_bf16": ([_p, _p, _i64, _int, _int, _int, _p, _p, _int, _p, _p, _i64,
                                _p, _p, _int, _f32, _p, _i64, _int, _i64, _f32, _p], _int),
     "pd_add_rms_norm": ([_p, _p, _p, _f32, _p, _i64, _i64], None),
+    "pd_add_rms_norm_bf16": ([_p, _p, _p, _f32, _p, _i64, _i64, _int], None),
     "pd_topk": ([_p, _i64, _i64, _int, _p, _int], None),
     "pd_sample": ([_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _int], None),
     "pd_decode_layers": ([_p, _i64, _i64, _p, _int, _i64, _f32, _int, _int, _int, _p, _p, _p,
@@ -383,13 +384,19 @@ def sample(lib: ctypes.CDLL, x: torch.Tensor, temperature: torch.Tensor, top_k: 
 
 def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,
                  weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x += residual in place (when given), then rmsnorm(x) * weight; float32 [rows, dim]."""
+    """x += residual in place (when given), then rmsnorm(x) * weight; [rows, dim], float32,
+    or bfloat16 with the bf16 reference's roundings (the sum, the normed row, the product)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        raise ValueError("add_rms_norm: contiguous float32 tensors")
+    if (x.dtype not in (torch.float32, torch.bfloat16)
+            or any(t.dtype != x.dtype or not t.is_contiguous() for t in tensors)):
+        raise ValueError("add_rms_norm: contiguous tensors, all float32 or all bfloat16")
     y = torch.empty_like(x)
-    lib.pd_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                        weight.data_ptr(), eps, y.data_ptr(), x.shape[0], x.shape[1])
+    args = (x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+            eps, y.data_ptr(), x.shape[0], x.shape[1])
+    if x.dtype == torch.bfloat16:
+        lib.pd_add_rms_norm_bf16(*args, torch.get_num_threads())
+    else:
+        lib.pd_add_rms_norm(*args)
     return y
 
 

@@ -8,7 +8,8 @@
  *   attention.c     rope, K/V store and attention of query rows  pd_row_attention (_bf16)
  *   topk.c          each row's k largest values                  pd_topk, pd_select_top
  *   sample.c        temperature/top-k/top-p/min-p and the draw   pd_sample
- *   layers.c        RMSNorm, and whole decoder layers            pd_add_rms_norm, pd_decode_layers
+ *   layers.c        RMSNorm, and whole decoder layers            pd_add_rms_norm (_bf16),
+ *                                                                pd_decode_layers
  *   layout.c        the ctypes structs' layout, checked at load  pd_struct_layout
  *
  * Every kernel computes a row's result in an order that depends only on that row, so a row is
@@ -192,6 +193,8 @@ void pd_sample(float *x, int64_t M, int64_t V, const float *temperature, const i
                int64_t *num_kept, int threads);
 void pd_add_rms_norm(float *x, const float *residual, const float *weight, float eps,
                      float *y, int64_t rows, int64_t dim);
+void pd_add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight,
+                          float eps, uint16_t *y, int64_t rows, int64_t dim, int threads);
 int pd_struct_layout(int s, int i, const char **name, int64_t *offset, int64_t *size);
 
 #endif

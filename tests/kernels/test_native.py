@@ -283,3 +283,26 @@ def test_add_rms_norm_matches_torch(lib):
     torch.testing.assert_close(x, expected_x, atol=0, rtol=0)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(native.add_rms_norm(lib, x[3:4].clone(), None, w, 1e-5), y[3:4])
+
+
+def test_add_rms_norm_of_bf16_rows_rounds_as_the_bf16_reference(lib):
+    """bfloat16 rows: the sum rounded to bf16 in place, then weight * bf16(normed row) as
+    the model's bf16 RMSNorm reference computes it (decoder.py's torch path); within a float32
+    rounding of the sum of squares of it, and a row is the same alone as batched, on 1 or
+    2 threads."""
+    g = torch.Generator().manual_seed(9)
+    x, res = (torch.randn(40, 576, generator=g).bfloat16() for _ in range(2))
+    w = (torch.randn(576, generator=g) * 0.5 + 1).bfloat16()
+    expected_x = x + res
+    expected = w * F.rms_norm(expected_x.float(), (576,), None, 1e-5).to(torch.bfloat16)
+    got_x = x.clone()
+    with torch_threads(2):
+        y = native.add_rms_norm(lib, got_x, res, w, 1e-5)
+    assert y.dtype == torch.bfloat16 and torch.equal(got_x, expected_x)
+    ulps = (y.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+    assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 0.001
+    with torch_threads(1):
+        alone = native.add_rms_norm(lib, expected_x[5:6].clone(), None, w, 1e-5)
+    assert torch.equal(alone, y[5:6])
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        native.add_rms_norm(lib, x, None, w.float(), 1e-5)

@@ -120,7 +120,9 @@ class CpuPlatform(Platform):
             logger.info("the C attention kernel does not take head_dim %d: attention runs on "
                         "the torch path", config.head_dim)
             return ops
-        norm = functools.partial(native.add_rms_norm, lib) if dtype == torch.float32 else None
+        # bf16: the reference's roundings, one pass (torch's path takes seven over the rows)
+        norm = (functools.partial(native.add_rms_norm, lib)
+                if dtype in (torch.float32, torch.bfloat16) else None)
         return dataclasses.replace(ops, row_attention=functools.partial(native.row_attention,
                                                                         lib), rms_norm=norm)
 
