@@ -15,6 +15,7 @@ from torch import nn
 
 from engine_core.platforms.cpu import cpu_has_fast_bf16
 from engine_core.platforms.cpu import prefill_matmuls as pm
+from engine_core.platforms.cpu.prefill_mlp import SlabbedMLP, slab_mlps
 from engine_core.sampling_params import SamplingParams
 from tests.engine_core import tiny_models as tm
 
@@ -202,7 +203,7 @@ def test_a_packed_projection_gives_the_unpacked_results_and_shared_weights_stay(
 
 
 def test_a_slabbed_mlp_gives_one_pass_results_bit_for_bit():
-    """block_prefill_rows makes a gated MLP with blocked projections a SlabbedMLP: its rows
+    """slab_mlps makes a gated MLP with blocked projections a SlabbedMLP: its rows
     go through in slabs of the projections' largest call size, with the one-pass results,
     bit for bit, at any row count; a step with quantized decode rows takes one pass."""
     from engine_core.config import ModelConfig
@@ -219,8 +220,9 @@ def test_a_slabbed_mlp_gives_one_pass_results_bit_for_bit():
     one_pass = MLP(cfg).to(torch.bfloat16)
     one_pass.load_state_dict(holder.mlp.state_dict())
     pm.block_prefill_rows(holder)
+    assert slab_mlps(holder) == 1
     mlp = holder.mlp
-    assert type(mlp) is pm.SlabbedMLP
+    assert type(mlp) is SlabbedMLP
     for name in ("gate_up_proj", "down_proj"):  # the same calls (unpacked), in one pass
         p, blocked = getattr(one_pass, name), getattr(mlp, name)
         p.__class__, p.rows = type(blocked), getattr(blocked, "rows", None)

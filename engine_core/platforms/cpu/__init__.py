@@ -27,6 +27,7 @@ from engine_core.model.forward_context import ForwardContext, use
 from engine_core.model.ops import ModelOps
 from engine_core.platforms import Platform
 from engine_core.platforms.cpu.prefill_matmuls import block_prefill_rows, float32_rows_vary
+from engine_core.platforms.cpu.prefill_mlp import slab_mlps
 from kernels import native
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class CpuPlatform(Platform):
 
     def invariant_rows(self, model) -> None:
         turned = block_prefill_rows(model)
+        slab_mlps(model)
         if turned:
             logger.debug("%d projections multiply prefill rows in calls of one size each",
                          turned)

@@ -29,8 +29,9 @@ other shapes of Gemma 3 270M and SmolLM2-135M kept their rows at 256 (SmolLM2's 
 128), where a call of 256 rows took about half the time of four calls of 64
 (docs/benchmarks.md, numerics).
 
-Cost on that Xeon (bf16, 2 threads): each call repacks its weight for AMX (64 rows took 133 us
-with a prepacked 640x2048 weight, 187 us without), so rows cost more in small calls: 640x2048
+Cost on that Xeon (bf16, 2 threads): each of torch's calls repacks its weight for AMX (64 rows
+took 133 us with a prepacked 640x2048 weight, 187 us without), which a blocked projection's
+packed weight (pack_weight) saves; rows still cost more in small calls: 640x2048
 took 207 us per call of 64 rows, 144 us for 16 rows alone and 734 us for 512 rows in one call
 (8 calls: 1.66 ms). Prefill of Gemma 3 270M took 1.2-1.6x as long as with torch's own calls
 (docs/benchmarks.md, numerics). The head of a 262,144-token vocabulary took 27 ms for 16 rows
@@ -45,9 +46,6 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from engine_core.model.feed_forward import MLP
-from engine_core.model.forward_context import current
 
 ROWS = 64  # rows per call of a projection whose larger blocks vary (taken without a probe)
 BLOCK_ROWS = (256, 128, ROWS)  # block_rows' candidates, the largest first
@@ -158,46 +156,6 @@ def block_prefill_rows(model: nn.Module) -> int:
         if module is not head and holders[_storage(module.weight)] == 1:
             module.pack_weight()  # (the head's is the embedding's too, where tied)
         turned += 1
-    slab_mlps(model)
-    return turned
-
-
-class SlabbedMLP(MLP):
-    """A gated MLP whose prefill rows go through it `slab_rows` at a time (the most rows per
-    call of its blocked projections, a multiple of each's): the same calls of the same rows
-    as one pass, bit for bit, without a whole step's gate and up outputs (2 x intermediate
-    per row) built, joined and read again by the activation; a slab's stay in cache. A step
-    with decode rows on the quantized path (the forward context's num_quant_rows) takes one
-    pass: those rows must come first in each projection's call."""
-
-    slab_rows = BLOCK_ROWS[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m, b = x.shape[0], self.slab_rows
-        if x.dim() != 2 or m <= b or current().num_quant_rows:
-            return super().forward(x)
-        first = super().forward(x[:b])
-        out = first.new_empty((m, first.shape[1]))
-        out[:b] = first
-        for i in range(b, m, b):
-            out[i:i + b] = super().forward(x[i:i + b])
-        return out
-
-
-def slab_mlps(model: nn.Module) -> int:
-    """Make each gated MLP with a blocked projection (RowBlockedLinear, as itself or as the
-    dense half of a DecodeQuantLinear) a SlabbedMLP; returns how many."""
-    turned = 0
-    for module in model.modules():
-        if type(module) is not MLP:
-            continue
-        rows = [d.rows for d in (getattr(p, "dense", p) for p in (module.gate_up_proj,
-                                                                  module.down_proj))
-                if isinstance(d, RowBlockedLinear)]
-        if rows and all(max(rows) % r == 0 for r in rows):
-            module.__class__ = SlabbedMLP
-            module.slab_rows = max(rows)
-            turned += 1
     return turned
 
 
