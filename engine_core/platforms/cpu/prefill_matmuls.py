@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -186,19 +188,17 @@ def packs_exactly(k: int, n: int, dtype: torch.dtype, has_bias: bool, rows: int)
     w = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if has_bias else None
     x = torch.randn(rows, k, generator=gen).to(dtype)
-    threads = torch.get_num_threads()
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        for t in sorted({1, 2, threads}):
-            torch.set_num_threads(t)
-            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
-                                                                  [], ""),
-                               F.linear(x, w, bias)):
-                return False
+        with _thread_counts() as counts:
+            for t in counts:
+                torch.set_num_threads(t)
+                if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
+                                                                      [], ""),
+                                   F.linear(x, w, bias)):
+                    return False
     except (RuntimeError, AttributeError):  # no oneDNN build, or no such op in this torch
         return False
-    finally:
-        torch.set_num_threads(threads)
     return True
 
 
@@ -220,11 +220,10 @@ def _block_varies(k: int, n: int, dtype: torch.dtype, has_bias: bool, b: int) ->
     bias = torch.randn(n, generator=gen).to(dtype) if has_bias else None
     x = torch.randn(2 * b, k, generator=gen).to(dtype)
     h = b // 2
-    threads = torch.get_num_threads()
-    try:
+    with _thread_counts() as counts:
         torch.set_num_threads(1)
         ref = F.linear(x[:b], w, bias)
-        for t in sorted({1, 2, threads}):
+        for t in counts:
             torch.set_num_threads(t)
             moved = F.linear(x[:b].roll(5, 0), w, bias)  # each row 5 places on
             beside = F.linear(torch.cat([x[b:b + h], x[:h]]), w, bias)  # other rows first
@@ -233,8 +232,6 @@ def _block_varies(k: int, n: int, dtype: torch.dtype, has_bias: bool, b: int) ->
                     and torch.equal(moved, ref.roll(5, 0)) and torch.equal(beside[h:], ref[:h])
                     and torch.equal(padded[:h], ref[:h])):
                 return True
-    finally:
-        torch.set_num_threads(threads)
     return False
 
 
@@ -254,9 +251,8 @@ def rows_vary(k: int, n: int, dtype: torch.dtype, has_bias: bool) -> bool:
     b = torch.randn(n, generator=gen).to(dtype) if has_bias else None
     x = torch.randn(counts[-1] + 3, k, generator=gen).to(dtype)
     whole = F.linear(x[:counts[-1]], w, b)  # every row, in one call
-    threads = torch.get_num_threads()
-    try:
-        for t in sorted({1, 2, threads}):  # (a 1-thread worker decides as a 2-thread one)
+    with _thread_counts() as threads:  # (a 1-thread worker decides as a 2-thread one)
+        for t in threads:
             torch.set_num_threads(t)
             for m in counts:
                 for start in (0, 3):
@@ -264,9 +260,18 @@ def rows_vary(k: int, n: int, dtype: torch.dtype, has_bias: bool) -> bool:
                     if not torch.equal(F.linear(x[start:start + m], w, b)[:end - start],
                                        whole[start:end]):
                         return True
+    return False
+
+
+@contextmanager
+def _thread_counts() -> Iterator[list[int]]:
+    """The thread counts a probe tries (1, 2 and this process's); torch's count is restored
+    on leaving."""
+    threads = torch.get_num_threads()
+    try:
+        yield sorted({1, 2, threads})
     finally:
         torch.set_num_threads(threads)
-    return False
 
 
 def float32_rows_vary() -> bool:
