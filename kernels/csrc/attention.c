@@ -41,16 +41,8 @@ static void rope_row(float *x, const float *cs, int heads, int D) {
 static inline __attribute__((always_inline)) __m256 load8(const void *kv, int64_t i,
                                                           const int bf16) {
     if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)kv + i))),
-            16));
+        return load8_bf16((const uint16_t *)kv + i);
     return _mm256_loadu_ps((const float *)kv + i);
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch; no NaN here */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* keys[j] = element offset of position j's key, head 0, for j < len: walks the block table
@@ -356,10 +348,7 @@ static inline __attribute__((always_inline)) int row_attention(
     const int64_t row_stride = (int64_t)(Hq + 2 * Hkv) * D, token_stride = (int64_t)Hkv * D;
     if (qkv16) {
 #pragma omp parallel for num_threads(threads) if (threads > 1 && S > 16)
-        for (int64_t i = 0; i < S * row_stride; i++) {
-            uint32_t u = (uint32_t)qkv16[i] << 16;
-            memcpy(qkv + i, &u, sizeof u);
-        }
+        for (int64_t i = 0; i < S * row_stride; i++) qkv[i] = from_bf16(qkv16[i]);
     }
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * row_stride;

@@ -34,6 +34,26 @@
 #define L1_ROWS_BYTES (40 * 1024) /* 16-row tiles only while their x fits in L1 (48 KiB) */
 #define COL_BLOCK 16 /* output columns per scheduling unit */
 
+/* bfloat16 is a float32's upper half: widening is exact; narrowing rounds to nearest even, as
+ * torch does (no NaN here). */
+static inline float from_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline __m256 load8_bf16(const uint16_t *p) { /* 8 bfloat16 values as float32 */
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

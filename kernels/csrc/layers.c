@@ -24,19 +24,6 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
     }
 }
 
-static inline float from_bf16(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t round_bf16(float f) { /* to nearest even, as torch; no NaN here */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* pd_add_rms_norm on bfloat16 rows, with the roundings of the model's bf16 reference:
  * x = bf16(x + residual) in place (when given); y = bf16(weight * bf16(x * inv)), inv from the
  * row's float32 sum of squares (the same lanes and tree as above). Rows split over threads. */
@@ -47,13 +34,12 @@ void pd_add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t 
         uint16_t *xr = x + r * dim;
         if (residual != 0) {
             const uint16_t *a = residual + r * dim;
-            for (int64_t i = 0; i < dim; i++) xr[i] = round_bf16(from_bf16(xr[i]) + from_bf16(a[i]));
+            for (int64_t i = 0; i < dim; i++) xr[i] = to_bf16(from_bf16(xr[i]) + from_bf16(a[i]));
         }
         __m256 acc = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + 8 <= dim; i += 8) {
-            __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xr + i))), 16));
+            __m256 v = load8_bf16(xr + i);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
         float ss = hsum(acc);
@@ -61,7 +47,7 @@ void pd_add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t 
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
         uint16_t *yr = y + r * dim;
         for (i = 0; i < dim; i++)
-            yr[i] = round_bf16(from_bf16(weight[i]) * from_bf16(round_bf16(from_bf16(xr[i]) * inv)));
+            yr[i] = to_bf16(from_bf16(weight[i]) * from_bf16(to_bf16(from_bf16(xr[i]) * inv)));
     }
 }
 

@@ -84,9 +84,7 @@ static inline __attribute__((always_inline)) void expand_float(const void *w32, 
     for (int i = 0; i < 4; i++)
         w[i] = kind == KIND_F32
                    ? _mm256_loadu_ps((const float *)w32 + 8 * i)
-                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                                                               (const __m128i *)w32 + i)),
-                                                           16));
+                   : load8_bf16((const uint16_t *)w32 + 8 * i);
 }
 
 /* acc[r] += x[r, group] . w for the rows of a tile; each row's operations are the same
