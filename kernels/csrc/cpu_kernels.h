@@ -34,18 +34,24 @@
 #define L1_ROWS_BYTES (40 * 1024) /* 16-row tiles only while their x fits in L1 (48 KiB) */
 #define COL_BLOCK 16 /* output columns per scheduling unit */
 
-/* bfloat16 is a float32's upper half: widening is exact; narrowing rounds to nearest even, as
- * torch does (no NaN here). */
-static inline float from_bf16(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
+static inline uint32_t float_bits(float f) { /* (positive floats order as their bits) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_float(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
+/* bfloat16 is a float32's upper half: widening is exact; narrowing rounds to nearest even, as
+ * torch does (no NaN here). */
+static inline float from_bf16(uint16_t b) { return bits_float((uint32_t)b << 16); }
+
 static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
+    const uint32_t u = float_bits(f);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 

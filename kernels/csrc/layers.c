@@ -1,7 +1,25 @@
 #include "cpu_kernels.h"
 
-/* x += residual (when given), then y = rmsnorm(x) * weight, per row of `dim`. Sum of squares
- * in 8 float lanes then a fixed tree, per row: independent of the number of rows. */
+/* 1 / rms of a row of `dim` (float32, or bfloat16 widened): the sum of squares in 8 float
+ * lanes then a fixed tree and the tail in order, per row: independent of the number of rows. */
+static inline __attribute__((always_inline)) float inv_rms(const void *x, int64_t dim,
+                                                           float eps, const int bf16) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        __m256 v = bf16 ? load8_bf16((const uint16_t *)x + i)
+                        : _mm256_loadu_ps((const float *)x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum(acc);
+    for (; i < dim; i++) {
+        const float v = bf16 ? from_bf16(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        ss += v * v;
+    }
+    return 1.0f / sqrtf(ss / (float)dim + eps);
+}
+
+/* x += residual (when given), then y = rmsnorm(x) * weight, per row of `dim`. */
 void pd_add_rms_norm(float *x, const float *residual, const float *weight, float eps,
                      float *y, int64_t rows, int64_t dim) {
     for (int64_t r = 0; r < rows; r++) {
@@ -10,23 +28,15 @@ void pd_add_rms_norm(float *x, const float *residual, const float *weight, float
             const float *a = residual + r * dim;
             for (int64_t i = 0; i < dim; i++) xr[i] += a[i];
         }
-        __m256 acc = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8) {
-            __m256 v = _mm256_loadu_ps(xr + i);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum(acc);
-        for (; i < dim; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        const float inv = inv_rms(xr, dim, eps, 0);
         float *yr = y + r * dim;
-        for (i = 0; i < dim; i++) yr[i] = (xr[i] * inv) * weight[i];
+        for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * inv) * weight[i];
     }
 }
 
 /* pd_add_rms_norm on bfloat16 rows, with the roundings of the model's bf16 reference:
  * x = bf16(x + residual) in place (when given); y = bf16(weight * bf16(x * inv)), inv from the
- * row's float32 sum of squares (the same lanes and tree as above). Rows split over threads. */
+ * row's float32 sum of squares (inv_rms). Rows split over threads. */
 void pd_add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight,
                           float eps, uint16_t *y, int64_t rows, int64_t dim, int threads) {
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 16)
@@ -36,17 +46,9 @@ void pd_add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t 
             const uint16_t *a = residual + r * dim;
             for (int64_t i = 0; i < dim; i++) xr[i] = to_bf16(from_bf16(xr[i]) + from_bf16(a[i]));
         }
-        __m256 acc = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8) {
-            __m256 v = load8_bf16(xr + i);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum(acc);
-        for (; i < dim; i++) ss += from_bf16(xr[i]) * from_bf16(xr[i]);
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        const float inv = inv_rms(xr, dim, eps, 1);
         uint16_t *yr = y + r * dim;
-        for (i = 0; i < dim; i++)
+        for (int64_t i = 0; i < dim; i++)
             yr[i] = to_bf16(from_bf16(weight[i]) * from_bf16(to_bf16(from_bf16(xr[i]) * inv)));
     }
 }

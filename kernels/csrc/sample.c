@@ -28,18 +28,6 @@
  * the other rows. */
 #define CAND 64
 
-static inline uint32_t key_of(float e) {
-    uint32_t k;
-    memcpy(&k, &e, sizeof k);
-    return k;
-}
-
-static inline float value_of(uint32_t k) {
-    float e;
-    memcpy(&e, &k, sizeof e);
-    return e;
-}
-
 static inline double hsum_pd(__m256d v) {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
@@ -121,14 +109,14 @@ static int64_t gather(const float *e, int64_t n, float lo, float hi, float *out)
  * gathered first, so each bisection step reads only them. */
 static uint32_t bisect(const float *e, int64_t n, int by_mass, double target, uint32_t lo,
                        uint32_t hi, double *above) {
-    double at_hi = at_least(e, n, value_of(hi), by_mass);
+    double at_hi = at_least(e, n, bits_float(hi), by_mass);
     if (hi - lo > 1) {
         float *inside = scratch(n);
-        const int64_t c = gather(e, n, value_of(lo), value_of(hi), inside);
+        const int64_t c = gather(e, n, bits_float(lo), bits_float(hi), inside);
         const double base = at_hi; /* the tokens at or above the hi they were gathered under */
         while (hi - lo > 1) {
             const uint32_t mid = lo + (hi - lo) / 2;
-            const double m = base + at_least(inside, c, value_of(mid), by_mass);
+            const double m = base + at_least(inside, c, bits_float(mid), by_mass);
             if (m >= target) lo = mid;
             else {
                 hi = mid;
@@ -241,7 +229,7 @@ static int64_t sample_row(float *x, int64_t V, float temperature, int64_t top_k,
             for (int i = 0; i < n_keep; i++) kept_mass += ce[i];
         } else {
             double above;
-            cut = value_of(bisect(x, V, 0, (double)top_k, 0, key_of(weakest) + 1, &above));
+            cut = bits_float(bisect(x, V, 0, (double)top_k, 0, float_bits(weakest) + 1, &above));
             kept_mass = at_least(x, V, cut, 1);
         }
     }
@@ -265,10 +253,10 @@ static int64_t sample_row(float *x, int64_t V, float temperature, int64_t top_k,
             /* the tokens below t hold at most (number of them) * t: a t with
              * V * t <= kept_mass - target leaves at least target above it */
             const float floor_t = nextafterf((float)((kept_mass - target) / (double)V), 0.0f);
-            uint32_t lo = key_of(cut), hi = key_of(weakest) + 1;
-            if (key_of(floor_t) > lo && key_of(floor_t) < hi) lo = key_of(floor_t);
+            uint32_t lo = float_bits(cut), hi = float_bits(weakest) + 1;
+            if (float_bits(floor_t) > lo && float_bits(floor_t) < hi) lo = float_bits(floor_t);
             double above;
-            cut = value_of(bisect(x, V, 1, target, lo, hi, &above));
+            cut = bits_float(bisect(x, V, 1, target, lo, hi, &above));
             /* of the tokens equal to the cut, the first in index order that reach the
              * target stay; the others get no weight */
             const double need = target - above;
