@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from decode_service.stream import DRAIN_POLL_S, OutputStream
+from decode_service.stream import DRAIN_POLL_S, OutputStream, Refused
 from decode_service.worker import DecodeWorker, LeaseNotReady
 from kv_transfer import LeaseEndedError, LeaseError, UnknownLeaseError
 from protos.pdserve.internal import workers_pb2 as pb
@@ -39,28 +39,36 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.is_draining = False
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        try:
+            return await self.reserve(request)
+        except Refused as e:
+            await context.abort(e.code, str(e))
+
+    async def reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
+        """Reserve's answer, or Refused with the status the call ends with (the unary call
+        and a stream's reserve message alike)."""
         if self.is_draining:  # the gateway reserves on another decode worker
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the decode worker is shutting down: no new reservations")
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          "the decode worker is shutting down: no new reservations")
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}") from None
         if not 0 < request.lease_ttl_s <= MAX_LEASE_TTL_S:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S}], got "
-                                f"{request.lease_ttl_s}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S}], got "
+                          f"{request.lease_ttl_s}")
         try:
             res = await self.worker.reserve(request.request_id, list(request.prompt_token_ids),
                                             params, request.lease_ttl_s,
                                             request.num_prior_output_tokens)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except BackendUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise Refused(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         if res is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                "decode worker full: no free sequence slot or KV blocks now")
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "decode worker full: no free sequence slot or KV blocks now")
         return pb.ReserveResponse(lease_id=res.lease_id, block_ids=res.block_ids,
                                   num_cached_tokens=res.num_cached_tokens,
                                   transfer_address=self.transfer_address,
@@ -130,7 +138,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     async def Stream(self, request_iterator, context) -> None:
         """A gateway's output stream (decode_service/stream.py)."""
-        stream = OutputStream(self.worker)
+        stream = OutputStream(self.worker, self.reserve)
         self.streams.add(stream)
         if self.is_draining:
             stream.drain()

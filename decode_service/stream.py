@@ -1,7 +1,10 @@
 """A gateway's output stream on this decode worker (Decode.Stream): every request the gateway
 starts here streams through it, one message per engine step for all of them.
 
-    gateway -> StreamRequest{decode | prefill_locally | fork}   start: claim the lease (or
+    gateway -> StreamRequest{reserve}                           reserve, as the Reserve call
+                                                                does; the answer goes out at
+                                                                once, in `reserved`
+               StreamRequest{decode | prefill_locally | fork}   start: claim the lease (or
                                                                 withdraw it, or fork) and
                                                                 open the request in the engine
                StreamRequest{abort}                             end one early
@@ -13,9 +16,10 @@ A request's life here: starting (its lease wait, as a task) -> open (in the engi
 its sink) -> ended (its last entry, finish reason or error, is pending or sent). While a write
 waits for the gateway (flow control), later steps merge into `pending`: the engine never
 waits for a stream, and a slow gateway gets fewer, larger messages. The stream's end (the
-gateway went away, or the worker stops) aborts every request still open on it, so their
-blocks are freed. A start message with a trace context (the gateway traces the request) opens
-the request's SERVER span here, named for the RPC it stands for; its last entry ends it, with
+gateway went away, or the worker stops) aborts every request still open on it, and ends the
+reservations made on it that no start message claimed, so their blocks are freed. A start message with a trace context (the gateway traces the request) opens
+the request's SERVER span here, named for the RPC it stands for (a reserve message's
+ends with its answer); its last entry ends it, with
 its phases here as children: `claim` (start message -> in the engine: for a decode, the wait
 for its KV's commit), `first_decode_step` (first token -> second) and `stream` (first token ->
 last entry).
@@ -27,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -83,11 +88,18 @@ DRAIN_POLL_S = 0.05  # while draining, how often a stream checks whether it may 
 class OutputStream:
     """See the module docstring. Create and run it inside the worker's event loop."""
 
-    def __init__(self, worker: DecodeWorker, ready_timeout_s: float = 5.0) -> None:
+    def __init__(self, worker: DecodeWorker,
+                 reserve: Callable[[pb.ReserveRequest], Awaitable[pb.ReserveResponse]],
+                 ready_timeout_s: float = 5.0) -> None:
+        """reserve: the Reserve call's answer, or Refused (decode_service/service.py)."""
         self.worker = worker
+        self._reserve = reserve
         self.ready_timeout_s = ready_timeout_s
         self.requests: dict[str, _Request] = {}  # started, not ended
         self.pending: dict[str, _Pending] = {}  # news not written yet, in arrival order
+        self.answers: list[pb.StreamReserved] = []  # reserve answers not written yet
+        self.reserved: dict[str, str] = {}  # req_id -> lease_id: reserved here, not started
+        self._is_closed = False
         self._wake = asyncio.Event()
         self._is_reading = True
         self.is_draining = False  # the worker stops: no new requests, end once idle
@@ -112,8 +124,13 @@ class OutputStream:
         if kind == "abort":
             self._abort(msg.abort.request_id, msg.abort.reason or "aborted by the gateway")
             return
+        if kind == "reserve":
+            self._track(self._answer(msg.reserve, tracing.continue_call(
+                tracing.STREAM_CALLS[kind], msg.trace_context)))
+            return
         inner = getattr(msg, kind)
         req_id = inner.request_id
+        self.reserved.pop(req_id, None)  # started: its claim or withdrawal ends it now
         if req_id in self.requests:
             self._end_with_error(_Request(req_id), grpc.StatusCode.ALREADY_EXISTS,
                                  f"request_id {req_id!r} is already running on this stream")
@@ -129,9 +146,30 @@ class OutputStream:
             self._end_with_error(rec, grpc.StatusCode.UNAVAILABLE,
                                  "the decode worker is shutting down")
             return
-        task = asyncio.create_task(self._start(rec, kind, inner))
+        self._track(self._start(rec, kind, inner))
+
+    def _track(self, coro) -> None:
+        task = asyncio.create_task(coro)
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
+
+    async def _answer(self, request: pb.ReserveRequest, span) -> None:
+        """Reserve, and queue the answer for the writer."""
+        entry = pb.StreamReserved(request_id=request.request_id)
+        try:
+            entry.reservation.CopyFrom(await self._reserve(request))
+        except Refused as e:
+            entry.error_code, entry.error = e.code.value[0], str(e)
+        tracing.end_call(span, entry.error or None)
+        if self._is_closed:  # the stream ended meanwhile: nobody will start it
+            if not entry.error_code:
+                self.worker.release(request.request_id, entry.reservation.lease_id,
+                                    "the gateway's stream ended")
+            return
+        if not entry.error_code:
+            self.reserved[request.request_id] = entry.reservation.lease_id
+        self.answers.append(entry)
+        self._wake.set()
 
     async def _start(self, rec: _Request, kind: str, msg) -> None:
         try:
@@ -175,6 +213,9 @@ class OutputStream:
     def _abort(self, req_id: str, reason: str) -> None:
         rec = self.requests.get(req_id)
         if rec is None:
+            lease_id = self.reserved.pop(req_id, None)
+            if lease_id is not None:  # reserved here, not started
+                self.worker.release(req_id, lease_id, reason)
             return
         if rec.is_open:  # its sink gets the abort, which ends it
             asyncio.ensure_future(self.worker.abort(req_id))
@@ -257,12 +298,13 @@ class OutputStream:
             else:
                 await self._wake.wait()
             self._wake.clear()
-            if self.pending:
+            if self.pending or self.answers:
                 pending, self.pending = self.pending, {}
-                await context.write(_message(pending))
+                answers, self.answers = self.answers, []
+                await context.write(_message(pending, answers))
             # (checked after a write too: the last request's end may be what was just sent,
             # and no later wake-up would come)
-            if not self.pending and not self.requests and (
+            if not self.pending and not self.requests and not self.answers and (
                     not self._is_reading or self.is_draining and not self.worker.reservations):
                 return
 
@@ -274,7 +316,13 @@ class OutputStream:
         self._wake.set()
 
     def close(self) -> None:
-        """The stream ended: abort every request still open or starting on it."""
+        """The stream ended: abort every request still open or starting on it, and end the
+        reservations made on it that have not started (and those still being made)."""
+        self._is_closed = True
+        for req_id, lease_id in self.reserved.items():
+            self.worker.release(req_id, lease_id, "the gateway's stream ended")
+        self.reserved.clear()
+        self.answers.clear()
         for rec in list(self.requests.values()):
             tracing.end_call(rec.span, "the gateway's stream ended")
             if rec.is_open:
@@ -303,12 +351,21 @@ class _Aborted(Exception):
     """An abort came for a request while it was starting."""
 
 
+class Refused(Exception):
+    """A reservation not made: the status the Reserve call ends with (`code`), the message
+    its details."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def _end(**fields) -> pb.StreamEnd:
     return pb.StreamEnd(**fields)
 
 
-def _message(pending: dict[str, _Pending]) -> pb.StepOutputs:
-    msg = pb.StepOutputs()
+def _message(pending: dict[str, _Pending], answers: list[pb.StreamReserved]) -> pb.StepOutputs:
+    msg = pb.StepOutputs(reserved=answers)
     ids, counts, tokens, texts, num_logprobs = [], [], [], [], []
     for i, (req_id, entry) in enumerate(pending.items()):
         ids.append(req_id)

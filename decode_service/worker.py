@@ -237,6 +237,16 @@ class DecodeWorker(ColocatedBackend):
         lease = self.leases.renew(lease_id, ttl_s, required=LeaseState.RESERVED)
         return lease.deadline - self.leases.now()
 
+    def release(self, req_id: str, lease_id: str, reason: str) -> bool:
+        """End req_id's reservation if it is still the one under lease_id, not claimed or
+        withdrawn (a stream that made it ended, decode_service/stream.py)."""
+        res = self.reservations.get(req_id)
+        if res is None or res.lease_id != lease_id:
+            return False
+        del self.reservations[req_id]
+        self.leases.abort(lease_id, reason)  # its release aborts the engine request
+        return True
+
     async def abort_anywhere(self, req_id: str, reason: str) -> bool:
         res = self.reservations.pop(req_id, None)
         if res is not None:

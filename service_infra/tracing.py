@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAMES = {"gateway": "pdserve-gateway", "prefill": "pdserve-prefill",
                  "decode": "pdserve-decode"}
 # The RPC each kind of Decode.Stream start message stands for: its spans' name.
-STREAM_CALLS = {"decode": "pdserve.internal.Decode/Decode",
+STREAM_CALLS = {"reserve": "pdserve.internal.Decode/Reserve",
+                "decode": "pdserve.internal.Decode/Decode",
                 "prefill_locally": "pdserve.internal.Decode/PrefillLocally",
                 "fork": "pdserve.internal.Decode/Fork"}
 EXPORT_DELAY_MS = 1000  # spans leave in batches at most this late

@@ -6,7 +6,8 @@ reservation, a prefill worker's KV handoff, and the decode worker's stream.
                                           against requests in flight from here, then most
                                           free KV blocks: gateway/disagg/routing.py rank_decode)
       D.Reserve(prompt)                -> lease + destination blocks (a prefix D caches is
-                                          not sent again); RESOURCE_EXHAUSTED -> next D;
+                                          not sent again), asked on this gateway's output
+                                          stream to D; RESOURCE_EXHAUSTED -> next D;
                                           all full -> wait for a request to end (bounded)
       local or remote? (gateway/disagg/prefill_placement.py: the cost model of prefill_policy.py
                                           over the tokens D lacks and the pools' measured

@@ -101,7 +101,7 @@ class DecodeAdmission:
             decode.in_flight += 1
             is_reserved = False
             try:
-                reservation = await decode.stub.Reserve(request, timeout=timeout)
+                reservation = await decode.outputs.reserve(request, timeout)
                 is_reserved = True
                 return decode, reservation
             except grpc.aio.AioRpcError as e:

@@ -1,6 +1,9 @@
 """This gateway's output stream to one decode worker (Decode.Stream,
-decode_service/stream.py): every request it decodes there starts and streams through it.
+decode_service/stream.py): every request it decodes there reserves, starts and streams
+through it.
 
+    reserve(ReserveRequest)    -> the ReserveResponse, as the Reserve call returns it (or its
+                                  error); the worker answers as soon as it has reserved
     start(req_id, decode | prefill_locally | fork) -> a RequestChannel; the start message goes
                                   out through the stream's one writer
     the reader, per message       one StepOutputs: every request's news of a step, handed to
@@ -12,8 +15,9 @@ decode_service/stream.py): every request it decodes there starts and streams thr
 A channel ends with its request's last entry; an error entry raises the status its own RPC
 would have (grpc.aio.AioRpcError), and so does the deadline (DEADLINE_EXCEEDED) and the
 stream's failure (the worker died or is unreachable: UNAVAILABLE, every channel on it).
-When the gateway traces the request, its start is a CLIENT span named for the RPC it stands
-for (pdserve.internal.Decode/Decode, /PrefillLocally, /Fork), ended with the channel.
+When the gateway traces the request, its reservation and its start are CLIENT spans named
+for the RPCs they stand for (pdserve.internal.Decode/Reserve, ended with the answer;
+/Decode, /PrefillLocally, /Fork, ended with the channel).
 The stream is opened on first use and again after it failed; its end aborts, on the worker,
 whatever still runs on it.
 """
@@ -138,6 +142,7 @@ class _Connection:
     def __init__(self, stub) -> None:
         self.call = stub.Stream()
         self.channels: dict[str, RequestChannel] = {}
+        self.reserving: dict[str, asyncio.Future] = {}  # req_id -> its StreamReserved, to come
         self.is_broken = False
         self._outbox: collections.deque[pb.StreamRequest] = collections.deque()
         self._has_mail = asyncio.Event()
@@ -177,8 +182,16 @@ class _Connection:
             for channel in list(self.channels.values()):
                 channel.push(error)
             self.channels.clear()
+            for waiter in self.reserving.values():
+                if not waiter.done():
+                    waiter.set_exception(error)
+            self.reserving.clear()
 
     def _dispatch(self, msg: pb.StepOutputs) -> None:
+        for entry in msg.reserved:
+            waiter = self.reserving.pop(entry.request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(entry)
         channels = self.channels
         tokens = list(msg.token_ids)
         texts = msg.texts
@@ -235,6 +248,41 @@ class DecodeStream:
         if c is None or c.is_broken:
             c = self._connection = _Connection(self._stub)
         return c
+
+    async def reserve(self, request: pb.ReserveRequest,
+                      timeout: float | None) -> pb.ReserveResponse:
+        """Reserve on the worker: what the Reserve call returns, or the grpc.aio.AioRpcError
+        it raises (also UNAVAILABLE when the stream fails, DEADLINE_EXCEEDED after `timeout`
+        seconds)."""
+        c = self._live()
+        req_id = request.request_id
+        if req_id in c.reserving:
+            raise ValueError(f"request_id {req_id!r} is already reserving here")
+        waiter = c.reserving[req_id] = asyncio.get_running_loop().create_future()
+        msg = pb.StreamRequest(reserve=request)
+        span = None
+        if tracing.is_on():
+            span, carrier = tracing.start_call(tracing.STREAM_CALLS["reserve"])
+            msg.trace_context.update(carrier)
+        c.send(msg)
+        try:
+            entry = await asyncio.wait_for(waiter, timeout)
+            error = (_error(grpc.StatusCode(_STATUS_BY_VALUE[entry.error_code]), entry.error)
+                     if entry.error_code else None)
+        except TimeoutError:
+            error = _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except grpc.aio.AioRpcError as e:
+            error = e
+        except asyncio.CancelledError:
+            tracing.end_call(span, "cancelled")
+            raise
+        finally:
+            if c.reserving.get(req_id) is waiter:
+                del c.reserving[req_id]
+        tracing.end_call(span, None if error is None else error.details())
+        if error is not None:
+            raise error
+        return entry.reservation
 
     def start(self, req_id: str, deadline: float | None, *,
               decode: pb.DecodeRequest | None = None,

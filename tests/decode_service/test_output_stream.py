@@ -17,6 +17,7 @@ from engine_core.sampling_params import SamplingParams
 from gateway.disagg.decode_stream import DecodeStream
 from protos.pdserve.internal import workers_pb2 as pb
 from protos.pdserve.internal import workers_pb2_grpc as pb_grpc
+from protos.pdserve.v1 import generate_pb2 as v1
 from service_infra.proto_convert import FINISH_REASON_NAMES
 from tests.decode_service.test_decode_worker import FakeDecodeEngine, deliver
 
@@ -27,8 +28,13 @@ class Engine(FakeDecodeEngine):
     def __init__(self) -> None:
         super().__init__()
         self.next_block = 0
+        self.is_full = False  # every reservation refused (no room)
+        self.reserve_s = 0.0  # how long a reservation takes the engine thread
 
     def reserve(self, prompt, params, req_id, num_prior_output_tokens=0):
+        time.sleep(self.reserve_s)
+        if self.is_full:
+            return None
         self.reserved[req_id] = params
         self.next_block += 1
         return [self.next_block], 0
@@ -69,6 +75,12 @@ async def reserved(worker, table, req_id: str, max_tokens: int) -> None:
     res = await worker.reserve(req_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens),
                                ttl_s=5.0)
     deliver(table, res.lease_id, res.block_ids)
+
+
+def reserve_request(req_id: str, max_tokens: int = 4, **fields) -> pb.ReserveRequest:
+    return pb.ReserveRequest(**{
+        "request_id": req_id, "prompt_token_ids": [1, 2, 3], "lease_ttl_s": 5.0,
+        "sampling": v1.SamplingParameters(max_tokens=max_tokens), **fields})
 
 
 def start(stream: DecodeStream, req_id: str, first_token: int):
@@ -123,6 +135,99 @@ def test_an_abort_ends_one_request_and_leaves_the_others():
     assert first.token_ids and is_done
     assert aborted == ["a1"] and left == {}
     assert [len(t) for t, _ in others] == [50, 50] and all(r == "length" for _, r in others)
+
+
+def test_a_reservation_on_the_stream_is_the_reserve_calls():
+    """A reserve message is answered as the Reserve call answers: the lease and blocks, the
+    KV transfer's address, then the request starts on it and streams every token; and each
+    refusal is the call's status and details: lease_ttl_s or sampling out of bounds and a
+    request id already reserved INVALID_ARGUMENT, no room RESOURCE_EXHAUSTED, a draining
+    worker UNAVAILABLE."""
+    async def body(worker, table, engine, stub, stream):
+        got = await stream.reserve(reserve_request("s", max_tokens=5), 5.0)
+        by_call = await stub.Reserve(reserve_request("u"))
+        deliver(table, got.lease_id, list(got.block_ids))
+        streamed = await drain(start(stream, "s", 1))
+
+        async def both(req_id, **fields):  # the call's error and the stream's, as pairs
+            errors = []
+            for reserve in (lambda r: stub.Reserve(r), lambda r: stream.reserve(r, 5.0)):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await reserve(reserve_request(req_id, **fields))
+                errors.append((e.value.code(), e.value.details()))
+            return errors
+
+        refused = {
+            "ttl": await both("t", lease_ttl_s=0.0),
+            "sampling": await both("p", sampling=v1.SamplingParameters(temperature=-1.0)),
+            "twice": await both("u"),
+        }
+        engine.is_full = True
+        refused["full"] = await both("f")
+        engine.is_full = False
+        engine.servicer.drain()
+        refused["draining"] = await both("d")
+        return got, by_call, streamed, refused, set(worker.reservations)
+
+    got, by_call, streamed, refused, reservations = run(body)
+    assert got.lease_id and got.lease_id != by_call.lease_id
+    assert (len(got.block_ids), got.num_cached_tokens, got.transfer_address) == (1, 0, "x")
+    assert got.transfer_address == by_call.transfer_address
+    assert streamed == ([1, 2, 3, 4, 5], "length")
+    for why, (call, on_stream) in refused.items():
+        assert call == on_stream, why
+    code = grpc.StatusCode
+    assert refused["ttl"][0][0] == code.INVALID_ARGUMENT and "lease_ttl_s" in refused["ttl"][0][1]
+    assert refused["sampling"][0][0] == code.INVALID_ARGUMENT
+    assert "temperature" in refused["sampling"][0][1]
+    assert refused["twice"][0] == (code.INVALID_ARGUMENT, "request_id 'u' is already reserved")
+    assert refused["full"][0][0] == code.RESOURCE_EXHAUSTED
+    assert refused["draining"][0][0] == code.UNAVAILABLE
+    assert reservations == {"u"}  # nothing refused was left reserved
+
+
+def test_the_end_of_the_stream_ends_the_reservations_made_on_it():
+    """The gateway goes away between reserving and starting (its prefill in flight): the
+    reservations made on its stream end at once, not at their ttl, their blocks freed: those
+    answered, one still being made when the stream ended (the gateway's reserve fails
+    CANCELLED, its own stream closed), and one the gateway aborted on the stream. A reservation made by the
+    Reserve call is not the stream's and stays."""
+    async def body(worker, table, engine, stub, stream):
+        answered = [await stream.reserve(reserve_request(f"a{i}"), 5.0) for i in range(2)]
+        await stream.reserve(reserve_request("gone"), 5.0)
+        stream._live().send(pb.StreamRequest(abort=pb.AbortRequestRequest(request_id="gone")))
+        await stub.Reserve(reserve_request("by-call"))
+        engine.reserve_s = 0.3
+        late = asyncio.create_task(stream.reserve(reserve_request("late"), 5.0))
+        await asyncio.sleep(0.1)  # its reservation under way in the engine thread
+        stream.close()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await late
+        deadline = time.monotonic() + 5
+        while len(worker.reservations) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.4)  # the late one made and ended
+        await worker.status()  # after the engine thread ran the aborts
+        ended = [(lease.state.value, lease.reason) for lease in map(
+            table.get, (r.lease_id for r in answered))]
+        held = {lease.req_id for lease in table.leases()}
+        return e.value.code(), ended, held, set(worker.reservations), sorted(engine.aborted)
+
+    code, ended, held, reservations, aborted = run(body)
+    assert code == grpc.StatusCode.CANCELLED
+    assert reservations == held == {"by-call"}
+    assert aborted == ["a0", "a1", "gone", "late"]
+    assert ended == [("ABORTED", "the gateway's stream ended")] * 2
+
+
+def test_a_reservation_past_its_deadline_fails_deadline_exceeded():
+    async def body(worker, table, engine, stub, stream):
+        engine.reserve_s = 0.3
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stream.reserve(reserve_request("slow"), 0.05)
+        return e.value.code()
+
+    assert run(body) == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_a_request_that_cannot_start_fails_alone():

@@ -57,9 +57,14 @@ class FakeDecode(pb_grpc.DecodeServicer):
         return pb.AbortRequestResponse(found=True)
 
     async def Stream(self, request_iterator, context):
-        """The gateway's output stream: Decode and Fork as above, one message each."""
+        """The gateway's output stream: Reserve, Decode and Fork as above, one message each."""
         async for msg in request_iterator:
             kind = msg.WhichOneof("kind")
+            if kind == "reserve":
+                yield pb.StepOutputs(reserved=[pb.StreamReserved(
+                    request_id=msg.reserve.request_id,
+                    reservation=await self.Reserve(msg.reserve, context))])
+                continue
             if kind == "decode":
                 self.calls.append(("Decode", msg.decode.request_id))
                 req_id, token = msg.decode.request_id, msg.decode.first_token_id

@@ -220,7 +220,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., transfer_address: _Optional[str] = ..., block_size: _Optional[int] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_num_accepted: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., kv_transfer_bytes_per_s: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., offload_load_tokens_per_s: _Optional[float] = ..., offload_block_hashes: _Optional[_Iterable[int]] = ..., offload_tier_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("decode", "prefill_locally", "fork", "abort", "trace_context")
+    __slots__ = ("decode", "prefill_locally", "fork", "abort", "reserve", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -232,16 +232,18 @@ class StreamRequest(_message.Message):
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     decode: DecodeRequest
     prefill_locally: LocalPrefillRequest
     fork: ForkRequest
     abort: AbortRequestRequest
+    reserve: ReserveRequest
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., prefill_locally: _Optional[_Union[LocalPrefillRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequestRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., prefill_locally: _Optional[_Union[LocalPrefillRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequestRequest, _Mapping]] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("request_ids", "num_tokens", "token_ids", "texts", "num_logprobs", "logprobs", "ends")
+    __slots__ = ("request_ids", "num_tokens", "token_ids", "texts", "num_logprobs", "logprobs", "ends", "reserved")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +251,7 @@ class StepOutputs(_message.Message):
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -256,7 +259,20 @@ class StepOutputs(_message.Message):
     num_logprobs: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     ends: _containers.RepeatedCompositeFieldContainer[StreamEnd]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_logprobs: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ...) -> None: ...
+    reserved: _containers.RepeatedCompositeFieldContainer[StreamReserved]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., num_logprobs: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ..., reserved: _Optional[_Iterable[_Union[StreamReserved, _Mapping]]] = ...) -> None: ...
+
+class StreamReserved(_message.Message):
+    __slots__ = ("request_id", "reservation", "error_code", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservation: ReserveResponse
+    error_code: int
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("index", "finish_reason", "num_cached_tokens", "first_decode_step_s", "queue_s", "prefill_s", "error_code", "error")

@@ -259,12 +259,14 @@ class DecodeServicer:
 
     def Stream(self, request_iterator, context):
         """One long-lived stream per gateway, what the gateway streams every request through: it
-        starts requests on it (as Decode, PrefillLocally and Fork do, one message each) and ends
-        them early (as Abort); the worker answers with one StepOutputs per engine step, carrying
-        the news of every request started here that the step advanced. When the gateway reads
-        slower than steps come, the steps not sent yet are merged into one message, request by
-        request: the engine never waits for a stream. The stream's end (the gateway closed or
-        died) aborts every request still running on it.
+        reserves on it (as Reserve does), starts requests on it (as Decode, PrefillLocally and
+        Fork do, one message each) and ends them early (as Abort); the worker answers with one
+        StepOutputs per engine step, carrying the news of every request started here that the
+        step advanced (and the answers to reservations, as soon as they are made). When the
+        gateway reads slower than steps come, the steps not sent yet are merged into one
+        message, request by request: the engine never waits for a stream. The stream's end (the
+        gateway closed or died) aborts every request still running on it, and ends the
+        reservations made on it that have not started.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
