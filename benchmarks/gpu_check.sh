@@ -12,6 +12,10 @@
 #                     transformers on the card, on a model of SmolLM2-135M's shapes with random
 #                     weights (no model file reaches the GPU machine; the values don't change
 #                     the speed)
+#   served            pdserve bench, colocated and disaggregated (pdserve up: 1 prefill + 1
+#                     decode worker, both on the card), greedy at c=64 on the same model and
+#                     lengths as bench-engine; then served tok/s over bench-engine's at c=64
+#                     (benchmarks/served_vs_engine.py): the host cost's goal on the card
 #   kv-transfer       a 2,048-token prompt's KV over cuda_ipc and grpc, back to back and
 #                     layer by layer
 #   handoff-ops       the host time of each step of cuda_ipc's tail after the last layer
@@ -45,6 +49,11 @@ write_tiny_llama(Path(sys.argv[1]), **SMOLLM2_SHAPE)" "$out/smollm2-random"
 step bench-engine python -m pdserve bench-engine --device cuda --model "$out/smollm2-random" \
   --concurrency 1 8 32 64 --sampling greedy temperature=1.0,top_p=0.95,top_k=50 \
   --out "$out/bench_engine"
+step served python -m pdserve bench --model "$out/smollm2-random" --dtype bfloat16 \
+  --backends colocated disagg --workload fixed --input-len 128 --output-len 128 \
+  --num-prompts 256 --concurrency 64 --api completions --temperature 0 --out "$out/served"
+step served-vs-engine python benchmarks/served_vs_engine.py "$out/bench_engine/results.json" \
+  "$out/served" --concurrency 64
 step kv-transfer python benchmarks/bench_kv_transfer.py --device cuda --kinds cuda_ipc grpc \
   --dtypes bfloat16 --prompt-tokens 2048 --runs 5 --compute-ms 2
 step handoff-ops python benchmarks/bench_handoff_ops.py --device cuda
