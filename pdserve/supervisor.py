@@ -10,17 +10,20 @@ forwarded with a name prefix, and restarted with backoff when they die.
 line (on_ready) and hands them back, so a restart binds the same ports again and the gateway
 (static worker addresses) and the clients (the gateway's ports) find it where it was.
 
-Orphans: every child is spawned with the Linux parent-death signal (prctl PR_SET_PDEATHSIG,
-SIGKILL), so a SIGKILL or OOM kill of the supervisor kills its children too. The signal
-follows the *thread* that forked the child, so children are only ever spawned from the
-supervisor's main thread.
+Orphans: every child is spawned with the Linux parent-death signal (PR_SET_PDEATHSIG,
+SIGKILL, set by util-linux's setpriv: `dying_with_parent`), so a SIGKILL or OOM kill of the
+supervisor kills its children too. The signal follows the *thread* that forked the child, so
+children are only ever spawned from the supervisor's main thread. Nothing runs Python between
+fork and exec (the supervisor has threads: its output pumps), and pinned children are pinned
+by taskset in the same exec chain.
 """
 
 from __future__ import annotations
 
-import ctypes
+import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,22 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_parent(parent_pid: int, cores: list[int] | None) -> Callable[[], None]:
-    """preexec_fn of a child: SIGKILL when the parent dies, and pinned to `cores`."""
-
-    def setup() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(127)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-        if cores:
-            os.sched_setaffinity(0, cores)
-
-    return setup
+logger = logging.getLogger(__name__)
 
 
 def dying_with_parent(argv: list[str]) -> list[str]:
@@ -100,10 +88,16 @@ class Child:
             env["OMP_NUM_THREADS"] = str(len(self.cores))  # torch's threads = pinned cores
         self.ready_line = None
         self.lines = queue.Queue()
-        self.proc = subprocess.Popen(
-            [*self.program, *self.argv()], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid(), self.cores))
+        argv = [*self.program, *self.argv()]
+        if self.cores:
+            argv = ["taskset", "--cpu-list", ",".join(map(str, self.cores)), *argv]
+        if shutil.which("setpriv") is not None:
+            argv = dying_with_parent(argv)
+        else:  # (util-linux is essential on Debian; elsewhere it may be missing)
+            logger.warning("setpriv not found (util-linux): %s would outlive a killed "
+                           "pdserve up", self.name)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, start_new_session=True)
         threading.Thread(target=self._pump, args=(self.proc, self.lines, on_ready),
                          daemon=True).start()
 

@@ -4,6 +4,8 @@ supervisor, and the supervising loop over real processes (restarts, then a crash
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -51,6 +53,25 @@ def test_children_die_with_a_killed_supervisor():
     with _parent(script) as (sup, pid):
         assert is_alive(pid)
         _kill(sup, pid, "the child to die with its supervisor")
+
+
+def test_a_pinned_child_runs_on_its_cores_and_answers_sigterm():
+    """A child pinned to a core (pdserve up's pools) runs there from its first instruction,
+    as the same process the supervisor signals: SIGTERM reaches it, not a wrapper."""
+    core = min(os.sched_getaffinity(0))
+    child = Child("pinned", lambda: ["-c", "import time; print('READY', flush=True); "
+                                     "time.sleep(120)"], [core], "READY",
+                  program=(sys.executable,))
+    child.spawn()
+    try:
+        child.wait_ready(time.monotonic() + 30)
+        assert _comm(child.proc.pid).startswith("python")
+        assert os.sched_getaffinity(child.proc.pid) == {core}
+        child.stop(10.0)  # (False: a plain script dies of the signal, not exit code 0)
+        assert child.proc.returncode == -signal.SIGTERM
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
 
 
 @pytest.mark.parametrize("parent_first", [False, True])
