@@ -160,11 +160,16 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def stack_pids(log: Path) -> dict[str, list[int]]:
-    """The gateway's and workers' pids as `pdserve up` printed them, by role."""
-    match = _PIDS.search(log.read_text(errors="replace"))
-    if match is None:
-        raise RuntimeError(f"`pdserve up` printed no pids (log: {log})")
+def stack_pids(log: Path, timeout_s: float = 30.0) -> dict[str, list[int]]:
+    """The gateway's and workers' pids as `pdserve up` printed them, by role. (It prints them
+    once its gateway's ready line reached it, which can be after the gateway answers health
+    checks: they are waited for.)"""
+    deadline = time.monotonic() + timeout_s
+    while (match := _PIDS.search(log.read_text(errors="replace"))) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"`pdserve up` printed no pids within {timeout_s:.0f} s "
+                               f"(log: {log})")
+        time.sleep(0.1)
     out: dict[str, list[int]] = {role: [] for role in ROLES}
     for item in match.group(1).split():
         name, _, pid = item.partition("=")
