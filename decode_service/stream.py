@@ -17,12 +17,12 @@ its sink) -> ended (its last entry, finish reason or error, is pending or sent).
 waits for the gateway (flow control), later steps merge into `pending`: the engine never
 waits for a stream, and a slow gateway gets fewer, larger messages. The stream's end (the
 gateway went away, or the worker stops) aborts every request still open on it, and ends the
-reservations made on it that no start message claimed, so their blocks are freed. A start message with a trace context (the gateway traces the request) opens
-the request's SERVER span here, named for the RPC it stands for (a reserve message's
-ends with its answer); its last entry ends it, with
-its phases here as children: `claim` (start message -> in the engine: for a decode, the wait
-for its KV's commit), `first_decode_step` (first token -> second) and `stream` (first token ->
-last entry).
+reservations made on it that no start message claimed, so their blocks are freed. A start
+message with a trace context (the gateway traces the request) opens the request's SERVER span
+here, named for the RPC it stands for (a reserve message's ends with its answer); its last
+entry ends it, with its phases here as children: `claim` (start message -> in the engine: for
+a decode, the wait for its KV's commit), `first_decode_step` (first token -> second) and
+`stream` (first token -> last entry).
 """
 
 from __future__ import annotations
@@ -160,6 +160,9 @@ class OutputStream:
             entry.reservation.CopyFrom(await self._reserve(request))
         except Refused as e:
             entry.error_code, entry.error = e.code.value[0], str(e)
+        except Exception as e:  # a bug: the call fails UNKNOWN (grpc's own answer); so here
+            logger.exception("reserving %r failed", request.request_id)
+            entry.error_code, entry.error = grpc.StatusCode.UNKNOWN.value[0], repr(e)
         tracing.end_call(span, entry.error or None)
         if self._is_closed:  # the stream ended meanwhile: nobody will start it
             if not entry.error_code:

@@ -29,10 +29,13 @@ class Engine(FakeDecodeEngine):
         super().__init__()
         self.next_block = 0
         self.is_full = False  # every reservation refused (no room)
+        self.is_broken = False  # every reservation raises (a bug)
         self.reserve_s = 0.0  # how long a reservation takes the engine thread
 
     def reserve(self, prompt, params, req_id, num_prior_output_tokens=0):
         time.sleep(self.reserve_s)
+        if self.is_broken:
+            raise RuntimeError("a bug in the engine")
         if self.is_full:
             return None
         self.reserved[req_id] = params
@@ -142,7 +145,7 @@ def test_a_reservation_on_the_stream_is_the_reserve_calls():
     KV transfer's address, then the request starts on it and streams every token; and each
     refusal is the call's status and details: lease_ttl_s or sampling out of bounds and a
     request id already reserved INVALID_ARGUMENT, no room RESOURCE_EXHAUSTED, a draining
-    worker UNAVAILABLE."""
+    worker UNAVAILABLE; a bug's exception is the call's UNKNOWN."""
     async def body(worker, table, engine, stub, stream):
         got = await stream.reserve(reserve_request("s", max_tokens=5), 5.0)
         by_call = await stub.Reserve(reserve_request("u"))
@@ -165,6 +168,9 @@ def test_a_reservation_on_the_stream_is_the_reserve_calls():
         engine.is_full = True
         refused["full"] = await both("f")
         engine.is_full = False
+        engine.is_broken = True
+        refused["broken"] = await both("b")
+        engine.is_broken = False
         engine.servicer.drain()
         refused["draining"] = await both("d")
         return got, by_call, streamed, refused, set(worker.reservations)
@@ -175,7 +181,7 @@ def test_a_reservation_on_the_stream_is_the_reserve_calls():
     assert got.transfer_address == by_call.transfer_address
     assert streamed == ([1, 2, 3, 4, 5], "length")
     for why, (call, on_stream) in refused.items():
-        assert call == on_stream, why
+        assert call == on_stream or why == "broken" and call[0] == on_stream[0], why
     code = grpc.StatusCode
     assert refused["ttl"][0][0] == code.INVALID_ARGUMENT and "lease_ttl_s" in refused["ttl"][0][1]
     assert refused["sampling"][0][0] == code.INVALID_ARGUMENT
@@ -183,6 +189,7 @@ def test_a_reservation_on_the_stream_is_the_reserve_calls():
     assert refused["twice"][0] == (code.INVALID_ARGUMENT, "request_id 'u' is already reserved")
     assert refused["full"][0][0] == code.RESOURCE_EXHAUSTED
     assert refused["draining"][0][0] == code.UNAVAILABLE
+    assert refused["broken"][0][0] == code.UNKNOWN and "a bug" in refused["broken"][1][1]
     assert reservations == {"u"}  # nothing refused was left reserved
 
 
