@@ -98,6 +98,8 @@ class OutputStream:
         self.requests: dict[str, _Request] = {}  # started, not ended
         self.pending: dict[str, _Pending] = {}  # news not written yet, in arrival order
         self.answers: list[pb.StreamReserved] = []  # reserve answers not written yet
+        # req_id -> None, or why an abort for it came: its reserve message is being answered
+        self.reserving: dict[str, str | None] = {}
         self.reserved: dict[str, str] = {}  # req_id -> lease_id: reserved here, not started
         self._is_closed = False
         self._wake = asyncio.Event()
@@ -125,6 +127,7 @@ class OutputStream:
             self._abort(msg.abort.request_id, msg.abort.reason or "aborted by the gateway")
             return
         if kind == "reserve":
+            self.reserving[msg.reserve.request_id] = None
             self._track(self._answer(msg.reserve, tracing.continue_call(
                 tracing.STREAM_CALLS[kind], msg.trace_context)))
             return
@@ -164,10 +167,11 @@ class OutputStream:
             logger.exception("reserving %r failed", request.request_id)
             entry.error_code, entry.error = grpc.StatusCode.UNKNOWN.value[0], repr(e)
         tracing.end_call(span, entry.error or None)
-        if self._is_closed:  # the stream ended meanwhile: nobody will start it
+        aborted = self.reserving.pop(request.request_id, None)
+        if self._is_closed or aborted is not None:  # nobody will start it
             if not entry.error_code:
                 self.worker.release(request.request_id, entry.reservation.lease_id,
-                                    "the gateway's stream ended")
+                                    aborted or "the gateway's stream ended")
             return
         if not entry.error_code:
             self.reserved[request.request_id] = entry.reservation.lease_id
@@ -216,6 +220,9 @@ class OutputStream:
     def _abort(self, req_id: str, reason: str) -> None:
         rec = self.requests.get(req_id)
         if rec is None:
+            if req_id in self.reserving:  # (the gateway gave up waiting for the answer)
+                self.reserving[req_id] = reason
+                return
             lease_id = self.reserved.pop(req_id, None)
             if lease_id is not None:  # reserved here, not started
                 self.worker.release(req_id, lease_id, reason)

@@ -236,6 +236,15 @@ class _Connection:
 
 _STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
 
+
+def _give_up(c: _Connection, req_id: str, reason: str) -> None:
+    """No answer is awaited any more: an abort behind the reserve message, on the same stream
+    (a unary Abort could overtake it), ends the reservation once it is made."""
+    if not c.is_broken:  # else the worker ended what the stream reserved already
+        c.send(pb.StreamRequest(abort=pb.AbortRequestRequest(request_id=req_id,
+                                                             reason=reason)))
+
+
 class DecodeStream:
     """This gateway's output stream to one decode worker; see the module docstring."""
 
@@ -271,10 +280,12 @@ class DecodeStream:
                      if entry.error_code else None)
         except TimeoutError:
             error = _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            _give_up(c, req_id, "the reservation's deadline passed at the gateway")
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
             tracing.end_call(span, "cancelled")
+            _give_up(c, req_id, "the gateway cancelled the reservation")
             raise
         finally:
             if c.reserving.get(req_id) is waiter:

@@ -227,14 +227,29 @@ def test_the_end_of_the_stream_ends_the_reservations_made_on_it():
     assert ended == [("ABORTED", "the gateway's stream ended")] * 2
 
 
-def test_a_reservation_past_its_deadline_fails_deadline_exceeded():
+def test_a_reservation_the_gateway_gave_up_on_is_ended_once_made():
+    """The engine is busy (a step in progress) while the deadline passes, or the gateway's
+    task is cancelled: the reserve fails there (DEADLINE_EXCEEDED), and the reservation the
+    worker makes after is ended at once, not left to its lease's ttl: the abort goes behind
+    the reserve message on the same stream, which a unary Abort could overtake."""
     async def body(worker, table, engine, stub, stream):
         engine.reserve_s = 0.3
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stream.reserve(reserve_request("slow"), 0.05)
-        return e.value.code()
+        cancelled = asyncio.create_task(stream.reserve(reserve_request("cancelled"), 5.0))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        deadline = time.monotonic() + 5
+        while (len(engine.aborted) < 2 or worker.reservations) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await worker.status()
+        return (e.value.code(), cancelled.cancelled(), set(worker.reservations),
+                sorted(engine.aborted), [lease.req_id for lease in table.leases()])
 
-    assert run(body) == grpc.StatusCode.DEADLINE_EXCEEDED
+    code, cancelled, reservations, aborted, leases = run(body)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and cancelled
+    assert reservations == set() and leases == []
+    assert aborted == ["cancelled", "slow"]
 
 
 def test_a_request_that_cannot_start_fails_alone():
