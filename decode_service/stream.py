@@ -203,7 +203,7 @@ class OutputStream:
                 raise _Aborted
             self._open(rec, inp, start)
         except _Aborted:
-            self._end(rec, _end(finish_reason=FINISH_REASONS["abort"]))
+            self._end(rec, pb.StreamEnd(finish_reason=FINISH_REASONS["abort"]))
         except LeaseNotReady as e:
             self._end_with_error(rec, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except BackendUnavailable as e:
@@ -241,7 +241,7 @@ class OutputStream:
                         else grpc.StatusCode.UNAVAILABLE)
                 self._end_with_error(rec, code, str(item))
             else:  # ABORTED (worker.abort)
-                self._end(rec, _end(finish_reason=FINISH_REASONS["abort"]))
+                self._end(rec, pb.StreamEnd(finish_reason=FINISH_REASONS["abort"]))
             return
         now = time.monotonic()
         if rec.t_first is None:  # a first delta that carries a decoded token too: the step
@@ -263,10 +263,10 @@ class OutputStream:
         if item.logprobs is not None:
             entry.logprobs = (entry.logprobs or []) + item.logprobs
         if item.finish_reason is not None:
-            end = _end(finish_reason=FINISH_REASONS[item.finish_reason],
-                       num_cached_tokens=rec.num_cached_tokens,
-                       first_decode_step_s=(rec.t_second - rec.t_first) if rec.t_second
-                       else 0.0)
+            end = pb.StreamEnd(finish_reason=FINISH_REASONS[item.finish_reason],
+                               num_cached_tokens=rec.num_cached_tokens,
+                               first_decode_step_s=(rec.t_second - rec.t_first)
+                               if rec.t_second else 0.0)
             if item.metrics is not None:  # the engine's split (local prefills and forks)
                 m = item.metrics
                 arrival = rec.t_add - rec.t_start
@@ -278,7 +278,7 @@ class OutputStream:
         self._wake.set()
 
     def _end_with_error(self, rec: _Request, code: grpc.StatusCode, message: str) -> None:
-        self._end(rec, _end(error_code=code.value[0], error=message))
+        self._end(rec, pb.StreamEnd(error_code=code.value[0], error=message))
 
     def _end(self, rec: _Request, end: pb.StreamEnd, entry: _Pending | None = None) -> None:
         """The request's last entry; it leaves this stream (and the engine's sinks)."""
@@ -346,7 +346,6 @@ class OutputStream:
         self.pending.clear()
 
 
-
 def _trace_phases(rec: _Request) -> None:
     now = time.monotonic()
     if rec.t_add:
@@ -368,10 +367,6 @@ class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-def _end(**fields) -> pb.StreamEnd:
-    return pb.StreamEnd(**fields)
 
 
 def _message(pending: dict[str, _Pending], answers: list[pb.StreamReserved]) -> pb.StepOutputs:

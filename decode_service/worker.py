@@ -248,10 +248,9 @@ class DecodeWorker(ColocatedBackend):
         return True
 
     async def abort_anywhere(self, req_id: str, reason: str) -> bool:
-        res = self.reservations.pop(req_id, None)
+        res = self.reservations.get(req_id)
         if res is not None:
-            self.leases.abort(res.lease_id, reason)  # its release aborts the engine request
-            return True
+            return self.release(req_id, res.lease_id, reason)
         return await self.abort(req_id)
 
     async def status(self) -> dict:
