@@ -212,8 +212,7 @@ class _Connection:
             if ends is not None and i in ends:
                 end = ends[i]
                 if end.error_code:
-                    error = _error(grpc.StatusCode(_STATUS_BY_VALUE[end.error_code]),
-                                   end.error)
+                    error = _sent_error(end.error_code, end.error)
                 delta.ends = True
                 delta.finish_reason = end.finish_reason
                 delta.num_cached_tokens = end.num_cached_tokens
@@ -235,6 +234,11 @@ class _Connection:
 
 
 _STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
+
+
+def _sent_error(code: int, details: str) -> grpc.aio.AioRpcError:
+    """The error a worker sent as a status code's value and its details."""
+    return _error(_STATUS_BY_VALUE[code], details)
 
 
 def _give_up(c: _Connection, req_id: str, reason: str) -> None:
@@ -276,8 +280,7 @@ class DecodeStream:
         c.send(msg)
         try:
             entry = await asyncio.wait_for(waiter, timeout)
-            error = (_error(grpc.StatusCode(_STATUS_BY_VALUE[entry.error_code]), entry.error)
-                     if entry.error_code else None)
+            error = _sent_error(entry.error_code, entry.error) if entry.error_code else None
         except TimeoutError:
             error = _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             _give_up(c, req_id, "the reservation's deadline passed at the gateway")
